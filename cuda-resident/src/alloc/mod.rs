@@ -1,0 +1,648 @@
+//! The resident store: budgeted device memory, sub-allocated from slabs.
+//!
+//! - Buffers up to [`classes::MAX_CLASS_BYTES`] come from size classes. A freed block goes
+//!   to a per-class cache, so the next allocation of that class is a vector pop under an
+//!   uncontended lock: no driver call, no search.
+//! - Larger buffers up to the slab size are carved best-fit from slabs ([`ranges`]).
+//! - Buffers past the slab size get a dedicated `cuMemAlloc`.
+//!
+//! **Shards.** Handles and caches live in [`SHARDS`] shards, each behind its own lock; a
+//! thread uses the shard it was assigned on first use, so threads allocating at once do not
+//! contend. The shard is encoded in the handle, so a free from any thread finds it. Only
+//! cache misses take the global lock (to carve from slabs or grow).
+//!
+//! **Handles** carry the allocator's id, a slot index and a generation. A freed handle's
+//! generation no longer matches its slot, a handle of another allocator has another id: both
+//! are errors, never a dangling pointer.
+//!
+//! **Budget.** New device memory is taken only while the holdings stay under
+//! [`budget::limit`](crate::budget::limit), with live free memory read at that moment. When
+//! the budget or the driver says no, cached blocks and empty slabs are released (trim) and
+//! the request retried once.
+//!
+//! **Deferred frees.** Each buffer records the last submission of each lane that used it. A
+//! free while such work is in flight invalidates the handle at once but keeps the memory out
+//! of circulation until the work completes.
+
+pub mod classes;
+pub mod ranges;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use classes::{CLASS_COUNT, class_bytes, class_of, round_to_granule};
+use ranges::{Ranges, SlabId};
+
+use crate::budget;
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::sync::{Mutex, lock};
+
+/// Number of shards (a power of two).
+pub const SHARDS: usize = 32;
+const SHARD_BITS: u32 = SHARDS.trailing_zeros();
+
+/// A buffer of device memory owned by a [`Device`](crate::Device): a small `Copy` handle.
+///
+/// Pass it by value to the device's methods. It stays valid until
+/// [`Device::free`](crate::Device::free); using it afterwards, or with another device, is an
+/// error.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ResidentBuffer {
+    owner: u32,
+    index: u32,
+    generation: u32,
+}
+
+impl fmt::Debug for ResidentBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "ResidentBuffer(allocator {}, shard {}, slot {}, generation {})",
+            self.owner,
+            self.index as usize % SHARDS,
+            self.index >> SHARD_BITS,
+            self.generation
+        )
+    }
+}
+
+impl ResidentBuffer {
+    #[cfg(test)]
+    pub(crate) fn test_handle(owner: u32, index: u32, generation: u32) -> ResidentBuffer {
+        ResidentBuffer { owner, index, generation }
+    }
+}
+
+/// For each lane, the sequence number of the last submission that used a buffer (0: none).
+pub(crate) type LastUse = [u64; 2];
+
+/// Where a block's memory came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    /// A size-class block carved from a slab; cached on free.
+    Class(u8),
+    /// A best-fit range of a slab; returned to the slab on free.
+    Range,
+    /// A dedicated driver allocation; freed on free.
+    Dedicated,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    ptr: u64,
+    bytes: u64,
+    slab: SlabId,
+    origin: Origin,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    block: Block,
+    len: u64,
+    generation: u32,
+    live: bool,
+    last_use: LastUse,
+}
+
+struct Shard {
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    cache: [Vec<Block>; CLASS_COUNT],
+    /// Bytes requested by live buffers of this shard.
+    allocated: u64,
+    /// Bytes of the blocks of live buffers.
+    footprint: u64,
+    /// Bytes in this shard's class caches.
+    cached: u64,
+    allocations: u64,
+    frees: u64,
+}
+
+/// A shard and a lock-free mirror of its byte count, on their own cache lines.
+#[repr(align(128))]
+struct ShardCell {
+    state: Mutex<Shard>,
+    allocated: AtomicU64,
+}
+
+struct Slab {
+    ptr: u64,
+    bytes: u64,
+}
+
+#[derive(Default)]
+struct Global {
+    slabs: Vec<Option<Slab>>,
+    ranges: Ranges,
+    /// Bytes held from the driver: slabs plus dedicated allocations.
+    reserved: u64,
+    peak_reserved: u64,
+    dedicated: u64,
+    /// Freed while in use by a copy: memory waits for the copy.
+    deferred: Vec<(Block, LastUse)>,
+    driver_allocations: u64,
+    driver_frees: u64,
+    trims: u64,
+    budget_refusals: u64,
+    deferred_frees: u64,
+}
+
+/// Statistics of the resident store.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AllocatorStats {
+    /// Live buffers.
+    pub buffers: u64,
+    /// Bytes callers asked for, over live buffers.
+    pub allocated_bytes: u64,
+    /// Bytes the live buffers occupy (size classes round up).
+    pub footprint_bytes: u64,
+    /// Bytes held from the driver (slabs and dedicated allocations).
+    pub reserved_bytes: u64,
+    /// The most bytes ever held from the driver at once.
+    pub peak_reserved_bytes: u64,
+    /// Number of slabs held.
+    pub slabs: u64,
+    /// Bytes in dedicated allocations.
+    pub dedicated_bytes: u64,
+    /// Bytes in free size-class caches.
+    pub cached_bytes: u64,
+    /// Free bytes inside slabs.
+    pub slab_free_bytes: u64,
+    /// The largest free range inside a slab.
+    pub largest_free_range: u64,
+    /// Bytes freed by the caller but still in use by copies in flight.
+    pub deferred_bytes: u64,
+    /// The share of reserved memory that holds no requested byte:
+    /// `1 - allocated / reserved` (0 when nothing is reserved).
+    pub fragmentation: f64,
+    /// Allocations served (all paths).
+    pub allocations: u64,
+    /// Frees.
+    pub frees: u64,
+    /// Frees deferred because a copy still used the buffer.
+    pub deferred_frees: u64,
+    /// `cuMemAlloc` calls (slabs and dedicated).
+    pub driver_allocations: u64,
+    /// `cuMemFree` calls.
+    pub driver_frees: u64,
+    /// Times cached memory was released (on pressure or by `Device::trim`).
+    pub trims: u64,
+    /// Allocations refused by the budget.
+    pub budget_refusals: u64,
+}
+
+/// What the allocator needs to know about the device.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AllocatorConfig {
+    pub(crate) total_memory: u64,
+    pub(crate) budget_fraction: f64,
+    pub(crate) slab_bytes: u64,
+}
+
+static NEXT_ALLOCATOR_ID: AtomicU32 = AtomicU32::new(1);
+static NEXT_THREAD_SHARD: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static THREAD_SHARD: usize = NEXT_THREAD_SHARD.fetch_add(1, Ordering::Relaxed) % SHARDS;
+}
+
+fn current_shard() -> usize {
+    THREAD_SHARD.with(|s| *s)
+}
+
+/// The driver operations the allocator needs; the device's context in production, a model
+/// in tests.
+pub(crate) trait DeviceMemory: Send + Sync {
+    /// `(free, total)` device memory now.
+    fn mem_get_info(&self) -> Result<(u64, u64)>;
+    /// A new allocation.
+    fn mem_alloc(&self, bytes: u64) -> Result<u64>;
+    /// Frees an allocation.
+    fn mem_free(&self, ptr: u64) -> Result<()>;
+}
+
+impl DeviceMemory for Arc<Context> {
+    fn mem_get_info(&self) -> Result<(u64, u64)> {
+        self.bind()?.mem_get_info()
+    }
+    fn mem_alloc(&self, bytes: u64) -> Result<u64> {
+        self.bind()?.mem_alloc(bytes)
+    }
+    fn mem_free(&self, ptr: u64) -> Result<()> {
+        self.bind()?.mem_free(ptr)
+    }
+}
+
+/// The resident store of one device.
+pub(crate) struct Allocator<M: DeviceMemory> {
+    id: u32,
+    ordinal: usize,
+    memory: M,
+    config: AllocatorConfig,
+    shards: Box<[ShardCell]>,
+    global: Mutex<Global>,
+}
+
+impl<M: DeviceMemory> fmt::Debug for Allocator<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocator").field("id", &self.id).field("stats", &self.stats()).finish()
+    }
+}
+
+impl<M: DeviceMemory> Allocator<M> {
+    pub(crate) fn new(memory: M, ordinal: usize, config: AllocatorConfig) -> Allocator<M> {
+        let shards = (0..SHARDS)
+            .map(|_| ShardCell {
+                state: Mutex::new(Shard {
+                    slots: Vec::new(),
+                    free_slots: Vec::new(),
+                    cache: std::array::from_fn(|_| Vec::new()),
+                    allocated: 0,
+                    footprint: 0,
+                    cached: 0,
+                    allocations: 0,
+                    frees: 0,
+                }),
+                allocated: AtomicU64::new(0),
+            })
+            .collect();
+        Allocator {
+            id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+            ordinal,
+            memory,
+            config,
+            shards,
+            global: Mutex::new(Global::default()),
+        }
+    }
+
+    /// Allocates `len` bytes. `is_idle` tells whether a buffer's last use has completed (for
+    /// reclaiming deferred frees on the slow path).
+    pub(crate) fn allocate(&self, len: u64, is_idle: &dyn Fn(LastUse) -> bool) -> Result<ResidentBuffer> {
+        if len == 0 {
+            return Err(Error::ZeroSizedAllocation);
+        }
+        let shard_index = current_shard();
+        let class = class_of(len);
+        if let Some(class) = class {
+            let mut shard = lock(&self.shards[shard_index].state);
+            if let Some(block) = shard.cache[class].pop() {
+                shard.cached -= block.bytes;
+                return Ok(self.insert(shard_index, &mut shard, block, len));
+            }
+        }
+        let block = match class {
+            Some(class) => self.carve(len, class_bytes(class), Origin::Class(class as u8), is_idle)?,
+            None => {
+                // Past the device's memory no budget can serve it (and rounding could overflow).
+                let bytes = round_to_granule(len).filter(|&b| b <= self.config.total_memory).ok_or_else(|| {
+                    let limit = (self.config.budget_fraction * self.config.total_memory as f64) as u64;
+                    self.refused(len, limit, false)
+                })?;
+                let origin = if bytes <= self.config.slab_bytes { Origin::Range } else { Origin::Dedicated };
+                self.carve(len, bytes, origin, is_idle)?
+            }
+        };
+        let mut shard = lock(&self.shards[shard_index].state);
+        Ok(self.insert(shard_index, &mut shard, block, len))
+    }
+
+    fn insert(&self, shard_index: usize, shard: &mut Shard, block: Block, len: u64) -> ResidentBuffer {
+        let slot = Slot { block, len, generation: 0, live: true, last_use: [0; 2] };
+        let slot_index = match shard.free_slots.pop() {
+            Some(i) => {
+                let s = &mut shard.slots[i as usize];
+                *s = Slot { generation: s.generation, ..slot };
+                i
+            }
+            None => {
+                shard.slots.push(slot);
+                (shard.slots.len() - 1) as u32
+            }
+        };
+        shard.allocated += len;
+        shard.footprint += block.bytes;
+        shard.allocations += 1;
+        self.shards[shard_index].allocated.store(shard.allocated, Ordering::Relaxed);
+        ResidentBuffer {
+            owner: self.id,
+            index: (slot_index << SHARD_BITS) | shard_index as u32,
+            generation: shard.slots[slot_index as usize].generation,
+        }
+    }
+
+    /// Checks a handle and runs `f` on its live slot under the shard's lock.
+    fn with_slot<T>(&self, buffer: ResidentBuffer, f: impl FnOnce(&mut Slot) -> T) -> Result<T> {
+        let (shard_index, slot_index) = self.locate(buffer)?;
+        let mut shard = lock(&self.shards[shard_index].state);
+        match shard.slots.get_mut(slot_index) {
+            Some(slot) if slot.live && slot.generation == buffer.generation => Ok(f(slot)),
+            Some(_) => Err(Error::FreedBuffer { buffer }),
+            None => Err(self.foreign(buffer)),
+        }
+    }
+
+    fn locate(&self, buffer: ResidentBuffer) -> Result<(usize, usize)> {
+        if buffer.owner != self.id {
+            return Err(self.foreign(buffer));
+        }
+        Ok((buffer.index as usize % SHARDS, (buffer.index >> SHARD_BITS) as usize))
+    }
+
+    fn foreign(&self, buffer: ResidentBuffer) -> Error {
+        Error::ForeignBuffer { buffer, device: self.ordinal }
+    }
+
+    /// `(device pointer, length)` of a live buffer.
+    pub(crate) fn resolve(&self, buffer: ResidentBuffer) -> Result<(u64, u64)> {
+        self.with_slot(buffer, |slot| (slot.block.ptr, slot.len))
+    }
+
+    /// Records that submission `seq` of lane `lane` uses `buffer`.
+    pub(crate) fn mark_used(&self, buffer: ResidentBuffer, lane: usize, seq: u64) -> Result<()> {
+        self.with_slot(buffer, |slot| slot.last_use[lane] = slot.last_use[lane].max(seq))
+    }
+
+    /// The last submissions that used `buffer`.
+    pub(crate) fn last_use(&self, buffer: ResidentBuffer) -> Result<LastUse> {
+        self.with_slot(buffer, |slot| slot.last_use)
+    }
+
+    /// Frees `buffer`. The handle is invalid at once; the memory is reused at once when no
+    /// copy uses it (`is_idle`, asked under a shard lock: it must not lock a lane), else
+    /// once the copies complete (reclaimed on the next slow-path allocation or trim).
+    pub(crate) fn free(&self, buffer: ResidentBuffer, is_idle: &dyn Fn(LastUse) -> bool) -> Result<()> {
+        let (shard_index, slot_index) = self.locate(buffer)?;
+        let cell = &self.shards[shard_index];
+        let mut shard = lock(&cell.state);
+        let slot = match shard.slots.get_mut(slot_index) {
+            Some(slot) if slot.live && slot.generation == buffer.generation => slot,
+            Some(_) => return Err(Error::FreedBuffer { buffer }),
+            None => return Err(self.foreign(buffer)),
+        };
+        slot.live = false;
+        slot.generation = slot.generation.wrapping_add(1);
+        let (block, len, last_use, retire) = (slot.block, slot.len, slot.last_use, slot.generation == u32::MAX);
+        if !retire {
+            // A slot whose generation is exhausted is never reused, so no old handle can
+            // ever match it again.
+            shard.free_slots.push(slot_index as u32);
+        }
+        shard.allocated -= len;
+        shard.footprint -= block.bytes;
+        shard.frees += 1;
+        cell.allocated.store(shard.allocated, Ordering::Relaxed);
+        if !is_idle(last_use) {
+            drop(shard);
+            let mut global = lock(&self.global);
+            global.deferred_frees += 1;
+            global.deferred.push((block, last_use));
+            return Ok(());
+        }
+        if let Origin::Class(class) = block.origin {
+            shard.cached += block.bytes;
+            shard.cache[class as usize].push(block);
+            return Ok(());
+        }
+        drop(shard);
+        let mut global = lock(&self.global);
+        self.release(&mut global, block)
+    }
+
+    /// Returns a block that no buffer uses to the slabs or the driver. Class blocks go to
+    /// the slabs too: this is used by trim and deferred frees.
+    fn release(&self, global: &mut Global, block: Block) -> Result<()> {
+        match block.origin {
+            Origin::Class(_) | Origin::Range => {
+                let slab = global.slabs[block.slab as usize].as_ref().expect("a block's slab is live");
+                global.ranges.free(block.slab, block.ptr - slab.ptr, block.bytes);
+                Ok(())
+            }
+            Origin::Dedicated => {
+                global.reserved -= block.bytes;
+                global.dedicated -= block.bytes;
+                global.driver_frees += 1;
+                self.memory.mem_free(block.ptr)
+            }
+        }
+    }
+
+    /// Moves deferred frees whose copies have completed back into circulation.
+    fn reclaim_deferred(&self, global: &mut Global, is_idle: &dyn Fn(LastUse) -> bool) -> Result<()> {
+        let mut result = Ok(());
+        let mut i = 0;
+        while i < global.deferred.len() {
+            if is_idle(global.deferred[i].1) {
+                let (block, _) = global.deferred.swap_remove(i);
+                result = result.and(self.release(global, block));
+            } else {
+                i += 1;
+            }
+        }
+        result
+    }
+
+    /// Finds `bytes` of memory for a buffer of `len` requested bytes: from the slabs, or by
+    /// growing within the budget, trimming and retrying once when refused.
+    fn carve(&self, len: u64, bytes: u64, origin: Origin, is_idle: &dyn Fn(LastUse) -> bool) -> Result<Block> {
+        let mut global = lock(&self.global);
+        self.reclaim_deferred(&mut global, is_idle)?;
+        let mut trimmed = false;
+        loop {
+            let attempt = if origin == Origin::Dedicated {
+                self.grow_dedicated(&mut global, len, bytes)
+            } else {
+                self.carve_from_slabs(&mut global, len, bytes, origin)
+            };
+            match attempt {
+                Err(refusal) if !trimmed && is_refusal(&refusal) => {
+                    self.trim_locked(&mut global)?;
+                    trimmed = true;
+                }
+                Err(refusal) if is_refusal(&refusal) => {
+                    global.budget_refusals += 1;
+                    return Err(refusal);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn carve_from_slabs(&self, global: &mut Global, len: u64, bytes: u64, origin: Origin) -> Result<Block> {
+        if global.ranges.largest() < bytes {
+            self.grow_slab(global, len, bytes)?;
+        }
+        let (slab, offset) = global.ranges.allocate(bytes).expect("a range that fits exists");
+        let base = global.slabs[slab as usize].as_ref().expect("ranges name live slabs").ptr;
+        Ok(Block { ptr: base + offset, bytes, slab, origin })
+    }
+
+    /// Room under the budget for `bytes` more, reading live free memory now.
+    fn headroom(&self, global: &Global) -> Result<u64> {
+        let (live_free, _) = self.memory.mem_get_info()?;
+        let limit = budget::limit(global.reserved, self.config.total_memory, live_free, self.config.budget_fraction);
+        Ok(limit - global.reserved)
+    }
+
+    fn grow_slab(&self, global: &mut Global, len: u64, bytes: u64) -> Result<()> {
+        let headroom = self.headroom(global)?;
+        // A full slab when the budget allows it, else a smaller one that still serves.
+        let room = headroom / classes::GRANULE * classes::GRANULE;
+        let slab_bytes = self.config.slab_bytes.min(room).max(bytes);
+        if slab_bytes > headroom {
+            return Err(self.over_budget(global, len, headroom, false));
+        }
+        let ptr = self.driver_alloc(global, len, slab_bytes, headroom)?;
+        let id = match global.slabs.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                global.slabs.push(None);
+                global.slabs.len() - 1
+            }
+        };
+        global.slabs[id] = Some(Slab { ptr, bytes: slab_bytes });
+        global.ranges.add_slab(id as SlabId, slab_bytes);
+        Ok(())
+    }
+
+    fn grow_dedicated(&self, global: &mut Global, len: u64, bytes: u64) -> Result<Block> {
+        let headroom = self.headroom(global)?;
+        if bytes > headroom {
+            return Err(self.over_budget(global, len, headroom, false));
+        }
+        let ptr = self.driver_alloc(global, len, bytes, headroom)?;
+        global.dedicated += bytes;
+        Ok(Block { ptr, bytes, slab: SlabId::MAX, origin: Origin::Dedicated })
+    }
+
+    fn driver_alloc(&self, global: &mut Global, len: u64, bytes: u64, headroom: u64) -> Result<u64> {
+        match self.memory.mem_alloc(bytes) {
+            Ok(ptr) => {
+                global.driver_allocations += 1;
+                global.reserved += bytes;
+                global.peak_reserved = global.peak_reserved.max(global.reserved);
+                Ok(ptr)
+            }
+            Err(e) if e.cuda_code() == Some(cuda_sys::CUDA_ERROR_OUT_OF_MEMORY) => {
+                Err(self.over_budget(global, len, headroom, true))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn over_budget(&self, global: &Global, len: u64, headroom: u64, driver_out_of_memory: bool) -> Error {
+        self.refused(len, global.reserved + headroom, driver_out_of_memory)
+    }
+
+    fn refused(&self, len: u64, limit: u64, driver_out_of_memory: bool) -> Error {
+        Error::OverBudget {
+            requested: len,
+            in_use: self.allocated_bytes(),
+            limit,
+            total: self.config.total_memory,
+            fraction: self.config.budget_fraction,
+            driver_out_of_memory,
+        }
+    }
+
+    /// Releases cached blocks and empty slabs to the driver. Returns the bytes released.
+    pub(crate) fn trim(&self, is_idle: &dyn Fn(LastUse) -> bool) -> Result<u64> {
+        let mut global = lock(&self.global);
+        self.reclaim_deferred(&mut global, is_idle)?;
+        self.trim_locked(&mut global)
+    }
+
+    fn trim_locked(&self, global: &mut Global) -> Result<u64> {
+        global.trims += 1;
+        for cell in self.shards.iter() {
+            let blocks: Vec<Block> = {
+                let mut shard = lock(&cell.state);
+                shard.cached = 0;
+                shard.cache.iter_mut().flat_map(std::mem::take).collect()
+            };
+            for block in blocks {
+                self.release(global, block)?;
+            }
+        }
+        let before = global.reserved;
+        let mut result = Ok(());
+        for id in 0..global.slabs.len() {
+            let Some(slab) = &global.slabs[id] else { continue };
+            let (ptr, bytes) = (slab.ptr, slab.bytes);
+            if global.ranges.remove_slab_if_free(id as SlabId, bytes) {
+                global.slabs[id] = None;
+                global.reserved -= bytes;
+                global.driver_frees += 1;
+                result = result.and(self.memory.mem_free(ptr));
+            }
+        }
+        result.map(|()| before - global.reserved)
+    }
+
+    /// Bytes requested by live buffers. Lock-free.
+    pub(crate) fn allocated_bytes(&self) -> u64 {
+        self.shards.iter().map(|c| c.allocated.load(Ordering::Relaxed)).sum()
+    }
+
+    pub(crate) fn stats(&self) -> AllocatorStats {
+        let mut stats = AllocatorStats::default();
+        for cell in self.shards.iter() {
+            let shard = lock(&cell.state);
+            stats.buffers += shard.slots.iter().filter(|s| s.live).count() as u64;
+            stats.allocated_bytes += shard.allocated;
+            stats.footprint_bytes += shard.footprint;
+            stats.cached_bytes += shard.cached;
+            stats.allocations += shard.allocations;
+            stats.frees += shard.frees;
+        }
+        let global = lock(&self.global);
+        stats.reserved_bytes = global.reserved;
+        stats.peak_reserved_bytes = global.peak_reserved;
+        stats.slabs = global.slabs.iter().flatten().count() as u64;
+        stats.dedicated_bytes = global.dedicated;
+        stats.slab_free_bytes = global.ranges.free_bytes();
+        stats.largest_free_range = global.ranges.largest();
+        stats.deferred_bytes = global.deferred.iter().map(|(b, _)| b.bytes).sum();
+        stats.deferred_frees = global.deferred_frees;
+        stats.driver_allocations = global.driver_allocations;
+        stats.driver_frees = global.driver_frees;
+        stats.trims = global.trims;
+        stats.budget_refusals = global.budget_refusals;
+        stats.fragmentation = if global.reserved == 0 {
+            0.0
+        } else {
+            1.0 - stats.allocated_bytes as f64 / global.reserved as f64
+        };
+        stats
+    }
+
+    /// Frees every driver allocation. Called when the device goes away, after all copies.
+    pub(crate) fn release_all(&mut self) -> Result<()> {
+        let mut ptrs: Vec<u64> = Vec::new();
+        for cell in self.shards.iter_mut() {
+            let shard = cell.state.get_mut().unwrap_or_else(|e| e.into_inner());
+            let live_dedicated = shard.slots.iter().filter(|s| s.live && s.block.origin == Origin::Dedicated);
+            ptrs.extend(live_dedicated.map(|s| s.block.ptr));
+        }
+        let global = self.global.get_mut().unwrap_or_else(|e| e.into_inner());
+        ptrs.extend(global.deferred.drain(..).filter(|(b, _)| b.origin == Origin::Dedicated).map(|(b, _)| b.ptr));
+        ptrs.extend(global.slabs.drain(..).flatten().map(|slab| slab.ptr));
+        global.reserved = 0;
+        global.dedicated = 0;
+        // Free everything even if one call fails; report the first failure.
+        let mut result = Ok(());
+        for ptr in ptrs {
+            result = result.and(self.memory.mem_free(ptr));
+        }
+        result
+    }
+}
+
+fn is_refusal(e: &Error) -> bool {
+    matches!(e, Error::OverBudget { .. })
+}
+
+#[cfg(test)]
+mod tests;

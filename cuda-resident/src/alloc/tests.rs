@@ -1,0 +1,319 @@
+//! The allocator against a model of device memory: every rule that needs no GPU.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::*;
+use crate::error::Error;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Device memory as the driver would account it: a total, allocations at fake addresses,
+/// and an optional refusal of every allocation (out of memory).
+#[derive(Default)]
+struct Model {
+    total: u64,
+    state: Mutex<ModelState>,
+}
+
+#[derive(Default)]
+struct ModelState {
+    next: u64,
+    live: BTreeMap<u64, u64>,
+    /// Bytes taken by someone else (another process).
+    others: u64,
+    refuse: bool,
+}
+
+impl Model {
+    fn new(total: u64) -> Arc<Model> {
+        Arc::new(Model { total, state: Mutex::new(ModelState { next: 1 << 40, ..Default::default() }) })
+    }
+    fn live_bytes(&self) -> u64 {
+        lock(&self.state).live.values().sum()
+    }
+}
+
+impl DeviceMemory for Arc<Model> {
+    fn mem_get_info(&self) -> Result<(u64, u64)> {
+        let s = lock(&self.state);
+        Ok((self.total - s.live.values().sum::<u64>() - s.others, self.total))
+    }
+    fn mem_alloc(&self, bytes: u64) -> Result<u64> {
+        let mut s = lock(&self.state);
+        let used: u64 = s.live.values().sum::<u64>() + s.others;
+        if s.refuse || used + bytes > self.total {
+            return Err(Error::Driver {
+                entry: "cuMemAlloc_v2",
+                code: cuda_sys::CUDA_ERROR_OUT_OF_MEMORY,
+                name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+                text: "out of memory".into(),
+            });
+        }
+        let ptr = s.next;
+        s.next += bytes.next_multiple_of(2 * MIB) + 2 * MIB; // gaps, as a real driver leaves
+        s.live.insert(ptr, bytes);
+        Ok(ptr)
+    }
+    fn mem_free(&self, ptr: u64) -> Result<()> {
+        let removed = lock(&self.state).live.remove(&ptr);
+        assert!(removed.is_some(), "freed {ptr:#x}, which is not allocated");
+        Ok(())
+    }
+}
+
+fn allocator(total: u64, fraction: f64) -> (Arc<Model>, Allocator<Arc<Model>>) {
+    let model = Model::new(total);
+    let config = AllocatorConfig { total_memory: total, budget_fraction: fraction, slab_bytes: 64 * MIB };
+    (Arc::clone(&model), Allocator::new(model, 0, config))
+}
+
+const IDLE: &dyn Fn(LastUse) -> bool = &|_| true;
+const BUSY: &dyn Fn(LastUse) -> bool = &|_| false;
+
+#[test]
+fn zero_bytes_is_an_error_and_changes_nothing() {
+    let (model, a) = allocator(GIB, 0.9);
+    assert!(matches!(a.allocate(0, IDLE), Err(Error::ZeroSizedAllocation)));
+    assert_eq!(a.stats().driver_allocations, 0);
+    assert_eq!(model.live_bytes(), 0);
+}
+
+#[test]
+fn buffers_are_aligned_sized_and_disjoint() {
+    let (_, a) = allocator(GIB, 0.9);
+    let mut spans = Vec::new();
+    for len in [1, 255, 256, 257, 1000, 4096, 100_000, MIB, 3 * MIB, 5 * MIB, 70 * MIB] {
+        let b = a.allocate(len, IDLE).unwrap();
+        let (ptr, got) = a.resolve(b).unwrap();
+        assert_eq!(got, len);
+        assert_eq!(ptr % GRANULE_FOR_TESTS, 0, "{len} bytes at {ptr:#x}");
+        spans.push((ptr, ptr + len));
+    }
+    spans.sort();
+    for w in spans.windows(2) {
+        assert!(w[0].1 <= w[1].0, "overlap: {w:?}");
+    }
+    assert_eq!(a.allocated_bytes(), [1, 255, 256, 257, 1000, 4096, 100_000, MIB, 3 * MIB, 5 * MIB, 70 * MIB].iter().sum());
+}
+
+const GRANULE_FOR_TESTS: u64 = classes::GRANULE;
+
+#[test]
+fn a_freed_handle_a_double_free_and_a_foreign_handle_are_errors() {
+    let (_, a) = allocator(GIB, 0.9);
+    let (_, other) = allocator(GIB, 0.9);
+    let b = a.allocate(4096, IDLE).unwrap();
+    let theirs = other.allocate(4096, IDLE).unwrap();
+
+    assert!(matches!(a.free(theirs, IDLE), Err(Error::ForeignBuffer { .. })));
+    assert!(matches!(a.resolve(theirs), Err(Error::ForeignBuffer { .. })));
+    a.free(b, IDLE).unwrap();
+    assert!(matches!(a.free(b, IDLE), Err(Error::FreedBuffer { .. })), "double free");
+    assert!(matches!(a.resolve(b), Err(Error::FreedBuffer { .. })), "use after free");
+    assert!(matches!(a.mark_used(b, 0, 1), Err(Error::FreedBuffer { .. })));
+
+    // The slot is reused with a new generation: the old handle stays dead.
+    let again = a.allocate(4096, IDLE).unwrap();
+    assert_ne!(again, b);
+    assert!(matches!(a.resolve(b), Err(Error::FreedBuffer { .. })));
+    assert!(a.resolve(again).is_ok());
+
+    // A forged handle past the slots of its shard.
+    let forged = ResidentBuffer { owner: again.owner, index: 1_000_000 << SHARD_BITS, generation: 0 };
+    assert!(matches!(a.resolve(forged), Err(Error::ForeignBuffer { .. })));
+    assert_eq!(a.allocated_bytes(), 4096, "failed calls changed nothing");
+}
+
+#[test]
+fn a_freed_block_is_reused_without_the_driver() {
+    let (_, a) = allocator(GIB, 0.9);
+    let b = a.allocate(MIB, IDLE).unwrap();
+    let ptr = a.resolve(b).unwrap().0;
+    let calls = a.stats().driver_allocations;
+    for _ in 0..100 {
+        a.free(a.allocate(MIB, IDLE).unwrap(), IDLE).unwrap();
+    }
+    a.free(b, IDLE).unwrap();
+    let c = a.allocate(MIB - 100, IDLE).unwrap();
+    assert_eq!(a.resolve(c).unwrap().0, ptr, "same class, same block");
+    assert_eq!(a.stats().driver_allocations, calls);
+}
+
+#[test]
+fn the_budget_refuses_with_the_numbers_and_changes_nothing() {
+    // 1 GiB device, fraction 0.5: the limit is 512 MiB.
+    let (model, a) = allocator(GIB, 0.5);
+    let first = a.allocate(300 * MIB, IDLE).unwrap();
+    let before = a.stats();
+    let err = a.allocate(300 * MIB, IDLE).unwrap_err();
+    match &err {
+        Error::OverBudget { requested, in_use, limit, total, driver_out_of_memory, .. } => {
+            assert_eq!(*requested, 300 * MIB);
+            assert_eq!(*in_use, 300 * MIB);
+            // 300 MiB held + min(0.5 * 1 GiB - 300 MiB, 0.5 * 724 MiB free) = 512 MiB.
+            assert_eq!(*limit, 512 * MIB);
+            assert_eq!(*total, GIB);
+            assert!(!driver_out_of_memory);
+        }
+        other => panic!("{other}"),
+    }
+    let after = a.stats();
+    assert_eq!(after.allocated_bytes, before.allocated_bytes);
+    assert_eq!(after.reserved_bytes, before.reserved_bytes);
+    assert_eq!(after.budget_refusals, 1);
+    assert_eq!(model.live_bytes(), 300 * MIB);
+    // Smaller requests still fit, in a slab shrunk to the room that is left.
+    let small = a.allocate(100 * MIB, IDLE).unwrap();
+    a.free(small, IDLE).unwrap();
+    a.free(first, IDLE).unwrap();
+    assert!(a.allocate(GIB, IDLE).is_err(), "more than the device");
+    assert!(matches!(a.allocate(u64::MAX, IDLE), Err(Error::OverBudget { .. })), "no overflow");
+}
+
+#[test]
+fn other_users_of_the_device_shrink_the_budget() {
+    let (model, a) = allocator(GIB, 0.9);
+    lock(&model.state).others = 900 * MIB;
+    // Free is 124 MiB: the limit is 0.9 of that.
+    assert!(a.allocate(100 * MIB, IDLE).is_ok());
+    assert!(matches!(a.allocate(100 * MIB, IDLE), Err(Error::OverBudget { .. })));
+}
+
+#[test]
+fn cached_memory_is_trimmed_and_the_request_retried_when_the_budget_is_tight() {
+    // 256 MiB device, fraction 1: four 64 MiB slabs at most.
+    let (model, a) = allocator(256 * MIB, 1.0);
+    // Fill every slab with 4 MiB class blocks, then free them all into the caches.
+    let blocks: Vec<_> = (0..64).map(|_| a.allocate(4 * MIB, IDLE).unwrap()).collect();
+    for b in blocks {
+        a.free(b, IDLE).unwrap();
+    }
+    assert_eq!(a.stats().cached_bytes, 256 * MIB);
+    // A 100 MiB buffer needs a dedicated allocation: only possible once caches are released.
+    let big = a.allocate(100 * MIB, IDLE).unwrap();
+    let stats = a.stats();
+    assert!(stats.trims >= 1);
+    assert_eq!(stats.allocated_bytes, 100 * MIB);
+    assert_eq!(model.live_bytes(), stats.reserved_bytes);
+    a.free(big, IDLE).unwrap();
+}
+
+#[test]
+fn driver_out_of_memory_trims_retries_once_then_reports() {
+    let (model, a) = allocator(GIB, 0.9);
+    let b = a.allocate(MIB, IDLE).unwrap();
+    a.free(b, IDLE).unwrap();
+    lock(&model.state).refuse = true;
+    // Past the slab size: needs the driver.
+    let err = a.allocate(100 * MIB, IDLE).unwrap_err();
+    assert!(matches!(err, Error::OverBudget { driver_out_of_memory: true, .. }), "{err}");
+    assert!(err.to_string().contains("the driver reported out of memory"), "{err}");
+    // The retry trimmed the cache and the empty slab.
+    assert_eq!(model.live_bytes(), 0);
+    assert_eq!(a.stats().reserved_bytes, 0);
+    lock(&model.state).refuse = false;
+    assert!(a.allocate(100 * MIB, IDLE).is_ok(), "the next call succeeds");
+}
+
+#[test]
+fn a_free_while_a_copy_is_in_flight_is_deferred() {
+    let (_, a) = allocator(GIB, 0.9);
+    let b = a.allocate(MIB, IDLE).unwrap();
+    let ptr = a.resolve(b).unwrap().0;
+    a.mark_used(b, 0, 7).unwrap();
+    a.free(b, BUSY).unwrap();
+    assert!(matches!(a.resolve(b), Err(Error::FreedBuffer { .. })), "the handle dies at once");
+    let stats = a.stats();
+    assert_eq!((stats.deferred_frees, stats.deferred_bytes, stats.allocated_bytes), (1, MIB, 0));
+    // While the copy is in flight, the memory is not handed out again.
+    let c = a.allocate(MIB, BUSY).unwrap();
+    assert_ne!(a.resolve(c).unwrap().0, ptr);
+    // Once it completes, the next slow path reclaims it.
+    a.trim(IDLE).unwrap();
+    assert_eq!(a.stats().deferred_bytes, 0);
+    a.free(c, IDLE).unwrap();
+}
+
+#[test]
+fn trim_returns_everything_once_all_is_freed() {
+    let (model, a) = allocator(GIB, 0.9);
+    let mut rng = fastrand::Rng::with_seed(3);
+    let bufs: Vec<_> = (0..100).map(|_| a.allocate(rng.u64(1..=80 * MIB / 10), IDLE).unwrap()).collect();
+    let huge = a.allocate(100 * MIB, IDLE).unwrap();
+    assert!(a.stats().peak_reserved_bytes >= 100 * MIB);
+    for b in bufs {
+        a.free(b, IDLE).unwrap();
+    }
+    a.free(huge, IDLE).unwrap();
+    assert_eq!(a.stats().dedicated_bytes, 0, "dedicated memory is freed at once");
+    a.trim(IDLE).unwrap();
+    let stats = a.stats();
+    assert_eq!((stats.reserved_bytes, stats.slabs, stats.cached_bytes), (0, 0, 0));
+    assert_eq!(model.live_bytes(), 0);
+    assert_eq!(stats.allocations, stats.frees);
+}
+
+#[test]
+fn release_all_frees_every_driver_allocation() {
+    let (model, mut a) = allocator(GIB, 0.9);
+    let _live = a.allocate(MIB, IDLE).unwrap();
+    let _dedicated = a.allocate(100 * MIB, IDLE).unwrap();
+    let deferred = a.allocate(80 * MIB, IDLE).unwrap();
+    a.free(deferred, BUSY).unwrap();
+    a.release_all().unwrap();
+    assert_eq!(model.live_bytes(), 0);
+}
+
+#[test]
+fn many_threads_keep_the_accounting_exact() {
+    let (model, a) = allocator(4 * GIB, 0.9);
+    let a = Arc::new(a);
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let a = Arc::clone(&a);
+            std::thread::spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(t);
+                let mut live: Vec<(ResidentBuffer, u64)> = Vec::new();
+                for _ in 0..3000 {
+                    if live.len() < 40 && (rng.bool() || live.is_empty()) {
+                        let len = match rng.u8(0..10) {
+                            0 => rng.u64(4 * MIB..20 * MIB),
+                            _ => rng.u64(1..=256 * 1024),
+                        };
+                        let b = a.allocate(len, IDLE).unwrap();
+                        live.push((b, len));
+                    } else {
+                        let (b, len) = live.swap_remove(rng.usize(..live.len()));
+                        assert_eq!(a.resolve(b).unwrap().1, len);
+                        a.free(b, IDLE).unwrap();
+                    }
+                }
+                let held: u64 = live.iter().map(|l| l.1).sum();
+                (live, held)
+            })
+        })
+        .collect();
+    let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let held: u64 = results.iter().map(|r| r.1).sum();
+    assert_eq!(a.allocated_bytes(), held);
+    let mut spans: Vec<(u64, u64)> = results
+        .iter()
+        .flat_map(|r| r.0.iter().map(|&(b, len)| (a.resolve(b).unwrap().0, len)))
+        .map(|(p, len)| (p, p + len))
+        .collect();
+    spans.sort();
+    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "live buffers overlap");
+    for (live, _) in results {
+        for (b, _) in live {
+            a.free(b, IDLE).unwrap();
+        }
+    }
+    let stats = a.stats();
+    assert_eq!((stats.allocated_bytes, stats.footprint_bytes, stats.buffers), (0, 0, 0));
+    assert_eq!(stats.allocations, stats.frees);
+    assert_eq!(stats.reserved_bytes, stats.cached_bytes + stats.slab_free_bytes + stats.dedicated_bytes);
+    a.trim(IDLE).unwrap();
+    assert_eq!(model.live_bytes(), 0);
+}

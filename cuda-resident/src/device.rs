@@ -1,0 +1,452 @@
+//! `Device`: one GPU's primary context, its lanes, its resident store and its pinned pool.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use cuda_sys::{CUcontext, Driver, DriverVersion};
+
+use crate::alloc::{Allocator, AllocatorConfig, LastUse, ResidentBuffer};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::host_pool::{HostPool, PinnedBuffer};
+use crate::raw::Raw;
+use crate::stream::{Lane, LaneKind};
+use crate::telemetry::{Telemetry, TelemetrySnapshot};
+
+/// Settings of a [`Device`]. The defaults need no tuning; each field says when to change it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// The share of device memory this device's allocator may hold: at most this fraction of
+    /// the total, and of what is free when it grows (see [`budget`](crate::budget)).
+    /// In `(0, 1]`; default 0.9. Lower it when other processes share the GPU.
+    pub budget_fraction: f64,
+    /// Bytes of each slab the allocator takes from the driver; buffers past it get their own
+    /// allocation. At least 4 MiB, a multiple of 256; default 64 MiB.
+    pub slab_bytes: u64,
+    /// The most pinned host memory the staging pool holds. At least `2 * chunk_bytes`;
+    /// default 1 GiB.
+    pub pinned_cap_bytes: u64,
+    /// Pinned staging allocated when the device opens, so that the first copies do not pay
+    /// for `cuMemHostAlloc` (about 0.5 ms per MiB). Default 0.
+    pub pinned_prewarm_bytes: u64,
+    /// Staging chunk: large copies are pipelined through pinned memory in chunks of this
+    /// size. At least 64 KiB; default 8 MiB.
+    pub chunk_bytes: u64,
+    /// Copies of at least this many bytes get their own DMA; smaller ones are packed and
+    /// scattered by a kernel. At most `chunk_bytes`; default 256 KiB.
+    pub direct_threshold: u64,
+    /// Threads that pack staging for large batches; 0 picks one per core, up to 16.
+    pub pack_threads: usize,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            budget_fraction: 0.9,
+            slab_bytes: 64 << 20,
+            pinned_cap_bytes: 1 << 30,
+            pinned_prewarm_bytes: 0,
+            chunk_bytes: 8 << 20,
+            direct_threshold: 256 << 10,
+            pack_threads: 0,
+        }
+    }
+}
+
+impl Config {
+    /// Checks every field; the error names the field and what to set.
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |field, value: String, reason, fix| Err(Error::InvalidConfig { field, value, reason, fix });
+        if !(self.budget_fraction > 0.0 && self.budget_fraction <= 1.0) {
+            return invalid(
+                "budget_fraction",
+                self.budget_fraction.to_string(),
+                "it must be a fraction in (0, 1]",
+                "use a value such as 0.9 (the default)",
+            );
+        }
+        let min_slab = crate::alloc::classes::MAX_CLASS_BYTES;
+        if self.slab_bytes < min_slab || !self.slab_bytes.is_multiple_of(crate::alloc::classes::GRANULE) {
+            return invalid(
+                "slab_bytes",
+                self.slab_bytes.to_string(),
+                "it must be at least 4 MiB and a multiple of 256",
+                "use 64 MiB (the default) or another multiple of 2 MiB",
+            );
+        }
+        if self.chunk_bytes < crate::host_pool::MIN_ARENA {
+            return invalid(
+                "chunk_bytes",
+                self.chunk_bytes.to_string(),
+                "it must be at least 64 KiB",
+                "use 8 MiB (the default)",
+            );
+        }
+        if self.pinned_cap_bytes < 2 * self.chunk_bytes {
+            return invalid(
+                "pinned_cap_bytes",
+                self.pinned_cap_bytes.to_string(),
+                "it must hold at least two staging chunks (2 * chunk_bytes)",
+                "raise it (default 1 GiB) or lower chunk_bytes",
+            );
+        }
+        if self.pinned_prewarm_bytes > self.pinned_cap_bytes {
+            return invalid(
+                "pinned_prewarm_bytes",
+                self.pinned_prewarm_bytes.to_string(),
+                "it exceeds pinned_cap_bytes",
+                "prewarm at most pinned_cap_bytes",
+            );
+        }
+        if self.direct_threshold == 0 || self.direct_threshold > self.chunk_bytes {
+            return invalid(
+                "direct_threshold",
+                self.direct_threshold.to_string(),
+                "it must be between 1 and chunk_bytes",
+                "use 256 KiB (the default)",
+            );
+        }
+        Ok(())
+    }
+
+    /// The packing threads this config asks for, with 0 resolved.
+    pub fn resolved_pack_threads(&self) -> usize {
+        match self.pack_threads {
+            0 => std::thread::available_parallelism().map_or(4, |n| n.get()).min(16),
+            n => n,
+        }
+    }
+}
+
+/// What a device is and can do, read once when it opens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceInfo {
+    /// The ordinal it was opened with.
+    pub ordinal: usize,
+    /// The product name (`"NVIDIA H200"`).
+    pub name: String,
+    /// The PCI bus id (`"0000:41:00.0"`).
+    pub pci_bus_id: String,
+    /// Device memory in bytes.
+    pub total_memory: u64,
+    /// Compute capability, `(major, minor)`.
+    pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Copy engines (`CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT`): 2 or more lets uploads and
+    /// readbacks run at the same time.
+    pub copy_engines: u32,
+    /// Whether stream-ordered memory pools (`cuMemAllocAsync`) are supported.
+    pub memory_pools: bool,
+    /// Whether the driver has `cuMemcpyBatchAsync` (CUDA 12.8 and newer).
+    pub batch_memcpy: bool,
+    /// Whether the device shares a unified address space with the host.
+    pub unified_addressing: bool,
+    /// The CUDA version the driver supports.
+    pub driver_version: DriverVersion,
+}
+
+/// The shared state of a device. Fences and lent staging hold it (or its context) so that
+/// nothing they refer to goes away early.
+pub(crate) struct Core {
+    pub(crate) ctx: Arc<Context>,
+    pub(crate) info: DeviceInfo,
+    pub(crate) config: Config,
+    pub(crate) alloc: Allocator<Arc<Context>>,
+    pub(crate) pinned: Arc<HostPool>,
+    pub(crate) lanes: [Lane; 2],
+    pub(crate) telemetry: Telemetry,
+}
+
+impl Core {
+    pub(crate) fn lane(&self, kind: LaneKind) -> &Lane {
+        &self.lanes[kind.index()]
+    }
+
+    /// Whether no copy in flight uses a buffer whose last uses were `last`, asking the
+    /// driver when the timelines do not already say so.
+    pub(crate) fn is_idle(&self, last: LastUse) -> bool {
+        LaneKind::ALL.iter().all(|&k| self.lane(k).is_done(last[k.index()]).unwrap_or(false))
+    }
+
+    /// The same from the timelines alone: atomic loads, no lock, no driver call (safe to ask
+    /// under the allocator's shard locks). `false` may mean "not known yet".
+    pub(crate) fn is_known_idle(&self, last: LastUse) -> bool {
+        LaneKind::ALL.iter().all(|&k| self.lane(k).is_known_done(last[k.index()]))
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        // Copies in flight finish before the memory they use is freed.
+        for lane in &self.lanes {
+            let _ = lane.synchronize();
+        }
+        let _ = self.ctx.bind();
+        let _ = self.alloc.release_all();
+    }
+}
+
+/// One GPU: its primary context, two copy lanes, a budgeted resident store and a pinned
+/// staging pool.
+///
+/// `Device` is `Send + Sync` and cheap to clone (an `Arc` inside); clones share everything.
+/// The context and all memory are released when the last clone, fence and lent staging
+/// region are gone.
+#[derive(Clone)]
+pub struct Device {
+    core: Arc<Core>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device").field("ordinal", &self.core.info.ordinal).field("name", &self.core.info.name).finish()
+    }
+}
+
+/// The process-wide driver, loaded on first use.
+fn shared_driver() -> Result<Arc<Driver>> {
+    static DRIVER: OnceLock<Result<Arc<Driver>, cuda_sys::LoadError>> = OnceLock::new();
+    DRIVER.get_or_init(|| Driver::load().map(Arc::new)).clone().map_err(Error::from)
+}
+
+impl Device {
+    /// How many CUDA devices the driver sees. Fails when no driver can be loaded.
+    pub fn count() -> Result<usize> {
+        let raw = Raw::new(shared_driver()?);
+        raw.init()?;
+        raw.device_count()
+    }
+
+    /// Opens device `ordinal` with the default [`Config`], loading the driver on first use.
+    pub fn open(ordinal: usize) -> Result<Device> {
+        Device::open_with(shared_driver()?, ordinal, Config::default())
+    }
+
+    /// Opens device `ordinal` through `driver` (for a driver loaded from a particular path,
+    /// or one whose table was altered for testing) with `config`.
+    pub fn open_with(driver: Arc<Driver>, ordinal: usize, config: Config) -> Result<Device> {
+        config.validate()?;
+        let raw = Raw::new(driver);
+        raw.init()?;
+        let count = raw.device_count()?;
+        let cu_ordinal = i32::try_from(ordinal).ok().filter(|_| ordinal < count);
+        let Some(cu_ordinal) = cu_ordinal else {
+            return Err(Error::NoSuchDevice { ordinal, count });
+        };
+        let cu_device = raw.device_get(cu_ordinal)?;
+        let ctx = Arc::new(Context::retain(raw, cu_device)?);
+        let raw = ctx.bind()?;
+        let info = query_info(raw, cu_device, ordinal)?;
+        let lanes = [Lane::new(LaneKind::Upload, Arc::clone(&ctx))?, Lane::new(LaneKind::Readback, Arc::clone(&ctx))?];
+        let pinned = Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes));
+        pinned.prewarm(config.chunk_bytes as usize, config.pinned_prewarm_bytes)?;
+        let alloc = Allocator::new(
+            Arc::clone(&ctx),
+            ordinal,
+            AllocatorConfig {
+                total_memory: info.total_memory,
+                budget_fraction: config.budget_fraction,
+                slab_bytes: config.slab_bytes,
+            },
+        );
+        let core = Core { ctx, info, config, alloc, pinned, lanes, telemetry: Telemetry::default() };
+        Ok(Device { core: Arc::new(core) })
+    }
+
+    pub(crate) fn core(&self) -> &Core {
+        &self.core
+    }
+
+    /// What the device is and can do.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.core.info
+    }
+
+    /// The configuration it was opened with.
+    pub fn config(&self) -> &Config {
+        &self.core.config
+    }
+
+    /// The loaded driver, for raw calls of the caller's own.
+    pub fn driver(&self) -> &Arc<Driver> {
+        &self.core.ctx.raw.driver
+    }
+
+    /// The device's primary context (retained for as long as the device lives), for the
+    /// caller's own kernels and streams.
+    pub fn cu_context(&self) -> CUcontext {
+        self.core.ctx.ctx
+    }
+
+    /// Makes the device's context current on the calling thread, for raw driver calls.
+    pub fn make_current(&self) -> Result<()> {
+        self.core.ctx.bind().map(|_| ())
+    }
+
+    /// Allocates `bytes` of device memory under the budget. Buffers are 256-byte aligned.
+    ///
+    /// Fails for zero bytes, and when the budget (or the driver, after cached memory was
+    /// released) refuses; the error gives the request, the bytes in use and the limit.
+    pub fn allocate(&self, bytes: u64) -> Result<ResidentBuffer> {
+        self.core.alloc.allocate(bytes, &|last| self.core.is_idle(last))
+    }
+
+    /// Frees a buffer. The handle is invalid at once; if a copy still uses the buffer, its
+    /// memory is reused only after the copy completes.
+    pub fn free(&self, buffer: ResidentBuffer) -> Result<()> {
+        self.core.alloc.free(buffer, &|last| self.core.is_known_idle(last))
+    }
+
+    /// The buffer's device address, for the caller's kernels. Valid until the buffer is freed.
+    pub fn device_ptr(&self, buffer: ResidentBuffer) -> Result<u64> {
+        self.core.alloc.resolve(buffer).map(|(ptr, _)| ptr)
+    }
+
+    /// The buffer's length in bytes, as allocated.
+    pub fn buffer_len(&self, buffer: ResidentBuffer) -> Result<u64> {
+        self.core.alloc.resolve(buffer).map(|(_, len)| len)
+    }
+
+    /// Bytes held by live buffers, as requested by callers.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.core.alloc.allocated_bytes()
+    }
+
+    /// Releases cached device memory and free pinned staging back to the driver. Returns
+    /// the bytes of device memory released.
+    pub fn trim(&self) -> Result<u64> {
+        let released = self.core.alloc.trim(&|last| self.core.is_idle(last))?;
+        self.core.pinned.trim()?;
+        Ok(released)
+    }
+
+    /// Lends `len` bytes of pinned host memory from the staging pool (at least 1 byte is
+    /// lent for 0). It returns to the pool when dropped. When the pool is at its cap, waits
+    /// for copies in flight to release their staging.
+    pub fn pinned(&self, len: usize) -> Result<PinnedBuffer> {
+        self.acquire_staging(len).map(PinnedBuffer::new)
+    }
+
+    /// Pinned staging of `len` bytes, waiting for copies in flight when the pool is full.
+    pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        let mut retried = false;
+        loop {
+            if let Some(lease) = self.core.pinned.try_acquire(len)? {
+                return Ok(lease);
+            }
+            // Full: retire completed copies, and wait for the oldest one on each lane, which
+            // releases its staging. Once nothing is in flight, one more try, then give up.
+            let mut waited = false;
+            for lane in &self.core.lanes {
+                lane.poll()?;
+                if let Some(seq) = lane.oldest_in_flight() {
+                    waited |= lane.wait(seq)?;
+                }
+            }
+            if !waited {
+                if retried {
+                    let stats = self.core.pinned.stats();
+                    return Err(Error::PinnedExhausted {
+                        requested: len as u64,
+                        cap: stats.cap_bytes,
+                        lent: stats.lent_bytes,
+                    });
+                }
+                retried = true;
+            }
+        }
+    }
+
+    /// Blocks until every copy submitted so far, in both directions, has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        for lane in &self.core.lanes {
+            lane.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// A snapshot of the device's counters and memory statistics.
+    pub fn telemetry(&self) -> TelemetrySnapshot {
+        TelemetrySnapshot::gather(&self.core.telemetry, self.core.alloc.stats(), self.core.pinned.stats())
+    }
+}
+
+fn query_info(raw: &Raw, device: cuda_sys::CUdevice, ordinal: usize) -> Result<DeviceInfo> {
+    use cuda_sys::*;
+    let attr = |a| raw.device_attribute(device, a);
+    Ok(DeviceInfo {
+        ordinal,
+        name: raw.device_name(device)?,
+        pci_bus_id: raw.device_pci_bus_id(device)?,
+        total_memory: raw.device_total_mem(device)?,
+        compute_capability: (
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        multiprocessors: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        copy_engines: attr(CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)? as u32,
+        memory_pools: attr(CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0,
+        batch_memcpy: raw.driver.api().cuMemcpyBatchAsync_v2.is_ok(),
+        unified_addressing: attr(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)? != 0,
+        driver_version: raw.driver.version().unwrap_or(DriverVersion(0)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_is_valid() {
+        Config::default().validate().unwrap();
+        assert!(Config::default().resolved_pack_threads() >= 1);
+    }
+
+    #[test]
+    fn invalid_configs_name_the_field_and_the_fix() {
+        let cases: Vec<(Config, &str)> = vec![
+            (Config { budget_fraction: 0.0, ..Config::default() }, "budget_fraction"),
+            (Config { budget_fraction: 1.5, ..Config::default() }, "budget_fraction"),
+            (Config { budget_fraction: f64::NAN, ..Config::default() }, "budget_fraction"),
+            (Config { slab_bytes: 1 << 20, ..Config::default() }, "slab_bytes"),
+            (Config { slab_bytes: (64 << 20) + 1, ..Config::default() }, "slab_bytes"),
+            (Config { chunk_bytes: 1024, ..Config::default() }, "chunk_bytes"),
+            (Config { pinned_cap_bytes: 8 << 20, ..Config::default() }, "pinned_cap_bytes"),
+            (Config { pinned_prewarm_bytes: 2 << 30, ..Config::default() }, "pinned_prewarm_bytes"),
+            (Config { direct_threshold: 0, ..Config::default() }, "direct_threshold"),
+            (Config { direct_threshold: 16 << 20, ..Config::default() }, "direct_threshold"),
+        ];
+        for (config, field) in cases {
+            let err = config.validate().unwrap_err();
+            let text = err.to_string();
+            assert!(text.starts_with(&format!("Config::{field} = ")), "{text}");
+            assert!(text.contains("Fix: "), "{text}");
+        }
+    }
+
+    #[test]
+    fn device_is_send_sync_and_cheap_to_clone() {
+        fn check<T: Send + Sync + Clone>() {}
+        check::<Device>();
+        check::<crate::Fence>();
+        assert!(std::mem::size_of::<Device>() == std::mem::size_of::<usize>());
+        assert!(std::mem::size_of::<ResidentBuffer>() <= 16);
+    }
+
+    #[test]
+    fn open_with_a_library_that_is_not_cuda_fails_with_the_entry_point_named() {
+        let driver = Arc::new(Driver::load_from("libc.so.6").unwrap());
+        let err = Device::open_with(driver, 0, Config::default()).unwrap_err();
+        assert!(matches!(&err, Error::MissingSymbol(m) if m.entry() == "cuInit"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_config_is_reported_before_the_driver_is_touched() {
+        let driver = Arc::new(Driver::load_from("libc.so.6").unwrap());
+        let config = Config { budget_fraction: 2.0, ..Config::default() };
+        let err = Device::open_with(driver, 0, config).unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { field: "budget_fraction", .. }), "{err}");
+    }
+}

@@ -1,0 +1,281 @@
+//! The one error type of the crate. Every message says what happened and ends with `Fix: …`.
+
+use cuda_sys::CUresult;
+
+use crate::alloc::ResidentBuffer;
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong. Each variant's message says what happened and how to fix it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No CUDA driver library could be loaded.
+    #[error(transparent)]
+    Load(#[from] cuda_sys::LoadError),
+
+    /// The loaded driver lacks an entry point this operation needs.
+    #[error(transparent)]
+    MissingSymbol(#[from] cuda_sys::MissingSymbol),
+
+    /// A driver call returned an error.
+    #[error("{entry} failed with {name} ({code}): {text}. Fix: {fix}.", fix = driver_fix(*.code))]
+    Driver {
+        /// The entry point, as exported (`cuMemAlloc_v2`).
+        entry: &'static str,
+        /// The raw `CUresult`.
+        code: CUresult,
+        /// Its name (`CUDA_ERROR_OUT_OF_MEMORY`), or `unknown CUresult` for codes the driver
+        /// does not name.
+        name: String,
+        /// The driver's description.
+        text: String,
+    },
+
+    /// The ordinal passed to [`Device::open`](crate::Device::open) names no device.
+    #[error(
+        "device ordinal {ordinal} does not exist: the driver sees {count} CUDA device(s). \
+         Fix: pass an ordinal below {count} (Device::count() tells), and check CUDA_VISIBLE_DEVICES."
+    )]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver sees.
+        count: usize,
+    },
+
+    /// A [`Config`](crate::Config) field is out of its range.
+    #[error("Config::{field} = {value} is invalid: {reason}. Fix: {fix}.")]
+    InvalidConfig {
+        /// The field.
+        field: &'static str,
+        /// Its value, as text.
+        value: String,
+        /// Why it is invalid.
+        reason: &'static str,
+        /// What to set instead.
+        fix: &'static str,
+    },
+
+    /// An allocation of zero bytes.
+    #[error("cannot allocate a buffer of 0 bytes. Fix: ask for at least 1 byte.")]
+    ZeroSizedAllocation,
+
+    /// The allocation would take device memory past the budget.
+    #[error(
+        "allocating {requested} bytes would exceed the device memory budget: {in_use} bytes are in use \
+         and the limit is {limit} bytes ({fraction} of {total} total{driver_oom}). \
+         Fix: free buffers you no longer need, or raise Config::budget_fraction."
+    , driver_oom = if *.driver_out_of_memory { ", and the driver reported out of memory" } else { "" })]
+    OverBudget {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes allocated (as requested by callers) when the request came.
+        in_use: u64,
+        /// The budget's limit at that time.
+        limit: u64,
+        /// The device's total memory.
+        total: u64,
+        /// The configured budget fraction.
+        fraction: f64,
+        /// Whether the driver itself ran out of memory (after trimming caches and retrying).
+        driver_out_of_memory: bool,
+    },
+
+    /// A buffer handle that was freed (and perhaps its slot reused).
+    #[error("{buffer:?} was already freed. Fix: do not use a buffer after Device::free; allocate a new one.")]
+    FreedBuffer {
+        /// The stale handle.
+        buffer: ResidentBuffer,
+    },
+
+    /// A buffer handle made by another [`Device`](crate::Device) (or never made at all).
+    #[error(
+        "{buffer:?} does not belong to this device (device {device}). \
+         Fix: pass each buffer to the Device that allocated it."
+    )]
+    ForeignBuffer {
+        /// The handle.
+        buffer: ResidentBuffer,
+        /// The ordinal of the device it was passed to.
+        device: usize,
+    },
+
+    /// A byte range that does not lie inside its buffer.
+    #[error(
+        "the range of {len} bytes at offset {offset} does not fit in {buffer:?}, which holds {buffer_len} bytes. \
+         Fix: keep offset + len within the buffer (Device::buffer_len tells its size)."
+    )]
+    OutOfRange {
+        /// The buffer.
+        buffer: ResidentBuffer,
+        /// The range's offset.
+        offset: u64,
+        /// The range's length.
+        len: u64,
+        /// The buffer's length.
+        buffer_len: u64,
+    },
+
+    /// A pinned staging request larger than the pool's cap.
+    #[error(
+        "pinned staging of {requested} bytes was requested but the pool is capped at {cap} bytes. \
+         Fix: raise Config::pinned_cap_bytes, or split the work into smaller batches."
+    )]
+    PinnedCapExceeded {
+        /// Bytes asked for.
+        requested: u64,
+        /// `Config::pinned_cap_bytes`.
+        cap: u64,
+    },
+
+    /// The pinned pool is full of regions the caller still holds.
+    #[error(
+        "pinned staging of {requested} bytes is not available: {lent} of the pool's {cap} bytes are lent out to \
+         PinnedBuffers or Readbacks that are still alive, and no copy in flight will release more. \
+         Fix: drop PinnedBuffers and Readbacks you are done with, or raise Config::pinned_cap_bytes."
+    )]
+    PinnedExhausted {
+        /// Bytes asked for.
+        requested: u64,
+        /// `Config::pinned_cap_bytes`.
+        cap: u64,
+        /// Bytes lent out.
+        lent: u64,
+    },
+}
+
+impl Error {
+    /// The `CUresult` of a driver error, if this is one.
+    pub fn cuda_code(&self) -> Option<CUresult> {
+        match self {
+            Error::Driver { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// The advice for a failing driver call, by code.
+fn driver_fix(code: CUresult) -> &'static str {
+    use cuda_sys::*;
+    match code {
+        CUDA_ERROR_OUT_OF_MEMORY => {
+            "free device or pinned memory (Device::trim releases cached memory), or lower Config::budget_fraction \
+             so that other users of the GPU keep room"
+        }
+        CUDA_ERROR_NO_DEVICE | CUDA_ERROR_INVALID_DEVICE => {
+            "run on a machine with an NVIDIA GPU, and check that CUDA_VISIBLE_DEVICES does not hide it"
+        }
+        CUDA_ERROR_NOT_INITIALIZED | CUDA_ERROR_DEINITIALIZED => {
+            "the driver was not initialised or is shutting down; open the Device again and keep it alive while \
+             it is used"
+        }
+        CUDA_ERROR_SYSTEM_DRIVER_MISMATCH | CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER
+        | CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE => {
+            "install an NVIDIA driver that supports CUDA 13.0 or newer (R580+)"
+        }
+        CUDA_ERROR_ILLEGAL_ADDRESS | CUDA_ERROR_LAUNCH_FAILED | CUDA_ERROR_HARDWARE_STACK_ERROR
+        | CUDA_ERROR_ILLEGAL_INSTRUCTION | CUDA_ERROR_MISALIGNED_ADDRESS | CUDA_ERROR_INVALID_PC
+        | CUDA_ERROR_ECC_UNCORRECTABLE => {
+            "the GPU context is no longer usable after this fault; restart the process (run compute-sanitizer to \
+             find the kernel at fault)"
+        }
+        CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => "unpin the range first, or do not pin it twice",
+        CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED => "pin the range with Device::pin_host before this call",
+        _ => "check the driver's health (nvidia-smi); if it is healthy, report this with the message above",
+    }
+}
+
+/// A `Fix:`-terminated error from a driver result, for the one place each entry point is
+/// wrapped ([`crate::raw`]).
+pub(crate) fn driver_error(driver: &cuda_sys::Driver, entry: &'static str, code: CUresult) -> Error {
+    Error::Driver {
+        entry,
+        code,
+        name: driver.error_name(code).unwrap_or("unknown CUresult").to_owned(),
+        text: driver.error_string(code).unwrap_or("no description").to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_ends_with_a_fix() {
+        let buffer = ResidentBuffer::test_handle(1, 2, 3);
+        let errors = [
+            Error::Driver {
+                entry: "cuMemAlloc_v2",
+                code: cuda_sys::CUDA_ERROR_OUT_OF_MEMORY,
+                name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+                text: "out of memory".into(),
+            },
+            Error::NoSuchDevice { ordinal: 3, count: 1 },
+            Error::InvalidConfig {
+                field: "budget_fraction",
+                value: "1.5".into(),
+                reason: "it must be in (0, 1]",
+                fix: "use a fraction such as 0.9",
+            },
+            Error::ZeroSizedAllocation,
+            Error::OverBudget {
+                requested: 10,
+                in_use: 20,
+                limit: 25,
+                total: 100,
+                fraction: 0.25,
+                driver_out_of_memory: true,
+            },
+            Error::FreedBuffer { buffer },
+            Error::ForeignBuffer { buffer, device: 0 },
+            Error::OutOfRange { buffer, offset: u64::MAX, len: 2, buffer_len: 10 },
+            Error::PinnedCapExceeded { requested: 2, cap: 1 },
+            Error::PinnedExhausted { requested: 2, cap: 4, lent: 3 },
+        ];
+        for e in errors {
+            let text = e.to_string();
+            let fix = text.find("Fix: ").unwrap_or_else(|| panic!("no Fix in: {text}"));
+            assert!(text.ends_with('.'), "{text}");
+            assert!(fix > 20, "the message says what happened before the fix: {text}");
+        }
+    }
+
+    #[test]
+    fn driver_errors_name_the_entry_point_and_code() {
+        let e = Error::Driver {
+            entry: "cuMemAlloc_v2",
+            code: cuda_sys::CUDA_ERROR_OUT_OF_MEMORY,
+            name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+            text: "out of memory".into(),
+        };
+        assert_eq!(e.cuda_code(), Some(2));
+        let text = e.to_string();
+        assert!(text.starts_with("cuMemAlloc_v2 failed with CUDA_ERROR_OUT_OF_MEMORY (2): out of memory."), "{text}");
+        assert!(text.contains("Device::trim"), "{text}");
+    }
+
+    #[test]
+    fn over_budget_gives_the_numbers() {
+        let e = Error::OverBudget {
+            requested: 4096,
+            in_use: 1000,
+            limit: 2000,
+            total: 10_000,
+            fraction: 0.2,
+            driver_out_of_memory: false,
+        };
+        assert_eq!(
+            e.to_string(),
+            "allocating 4096 bytes would exceed the device memory budget: 1000 bytes are in use and the limit is \
+             2000 bytes (0.2 of 10000 total). Fix: free buffers you no longer need, or raise Config::budget_fraction."
+        );
+    }
+
+    #[test]
+    fn error_is_send_sync_static() {
+        fn check<T: std::error::Error + Send + Sync + 'static>() {}
+        check::<Error>();
+    }
+}

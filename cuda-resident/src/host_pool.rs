@@ -1,0 +1,309 @@
+//! Pinned (page-locked) host staging: arenas from `cuMemHostAlloc`, reused.
+//!
+//! `cuMemHostAlloc` costs about half a millisecond per call, so staging is never allocated
+//! per copy. Arenas come in power-of-two sizes from 64 KiB (exact multiples of 64 KiB past
+//! half the cap), are lent out whole as a [`HostLease`] and come back when the lease drops.
+//! A lease used by a copy is kept alive by the lane until the copy's event completes, so an
+//! arena is reused only after the GPU is done with it. The pool never holds more than
+//! `Config::pinned_cap_bytes`; when it is full, free arenas of other sizes are released
+//! first, and a request that still does not fit waits for copies in flight (the caller's
+//! job) or fails.
+//!
+//! Arenas are allocated portable (`CU_MEMHOSTALLOC_PORTABLE`): every context may use them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::sync::{Mutex, lock};
+
+/// The smallest arena.
+pub(crate) const MIN_ARENA: u64 = 64 << 10;
+
+/// One `cuMemHostAlloc` allocation.
+struct Arena {
+    ptr: NonNull<u8>,
+    bytes: u64,
+}
+
+// SAFETY: an arena is plain host memory owned by whoever holds the Arena value.
+unsafe impl Send for Arena {}
+
+#[derive(Default)]
+struct PoolState {
+    /// Free arenas by size.
+    free: BTreeMap<u64, Vec<Arena>>,
+    /// Bytes allocated from the driver (free and lent), including allocations in progress.
+    reserved: u64,
+    /// Bytes lent out.
+    lent: u64,
+}
+
+/// Counters of the pool, for telemetry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PinnedStats {
+    /// Pinned bytes held from the driver.
+    pub reserved_bytes: u64,
+    /// Pinned bytes lent out (in use by copies or by the caller).
+    pub lent_bytes: u64,
+    /// The cap (`Config::pinned_cap_bytes`).
+    pub cap_bytes: u64,
+    /// Requests served by a free arena.
+    pub hits: u64,
+    /// Requests that needed a new arena from the driver.
+    pub misses: u64,
+    /// Arenas returned to the driver to make room or on trim.
+    pub released: u64,
+}
+
+/// The pool.
+pub(crate) struct HostPool {
+    ctx: Arc<Context>,
+    cap: u64,
+    state: Mutex<PoolState>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    released: AtomicU64,
+}
+
+impl fmt::Debug for HostPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostPool").field("stats", &self.stats()).finish()
+    }
+}
+
+/// A pinned region lent by the pool; it goes back to the pool when dropped.
+pub(crate) struct HostLease {
+    pool: Arc<HostPool>,
+    arena: Option<Arena>,
+    len: usize,
+}
+
+impl fmt::Debug for HostLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostLease").field("len", &self.len).field("arena_bytes", &self.arena_bytes()).finish()
+    }
+}
+
+impl HostPool {
+    pub(crate) fn new(ctx: Arc<Context>, cap: u64) -> HostPool {
+        HostPool {
+            ctx,
+            cap,
+            state: Mutex::new(PoolState::default()),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            released: AtomicU64::new(0),
+        }
+    }
+
+    /// The arena size that serves `len` bytes.
+    fn arena_bytes(&self, len: u64) -> u64 {
+        let pow2 = len.max(MIN_ARENA).checked_next_power_of_two().unwrap_or(u64::MAX);
+        if pow2 <= self.cap { pow2 } else { len.next_multiple_of(MIN_ARENA) }
+    }
+
+    /// Lends a region of `len` bytes (at least 1), or `None` when the cap is reached by
+    /// arenas in use. Fails when `len` alone is over the cap, or the driver fails.
+    pub(crate) fn try_acquire(self: &Arc<Self>, len: usize) -> Result<Option<HostLease>> {
+        let len64 = len.max(1) as u64;
+        if len64 > self.cap {
+            return Err(Error::PinnedCapExceeded { requested: len64, cap: self.cap });
+        }
+        let bytes = self.arena_bytes(len64);
+        let mut evicted = Vec::new();
+        {
+            let mut state = lock(&self.state);
+            if let Some(arena) = state.free.get_mut(&bytes).and_then(Vec::pop) {
+                state.lent += bytes;
+                drop(state);
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(self.lease(arena, len)));
+            }
+            // Make room by releasing free arenas of other sizes, largest first.
+            while state.reserved + bytes > self.cap {
+                let Some(mut entry) = state.free.last_entry() else { break };
+                let arena = entry.get_mut().pop().expect("empty lists are removed");
+                if entry.get().is_empty() {
+                    entry.remove();
+                }
+                state.reserved -= arena.bytes;
+                evicted.push(arena);
+            }
+            if state.reserved + bytes > self.cap {
+                drop(state);
+                self.free_arenas(evicted)?;
+                return Ok(None);
+            }
+            state.reserved += bytes;
+            state.lent += bytes;
+        }
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        self.free_arenas(evicted)?;
+        match self.ctx.bind().and_then(|raw| raw.mem_host_alloc(bytes)) {
+            Ok(ptr) => {
+                let ptr = NonNull::new(ptr).expect("cuMemHostAlloc returned success and null");
+                Ok(Some(self.lease(Arena { ptr, bytes }, len)))
+            }
+            Err(e) => {
+                let mut state = lock(&self.state);
+                state.reserved -= bytes;
+                state.lent -= bytes;
+                Err(e)
+            }
+        }
+    }
+
+    fn lease(self: &Arc<Self>, arena: Arena, len: usize) -> HostLease {
+        HostLease { pool: Arc::clone(self), arena: Some(arena), len }
+    }
+
+    fn give_back(&self, arena: Arena) {
+        let mut state = lock(&self.state);
+        state.lent -= arena.bytes;
+        state.free.entry(arena.bytes).or_default().push(arena);
+    }
+
+    fn free_arenas(&self, arenas: Vec<Arena>) -> Result<()> {
+        if arenas.is_empty() {
+            return Ok(());
+        }
+        let raw = self.ctx.bind()?;
+        let mut result = Ok(());
+        for arena in arenas {
+            self.released.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: the arena came from mem_host_alloc, is free (no lease, so no copy uses
+            // it) and is removed from the pool, so it is freed once.
+            let freed = unsafe { raw.mem_free_host(arena.ptr.as_ptr()) };
+            result = result.and(freed);
+        }
+        result
+    }
+
+    /// Allocates free arenas of `arena_len` bytes until `total` bytes are held (or the cap
+    /// is reached), so that the first copies find staging ready.
+    pub(crate) fn prewarm(self: &Arc<Self>, arena_len: usize, total: u64) -> Result<()> {
+        let mut leases = Vec::new();
+        while lock(&self.state).reserved < total {
+            match self.try_acquire(arena_len)? {
+                Some(lease) => leases.push(lease),
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns every free arena to the driver. Returns the bytes released.
+    pub(crate) fn trim(&self) -> Result<u64> {
+        let arenas: Vec<Arena> = {
+            let mut state = lock(&self.state);
+            let arenas: Vec<Arena> = std::mem::take(&mut state.free).into_values().flatten().collect();
+            state.reserved -= arenas.iter().map(|a| a.bytes).sum::<u64>();
+            arenas
+        };
+        let bytes = arenas.iter().map(|a| a.bytes).sum();
+        self.free_arenas(arenas)?;
+        Ok(bytes)
+    }
+
+    pub(crate) fn stats(&self) -> PinnedStats {
+        let state = lock(&self.state);
+        PinnedStats {
+            reserved_bytes: state.reserved,
+            lent_bytes: state.lent,
+            cap_bytes: self.cap,
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            released: self.released.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for HostPool {
+    fn drop(&mut self) {
+        // Every lease holds the pool, so none is out: all arenas are free.
+        let _ = self.trim();
+    }
+}
+
+impl HostLease {
+    /// The usable length (what was asked for).
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    fn arena_bytes(&self) -> u64 {
+        self.arena.as_ref().map_or(0, |a| a.bytes)
+    }
+
+    /// The start of the region.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.arena.as_ref().expect("present until drop").ptr.as_ptr()
+    }
+
+    /// The region as bytes.
+    ///
+    /// # Safety
+    /// No copy that writes the region may be in flight.
+    pub(crate) unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the arena holds at least `len` bytes, lives as long as the lease, and the
+        // caller promises no device write is in flight.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+    }
+
+    /// The region as mutable bytes.
+    ///
+    /// # Safety
+    /// No copy that reads or writes the region may be in flight.
+    pub(crate) unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as for as_slice, and `&mut self` makes the access exclusive on the host.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for HostLease {
+    fn drop(&mut self) {
+        if let Some(arena) = self.arena.take() {
+            self.pool.give_back(arena);
+        }
+    }
+}
+
+/// Pinned host memory lent by a device's staging pool: as fast to copy from or into as host
+/// memory gets. It goes back to the pool (not to the driver) when dropped, so acquiring one
+/// again is a matter of nanoseconds. Obtained from [`Device::pinned`](crate::Device::pinned).
+pub struct PinnedBuffer {
+    lease: HostLease,
+}
+
+impl fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedBuffer").field("len", &self.lease.len()).finish()
+    }
+}
+
+impl PinnedBuffer {
+    pub(crate) fn new(lease: HostLease) -> PinnedBuffer {
+        PinnedBuffer { lease }
+    }
+}
+
+impl std::ops::Deref for PinnedBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: a PinnedBuffer is never handed to a copy by this crate; only the caller
+        // uses it, and through `&self` only for reading.
+        unsafe { self.lease.as_slice() }
+    }
+}
+
+impl std::ops::DerefMut for PinnedBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes the access exclusive.
+        unsafe { self.lease.as_mut_slice() }
+    }
+}

@@ -1,0 +1,239 @@
+//! Each driver entry point this crate uses, wrapped once: a typed result, the entry point's
+//! name in the error. Everything above this module is safe code over these calls.
+//!
+//! The wrappers do not make a context current: callers that need one call
+//! [`Raw::set_current`] once per operation.
+
+use std::ffi::CStr;
+use std::os::raw::{c_char, c_int, c_void};
+use std::sync::Arc;
+
+use cuda_sys::*;
+
+use crate::error::{Result, driver_error};
+
+/// Calls `$entry` through the driver table and turns a non-success code into [`Error`].
+macro_rules! cu {
+    ($raw:expr, $entry:ident ( $($arg:expr),* $(,)? )) => {
+        $raw.check(::core::stringify!($entry), cuda_sys::call!($raw.driver, $entry($($arg),*)))
+    };
+}
+
+/// The driver, shared.
+#[derive(Clone, Debug)]
+pub(crate) struct Raw {
+    pub(crate) driver: Arc<Driver>,
+}
+
+impl Raw {
+    pub(crate) fn new(driver: Arc<Driver>) -> Raw {
+        Raw { driver }
+    }
+
+    fn check(&self, entry: &'static str, result: Result<CUresult, MissingSymbol>) -> Result<()> {
+        match result? {
+            CUDA_SUCCESS => Ok(()),
+            code => Err(driver_error(&self.driver, entry, code)),
+        }
+    }
+
+    pub(crate) fn init(&self) -> Result<()> {
+        // SAFETY: no pointer arguments.
+        unsafe { cu!(self, cuInit(0)) }
+    }
+
+    pub(crate) fn device_count(&self) -> Result<usize> {
+        let mut count: c_int = 0;
+        // SAFETY: writes one int.
+        unsafe { cu!(self, cuDeviceGetCount(&mut count)) }?;
+        Ok(count.max(0) as usize)
+    }
+
+    pub(crate) fn device_get(&self, ordinal: c_int) -> Result<CUdevice> {
+        let mut device: CUdevice = 0;
+        // SAFETY: writes one handle.
+        unsafe { cu!(self, cuDeviceGet(&mut device, ordinal)) }?;
+        Ok(device)
+    }
+
+    pub(crate) fn device_name(&self, device: CUdevice) -> Result<String> {
+        let mut name = [0 as c_char; 256];
+        // SAFETY: the buffer holds the 256 bytes the call is told about.
+        unsafe { cu!(self, cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, device)) }?;
+        // SAFETY: the driver wrote a NUL-terminated string into the buffer.
+        Ok(unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
+    pub(crate) fn device_pci_bus_id(&self, device: CUdevice) -> Result<String> {
+        let mut id = [0 as c_char; 64];
+        // SAFETY: the buffer holds the 64 bytes the call is told about.
+        unsafe { cu!(self, cuDeviceGetPCIBusId(id.as_mut_ptr(), id.len() as c_int, device)) }?;
+        // SAFETY: NUL-terminated, as above.
+        Ok(unsafe { CStr::from_ptr(id.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
+    pub(crate) fn device_total_mem(&self, device: CUdevice) -> Result<u64> {
+        let mut bytes = 0usize;
+        // SAFETY: writes one size.
+        unsafe { cu!(self, cuDeviceTotalMem_v2(&mut bytes, device)) }?;
+        Ok(bytes as u64)
+    }
+
+    pub(crate) fn device_attribute(&self, device: CUdevice, attribute: CUdevice_attribute) -> Result<i32> {
+        let mut value: c_int = 0;
+        // SAFETY: writes one int.
+        unsafe { cu!(self, cuDeviceGetAttribute(&mut value, attribute, device)) }?;
+        Ok(value)
+    }
+
+    pub(crate) fn primary_ctx_retain(&self, device: CUdevice) -> Result<CUcontext> {
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        unsafe { cu!(self, cuDevicePrimaryCtxRetain(&mut ctx, device)) }?;
+        Ok(ctx)
+    }
+
+    pub(crate) fn primary_ctx_release(&self, device: CUdevice) -> Result<()> {
+        // SAFETY: releases one reference taken by primary_ctx_retain.
+        unsafe { cu!(self, cuDevicePrimaryCtxRelease_v2(device)) }
+    }
+
+    /// Makes `ctx` current on the calling thread. Cheap when it already is.
+    pub(crate) fn set_current(&self, ctx: CUcontext) -> Result<()> {
+        // SAFETY: ctx is a live context retained by the caller.
+        unsafe { cu!(self, cuCtxSetCurrent(ctx)) }
+    }
+
+    /// `(free, total)` bytes of device memory, as the driver sees them now.
+    pub(crate) fn mem_get_info(&self) -> Result<(u64, u64)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: writes two sizes; needs a current context.
+        unsafe { cu!(self, cuMemGetInfo_v2(&mut free, &mut total)) }?;
+        Ok((free as u64, total as u64))
+    }
+
+    pub(crate) fn mem_alloc(&self, bytes: u64) -> Result<CUdeviceptr> {
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: writes one device pointer; needs a current context.
+        unsafe { cu!(self, cuMemAlloc_v2(&mut ptr, bytes as usize)) }?;
+        Ok(ptr)
+    }
+
+    pub(crate) fn mem_free(&self, ptr: CUdeviceptr) -> Result<()> {
+        // SAFETY: ptr came from mem_alloc and is freed once; callers ensure no copy uses it.
+        unsafe { cu!(self, cuMemFree_v2(ptr)) }
+    }
+
+    /// Page-locked host memory, portable (usable by every context), not write-combined.
+    pub(crate) fn mem_host_alloc(&self, bytes: u64) -> Result<*mut u8> {
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        unsafe { cu!(self, cuMemHostAlloc(&mut ptr, bytes as usize, CU_MEMHOSTALLOC_PORTABLE)) }?;
+        Ok(ptr.cast())
+    }
+
+    /// # Safety
+    /// `ptr` came from [`Raw::mem_host_alloc`], is freed once, and no copy uses it any more.
+    pub(crate) unsafe fn mem_free_host(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { cu!(self, cuMemFreeHost(ptr.cast())) }
+    }
+
+    /// # Safety
+    /// `[ptr, ptr + len)` is host memory that stays mapped until unregistered.
+    pub(crate) unsafe fn mem_host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { cu!(self, cuMemHostRegister_v2(ptr.cast(), len, CU_MEMHOSTREGISTER_PORTABLE)) }
+    }
+
+    /// # Safety
+    /// `ptr` was registered by [`Raw::mem_host_register`] and no copy uses it any more.
+    pub(crate) unsafe fn mem_host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { cu!(self, cuMemHostUnregister(ptr.cast())) }
+    }
+
+    pub(crate) fn stream_create_non_blocking(&self) -> Result<CUstream> {
+        let mut stream: CUstream = std::ptr::null_mut();
+        // SAFETY: writes one handle; needs a current context.
+        unsafe { cu!(self, cuStreamCreate(&mut stream, CU_STREAM_NON_BLOCKING)) }?;
+        Ok(stream)
+    }
+
+    pub(crate) fn stream_destroy(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: stream is live and destroyed once.
+        unsafe { cu!(self, cuStreamDestroy_v2(stream)) }
+    }
+
+    pub(crate) fn stream_synchronize(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: stream is live.
+        unsafe { cu!(self, cuStreamSynchronize(stream)) }
+    }
+
+    pub(crate) fn stream_wait_event(&self, stream: CUstream, event: CUevent) -> Result<()> {
+        // SAFETY: both handles are live (the caller's stream is the caller's promise).
+        unsafe { cu!(self, cuStreamWaitEvent(stream, event, 0)) }
+    }
+
+    pub(crate) fn event_create(&self) -> Result<CUevent> {
+        let mut event: CUevent = std::ptr::null_mut();
+        // SAFETY: writes one handle; needs a current context.
+        unsafe { cu!(self, cuEventCreate(&mut event, CU_EVENT_DISABLE_TIMING)) }?;
+        Ok(event)
+    }
+
+    pub(crate) fn event_destroy(&self, event: CUevent) -> Result<()> {
+        // SAFETY: event is live and destroyed once.
+        unsafe { cu!(self, cuEventDestroy_v2(event)) }
+    }
+
+    pub(crate) fn event_record(&self, event: CUevent, stream: CUstream) -> Result<()> {
+        // SAFETY: both handles are live.
+        unsafe { cu!(self, cuEventRecord(event, stream)) }
+    }
+
+    /// `Ok(true)` when all work captured by the event has completed.
+    pub(crate) fn event_query(&self, event: CUevent) -> Result<bool> {
+        // SAFETY: event is live.
+        match unsafe { cuda_sys::call!(self.driver, cuEventQuery(event)) }? {
+            CUDA_SUCCESS => Ok(true),
+            CUDA_ERROR_NOT_READY => Ok(false),
+            code => Err(driver_error(&self.driver, "cuEventQuery", code)),
+        }
+    }
+
+    pub(crate) fn event_synchronize(&self, event: CUevent) -> Result<()> {
+        // SAFETY: event is live.
+        unsafe { cu!(self, cuEventSynchronize(event)) }
+    }
+
+    /// # Safety
+    /// `[src, src + len)` is readable host memory that stays valid (and, for the copy to be
+    /// asynchronous, pinned) until the stream reaches this copy; `dst` is device memory of at
+    /// least `len` bytes.
+    pub(crate) unsafe fn memcpy_htod_async(
+        &self,
+        dst: CUdeviceptr,
+        src: *const u8,
+        len: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { cu!(self, cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream)) }
+    }
+
+    /// # Safety
+    /// `[dst, dst + len)` is writable host memory that stays valid (and pinned) until the
+    /// stream reaches this copy, and nothing reads it before then; `src` is device memory of
+    /// at least `len` bytes.
+    pub(crate) unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: CUdeviceptr,
+        len: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { cu!(self, cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream)) }
+    }
+}

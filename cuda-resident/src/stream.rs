@@ -1,0 +1,307 @@
+//! Lanes (one non-blocking stream per direction, each with a timeline of events) and fences.
+//!
+//! Every submission on a lane gets the next sequence number and an event recorded after its
+//! work. The lane keeps the events of work in flight, in order, together with what that work
+//! needs alive (pinned staging); polling pops the completed ones, recycles their events and
+//! releases what they kept. "Is submission `s` done?" is then one atomic load in the common
+//! case: `s <= completed`.
+//!
+//! Two lanes, host-to-device and device-to-host, so that the two directions overlap on the
+//! GPU's separate copy engines. Neither is ever the null stream.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cuda_sys::{CUevent, CUstream};
+
+use crate::context::Context;
+use crate::device::Device;
+use crate::error::Result;
+use crate::host_pool::HostLease;
+use crate::raw::Raw;
+use crate::sync::lock;
+
+/// The two directions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum LaneKind {
+    /// Host to device.
+    Upload = 0,
+    /// Device to host.
+    Readback = 1,
+}
+
+impl LaneKind {
+    pub(crate) const ALL: [LaneKind; 2] = [LaneKind::Upload, LaneKind::Readback];
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What a submission keeps alive until its work completes.
+pub(crate) type KeepAlive = Vec<HostLease>;
+
+struct InFlight {
+    seq: u64,
+    event: CUevent,
+    keep: KeepAlive,
+}
+
+struct LaneState {
+    next_seq: u64,
+    inflight: VecDeque<InFlight>,
+    spare_events: Vec<CUevent>,
+}
+
+/// One stream and its timeline.
+pub(crate) struct Lane {
+    kind: LaneKind,
+    stream: CUstream,
+    ctx: Arc<Context>,
+    state: crate::sync::Mutex<LaneState>,
+    /// Every sequence number up to this one has completed.
+    completed: AtomicU64,
+}
+
+// SAFETY: the stream and event handles are driver handles usable from any thread; the
+// mutable state is behind the mutex.
+unsafe impl Send for Lane {}
+// SAFETY: as above.
+unsafe impl Sync for Lane {}
+
+impl fmt::Debug for Lane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lane")
+            .field("kind", &self.kind)
+            .field("completed", &self.completed.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lane {
+    /// A lane on a new non-blocking stream. The context must be current.
+    pub(crate) fn new(kind: LaneKind, ctx: Arc<Context>) -> Result<Lane> {
+        let stream = ctx.raw.stream_create_non_blocking()?;
+        Ok(Lane {
+            kind,
+            stream,
+            ctx,
+            state: crate::sync::Mutex::new(LaneState {
+                next_seq: 1,
+                inflight: VecDeque::new(),
+                spare_events: Vec::new(),
+            }),
+            completed: AtomicU64::new(0),
+        })
+    }
+
+    /// Enqueues work on the stream, records the submission's event and returns its sequence
+    /// number, which `enqueue` also receives (to mark the buffers it uses before any other
+    /// thread can see the work). `keep` stays alive until the work completes. The lane's lock
+    /// is held while `enqueue` runs, so stream order is sequence order.
+    ///
+    /// If `enqueue` fails after enqueuing part of its work, the event is recorded all the
+    /// same (what was enqueued must finish before `keep` is released) and the error returned.
+    pub(crate) fn submit(
+        &self,
+        keep: KeepAlive,
+        enqueue: impl FnOnce(&Raw, CUstream, u64) -> Result<()>,
+    ) -> Result<u64> {
+        let raw = &self.ctx.raw;
+        let mut state = lock(&self.state);
+        let enqueued = enqueue(raw, self.stream, state.next_seq);
+        let event = match state.spare_events.pop() {
+            Some(event) => event,
+            None => raw.event_create()?,
+        };
+        if let Err(e) = raw.event_record(event, self.stream) {
+            state.spare_events.push(event);
+            drop(state);
+            // Recording failed: the stream is broken. Wait for it so that `keep` is safe to
+            // release; if even that fails, the context is lost and nothing is in flight.
+            let _ = raw.stream_synchronize(self.stream);
+            return Err(e);
+        }
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        state.inflight.push_back(InFlight { seq, event, keep });
+        drop(state);
+        enqueued.map(|()| seq)
+    }
+
+    /// The sequence number of the last submission (0 when there was none).
+    pub(crate) fn last_submitted(&self) -> u64 {
+        lock(&self.state).next_seq - 1
+    }
+
+    /// The oldest submission still in flight, if any.
+    pub(crate) fn oldest_in_flight(&self) -> Option<u64> {
+        lock(&self.state).inflight.front().map(|f| f.seq)
+    }
+
+    /// Whether submission `seq` is known to have completed, without asking the driver.
+    pub(crate) fn is_known_done(&self, seq: u64) -> bool {
+        seq <= self.completed.load(Ordering::Acquire)
+    }
+
+    /// Whether submission `seq` has completed, asking the driver if need be.
+    pub(crate) fn is_done(&self, seq: u64) -> Result<bool> {
+        if self.is_known_done(seq) {
+            return Ok(true);
+        }
+        self.poll()?;
+        Ok(self.is_known_done(seq))
+    }
+
+    /// Retires every completed submission at the head of the timeline, releasing what it
+    /// kept alive.
+    pub(crate) fn poll(&self) -> Result<()> {
+        let mut released: Vec<KeepAlive> = Vec::new();
+        let result = {
+            let mut state = lock(&self.state);
+            let mut result = Ok(());
+            while let Some(front) = state.inflight.front() {
+                match self.ctx.raw.event_query(front.event) {
+                    Ok(true) => {
+                        let done = state.inflight.pop_front().expect("front exists");
+                        state.spare_events.push(done.event);
+                        self.completed.store(done.seq, Ordering::Release);
+                        if !done.keep.is_empty() {
+                            released.push(done.keep);
+                        }
+                    }
+                    Ok(false) => break,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            result
+        };
+        // Released staging goes back to its pool outside the lane's lock.
+        drop(released);
+        result
+    }
+
+    /// Blocks the calling thread until submission `seq` has completed. Returns whether it
+    /// had to wait.
+    pub(crate) fn wait(&self, seq: u64) -> Result<bool> {
+        if self.is_known_done(seq) {
+            return Ok(false);
+        }
+        let event = {
+            let state = lock(&self.state);
+            state.inflight.iter().find(|f| f.seq == seq).map(|f| f.event)
+        };
+        let Some(event) = event else {
+            // Retired between the check and the lock.
+            return Ok(false);
+        };
+        // The event may be recycled for a later submission on this same stream while we
+        // wait; then we wait for that later work too, which is later in stream order: longer,
+        // never too short.
+        self.ctx.bind()?.event_synchronize(event)?;
+        self.poll()?;
+        Ok(true)
+    }
+
+    /// Waits for everything submitted so far.
+    pub(crate) fn synchronize(&self) -> Result<bool> {
+        self.wait(self.last_submitted())
+    }
+
+    /// Makes `stream` wait, on the device, for submission `seq` of this lane.
+    pub(crate) fn make_stream_wait(&self, seq: u64, stream: CUstream) -> Result<()> {
+        if self.is_known_done(seq) {
+            return Ok(());
+        }
+        // The lock keeps the event from being recycled while the wait is enqueued.
+        let state = lock(&self.state);
+        match state.inflight.iter().find(|f| f.seq == seq) {
+            Some(f) => self.ctx.raw.stream_wait_event(stream, f.event),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        let Ok(raw) = self.ctx.bind() else { return };
+        // Work in flight finishes before its staging is released and the stream destroyed.
+        let _ = raw.stream_synchronize(self.stream);
+        let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for done in state.inflight.drain(..) {
+            let _ = raw.event_destroy(done.event);
+        }
+        for event in state.spare_events.drain(..) {
+            let _ = raw.event_destroy(event);
+        }
+        let _ = raw.stream_destroy(self.stream);
+    }
+}
+
+/// Completion of submitted work: an event on one lane, and the device that keeps it valid.
+///
+/// Dropping a fence does not cancel or wait for anything: the work completes on its own and
+/// what it needs stays alive until then. A fence keeps its `Device`'s context alive.
+#[derive(Clone)]
+pub struct Fence {
+    device: Option<Device>,
+    lane: LaneKind,
+    seq: u64,
+}
+
+impl fmt::Debug for Fence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fence").field("lane", &self.lane).field("seq", &self.seq).finish()
+    }
+}
+
+impl Fence {
+    pub(crate) fn new(device: Device, lane: LaneKind, seq: u64) -> Fence {
+        Fence { device: Some(device), lane, seq }
+    }
+
+    /// A fence with nothing to wait for (an empty batch).
+    pub fn completed() -> Fence {
+        Fence { device: None, lane: LaneKind::Upload, seq: 0 }
+    }
+
+    /// Blocks until the work has completed on the GPU. Fails if the GPU reported an error
+    /// for that work (or earlier work on its stream).
+    pub fn wait(&self) -> Result<()> {
+        let Some(device) = &self.device else { return Ok(()) };
+        if device.core().lane(self.lane).wait(self.seq)? {
+            device.core().telemetry.host_waits.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Whether the work has completed, without blocking.
+    pub fn is_complete(&self) -> Result<bool> {
+        match &self.device {
+            None => Ok(true),
+            Some(device) => device.core().lane(self.lane).is_done(self.seq),
+        }
+    }
+
+    /// Makes one of the caller's streams wait, on the GPU, for this work: kernels the caller
+    /// launches on `stream` afterwards see the uploaded bytes, with no host round trip.
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream (or null, the legacy default stream) of this device's
+    /// primary context.
+    pub unsafe fn make_stream_wait(&self, stream: CUstream) -> Result<()> {
+        match &self.device {
+            None => Ok(()),
+            Some(device) => {
+                device.core().ctx.bind()?;
+                device.core().lane(self.lane).make_stream_wait(self.seq, stream)
+            }
+        }
+    }
+}

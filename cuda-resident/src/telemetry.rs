@@ -1,0 +1,75 @@
+//! Counters of what a device did, and a snapshot of them.
+//!
+//! Counters are relaxed atomics bumped on paths that already cost a driver call or a batch;
+//! the allocator's hot-path counts live in its shards. A snapshot gathers both.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::alloc::AllocatorStats;
+use crate::host_pool::PinnedStats;
+
+/// The device's own counters.
+#[derive(Debug, Default)]
+pub(crate) struct Telemetry {
+    /// Fences waited on by the host that were not already complete.
+    pub(crate) host_waits: AtomicU64,
+    /// Submissions on the upload lane.
+    pub(crate) upload_submissions: AtomicU64,
+    /// Submissions on the readback lane.
+    pub(crate) readback_submissions: AtomicU64,
+    /// Bytes callers asked to move.
+    pub(crate) bytes_requested: AtomicU64,
+    /// Bytes that crossed the bus.
+    pub(crate) bytes_moved: AtomicU64,
+    /// DMA copies enqueued.
+    pub(crate) dma_copies: AtomicU64,
+    /// Kernel launches enqueued.
+    pub(crate) kernel_launches: AtomicU64,
+}
+
+impl Telemetry {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of a device's counters ([`Device::telemetry`](crate::Device::telemetry)).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct TelemetrySnapshot {
+    /// The resident store.
+    pub memory: AllocatorStats,
+    /// The pinned staging pool.
+    pub pinned: PinnedStats,
+    /// Fences the host had to block on.
+    pub host_waits: u64,
+    /// Submissions on the upload lane.
+    pub upload_submissions: u64,
+    /// Submissions on the readback lane.
+    pub readback_submissions: u64,
+    /// Bytes callers asked to move.
+    pub bytes_requested: u64,
+    /// Bytes that crossed the bus (after fusing overlaps, plus descriptors).
+    pub bytes_moved: u64,
+    /// DMA copies enqueued.
+    pub dma_copies: u64,
+    /// Kernel launches enqueued.
+    pub kernel_launches: u64,
+}
+
+impl TelemetrySnapshot {
+    pub(crate) fn gather(t: &Telemetry, memory: AllocatorStats, pinned: PinnedStats) -> TelemetrySnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TelemetrySnapshot {
+            memory,
+            pinned,
+            host_waits: get(&t.host_waits),
+            upload_submissions: get(&t.upload_submissions),
+            readback_submissions: get(&t.readback_submissions),
+            bytes_requested: get(&t.bytes_requested),
+            bytes_moved: get(&t.bytes_moved),
+            dma_copies: get(&t.dma_copies),
+            kernel_launches: get(&t.kernel_launches),
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! Devices, the resident store, the pinned pool and the lanes on a real GPU. Ignored where
+//! there is none: `cargo test -- --include-ignored` on a machine with an NVIDIA GPU.
+
+use std::sync::Arc;
+
+use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, call};
+use cuda_resident::{Config, Device, Error, ResidentBuffer};
+
+fn device() -> Device {
+    Device::open(0).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn random_bytes(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v);
+    v
+}
+
+/// Writes `data` to the buffer with a raw, synchronous driver copy.
+fn raw_write(device: &Device, buffer: ResidentBuffer, data: &[u8]) {
+    let ptr = device.device_ptr(buffer).unwrap();
+    device.make_current().unwrap();
+    // SAFETY: the buffer holds at least data.len() bytes (checked by the callers' sizes).
+    let code = unsafe { call!(device.driver(), cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), data.len())) };
+    assert_eq!(code.unwrap(), CUDA_SUCCESS);
+}
+
+/// Reads the buffer back with a raw, synchronous driver copy into poisoned memory.
+fn raw_read(device: &Device, buffer: ResidentBuffer) -> Vec<u8> {
+    let ptr = device.device_ptr(buffer).unwrap();
+    let len = device.buffer_len(buffer).unwrap() as usize;
+    let mut out = vec![0xA5u8; len];
+    device.make_current().unwrap();
+    // SAFETY: out holds len bytes; the buffer holds len bytes.
+    let code = unsafe { call!(device.driver(), cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, len)) };
+    assert_eq!(code.unwrap(), CUDA_SUCCESS);
+    out
+}
+
+fn driver_free_memory(device: &Device) -> u64 {
+    device.make_current().unwrap();
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: writes two sizes.
+    let code = unsafe { call!(device.driver(), cuMemGetInfo_v2(&mut free, &mut total)) };
+    assert_eq!(code.unwrap(), CUDA_SUCCESS);
+    free as u64
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn info_describes_the_device() {
+    let count = Device::count().unwrap();
+    assert!(count >= 1);
+    let d = device();
+    let info = d.info();
+    println!("{info:?}");
+    assert!(!info.name.is_empty());
+    assert!(info.total_memory >= 1 << 30);
+    assert!(info.compute_capability.0 >= 5);
+    assert!(info.copy_engines >= 1 && info.multiprocessors >= 1);
+    assert!(info.driver_version.major() >= 12);
+    assert!(info.pci_bus_id.contains(':'));
+    assert!(matches!(Device::open(count), Err(Error::NoSuchDevice { ordinal, count: c }) if ordinal == count && c == count));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn allocations_hold_their_bytes() {
+    let d = device();
+    let mut rng = fastrand::Rng::with_seed(0xA110C);
+    let sizes = [1usize, 255, 256, 4097, (1 << 20) + 3, 5 << 20, 70 << 20];
+    let buffers: Vec<_> = sizes.iter().map(|&len| d.allocate(len as u64).unwrap()).collect();
+    let data: Vec<_> = sizes.iter().map(|&len| random_bytes(&mut rng, len)).collect();
+    // Write everything first, then read everything: a neighbour's write must not clobber.
+    for (b, bytes) in buffers.iter().zip(&data) {
+        raw_write(&d, *b, bytes);
+    }
+    for (b, bytes) in buffers.iter().zip(&data) {
+        assert!(raw_read(&d, *b) == *bytes, "buffer of {} bytes changed", bytes.len());
+        assert_eq!(d.device_ptr(*b).unwrap() % 256, 0);
+    }
+    for b in buffers {
+        d.free(b).unwrap();
+    }
+    assert_eq!(d.allocated_bytes(), 0);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_budget_is_enforced_with_a_small_fraction() {
+    let config = Config { budget_fraction: 0.01, ..Config::default() };
+    let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
+    let total = d.info().total_memory;
+    let mut held = Vec::new();
+    let err = loop {
+        match d.allocate(96 << 20) {
+            Ok(b) => held.push(b),
+            Err(e) => break e,
+        }
+        assert!(held.len() < 10_000, "the budget never refused");
+    };
+    let Error::OverBudget { requested, in_use, limit, .. } = err else { panic!("{err}") };
+    assert_eq!(requested, 96 << 20);
+    assert!(in_use + requested > limit);
+    assert!(d.allocated_bytes() as f64 <= 0.01 * total as f64, "{} held of {total}", d.allocated_bytes());
+    assert!(d.telemetry().memory.reserved_bytes as f64 <= 0.01 * total as f64);
+    for b in held {
+        d.free(b).unwrap();
+    }
+    assert_eq!(d.allocated_bytes(), 0);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_free_during_an_upload_is_deferred_until_it_completes() {
+    let d = device();
+    const LEN: usize = 512 << 20; // about 10 ms on the wire
+    let mut rng = fastrand::Rng::with_seed(0xDEF);
+    let mut src = d.pinned(LEN).unwrap();
+    rng.fill(&mut src);
+    let a = d.allocate(LEN as u64).unwrap();
+    let a_ptr = d.device_ptr(a).unwrap();
+    // SAFETY: src is pinned, LEN bytes, and lives until the fence is waited on below.
+    let fence = unsafe { d.upload_async_at(a, 0, src.as_ptr(), LEN) }.unwrap();
+    d.free(a).unwrap();
+    assert!(!fence.is_complete().unwrap(), "the copy should still be in flight");
+    let stats = d.telemetry().memory;
+    assert_eq!(stats.deferred_frees, 1);
+    assert_eq!(stats.deferred_bytes, LEN as u64);
+    // The memory is not handed out again while the copy writes it.
+    let b = d.allocate(LEN as u64).unwrap();
+    assert_ne!(d.device_ptr(b).unwrap(), a_ptr);
+    fence.wait().unwrap();
+    assert!(fence.is_complete().unwrap());
+    d.free(b).unwrap();
+    d.trim().unwrap();
+    let stats = d.telemetry().memory;
+    assert_eq!((stats.deferred_bytes, stats.allocated_bytes), (0, 0));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn async_copies_round_trip_and_order_across_lanes() {
+    let d = device();
+    let mut rng = fastrand::Rng::with_seed(0x1a4e);
+    const LEN: usize = 64 << 20;
+    let mut src = d.pinned(LEN).unwrap();
+    rng.fill(&mut src);
+    let mut dst = d.pinned(LEN).unwrap();
+    dst.fill(0x5A);
+    let buffer = d.allocate(LEN as u64).unwrap();
+    // SAFETY: both regions are pinned, LEN bytes, alive and untouched until the fences are
+    // waited on.
+    let (up, down) = unsafe {
+        let up = d.upload_async_at(buffer, 0, src.as_ptr(), LEN).unwrap();
+        // Submitted at once on the other lane: it must wait for the upload on the device.
+        let down = d.download_async_at(buffer, 0, dst.as_mut_ptr(), LEN).unwrap();
+        (up, down)
+    };
+    down.wait().unwrap();
+    assert!(up.is_complete().unwrap(), "the readback waited for the upload");
+    assert!(dst[..] == src[..], "read-after-write across lanes returned other bytes");
+    let t = d.telemetry();
+    assert!(t.upload_submissions >= 1 && t.readback_submissions >= 1);
+    d.free(buffer).unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn bad_handles_and_ranges_are_errors() {
+    let d = device();
+    let other = Device::open(0).unwrap(); // a second Device: its own allocator
+    let b = d.allocate(4096).unwrap();
+    let theirs = other.allocate(4096).unwrap();
+    let data = [1u8; 16];
+    assert!(matches!(d.free(theirs), Err(Error::ForeignBuffer { .. })));
+    assert!(matches!(d.device_ptr(theirs), Err(Error::ForeignBuffer { .. })));
+    // SAFETY: each call fails validation before anything is enqueued.
+    unsafe {
+        assert!(matches!(d.upload_async_at(b, 4090, data.as_ptr(), 16), Err(Error::OutOfRange { .. })));
+        assert!(matches!(d.upload_async_at(b, u64::MAX, data.as_ptr(), 16), Err(Error::OutOfRange { .. })));
+        assert!(matches!(d.upload_async_at(theirs, 0, data.as_ptr(), 16), Err(Error::ForeignBuffer { .. })));
+    }
+    assert_eq!(d.telemetry().upload_submissions, 0, "nothing was enqueued");
+    assert!(matches!(d.allocate(0), Err(Error::ZeroSizedAllocation)));
+    d.free(b).unwrap();
+    assert!(matches!(d.free(b), Err(Error::FreedBuffer { .. })));
+    assert!(matches!(d.device_ptr(b), Err(Error::FreedBuffer { .. })));
+    other.free(theirs).unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn many_threads_allocating_at_once_keep_the_accounting_exact() {
+    let d = device();
+    d.trim().unwrap();
+    let baseline = driver_free_memory(&d);
+    let threads: Vec<_> = (0..16)
+        .map(|t| {
+            let d = d.clone();
+            std::thread::spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(t);
+                let mut live: Vec<(ResidentBuffer, u64)> = Vec::new();
+                for _ in 0..20_000 {
+                    if live.len() < 64 && (rng.bool() || live.is_empty()) {
+                        let len = if rng.u8(..) == 0 { rng.u64(4 << 20..80 << 20) } else { rng.u64(1..=1 << 20) };
+                        live.push((d.allocate(len).unwrap(), len));
+                    } else {
+                        let (b, len) = live.swap_remove(rng.usize(..live.len()));
+                        assert_eq!(d.buffer_len(b).unwrap(), len);
+                        d.free(b).unwrap();
+                    }
+                }
+                for (b, _) in live {
+                    d.free(b).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let stats = d.telemetry().memory;
+    assert_eq!((stats.allocated_bytes, stats.footprint_bytes, stats.buffers), (0, 0, 0));
+    assert_eq!(stats.allocations, stats.frees);
+    assert_eq!(stats.reserved_bytes, stats.cached_bytes + stats.slab_free_bytes + stats.dedicated_bytes);
+    d.trim().unwrap();
+    assert_eq!(d.telemetry().memory.reserved_bytes, 0);
+    // The driver agrees that everything went back.
+    let after = driver_free_memory(&d);
+    assert!(after + (4 << 20) >= baseline, "driver free memory {after} vs {baseline} before");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pinned_staging_is_reused_and_capped() {
+    let config = Config { pinned_cap_bytes: 32 << 20, chunk_bytes: 1 << 20, ..Config::default() };
+    let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
+    let first = d.pinned(1 << 20).unwrap();
+    let ptr = first.as_ptr();
+    drop(first);
+    let again = d.pinned(1 << 20).unwrap();
+    assert_eq!(again.as_ptr(), ptr, "the arena came back from the pool");
+    let stats = d.telemetry().pinned;
+    assert_eq!((stats.hits, stats.misses), (1, 1));
+    assert!(matches!(d.pinned(64 << 20), Err(Error::PinnedCapExceeded { .. })));
+    let hold: Vec<_> = (0..15).map(|_| d.pinned(2 << 20).unwrap()).collect();
+    let err = d.pinned(4 << 20).unwrap_err();
+    assert!(matches!(err, Error::PinnedExhausted { .. }), "{err}");
+    drop(hold);
+    assert!(d.pinned(4 << 20).is_ok(), "free arenas of other sizes make room");
+    let _ = cuda_sys::CUDA_SUCCESS;
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_fence_makes_a_callers_stream_wait() {
+    let d = device();
+    let mut rng = fastrand::Rng::with_seed(0xFE);
+    const LEN: usize = 32 << 20;
+    let mut src = d.pinned(LEN).unwrap();
+    rng.fill(&mut src);
+    let mut dst = d.pinned(LEN).unwrap();
+    dst.fill(0);
+    let buffer = d.allocate(LEN as u64).unwrap();
+    let ptr = d.device_ptr(buffer).unwrap();
+    d.make_current().unwrap();
+    let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
+    // SAFETY: creates a stream on the current (device's) context; the copies use pinned
+    // regions of LEN bytes that outlive the synchronize below.
+    unsafe {
+        assert_eq!(call!(d.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)).unwrap(), 0);
+        let fence = d.upload_async_at(buffer, 0, src.as_ptr(), LEN).unwrap();
+        fence.make_stream_wait(stream).unwrap();
+        let copy = call!(d.driver(), cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), ptr, LEN, stream));
+        assert_eq!(copy.unwrap(), 0);
+        assert_eq!(call!(d.driver(), cuStreamSynchronize(stream)).unwrap(), 0);
+        assert_eq!(call!(d.driver(), cuStreamDestroy_v2(stream)).unwrap(), 0);
+    }
+    assert!(dst[..] == src[..], "the caller's stream did not wait for the upload");
+    d.free(buffer).unwrap();
+}
