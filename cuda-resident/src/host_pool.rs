@@ -127,12 +127,17 @@ impl HostPool {
             // Make room by releasing free arenas of other sizes, largest first.
             while state.reserved + bytes > self.cap {
                 let Some(mut entry) = state.free.last_entry() else { break };
-                let arena = entry.get_mut().pop().expect("empty lists are removed");
-                if entry.get().is_empty() {
-                    entry.remove();
+                match entry.get_mut().pop() {
+                    Some(arena) => {
+                        state.reserved -= arena.bytes;
+                        evicted.push(arena);
+                    }
+                    // Lists emptied by hits stay in the map (to keep their capacity) until
+                    // eviction passes over them.
+                    None => {
+                        entry.remove();
+                    }
                 }
-                state.reserved -= arena.bytes;
-                evicted.push(arena);
             }
             if state.reserved + bytes > self.cap {
                 drop(state);
