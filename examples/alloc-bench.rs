@@ -53,11 +53,8 @@ fn check(code: Result<cuda_sys::CUresult, cuda_sys::MissingSymbol>, what: &str) 
 }
 
 fn main() -> ExitCode {
-    let threads: usize = std::env::args()
-        .skip_while(|a| a != "--threads")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(16);
+    let threads: usize =
+        std::env::args().skip_while(|a| a != "--threads").nth(1).and_then(|v| v.parse().ok()).unwrap_or(16);
     let device = match Device::open(0) {
         Ok(d) => d,
         Err(e) => {
@@ -126,7 +123,10 @@ fn main() -> ExitCode {
 
     let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
     // SAFETY: creates a stream on the current context.
-    check(unsafe { call!(driver, cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)) }, "cuStreamCreate");
+    check(
+        unsafe { call!(driver, cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)) },
+        "cuStreamCreate",
+    );
     let mut i = 0u64;
     let raw_async = time_ns(20_000, || {
         let mut p = 0;
@@ -151,7 +151,10 @@ fn main() -> ExitCode {
         let mut p = std::ptr::null_mut();
         // SAFETY: allocates and frees 1 MiB of pinned host memory.
         unsafe {
-            check(call!(driver, cuMemHostAlloc(&mut p, MIB as usize, cuda_sys::CU_MEMHOSTALLOC_PORTABLE)), "cuMemHostAlloc");
+            check(
+                call!(driver, cuMemHostAlloc(&mut p, MIB as usize, cuda_sys::CU_MEMHOSTALLOC_PORTABLE)),
+                "cuMemHostAlloc",
+            );
             check(call!(driver, cuMemFreeHost(p)), "cuMemFreeHost");
         }
     });

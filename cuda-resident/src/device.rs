@@ -9,9 +9,12 @@ use crate::alloc::{Allocator, AllocatorConfig, LastUse, ResidentBuffer};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::host_pool::{HostPool, PinnedBuffer};
+use crate::kernels::Kernels;
 use crate::raw::Raw;
 use crate::stream::{Lane, LaneKind};
+use crate::sync::Mutex;
 use crate::telemetry::{Telemetry, TelemetrySnapshot};
+use crate::transfer::DeviceStaging;
 
 /// Settings of a [`Device`]. The defaults need no tuning; each field says when to change it.
 #[derive(Clone, Debug, PartialEq)]
@@ -56,7 +59,8 @@ impl Default for Config {
 impl Config {
     /// Checks every field; the error names the field and what to set.
     pub fn validate(&self) -> Result<()> {
-        let invalid = |field, value: String, reason, fix| Err(Error::InvalidConfig { field, value, reason, fix });
+        let invalid =
+            |field, value: String, reason, fix| Err(Error::InvalidConfig { field, value, reason, fix });
         if !(self.budget_fraction > 0.0 && self.budget_fraction <= 1.0) {
             return invalid(
                 "budget_fraction",
@@ -157,11 +161,43 @@ pub(crate) struct Core {
     pub(crate) pinned: Arc<HostPool>,
     pub(crate) lanes: [Lane; 2],
     pub(crate) telemetry: Telemetry,
+    /// Device staging per lane, used under that lane's batch lock.
+    pub(crate) staging: [Mutex<DeviceStaging>; 2],
+    kernels: OnceLock<Kernels>,
+    packers: OnceLock<rayon::ThreadPool>,
 }
 
 impl Core {
     pub(crate) fn lane(&self, kind: LaneKind) -> &Lane {
         &self.lanes[kind.index()]
+    }
+
+    /// The scatter/gather kernel, loaded on first use.
+    pub(crate) fn kernels(&self) -> Result<&Kernels> {
+        if let Some(k) = self.kernels.get() {
+            return Ok(k);
+        }
+        let loaded = Kernels::load(self.ctx.bind()?, self.info.multiprocessors)?;
+        if let Err(lost) = self.kernels.set(loaded) {
+            // Another thread loaded it first.
+            let _ = lost.unload(&self.ctx.raw);
+        }
+        Ok(self.kernels.get().expect("set above"))
+    }
+
+    /// The packing threads, started on first use and kept for the device's life.
+    pub(crate) fn packers(&self) -> &rayon::ThreadPool {
+        self.packers.get_or_init(|| {
+            let threads = self.config.resolved_pack_threads();
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("cuda-resident-pack-{i}"))
+                .build()
+                // Spawning threads fails only when the system is out of resources; a pool
+                // of one thread (the caller) still packs correctly.
+                .or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).use_current_thread().build())
+                .expect("a one-thread pool on the current thread cannot fail")
+        })
     }
 
     /// Whether no copy in flight uses a buffer whose last uses were `last`, asking the
@@ -184,6 +220,9 @@ impl Drop for Core {
             let _ = lane.synchronize();
         }
         let _ = self.ctx.bind();
+        if let Some(kernels) = self.kernels.get() {
+            let _ = kernels.unload(&self.ctx.raw);
+        }
         let _ = self.alloc.release_all();
     }
 }
@@ -201,7 +240,10 @@ pub struct Device {
 
 impl fmt::Debug for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Device").field("ordinal", &self.core.info.ordinal).field("name", &self.core.info.name).finish()
+        f.debug_struct("Device")
+            .field("ordinal", &self.core.info.ordinal)
+            .field("name", &self.core.info.name)
+            .finish()
     }
 }
 
@@ -239,7 +281,10 @@ impl Device {
         let ctx = Arc::new(Context::retain(raw, cu_device)?);
         let raw = ctx.bind()?;
         let info = query_info(raw, cu_device, ordinal)?;
-        let lanes = [Lane::new(LaneKind::Upload, Arc::clone(&ctx))?, Lane::new(LaneKind::Readback, Arc::clone(&ctx))?];
+        let lanes = [
+            Lane::new(LaneKind::Upload, Arc::clone(&ctx))?,
+            Lane::new(LaneKind::Readback, Arc::clone(&ctx))?,
+        ];
         let pinned = Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes));
         pinned.prewarm(config.chunk_bytes as usize, config.pinned_prewarm_bytes)?;
         let alloc = Allocator::new(
@@ -251,7 +296,18 @@ impl Device {
                 slab_bytes: config.slab_bytes,
             },
         );
-        let core = Core { ctx, info, config, alloc, pinned, lanes, telemetry: Telemetry::default() };
+        let core = Core {
+            ctx,
+            info,
+            config,
+            alloc,
+            pinned,
+            lanes,
+            telemetry: Telemetry::default(),
+            staging: Default::default(),
+            kernels: OnceLock::new(),
+            packers: OnceLock::new(),
+        };
         Ok(Device { core: Arc::new(core) })
     }
 
@@ -431,6 +487,10 @@ mod tests {
         fn check<T: Send + Sync + Clone>() {}
         check::<Device>();
         check::<crate::Fence>();
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<crate::Readback>();
+        send_sync::<crate::PendingReadback>();
+        send_sync::<crate::PinnedBuffer>();
         assert!(std::mem::size_of::<Device>() == std::mem::size_of::<usize>());
         assert!(std::mem::size_of::<ResidentBuffer>() <= 16);
     }

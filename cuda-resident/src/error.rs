@@ -8,7 +8,7 @@ use crate::alloc::ResidentBuffer;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong. Each variant's message says what happened and how to fix it.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// No CUDA driver library could be loaded.
@@ -102,6 +102,10 @@ pub enum Error {
         device: usize,
     },
 
+    /// A batch could not be planned (too large, or a request out of range).
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
+
     /// A byte range that does not lie inside its buffer.
     #[error(
         "the range of {len} bytes at offset {offset} does not fit in {buffer:?}, which holds {buffer_len} bytes. \
@@ -116,6 +120,26 @@ pub enum Error {
         len: u64,
         /// The buffer's length.
         buffer_len: u64,
+    },
+
+    /// Host memory for a result could not be reserved.
+    #[error(
+        "could not reserve {bytes} bytes of host memory for the result. Fix: read in smaller ranges, or into a slice you own (Device::read_into_slice)."
+    )]
+    HostOutOfMemory {
+        /// Bytes asked for.
+        bytes: u64,
+    },
+
+    /// Two lists that must have the same length do not.
+    #[error("{what} have different lengths: {left} and {right}. Fix: pass one entry of each per item.")]
+    LengthMismatch {
+        /// What the two lists are.
+        what: &'static str,
+        /// The first list's length.
+        left: usize,
+        /// The second list's length.
+        right: usize,
     },
 
     /// A pinned staging request larger than the pool's cap.
@@ -171,12 +195,17 @@ fn driver_fix(code: CUresult) -> &'static str {
             "the driver was not initialised or is shutting down; open the Device again and keep it alive while \
              it is used"
         }
-        CUDA_ERROR_SYSTEM_DRIVER_MISMATCH | CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER
+        CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
+        | CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER
         | CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE => {
             "install an NVIDIA driver that supports CUDA 13.0 or newer (R580+)"
         }
-        CUDA_ERROR_ILLEGAL_ADDRESS | CUDA_ERROR_LAUNCH_FAILED | CUDA_ERROR_HARDWARE_STACK_ERROR
-        | CUDA_ERROR_ILLEGAL_INSTRUCTION | CUDA_ERROR_MISALIGNED_ADDRESS | CUDA_ERROR_INVALID_PC
+        CUDA_ERROR_ILLEGAL_ADDRESS
+        | CUDA_ERROR_LAUNCH_FAILED
+        | CUDA_ERROR_HARDWARE_STACK_ERROR
+        | CUDA_ERROR_ILLEGAL_INSTRUCTION
+        | CUDA_ERROR_MISALIGNED_ADDRESS
+        | CUDA_ERROR_INVALID_PC
         | CUDA_ERROR_ECC_UNCORRECTABLE => {
             "the GPU context is no longer usable after this fault; restart the process (run compute-sanitizer to \
              find the kernel at fault)"
@@ -233,6 +262,8 @@ mod tests {
             Error::OutOfRange { buffer, offset: u64::MAX, len: 2, buffer_len: 10 },
             Error::PinnedCapExceeded { requested: 2, cap: 1 },
             Error::PinnedExhausted { requested: 2, cap: 4, lent: 3 },
+            Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
+            Error::HostOutOfMemory { bytes: 1 },
         ];
         for e in errors {
             let text = e.to_string();
@@ -252,7 +283,10 @@ mod tests {
         };
         assert_eq!(e.cuda_code(), Some(2));
         let text = e.to_string();
-        assert!(text.starts_with("cuMemAlloc_v2 failed with CUDA_ERROR_OUT_OF_MEMORY (2): out of memory."), "{text}");
+        assert!(
+            text.starts_with("cuMemAlloc_v2 failed with CUDA_ERROR_OUT_OF_MEMORY (2): out of memory."),
+            "{text}"
+        );
         assert!(text.contains("Device::trim"), "{text}");
     }
 

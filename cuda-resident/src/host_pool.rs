@@ -83,6 +83,10 @@ pub(crate) struct HostLease {
     len: usize,
 }
 
+// SAFETY: through `&HostLease` only the address and length are read; the bytes are reached
+// by `unsafe` methods whose callers promise no conflicting access (or through `&mut`).
+unsafe impl Sync for HostLease {}
+
 impl fmt::Debug for HostLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostLease").field("len", &self.len).field("arena_bytes", &self.arena_bytes()).finish()

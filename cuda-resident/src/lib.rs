@@ -28,6 +28,8 @@ mod context;
 mod device;
 mod error;
 mod host_pool;
+mod kernels;
+pub mod plan;
 mod raw;
 mod stream;
 mod sync;
@@ -41,6 +43,7 @@ pub use error::{Error, Result};
 pub use host_pool::{PinnedBuffer, PinnedStats};
 pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;
+pub use transfer::{PendingReadback, Readback, ReadbackBatch, Slot, UploadBatch};
 
 /// The raw driver crate, re-exported for callers that make their own driver calls.
 pub use cuda_sys;

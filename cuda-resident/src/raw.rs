@@ -236,4 +236,59 @@ impl Raw {
         // SAFETY: as the caller promises.
         unsafe { cu!(self, cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream)) }
     }
+
+    /// Loads a module from NUL-terminated PTX (JIT-compiled by the driver for this GPU).
+    pub(crate) fn module_load_data(&self, ptx: &CStr) -> Result<CUmodule> {
+        let mut module: CUmodule = std::ptr::null_mut();
+        // SAFETY: ptx is NUL-terminated and outlives the call; needs a current context.
+        unsafe { cu!(self, cuModuleLoadData(&mut module, ptx.as_ptr().cast())) }?;
+        Ok(module)
+    }
+
+    pub(crate) fn module_unload(&self, module: CUmodule) -> Result<()> {
+        // SAFETY: module is live and unloaded once, after its kernels' last use.
+        unsafe { cu!(self, cuModuleUnload(module)) }
+    }
+
+    pub(crate) fn module_get_function(&self, module: CUmodule, name: &CStr) -> Result<CUfunction> {
+        let mut function: CUfunction = std::ptr::null_mut();
+        // SAFETY: writes one handle; name is NUL-terminated.
+        unsafe { cu!(self, cuModuleGetFunction(&mut function, module, name.as_ptr())) }?;
+        Ok(function)
+    }
+
+    /// Launches `function` on a 1-D grid.
+    ///
+    /// # Safety
+    /// `params` must point to the kernel's arguments, each of the type and size the kernel
+    /// declares, and every pointer they hold must be valid for what the kernel does with it
+    /// until the stream reaches the launch.
+    pub(crate) unsafe fn launch(
+        &self,
+        function: CUfunction,
+        grid: u32,
+        block: u32,
+        stream: CUstream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe {
+            cu!(
+                self,
+                cuLaunchKernel(
+                    function,
+                    grid,
+                    1,
+                    1,
+                    block,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut()
+                )
+            )
+        }
+    }
 }

@@ -41,7 +41,7 @@ impl LaneKind {
 }
 
 /// What a submission keeps alive until its work completes.
-pub(crate) type KeepAlive = Vec<HostLease>;
+pub(crate) type KeepAlive = Vec<std::sync::Arc<HostLease>>;
 
 struct InFlight {
     seq: u64,
@@ -61,6 +61,9 @@ pub(crate) struct Lane {
     stream: CUstream,
     ctx: Arc<Context>,
     state: crate::sync::Mutex<LaneState>,
+    /// Held by a submitter for a whole batch, so that the sequence numbers of its
+    /// submissions are known before the first one is enqueued.
+    submitting: crate::sync::Mutex<()>,
     /// Every sequence number up to this one has completed.
     completed: AtomicU64,
 }
@@ -93,42 +96,20 @@ impl Lane {
                 inflight: VecDeque::new(),
                 spare_events: Vec::new(),
             }),
+            submitting: crate::sync::Mutex::new(()),
             completed: AtomicU64::new(0),
         })
     }
 
-    /// Enqueues work on the stream, records the submission's event and returns its sequence
-    /// number, which `enqueue` also receives (to mark the buffers it uses before any other
-    /// thread can see the work). `keep` stays alive until the work completes. The lane's lock
-    /// is held while `enqueue` runs, so stream order is sequence order.
-    ///
-    /// If `enqueue` fails after enqueuing part of its work, the event is recorded all the
-    /// same (what was enqueued must finish before `keep` is released) and the error returned.
-    pub(crate) fn submit(
-        &self,
-        keep: KeepAlive,
-        enqueue: impl FnOnce(&Raw, CUstream, u64) -> Result<()>,
-    ) -> Result<u64> {
-        let raw = &self.ctx.raw;
-        let mut state = lock(&self.state);
-        let enqueued = enqueue(raw, self.stream, state.next_seq);
-        let event = match state.spare_events.pop() {
-            Some(event) => event,
-            None => raw.event_create()?,
-        };
-        if let Err(e) = raw.event_record(event, self.stream) {
-            state.spare_events.push(event);
-            drop(state);
-            // Recording failed: the stream is broken. Wait for it so that `keep` is safe to
-            // release; if even that fails, the context is lost and nothing is in flight.
-            let _ = raw.stream_synchronize(self.stream);
-            return Err(e);
-        }
-        let seq = state.next_seq;
-        state.next_seq += 1;
-        state.inflight.push_back(InFlight { seq, event, keep });
-        drop(state);
-        enqueued.map(|()| seq)
+    /// Starts a batch of submissions: until the returned guard drops, no other thread
+    /// submits on this lane.
+    pub(crate) fn batch(&self) -> LaneBatch<'_> {
+        LaneBatch { lane: self, _exclusive: lock(&self.submitting) }
+    }
+
+    /// The lane's stream.
+    pub(crate) fn stream(&self) -> CUstream {
+        self.stream
     }
 
     /// The sequence number of the last submission (0 when there was none).
@@ -224,6 +205,64 @@ impl Lane {
             Some(f) => self.ctx.raw.stream_wait_event(stream, f.event),
             None => Ok(()),
         }
+    }
+}
+
+/// Exclusive use of a lane for a batch of submissions.
+pub(crate) struct LaneBatch<'a> {
+    lane: &'a Lane,
+    _exclusive: crate::sync::MutexGuard<'a, ()>,
+}
+
+impl LaneBatch<'_> {
+    /// The sequence number the next submission of this batch will get.
+    pub(crate) fn next_seq(&self) -> u64 {
+        lock(&self.lane.state).next_seq
+    }
+
+    /// Enqueues work on the stream, records the submission's event and returns its sequence
+    /// number, which `enqueue` also receives (to mark the buffers it uses before any other
+    /// thread can see the work). `keep` stays alive until the work completes. The lane's lock
+    /// is held while `enqueue` runs, so stream order is sequence order.
+    ///
+    /// If `enqueue` fails after enqueuing part of its work, the event is recorded all the
+    /// same (what was enqueued must finish before `keep` is released) and the error returned.
+    pub(crate) fn submit(
+        &self,
+        keep: KeepAlive,
+        enqueue: impl FnOnce(&Raw, CUstream, u64) -> Result<()>,
+    ) -> Result<u64> {
+        self.lane.submit_locked(keep, enqueue)
+    }
+}
+
+impl Lane {
+    fn submit_locked(
+        &self,
+        keep: KeepAlive,
+        enqueue: impl FnOnce(&Raw, CUstream, u64) -> Result<()>,
+    ) -> Result<u64> {
+        let raw = &self.ctx.raw;
+        let mut state = lock(&self.state);
+        // The event exists before any work is enqueued, so enqueued work always gets one.
+        let event = match state.spare_events.pop() {
+            Some(event) => event,
+            None => raw.event_create()?,
+        };
+        let enqueued = enqueue(raw, self.stream, state.next_seq);
+        if let Err(e) = raw.event_record(event, self.stream) {
+            state.spare_events.push(event);
+            drop(state);
+            // Recording failed: the stream is broken. Wait for it so that `keep` is safe to
+            // release; if even that fails, the context is lost and nothing is in flight.
+            let _ = raw.stream_synchronize(self.stream);
+            return Err(e);
+        }
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        state.inflight.push_back(InFlight { seq, event, keep });
+        drop(state);
+        enqueued.map(|()| seq)
     }
 }
 

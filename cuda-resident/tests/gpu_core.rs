@@ -60,7 +60,9 @@ fn info_describes_the_device() {
     assert!(info.copy_engines >= 1 && info.multiprocessors >= 1);
     assert!(info.driver_version.major() >= 12);
     assert!(info.pci_bus_id.contains(':'));
-    assert!(matches!(Device::open(count), Err(Error::NoSuchDevice { ordinal, count: c }) if ordinal == count && c == count));
+    assert!(
+        matches!(Device::open(count), Err(Error::NoSuchDevice { ordinal, count: c }) if ordinal == count && c == count)
+    );
 }
 
 #[test]
@@ -203,7 +205,8 @@ fn many_threads_allocating_at_once_keep_the_accounting_exact() {
                 let mut live: Vec<(ResidentBuffer, u64)> = Vec::new();
                 for _ in 0..20_000 {
                     if live.len() < 64 && (rng.bool() || live.is_empty()) {
-                        let len = if rng.u8(..) == 0 { rng.u64(4 << 20..80 << 20) } else { rng.u64(1..=1 << 20) };
+                        let len =
+                            if rng.u8(..) == 0 { rng.u64(4 << 20..80 << 20) } else { rng.u64(1..=1 << 20) };
                         live.push((d.allocate(len).unwrap(), len));
                     } else {
                         let (b, len) = live.swap_remove(rng.usize(..live.len()));
@@ -269,7 +272,10 @@ fn a_fence_makes_a_callers_stream_wait() {
     // SAFETY: creates a stream on the current (device's) context; the copies use pinned
     // regions of LEN bytes that outlive the synchronize below.
     unsafe {
-        assert_eq!(call!(d.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)).unwrap(), 0);
+        assert_eq!(
+            call!(d.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)).unwrap(),
+            0
+        );
         let fence = d.upload_async_at(buffer, 0, src.as_ptr(), LEN).unwrap();
         fence.make_stream_wait(stream).unwrap();
         let copy = call!(d.driver(), cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), ptr, LEN, stream));

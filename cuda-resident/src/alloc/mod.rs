@@ -28,8 +28,8 @@ pub mod classes;
 pub mod ranges;
 
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use classes::{CLASS_COUNT, class_bytes, class_of, round_to_granule};
 use ranges::{Ranges, SlabId};
@@ -69,6 +69,12 @@ impl fmt::Debug for ResidentBuffer {
 }
 
 impl ResidentBuffer {
+    /// A well-mixed hash of the handle, for per-batch lookup tables.
+    pub(crate) fn mix(self) -> u64 {
+        let raw = (u64::from(self.owner) << 32 | u64::from(self.index)) ^ (u64::from(self.generation) << 48);
+        raw.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
     #[cfg(test)]
     pub(crate) fn test_handle(owner: u32, index: u32, generation: u32) -> ResidentBuffer {
         ResidentBuffer { owner, index, generation }
@@ -297,10 +303,11 @@ impl<M: DeviceMemory> Allocator<M> {
             Some(class) => self.carve(len, class_bytes(class), Origin::Class(class as u8), is_idle)?,
             None => {
                 // Past the device's memory no budget can serve it (and rounding could overflow).
-                let bytes = round_to_granule(len).filter(|&b| b <= self.config.total_memory).ok_or_else(|| {
-                    let limit = (self.config.budget_fraction * self.config.total_memory as f64) as u64;
-                    self.refused(len, limit, false)
-                })?;
+                let bytes =
+                    round_to_granule(len).filter(|&b| b <= self.config.total_memory).ok_or_else(|| {
+                        let limit = (self.config.budget_fraction * self.config.total_memory as f64) as u64;
+                        self.refused(len, limit, false)
+                    })?;
                 let origin = if bytes <= self.config.slab_bytes { Origin::Range } else { Origin::Dedicated };
                 self.carve(len, bytes, origin, is_idle)?
             }
@@ -365,9 +372,25 @@ impl<M: DeviceMemory> Allocator<M> {
         self.with_slot(buffer, |slot| slot.last_use[lane] = slot.last_use[lane].max(seq))
     }
 
-    /// The last submissions that used `buffer`.
-    pub(crate) fn last_use(&self, buffer: ResidentBuffer) -> Result<LastUse> {
-        self.with_slot(buffer, |slot| slot.last_use)
+    /// Checks every buffer and records that submission `seq` of lane `lane` uses it. Returns
+    /// the latest submission of the other lane that used any of them, so that the caller can
+    /// order after it. Fails on the first stale or foreign handle (a mark already made is
+    /// harmless: it names a submission that comes later anyway).
+    pub(crate) fn mark_used_many(
+        &self,
+        buffers: impl Iterator<Item = ResidentBuffer>,
+        lane: usize,
+        seq: u64,
+    ) -> Result<u64> {
+        let other = 1 - lane;
+        let mut latest_other = 0;
+        for buffer in buffers {
+            latest_other = latest_other.max(self.with_slot(buffer, |slot| {
+                slot.last_use[lane] = slot.last_use[lane].max(seq);
+                slot.last_use[other]
+            })?);
+        }
+        Ok(latest_other)
     }
 
     /// Frees `buffer`. The handle is invalid at once; the memory is reused at once when no
@@ -384,7 +407,8 @@ impl<M: DeviceMemory> Allocator<M> {
         };
         slot.live = false;
         slot.generation = slot.generation.wrapping_add(1);
-        let (block, len, last_use, retire) = (slot.block, slot.len, slot.last_use, slot.generation == u32::MAX);
+        let (block, len, last_use, retire) =
+            (slot.block, slot.len, slot.last_use, slot.generation == u32::MAX);
         if !retire {
             // A slot whose generation is exhausted is never reused, so no old handle can
             // ever match it again.
@@ -446,7 +470,13 @@ impl<M: DeviceMemory> Allocator<M> {
 
     /// Finds `bytes` of memory for a buffer of `len` requested bytes: from the slabs, or by
     /// growing within the budget, trimming and retrying once when refused.
-    fn carve(&self, len: u64, bytes: u64, origin: Origin, is_idle: &dyn Fn(LastUse) -> bool) -> Result<Block> {
+    fn carve(
+        &self,
+        len: u64,
+        bytes: u64,
+        origin: Origin,
+        is_idle: &dyn Fn(LastUse) -> bool,
+    ) -> Result<Block> {
         let mut global = lock(&self.global);
         self.reclaim_deferred(&mut global, is_idle)?;
         let mut trimmed = false;
@@ -482,7 +512,8 @@ impl<M: DeviceMemory> Allocator<M> {
     /// Room under the budget for `bytes` more, reading live free memory now.
     fn headroom(&self, global: &Global) -> Result<u64> {
         let (live_free, _) = self.memory.mem_get_info()?;
-        let limit = budget::limit(global.reserved, self.config.total_memory, live_free, self.config.budget_fraction);
+        let limit =
+            budget::limit(global.reserved, self.config.total_memory, live_free, self.config.budget_fraction);
         Ok(limit - global.reserved)
     }
 
@@ -627,7 +658,9 @@ impl<M: DeviceMemory> Allocator<M> {
             ptrs.extend(live_dedicated.map(|s| s.block.ptr));
         }
         let global = self.global.get_mut().unwrap_or_else(|e| e.into_inner());
-        ptrs.extend(global.deferred.drain(..).filter(|(b, _)| b.origin == Origin::Dedicated).map(|(b, _)| b.ptr));
+        ptrs.extend(
+            global.deferred.drain(..).filter(|(b, _)| b.origin == Origin::Dedicated).map(|(b, _)| b.ptr),
+        );
         ptrs.extend(global.slabs.drain(..).flatten().map(|slab| slab.ptr));
         global.reserved = 0;
         global.dedicated = 0;

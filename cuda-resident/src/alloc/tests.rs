@@ -95,7 +95,10 @@ fn buffers_are_aligned_sized_and_disjoint() {
     for w in spans.windows(2) {
         assert!(w[0].1 <= w[1].0, "overlap: {w:?}");
     }
-    assert_eq!(a.allocated_bytes(), [1, 255, 256, 257, 1000, 4096, 100_000, MIB, 3 * MIB, 5 * MIB, 70 * MIB].iter().sum());
+    assert_eq!(
+        a.allocated_bytes(),
+        [1, 255, 256, 257, 1000, 4096, 100_000, MIB, 3 * MIB, 5 * MIB, 70 * MIB].iter().sum()
+    );
 }
 
 const GRANULE_FOR_TESTS: u64 = classes::GRANULE;

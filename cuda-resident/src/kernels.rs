@@ -1,0 +1,122 @@
+//! The scatter/gather kernel: CUDA C in `kernels/copy.cu`, PTX committed beside it
+//! (`kernels/build-ptx.sh` regenerates it), loaded with `cuModuleLoadData` on first use.
+
+use std::ffi::CStr;
+
+use cuda_sys::{CUfunction, CUmodule};
+
+use crate::error::Result;
+use crate::raw::Raw;
+
+/// The PTX of `kernels/copy.cu`, NUL-terminated for the driver.
+const COPY_PTX: &CStr = {
+    const TEXT: &str = concat!(include_str!("../kernels/copy.ptx"), "\0");
+    match CStr::from_bytes_with_nul(TEXT.as_bytes()) {
+        Ok(ptx) => ptx,
+        Err(_) => panic!("copy.ptx contains a NUL byte"),
+    }
+};
+
+/// One copy for the kernel: absolute device addresses. Layout shared with `copy.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CopyDescriptor {
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+    pub(crate) len: u64,
+}
+
+/// Descriptors longer than this are split, so that one launch has a warp per piece.
+pub(crate) const SEGMENT: u64 = 16 << 10;
+
+/// Threads per block of the copy kernel (its `__launch_bounds__`).
+const BLOCK: u32 = 256;
+
+/// The loaded module.
+pub(crate) struct Kernels {
+    module: CUmodule,
+    copy: CUfunction,
+    max_blocks: u32,
+}
+
+// SAFETY: module and function handles are usable from any thread of the process.
+unsafe impl Send for Kernels {}
+// SAFETY: as above; nothing is mutated after loading.
+unsafe impl Sync for Kernels {}
+
+impl Kernels {
+    /// Loads the module. The context must be current.
+    pub(crate) fn load(raw: &Raw, multiprocessors: u32) -> Result<Kernels> {
+        let module = raw.module_load_data(COPY_PTX)?;
+        match raw.module_get_function(module, c"copy_descriptors") {
+            Ok(copy) => Ok(Kernels { module, copy, max_blocks: multiprocessors.max(1) * 8 }),
+            Err(e) => {
+                let _ = raw.module_unload(module);
+                Err(e)
+            }
+        }
+    }
+
+    /// Enqueues one launch that performs `count` descriptors stored at `descriptors` (device
+    /// memory).
+    ///
+    /// # Safety
+    /// `descriptors` must hold `count` descriptors by the time the stream reaches the launch,
+    /// and each must name device memory valid for the copy, with no two destinations
+    /// overlapping (and no destination overlapping a source).
+    pub(crate) unsafe fn copy(
+        &self,
+        raw: &Raw,
+        stream: cuda_sys::CUstream,
+        descriptors: u64,
+        count: u64,
+    ) -> Result<()> {
+        let warps_per_block = u64::from(BLOCK / 32);
+        let blocks = count.div_ceil(warps_per_block).clamp(1, u64::from(self.max_blocks)) as u32;
+        let (mut table, mut n) = (descriptors, count);
+        let mut params = [(&mut table as *mut u64).cast(), (&mut n as *mut u64).cast()];
+        // SAFETY: the parameters match `copy_descriptors(const CopyDescriptor*, u64)`; the
+        // caller vouches for the table.
+        unsafe { raw.launch(self.copy, blocks, BLOCK, stream, &mut params) }
+    }
+
+    pub(crate) fn unload(&self, raw: &Raw) -> Result<()> {
+        raw.module_unload(self.module)
+    }
+}
+
+/// Appends descriptors for one copy of `len` bytes, split into pieces of at most
+/// [`SEGMENT`] bytes.
+pub(crate) fn push_descriptors(out: &mut Vec<CopyDescriptor>, src: u64, dst: u64, len: u64) {
+    let mut done = 0;
+    while done < len {
+        let piece = (len - done).min(SEGMENT);
+        out.push(CopyDescriptor { src: src + done, dst: dst + done, len: piece });
+        done += piece;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ptx_is_embedded_and_names_the_kernel() {
+        let text = COPY_PTX.to_str().unwrap();
+        assert!(text.contains(".entry copy_descriptors("), "kernel entry missing");
+        assert!(text.contains(".target sm_75"));
+    }
+
+    #[test]
+    fn long_copies_are_split_into_segments() {
+        let mut v = Vec::new();
+        push_descriptors(&mut v, 1000, 5000, 2 * SEGMENT + 3);
+        assert_eq!(v.len(), 3);
+        assert_eq!(v[1], CopyDescriptor { src: 1000 + SEGMENT, dst: 5000 + SEGMENT, len: SEGMENT });
+        assert_eq!(v[2].len, 3);
+        v.clear();
+        push_descriptors(&mut v, 0, 0, 0);
+        assert!(v.is_empty());
+        assert_eq!(std::mem::size_of::<CopyDescriptor>(), 24);
+    }
+}

@@ -1,0 +1,159 @@
+//! Validation and fusion: the requests, checked, sorted by buffer and offset, and swept into
+//! disjoint intervals.
+
+use super::sort::{Ranker, Sorted};
+use super::{BufferKey, PlanError, ReadRequest, WriteRequest};
+
+/// What validation and fusion need of a request; writes and reads have the same shape.
+pub(super) trait Request {
+    fn buffer(&self) -> BufferKey;
+    fn buffer_len(&self) -> u64;
+    fn offset(&self) -> u64;
+    fn len(&self) -> u64;
+}
+
+macro_rules! impl_request {
+    ($t:ty) => {
+        impl Request for $t {
+            fn buffer(&self) -> BufferKey {
+                self.buffer
+            }
+            fn buffer_len(&self) -> u64 {
+                self.buffer_len
+            }
+            fn offset(&self) -> u64 {
+                self.offset
+            }
+            fn len(&self) -> u64 {
+                self.len
+            }
+        }
+    };
+}
+
+impl_request!(WriteRequest);
+impl_request!(ReadRequest);
+
+/// A validated, non-empty request: `[start, end)` of `buffer`, request number `index`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Entry {
+    pub(super) buffer: BufferKey,
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) index: u32,
+    /// The buffer's first-seen rank in the batch, for the bucketed sort.
+    pub(super) rank: u32,
+}
+
+/// A fused run `[start, end)` of one buffer, made of the sorted entries `first..last`,
+/// placed at flat staging offset `stage`, in chunk `chunk`, by the layout.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Interval {
+    pub(super) buffer: BufferKey,
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) stage: u64,
+    pub(super) first: u32,
+    pub(super) last: u32,
+    pub(super) chunk: u32,
+}
+
+impl Interval {
+    pub(super) fn len(&self) -> u64 {
+        self.end - self.start
+    }
+}
+
+/// What validation found, besides the entries.
+pub(super) struct Collected {
+    /// Sum of the requests' lengths (saturating: it is a statistic, and the layout checks
+    /// the sums that become offsets).
+    pub(super) requested_bytes: u64,
+    /// The largest start of a non-empty request, which sizes the sort key.
+    pub(super) max_start: u64,
+    /// Whether the non-empty requests already come sorted by buffer and offset (a caller
+    /// that writes buffers front to back), so that sorting can be skipped.
+    pub(super) in_order: bool,
+}
+
+/// Validates every request, in order, and collects the non-empty ones into `entries`,
+/// ranking their buffers on the way. The first bad request fails with its index.
+pub(super) fn collect<R: Request>(
+    requests: &[R],
+    entries: &mut Vec<Entry>,
+    ranker: &mut Ranker,
+) -> Result<Collected, PlanError> {
+    if u32::try_from(requests.len()).is_err() {
+        return Err(PlanError::TooManyRequests { count: requests.len() });
+    }
+    entries.clear();
+    entries.reserve(requests.len());
+    ranker.reset();
+    let mut found = Collected { requested_bytes: 0, max_start: 0, in_order: true };
+    let mut previous = (0, 0);
+    for (index, r) in (0u32..).zip(requests) {
+        let end = checked_end(r).ok_or(PlanError::OutOfRange {
+            index: index as usize,
+            buffer: r.buffer(),
+            offset: r.offset(),
+            len: r.len(),
+            buffer_len: r.buffer_len(),
+        })?;
+        found.requested_bytes = found.requested_bytes.saturating_add(r.len());
+        if r.len() > 0 {
+            found.max_start = found.max_start.max(r.offset());
+            found.in_order &= previous <= (r.buffer(), r.offset());
+            previous = (r.buffer(), r.offset());
+            let rank = ranker.rank(r.buffer());
+            entries.push(Entry { buffer: r.buffer(), start: r.offset(), end, index, rank });
+        }
+    }
+    Ok(found)
+}
+
+/// `offset + len` when it neither overflows nor passes the buffer's end.
+fn checked_end<R: Request>(r: &R) -> Option<u64> {
+    r.offset().checked_add(r.len()).filter(|&end| end <= r.buffer_len())
+}
+
+/// Sweeps the sorted entries into intervals: entries of one
+/// buffer that overlap or touch join one interval, handed to `close` as soon as it is
+/// complete (the next entry starts past it). Returns the sum of the interval lengths,
+/// saturating: the layout checks the offsets that contain them.
+#[inline(always)]
+pub(super) fn sweep(
+    entries: &Sorted<'_>,
+    mut close: impl FnMut(Interval) -> Result<(), PlanError>,
+) -> Result<u64, PlanError> {
+    let mut moved = 0u64;
+    let mut open: Option<Interval> = None;
+    // Positions fit `u32`: there are no more entries than requests.
+    for (i, e) in (0u32..).zip((0..entries.len()).map(|i| entries.get(i))) {
+        match &mut open {
+            Some(iv) if iv.buffer == e.buffer && e.start <= iv.end => {
+                iv.end = iv.end.max(e.end);
+                iv.last = i + 1;
+            }
+            _ => {
+                let next = Interval {
+                    buffer: e.buffer,
+                    start: e.start,
+                    end: e.end,
+                    stage: 0,
+                    first: i,
+                    last: i + 1,
+                    chunk: 0,
+                };
+                if let Some(done) = open.replace(next) {
+                    moved = moved.saturating_add(done.len());
+                    close(done)?;
+                }
+            }
+        }
+    }
+    if let Some(done) = open {
+        moved = moved.saturating_add(done.len());
+        close(done)?;
+    }
+    Ok(moved)
+}

@@ -1,0 +1,621 @@
+//! The copy planner: turns a batch of uploads or readbacks into fused, chunked copies.
+//!
+//! Pure CPU work: no driver types, no `unsafe`, no device. The executor (`transfer`) carries a
+//! plan out with pinned staging, DMA copies and one scatter or gather kernel per chunk. Keeping
+//! the offset arithmetic here, away from the driver, lets it be property-tested against a byte
+//! model of the buffers (see the tests of this module).
+//!
+//! # What a plan says
+//!
+//! 1. **Validation.** Every request is checked first (`offset + len <= buffer_len`, without
+//!    overflow). The first bad one fails the whole batch with its index; nothing else is
+//!    returned. Zero-length requests are valid and move nothing.
+//! 2. **Fusion.** Requests to one buffer that overlap or touch become one *interval*. For
+//!    uploads, later writes win where they overlap: [`Fill`]s say which write each staged byte
+//!    comes from, and every interval byte is filled exactly once.
+//! 3. **Split.** An interval of at least `direct_threshold` bytes is *direct*: one DMA between
+//!    staging and the buffer. Smaller ones are *packed*: laid end to end in the chunk's packed
+//!    region, moved by one DMA between host and device staging, and spread (uploads) or
+//!    collected (readbacks) by one scatter or gather kernel per chunk.
+//! 4. **Chunks.** Staging is processed in chunks of at most `chunk_bytes`, so the executor can
+//!    pack chunk `k + 1` while chunk `k` is on the wire.
+//!
+//! # Staging offsets are flat
+//!
+//! Every staging offset in a plan ([`Copy::stage_offset`], [`Fill::stage_offset`],
+//! [`ReadView::stage_offset`], [`Chunk::stage_start`], [`Chunk::packed_offset`]) is an offset
+//! into **one flat staging space** of `total_staging` bytes. Chunk `i` starts at
+//! `i * chunk_capacity` and uses `[stage_start, stage_start + staging_len)`, with
+//! `staging_len <= chunk_capacity <= chunk_bytes`. The executor may back that space with:
+//!
+//! - **one pinned region** of `total_staging` bytes, using flat offsets as they are. Readbacks
+//!   that hand out `&[u8]` views need this: a view into a direct interval that was split over
+//!   chunks spans consecutive chunks ([`ReadView::chunk`]`..=`[`ReadView::last_chunk`]), and
+//!   the planner keeps such an interval's bytes contiguous in flat space; or
+//! - **a ring of pinned buffers** of `chunk_capacity` bytes each, one per chunk in flight. An
+//!   offset's place in its chunk's buffer is `flat - stage_start` ([`Chunk::local_offset`]).
+//!   Every [`Fill`] and [`Copy`] lies inside one chunk, so this works for every upload.
+//!
+//! `chunk_capacity` is `chunk_bytes` rounded down to a multiple of `align`, so an offset that
+//! is aligned in flat space is aligned inside its chunk too, and either backing keeps the
+//! packed copies aligned (pinned allocations are page aligned).
+//!
+//! # Layout of a chunk
+//!
+//! ```text
+//! stage_start                                              stage_start + staging_len
+//! | packed region: packed intervals, each start aligned | pad | direct pieces, each aligned |
+//! ^ packed_offset (= stage_start)                      ^ packed_offset + packed_len
+//! ```
+//!
+//! Packed intervals are laid out first, over as many chunks as they need (in order of buffer
+//! and offset, a new chunk when the next one does not fit), then the direct intervals follow
+//! from where the packed ones ended. So at most one chunk holds both, and the packed region is
+//! always at the start of its chunk. A direct interval that does not fit in what is left of a
+//! chunk is split at the chunk boundary and continues at the start of the next chunk, which
+//! keeps every chunk but the last full and makes the split interval contiguous in flat space.
+//! A packed interval is never split: the effective direct threshold is clamped to
+//! `chunk_capacity`, so a packed interval always fits in an empty chunk.
+//!
+//! # Cost
+//!
+//! Planning sorts the non-empty requests once by `(buffer, offset, index)` (packed into one
+//! `u64` key when it fits, which it does for any realistic batch) and sweeps them;
+//! overlapping uploads are resolved with a small heap keyed by write index. A [`Planner`]
+//! keeps its scratch vectors, and the `*_into` methods reuse the plan's vectors, so a warm
+//! planner allocates nothing per request.
+
+mod fuse;
+mod layout;
+mod readback;
+mod sort;
+mod upload;
+
+#[cfg(test)]
+mod check;
+#[cfg(test)]
+mod proptests;
+#[cfg(test)]
+mod tests;
+
+/// Identifies a buffer to the planner; the executor maps it to a device pointer.
+pub type BufferKey = u64;
+
+/// How a batch is split into direct and packed copies and into chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanConfig {
+    /// An interval of at least this many bytes is copied by its own DMA; smaller ones are
+    /// packed. Clamped to the chunk capacity, so that a packed interval always fits in one
+    /// chunk. `0` makes every interval direct. Default 256 KiB, where one DMA's fixed cost
+    /// (a few µs) stops mattering next to its transfer time.
+    pub direct_threshold: u64,
+    /// Staging is processed in chunks of at most this many bytes (default 8 MiB). Must be at
+    /// least `align`; the usable part is rounded down to a multiple of `align`.
+    pub chunk_bytes: u64,
+    /// Every packed interval and every direct piece starts at a staging offset that is a
+    /// multiple of this (default 16, what the scatter and gather kernels load at once).
+    /// Must be a power of two.
+    pub align: u64,
+}
+
+impl Default for PlanConfig {
+    fn default() -> Self {
+        Self { direct_threshold: 256 << 10, chunk_bytes: 8 << 20, align: 16 }
+    }
+}
+
+impl PlanConfig {
+    /// The usable bytes of one chunk (`chunk_bytes` rounded down to a multiple of `align`),
+    /// which is also the distance between chunk starts in flat staging: the size of one
+    /// buffer of a staging ring. Fails like planning does for an invalid config.
+    pub fn chunk_capacity(&self) -> Result<u64, PlanError> {
+        Geometry::new(self).map(|geo| geo.cap)
+    }
+}
+
+/// One host-to-device write: `len` bytes of the caller's data to `buffer` at `offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteRequest {
+    /// The destination buffer.
+    pub buffer: BufferKey,
+    /// The destination buffer's length in bytes; the write must lie inside it.
+    pub buffer_len: u64,
+    /// Where in the buffer the write starts.
+    pub offset: u64,
+    /// How many bytes the write carries (its data is `len` bytes long).
+    pub len: u64,
+}
+
+/// One device-to-host read: `len` bytes of `buffer` at `offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadRequest {
+    /// The source buffer.
+    pub buffer: BufferKey,
+    /// The source buffer's length in bytes; the read must lie inside it.
+    pub buffer_len: u64,
+    /// Where in the buffer the read starts.
+    pub offset: u64,
+    /// How many bytes to read.
+    pub len: u64,
+}
+
+/// Why a batch could not be planned. Nothing of the batch was planned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// A request reaches past the end of its buffer (or `offset + len` overflows `u64`).
+    #[error(
+        "request {index} (buffer {buffer}, offset {offset}, len {len}) reaches past the end of its \
+         buffer of {buffer_len} bytes; the whole batch was rejected. Fix: keep offset + len within \
+         the buffer's length"
+    )]
+    OutOfRange {
+        /// The request's position in the batch.
+        index: usize,
+        /// The buffer it names.
+        buffer: BufferKey,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The buffer's length.
+        buffer_len: u64,
+    },
+    /// `PlanConfig::align` is not a power of two.
+    #[error(
+        "the plan config's align is {align}, which is not a power of two. Fix: use a power of two \
+         such as 16 (the default)"
+    )]
+    InvalidAlign {
+        /// The rejected alignment.
+        align: u64,
+    },
+    /// `PlanConfig::chunk_bytes` is smaller than `align`, so a chunk could hold nothing.
+    #[error(
+        "the plan config's chunk_bytes ({chunk_bytes}) is smaller than its align ({align}), so a \
+         chunk could hold nothing. Fix: make chunk_bytes at least align (the default is 8 MiB)"
+    )]
+    ChunkTooSmall {
+        /// The rejected chunk size.
+        chunk_bytes: u64,
+        /// The alignment it must hold.
+        align: u64,
+    },
+    /// The batch has more requests than a `u32` index can name.
+    #[error(
+        "the batch has {count} requests, more than {} the planner can index. Fix: split the batch",
+        u32::MAX
+    )]
+    TooManyRequests {
+        /// How many requests the batch has.
+        count: usize,
+    },
+    /// The batch needs more than `u32::MAX` chunks, or more than `u64::MAX` bytes of staging.
+    #[error(
+        "the batch needs more than {} chunks of {chunk_capacity} bytes of staging. Fix: split the \
+         batch, or raise chunk_bytes",
+        u32::MAX
+    )]
+    TooLarge {
+        /// The chunk capacity the batch was planned with.
+        chunk_capacity: u64,
+    },
+    /// Memory for the plan's chunk list could not be reserved.
+    #[error(
+        "could not reserve memory for a plan of {chunks} chunks. Fix: split the batch, or raise \
+         chunk_bytes so that it needs fewer chunks"
+    )]
+    OutOfMemory {
+        /// How many chunks the plan needed.
+        chunks: u64,
+    },
+}
+
+/// One contiguous copy between staging and a buffer.
+///
+/// For an upload it moves `len` bytes from staging to the buffer; for a readback the other
+/// way. `stage_offset` is flat (see the [module docs](self)); a copy never crosses a chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Copy {
+    /// Flat staging offset of the first byte.
+    pub stage_offset: u64,
+    /// The buffer on the device side.
+    pub buffer: BufferKey,
+    /// Offset of the first byte in that buffer.
+    pub buffer_offset: u64,
+    /// Bytes copied.
+    pub len: u64,
+}
+
+/// A packed copy as the scatter or gather kernel sees it: its bytes sit at `region_offset`
+/// from the start of the chunk's packed region, which is all that device staging receives
+/// (uploads) or produces (readbacks). The executor turns it into a `{src, dst, len}`
+/// descriptor once the device pointers are known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedCopy {
+    /// Offset from the start of the packed region (and of device staging); a multiple of
+    /// `align`.
+    pub region_offset: u64,
+    /// The buffer on the device side.
+    pub buffer: BufferKey,
+    /// Offset of the first byte in that buffer.
+    pub buffer_offset: u64,
+    /// Bytes copied.
+    pub len: u64,
+}
+
+/// One chunk of staging and the copies that use it.
+///
+/// Its staging is `[stage_start, stage_start + staging_len)` in flat offsets; the packed
+/// region `[packed_offset, packed_offset + packed_len)` comes first, the direct pieces after
+/// it. Both lists are in ascending `stage_offset` order, and no two copies overlap.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Chunk {
+    /// Flat offset where this chunk starts: `index * chunk_capacity`.
+    pub stage_start: u64,
+    /// Staging bytes this chunk uses, alignment padding included; at most `chunk_capacity`.
+    pub staging_len: u64,
+    /// Flat offset of the packed region; always `stage_start`.
+    pub packed_offset: u64,
+    /// Length of the packed region, from the start of the first packed copy to the end of
+    /// the last (padding between them included); `0` when the chunk has none.
+    pub packed_len: u64,
+    /// Small intervals, moved as one DMA of the packed region plus one scatter (uploads) or
+    /// gather (readbacks) kernel.
+    pub packed: Vec<Copy>,
+    /// Large intervals or pieces of them, each its own DMA between staging and the buffer.
+    pub direct: Vec<Copy>,
+}
+
+/// A chunk of an upload plan: fill it, DMA the packed region to device staging, scatter, and
+/// DMA each direct piece to its buffer.
+pub type UploadChunk = Chunk;
+
+/// A chunk of a readback plan: gather the packed copies into device staging, DMA that to the
+/// packed region, and DMA each direct piece from its buffer into staging.
+pub type ReadbackChunk = Chunk;
+
+impl Chunk {
+    /// The flat offset one past this chunk's last staging byte.
+    pub fn stage_end(&self) -> u64 {
+        self.stage_start + self.staging_len
+    }
+
+    /// Where a flat offset of this chunk lies in a chunk-sized ring buffer: `flat -
+    /// stage_start` (saturating at zero for an offset before the chunk).
+    pub fn local_offset(&self, flat: u64) -> u64 {
+        flat.saturating_sub(self.stage_start)
+    }
+
+    /// The packed copies with their offsets relative to the packed region, in ascending
+    /// order: the rows of this chunk's scatter or gather descriptor table.
+    pub fn packed_copies(&self) -> impl ExactSizeIterator<Item = PackedCopy> + '_ {
+        self.packed.iter().map(|c| PackedCopy {
+            region_offset: c.stage_offset - self.packed_offset,
+            buffer: c.buffer,
+            buffer_offset: c.buffer_offset,
+            len: c.len,
+        })
+    }
+
+    /// Empties the chunk for reuse at `stage_start`, keeping its vectors' memory.
+    fn reset(&mut self, stage_start: u64) {
+        self.stage_start = stage_start;
+        self.staging_len = 0;
+        self.packed_offset = stage_start;
+        self.packed_len = 0;
+        self.packed.clear();
+        self.direct.clear();
+    }
+}
+
+/// Which write supplies a run of staging bytes.
+///
+/// The packer copies `write`'s data `[src_offset, src_offset + len)` to flat staging
+/// `[stage_offset, stage_offset + len)`, which lies inside chunk `chunk`. Together the fills
+/// of a plan cover every interval byte exactly once, each from the last write that covers it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fill {
+    /// The chunk the bytes belong to.
+    pub chunk: u32,
+    /// Flat staging offset of the first byte.
+    pub stage_offset: u64,
+    /// Index of the write (in the planned batch) whose data supplies the bytes.
+    pub write: u32,
+    /// Offset of the first byte within that write's data.
+    pub src_offset: u64,
+    /// Bytes filled.
+    pub len: u64,
+}
+
+/// The plan for a batch of writes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UploadPlan {
+    /// The chunks, in the order they should be filled and sent.
+    pub chunks: Vec<UploadChunk>,
+    /// What to copy into staging, sorted by `stage_offset` (so grouped by chunk, in chunk
+    /// order). [`UploadPlan::fills_of`] gives one chunk's share.
+    pub fills: Vec<Fill>,
+    /// Distance between chunk starts in flat staging, and the size of a ring buffer.
+    pub chunk_capacity: u64,
+    /// Size of the flat staging space (`0` for a batch that moves nothing).
+    pub total_staging: u64,
+    /// Sum of the writes' lengths (saturating).
+    pub requested_bytes: u64,
+    /// Sum of the fused intervals' lengths: the bytes that cross the bus.
+    pub moved_bytes: u64,
+    /// Bytes moved through the packed path.
+    pub packed_bytes: u64,
+    /// How many fused intervals the writes made.
+    pub intervals: usize,
+    /// How many of those are packed (the rest are direct).
+    pub packed_intervals: usize,
+}
+
+impl UploadPlan {
+    /// The fills of chunk `chunk`, in ascending staging order (empty for an unknown chunk).
+    pub fn fills_of(&self, chunk: u32) -> &[Fill] {
+        let start = self.fills.partition_point(|f| f.chunk < chunk);
+        let end = self.fills.partition_point(|f| f.chunk <= chunk);
+        &self.fills[start..end]
+    }
+
+    /// True when the plan moves nothing (an empty batch, or only zero-length writes).
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// Resets to the empty plan, keeping the vectors' memory.
+    fn clear(&mut self) {
+        let (mut chunks, mut fills) = (std::mem::take(&mut self.chunks), std::mem::take(&mut self.fills));
+        chunks.clear();
+        fills.clear();
+        *self = Self { chunks, fills, ..Self::default() };
+    }
+}
+
+/// Where one read's bytes are in staging once its chunks have arrived.
+///
+/// The bytes are contiguous: flat `[stage_offset, stage_offset + len)`. They lie in chunks
+/// `chunk..=last_chunk`, which differ only when the read is inside a direct interval that was
+/// split over chunks; then the view can only be handed out of a single flat staging region.
+/// A zero-length read has an empty view at offset 0 whose chunk fields mean nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadView {
+    /// The chunk holding the first byte.
+    pub chunk: u32,
+    /// The chunk holding the last byte.
+    pub last_chunk: u32,
+    /// Flat staging offset of the first byte.
+    pub stage_offset: u64,
+    /// The read's length.
+    pub len: u64,
+}
+
+impl ReadView {
+    /// The flat offset one past the last byte.
+    pub fn stage_end(&self) -> u64 {
+        self.stage_offset + self.len
+    }
+}
+
+/// The plan for a batch of reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReadbackPlan {
+    /// The chunks, in the order they should be gathered and sent.
+    pub chunks: Vec<ReadbackChunk>,
+    /// One view per read, in the order of the reads.
+    pub views: Vec<ReadView>,
+    /// Distance between chunk starts in flat staging, and the size of a ring buffer.
+    pub chunk_capacity: u64,
+    /// Size of the flat staging space (`0` for a batch that moves nothing).
+    pub total_staging: u64,
+    /// Sum of the reads' lengths (saturating).
+    pub requested_bytes: u64,
+    /// Sum of the fused intervals' lengths: the bytes that cross the bus.
+    pub moved_bytes: u64,
+    /// Bytes moved through the packed (gather) path.
+    pub packed_bytes: u64,
+    /// How many fused intervals the reads made.
+    pub intervals: usize,
+    /// How many of those are packed (the rest are direct).
+    pub packed_intervals: usize,
+}
+
+impl ReadbackPlan {
+    /// True when the plan moves nothing (an empty batch, or only zero-length reads).
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// Resets to the empty plan, keeping the vectors' memory.
+    fn clear(&mut self) {
+        let (mut chunks, mut views) = (std::mem::take(&mut self.chunks), std::mem::take(&mut self.views));
+        chunks.clear();
+        views.clear();
+        *self = Self { chunks, views, ..Self::default() };
+    }
+}
+
+/// Plans a batch of writes. A convenience over [`Planner::plan_upload`] that allocates fresh
+/// scratch; callers that plan often keep a [`Planner`].
+pub fn plan_upload(writes: &[WriteRequest], cfg: &PlanConfig) -> Result<UploadPlan, PlanError> {
+    Planner::new().plan_upload(writes, cfg)
+}
+
+/// Plans a batch of reads. A convenience over [`Planner::plan_readback`] that allocates fresh
+/// scratch; callers that plan often keep a [`Planner`].
+pub fn plan_readback(reads: &[ReadRequest], cfg: &PlanConfig) -> Result<ReadbackPlan, PlanError> {
+    Planner::new().plan_readback(reads, cfg)
+}
+
+/// Plans batches while keeping its scratch memory between calls.
+///
+/// Planning needs a sorted copy of the requests, the fused intervals and, for overlapping
+/// uploads, a heap; a planner keeps those vectors, so repeated planning allocates only the
+/// plan itself, and nothing at all with the `*_into` methods once the plan's vectors have
+/// grown.
+#[derive(Debug, Default)]
+pub struct Planner {
+    entries: Vec<fuse::Entry>,
+    sort: sort::SortScratch,
+    upload: upload::Scratch,
+    directs: Vec<fuse::Interval>,
+}
+
+impl Planner {
+    /// A planner with empty scratch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Plans a batch of writes; see the [module docs](self) for what the plan says.
+    pub fn plan_upload(
+        &mut self,
+        writes: &[WriteRequest],
+        cfg: &PlanConfig,
+    ) -> Result<UploadPlan, PlanError> {
+        let mut plan = UploadPlan::default();
+        self.plan_upload_into(writes, cfg, &mut plan)?;
+        Ok(plan)
+    }
+
+    /// Plans a batch of writes into `plan`, reusing its vectors. On error `plan` is left
+    /// empty, as if for an empty batch.
+    pub fn plan_upload_into(
+        &mut self,
+        writes: &[WriteRequest],
+        cfg: &PlanConfig,
+        plan: &mut UploadPlan,
+    ) -> Result<(), PlanError> {
+        // The chunk list is reset in place (keeping each chunk's vectors), the rest is
+        // overwritten; only a failed run needs an explicit clear.
+        let result = self.try_plan_upload(writes, cfg, plan);
+        if result.is_err() {
+            plan.clear();
+        }
+        result
+    }
+
+    /// Plans a batch of reads; see the [module docs](self) for what the plan says.
+    pub fn plan_readback(
+        &mut self,
+        reads: &[ReadRequest],
+        cfg: &PlanConfig,
+    ) -> Result<ReadbackPlan, PlanError> {
+        let mut plan = ReadbackPlan::default();
+        self.plan_readback_into(reads, cfg, &mut plan)?;
+        Ok(plan)
+    }
+
+    /// Plans a batch of reads into `plan`, reusing its vectors. On error `plan` is left
+    /// empty, as if for an empty batch.
+    pub fn plan_readback_into(
+        &mut self,
+        reads: &[ReadRequest],
+        cfg: &PlanConfig,
+        plan: &mut ReadbackPlan,
+    ) -> Result<(), PlanError> {
+        // The chunk list is reset in place (keeping each chunk's vectors), the rest is
+        // overwritten; only a failed run needs an explicit clear.
+        let result = self.try_plan_readback(reads, cfg, plan);
+        if result.is_err() {
+            plan.clear();
+        }
+        result
+    }
+
+    fn try_plan_upload(
+        &mut self,
+        writes: &[WriteRequest],
+        cfg: &PlanConfig,
+        plan: &mut UploadPlan,
+    ) -> Result<(), PlanError> {
+        let geo = Geometry::new(cfg)?;
+        let (requested_bytes, sorted) = prepare(writes, &mut self.entries, &mut self.sort)?;
+        let layout = upload::emit(&sorted, &geo, &mut self.upload, &mut plan.chunks, &mut plan.fills)?;
+        plan.chunk_capacity = geo.cap;
+        plan.total_staging = layout.total_staging;
+        plan.requested_bytes = requested_bytes;
+        plan.moved_bytes = layout.moved_bytes;
+        plan.packed_bytes = layout.packed_bytes;
+        plan.intervals = layout.intervals;
+        plan.packed_intervals = layout.packed_intervals;
+        Ok(())
+    }
+
+    fn try_plan_readback(
+        &mut self,
+        reads: &[ReadRequest],
+        cfg: &PlanConfig,
+        plan: &mut ReadbackPlan,
+    ) -> Result<(), PlanError> {
+        let geo = Geometry::new(cfg)?;
+        let (requested_bytes, sorted) = prepare(reads, &mut self.entries, &mut self.sort)?;
+        let layout =
+            readback::emit(&sorted, &mut self.directs, &geo, &mut plan.chunks, reads.len(), &mut plan.views)?;
+        plan.chunk_capacity = geo.cap;
+        plan.total_staging = layout.total_staging;
+        plan.requested_bytes = requested_bytes;
+        plan.moved_bytes = layout.moved_bytes;
+        plan.packed_bytes = layout.packed_bytes;
+        plan.intervals = layout.intervals;
+        plan.packed_intervals = layout.packed_intervals;
+        Ok(())
+    }
+}
+
+/// The direction-independent start: validate, and sort the non-empty requests. Returns the
+/// sum of the requests' lengths and the sorted entries.
+fn prepare<'a, R: fuse::Request>(
+    requests: &[R],
+    entries: &'a mut Vec<fuse::Entry>,
+    scratch: &'a mut sort::SortScratch,
+) -> Result<(u64, sort::Sorted<'a>), PlanError> {
+    let found = fuse::collect(requests, entries, &mut scratch.ranker)?;
+    Ok((found.requested_bytes, sort::sort_entries(entries, &found, scratch)))
+}
+
+/// A validated config, reduced to the numbers the layout uses.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    /// Usable bytes per chunk and distance between chunk starts; a multiple of `align`.
+    cap: u64,
+    /// Effective direct threshold, `<= cap`.
+    threshold: u64,
+    /// Power of two.
+    align: u64,
+}
+
+impl Geometry {
+    fn new(cfg: &PlanConfig) -> Result<Self, PlanError> {
+        if !cfg.align.is_power_of_two() {
+            return Err(PlanError::InvalidAlign { align: cfg.align });
+        }
+        let cap = cfg.chunk_bytes & !(cfg.align - 1);
+        if cap == 0 {
+            return Err(PlanError::ChunkTooSmall { chunk_bytes: cfg.chunk_bytes, align: cfg.align });
+        }
+        Ok(Self { cap, threshold: cfg.direct_threshold.min(cap), align: cfg.align })
+    }
+
+    /// Whether an interval of `len` bytes goes through the packed path.
+    fn is_packed(&self, len: u64) -> bool {
+        len < self.threshold
+    }
+
+    /// `offset` rounded up to `align`; `None` on overflow.
+    fn align_up(&self, offset: u64) -> Option<u64> {
+        offset.checked_add(self.align - 1).map(|o| o & !(self.align - 1))
+    }
+
+    /// The chunk that holds flat offset `flat`. Callers pass offsets inside the laid-out
+    /// staging, whose chunk count is checked to fit `u32`.
+    fn chunk_of(&self, flat: u64) -> u32 {
+        (flat / self.cap) as u32
+    }
+
+    /// Bytes from `flat` to the end of its chunk's capacity.
+    fn room_at(&self, flat: u64) -> u64 {
+        self.cap - flat % self.cap
+    }
+}

@@ -1,0 +1,132 @@
+//! Property tests: random batches (overlaps, touching ranges, duplicates, zero lengths,
+//! several buffers, small chunks so that direct intervals split) planned and executed on the
+//! byte model of `check`, which must match applying the requests directly.
+
+use proptest::prelude::*;
+
+use super::check::{apply_in_order, execute_readback, execute_upload, initial_buffers};
+use super::*;
+
+/// Buffer keys spread over `u64`, so that ordering by key is exercised at the extremes.
+const KEYS: [BufferKey; 6] = [7, u64::MAX, 0, 3, 1 << 40, 5];
+
+/// A request before it is fitted to its buffer: which buffer, two raw numbers for offset and
+/// length, and whether to snap both to a grid of 32 bytes (which makes exact duplicates and
+/// touching ranges common).
+type RawRequest = (usize, u64, u64, bool);
+
+/// A small config: chunks of at most a few hundred bytes, so that requests of up to a few
+/// chunks split, thresholds on both sides of the chunk capacity, every alignment up to 32.
+fn config() -> impl Strategy<Value = PlanConfig> {
+    (0u32..6, 1u64..=256, 0u64..=320).prop_map(|(shift, chunk, threshold)| {
+        let align = 1 << shift;
+        PlanConfig { direct_threshold: threshold, chunk_bytes: chunk.max(align), align }
+    })
+}
+
+fn batch() -> impl Strategy<Value = (PlanConfig, Vec<u64>, Vec<RawRequest>)> {
+    let lens = prop::collection::vec(0u64..=700, 1..=KEYS.len());
+    let requests =
+        prop::collection::vec((0usize..KEYS.len(), any::<u64>(), any::<u64>(), any::<bool>()), 0..=48);
+    (config(), lens, requests)
+}
+
+/// Fits raw requests to the buffers: every request valid, lengths up to the whole buffer.
+fn fit(lens: &[u64], raw: &[RawRequest]) -> Vec<(BufferKey, u64, u64, u64)> {
+    raw.iter()
+        .map(|&(b, x, y, grid)| {
+            let b = b % lens.len();
+            let len = lens[b];
+            let mut offset = x % (len + 1);
+            let mut n = y % (len - offset + 1);
+            if grid {
+                offset -= offset % 32;
+                n -= n % 32;
+            }
+            (KEYS[b], len, offset, n)
+        })
+        .collect()
+}
+
+fn buffer_lens(lens: &[u64]) -> Vec<(BufferKey, u64)> {
+    KEYS.iter().copied().zip(lens.iter().copied()).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// Executing an upload plan gives the same buffers as applying the writes in order, and
+    /// every structural promise of the plan holds (see `check::execute_upload`).
+    #[test]
+    fn upload_plans_match_writing_in_order((cfg, lens, raw) in batch()) {
+        let writes: Vec<_> = fit(&lens, &raw)
+            .into_iter()
+            .map(|(buffer, buffer_len, offset, len)| WriteRequest { buffer, buffer_len, offset, len })
+            .collect();
+        let plan = plan_upload(&writes, &cfg).expect("valid batch");
+        let mut expected = initial_buffers(&buffer_lens(&lens));
+        let owners = apply_in_order(&mut expected, &writes);
+        let mut actual = initial_buffers(&buffer_lens(&lens));
+        execute_upload(&plan, &writes, &cfg, &mut actual, &owners);
+        prop_assert_eq!(actual, expected);
+    }
+
+    /// Every read's view shows exactly its bytes after the readback plan is executed.
+    #[test]
+    fn readback_views_show_the_requested_bytes((cfg, lens, raw) in batch()) {
+        let reads: Vec<_> = fit(&lens, &raw)
+            .into_iter()
+            .map(|(buffer, buffer_len, offset, len)| ReadRequest { buffer, buffer_len, offset, len })
+            .collect();
+        let plan = plan_readback(&reads, &cfg).expect("valid batch");
+        execute_readback(&plan, &reads, &cfg, &initial_buffers(&buffer_lens(&lens)));
+    }
+
+    /// A batch with bad requests fails with the index of the first one, whatever follows it,
+    /// and one without succeeds. Offsets and lengths here are arbitrary `u64`s, so sums
+    /// overflow too.
+    #[test]
+    fn the_first_bad_request_fails_the_batch(
+        requests in prop::collection::vec((0u64..4, any::<u64>(), any::<u64>(), 0u8..4), 0..=24),
+    ) {
+        let writes: Vec<_> = requests
+            .iter()
+            .map(|&(buffer, a, b, kind)| {
+                // Mostly small in-range requests; sometimes arbitrary numbers.
+                let (buffer_len, offset, len) = match kind {
+                    0 => (a, b, a ^ b),
+                    _ => (1000, a % 1100, b % 100),
+                };
+                WriteRequest { buffer, buffer_len, offset, len }
+            })
+            .collect();
+        let first_bad = writes
+            .iter()
+            .position(|w| w.offset.checked_add(w.len).is_none_or(|end| end > w.buffer_len));
+        let cfg = PlanConfig { chunk_bytes: 1 << 62, ..PlanConfig::default() };
+        match (plan_upload(&writes, &cfg), first_bad) {
+            (Err(PlanError::OutOfRange { index, .. }), Some(bad)) => prop_assert_eq!(index, bad),
+            (Ok(_), None) | (Err(PlanError::TooLarge { .. }), None) => {}
+            (other, bad) => prop_assert!(false, "{:?} for first bad {:?}", other.map(|p| p.moved_bytes), bad),
+        }
+        let reads: Vec<_> =
+            writes.iter().map(|w| ReadRequest { buffer: w.buffer, buffer_len: w.buffer_len, offset: w.offset, len: w.len }).collect();
+        match (plan_readback(&reads, &cfg), first_bad) {
+            (Err(PlanError::OutOfRange { index, .. }), Some(bad)) => prop_assert_eq!(index, bad),
+            (Ok(_), None) | (Err(PlanError::TooLarge { .. }), None) => {}
+            (other, bad) => prop_assert!(false, "{:?} for first bad {:?}", other.map(|p| p.moved_bytes), bad),
+        }
+    }
+
+    /// Any config either plans or is rejected with a config error; never a panic.
+    #[test]
+    fn any_config_plans_or_is_rejected(threshold in any::<u64>(), chunk in any::<u64>(), align in any::<u64>()) {
+        let cfg = PlanConfig { direct_threshold: threshold, chunk_bytes: chunk, align };
+        let writes = [WriteRequest { buffer: 1, buffer_len: 4096, offset: 100, len: 3000 }];
+        match plan_upload(&writes, &cfg) {
+            Ok(plan) => prop_assert_eq!(plan.moved_bytes, 3000),
+            Err(PlanError::InvalidAlign { .. } | PlanError::ChunkTooSmall { .. } | PlanError::TooLarge { .. }) => {}
+            Err(e) => prop_assert!(false, "unexpected {e}"),
+        }
+    }
+}

@@ -1,0 +1,451 @@
+//! Copies between host and device: the unsafe single-copy path over caller-pinned memory.
+//!
+//! Every copy is ordered against copies in flight in the other direction that touch the same
+//! buffer (on the device, with `cuStreamWaitEvent`), and marks the buffer as used by its
+//! submission so that freeing it waits for the copy.
+
+mod readback;
+mod upload;
+
+pub use readback::{PendingReadback, Readback, ReadbackBatch, Slot};
+pub use upload::UploadBatch;
+
+use std::sync::Arc;
+
+use crate::alloc::ResidentBuffer;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::stream::{Fence, LaneKind};
+use crate::telemetry::Telemetry;
+
+impl Device {
+    /// Checks that `[offset, offset + len)` lies in `buffer`; returns the buffer's device
+    /// address of `offset`.
+    pub(crate) fn checked_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<u64> {
+        let (ptr, buffer_len) = self.core().alloc.resolve(buffer)?;
+        match offset.checked_add(len) {
+            Some(end) if end <= buffer_len => Ok(ptr + offset),
+            _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len }),
+        }
+    }
+
+    /// Starts copying `len` bytes from host memory at `src` into `buffer` at `offset`, on the
+    /// upload lane, and returns at once. [`Device::synchronize_uploads`] or the returned
+    /// fence tells when it is done.
+    ///
+    /// # Safety
+    ///
+    /// `[src, src + len)` must be readable host memory that stays valid and unchanged until
+    /// the copy completes. It should be pinned ([`Device::pin_host`], or memory from
+    /// [`Device::pinned`]); pageable memory works but the driver then copies synchronously
+    /// and slowly.
+    pub unsafe fn upload_async_at(
+        &self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<Fence> {
+        let dst = self.checked_range(buffer, offset, len as u64)?;
+        let core = self.core();
+        let lane = core.lane(LaneKind::Upload);
+        let batch = lane.batch();
+        let last_other =
+            core.alloc.mark_used_many(std::iter::once(buffer), LaneKind::Upload.index(), batch.next_seq())?;
+        core.lane(LaneKind::Readback).make_stream_wait(last_other, lane.stream())?;
+        let seq = batch.submit(Vec::new(), |raw, stream, _| {
+            // SAFETY: dst..dst+len lies in a live buffer (checked above, and the buffer
+            // cannot be reused before this submission completes since it is marked);
+            // the caller vouches for the source.
+            unsafe { raw.memcpy_htod_async(dst, src, len, stream) }
+        })?;
+        Telemetry::add(&core.telemetry.upload_submissions, 1);
+        Telemetry::add(&core.telemetry.bytes_requested, len as u64);
+        Telemetry::add(&core.telemetry.bytes_moved, len as u64);
+        Telemetry::add(&core.telemetry.dma_copies, 1);
+        Ok(Fence::new(self.clone(), LaneKind::Upload, seq))
+    }
+
+    /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
+    /// readback lane, and returns at once; the bytes are there once the fence completes.
+    ///
+    /// # Safety
+    ///
+    /// `[dst, dst + len)` must be writable host memory that stays valid, and that nothing
+    /// reads or writes, until the copy completes. It should be pinned, as for
+    /// [`Device::upload_async_at`].
+    pub unsafe fn download_async_at(
+        &self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<Fence> {
+        let src = self.checked_range(buffer, offset, len as u64)?;
+        let core = self.core();
+        let lane = core.lane(LaneKind::Readback);
+        let batch = lane.batch();
+        let last_other = core.alloc.mark_used_many(
+            std::iter::once(buffer),
+            LaneKind::Readback.index(),
+            batch.next_seq(),
+        )?;
+        core.lane(LaneKind::Upload).make_stream_wait(last_other, lane.stream())?;
+        let seq = batch.submit(Vec::new(), |raw, stream, _| {
+            // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
+            unsafe { raw.memcpy_dtoh_async(dst, src, len, stream) }
+        })?;
+        Telemetry::add(&core.telemetry.readback_submissions, 1);
+        Telemetry::add(&core.telemetry.bytes_requested, len as u64);
+        Telemetry::add(&core.telemetry.bytes_moved, len as u64);
+        Telemetry::add(&core.telemetry.dma_copies, 1);
+        Ok(Fence::new(self.clone(), LaneKind::Readback, seq))
+    }
+
+    /// Uploads `data` to the start of `buffer` and waits until it has landed.
+    pub fn upload(&self, buffer: ResidentBuffer, data: &[u8]) -> Result<()> {
+        self.upload_at(buffer, 0, data)
+    }
+
+    /// Uploads `data` to `buffer` at `offset` and waits until it has landed.
+    pub fn upload_at(&self, buffer: ResidentBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        let mut batch = self.uploads();
+        batch.write(buffer, offset, data)?;
+        batch.submit()?.wait()
+    }
+
+    /// Uploads each `(buffer, data)` to the start of its buffer, as one batch, and waits.
+    pub fn upload_many(&self, writes: &[(ResidentBuffer, &[u8])]) -> Result<()> {
+        let mut batch = self.uploads();
+        for &(buffer, data) in writes {
+            batch.write(buffer, 0, data)?;
+        }
+        batch.submit()?.wait()
+    }
+
+    /// Uploads each `(buffer, offset, data)`, as one batch (later writes win where they
+    /// overlap), and waits.
+    pub fn upload_at_many(&self, writes: &[(ResidentBuffer, u64, &[u8])]) -> Result<()> {
+        let mut batch = self.uploads();
+        for &(buffer, offset, data) in writes {
+            batch.write(buffer, offset, data)?;
+        }
+        batch.submit()?.wait()
+    }
+
+    /// The whole buffer, read back.
+    pub fn download(&self, buffer: ResidentBuffer) -> Result<Vec<u8>> {
+        let len = self.buffer_len(buffer)?;
+        self.download_range(buffer, 0, len)
+    }
+
+    /// `len` bytes of `buffer` at `offset`, read back.
+    pub fn download_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Vec<u8>> {
+        if len <= 4 * self.config().chunk_bytes {
+            return Ok(self.download_ranges(&[(buffer, offset, len)])?.pop().unwrap_or_default());
+        }
+        let mut out = zeroed_vec(len)?;
+        self.read_into_slice(buffer, offset, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads `out.len()` bytes of `buffer` at `offset` into `out`, pipelined through a ring
+    /// of pinned chunks: chunk `k + 1` is on the wire while chunk `k` is unpacked by the
+    /// packing threads. For large ranges; any size works.
+    pub fn read_into_slice(&self, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        let len = out.len() as u64;
+        let src = self.checked_range(buffer, offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let core = self.core();
+        let chunk = self.config().chunk_bytes;
+        let chunks = len.div_ceil(chunk) as usize;
+        let lane = core.lane(LaneKind::Readback);
+        let batch = lane.batch();
+        let final_seq = batch.next_seq() + chunks as u64 - 1;
+        let last_other =
+            core.alloc.mark_used_many(std::iter::once(buffer), LaneKind::Readback.index(), final_seq)?;
+        core.lane(LaneKind::Upload).make_stream_wait(last_other, lane.stream())?;
+        let ring_len = chunks.min(upload::RING);
+        let ring = (0..ring_len)
+            .map(|_| self.acquire_staging(chunk as usize).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let mut seqs = Vec::with_capacity(chunks);
+        let mut pieces = Vec::new();
+        let mut unpack = |k: usize, seqs: &[u64], out: &mut [u8]| -> Result<()> {
+            if lane.wait(seqs[k])? {
+                Telemetry::add(&core.telemetry.host_waits, 1);
+            }
+            let start = k as u64 * chunk;
+            let n = (len - start).min(chunk) as usize;
+            pieces.clear();
+            let dst = out[start as usize..][..n].as_mut_ptr();
+            Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
+            // SAFETY: the chunk's DMA completed (waited above); the ring lease and `out`
+            // are disjoint and hold n bytes at these places.
+            unsafe { Piece::copy_all(self, &pieces) };
+            Ok(())
+        };
+        for k in 0..chunks {
+            if k >= ring_len {
+                unpack(k - ring_len, &seqs, out)?;
+            }
+            let lease = &ring[k % ring_len];
+            let start = k as u64 * chunk;
+            let n = (len - start).min(chunk) as usize;
+            let dst = lease.as_ptr();
+            seqs.push(batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+                // SAFETY: a range of a live, marked buffer into a pinned lease of >= n bytes
+                // that this submission keeps alive.
+                unsafe { raw.memcpy_dtoh_async(dst, src + start, n, stream) }
+            })?);
+        }
+        drop(batch);
+        for k in chunks.saturating_sub(ring_len)..chunks {
+            unpack(k, &seqs, out)?;
+        }
+        let t = &core.telemetry;
+        Telemetry::add(&t.readback_submissions, chunks as u64);
+        Telemetry::add(&t.bytes_requested, len);
+        Telemetry::add(&t.bytes_moved, len);
+        Telemetry::add(&t.dma_copies, chunks as u64);
+        Ok(())
+    }
+
+    /// Each whole buffer, read back as one batch.
+    pub fn download_many(&self, buffers: &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> {
+        let mut batch = self.readbacks();
+        let slots = batch.read_many(buffers)?;
+        let done = batch.submit()?.wait()?;
+        Ok(slots.into_iter().map(|s| done.get(s).to_vec()).collect())
+    }
+
+    /// Each `(buffer, offset, len)` range, read back as one batch.
+    pub fn download_ranges(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<Vec<Vec<u8>>> {
+        let mut batch = self.readbacks();
+        let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
+        let done = batch.submit()?.wait()?;
+        Ok(slots.into_iter().map(|s| done.get(s).to_vec()).collect())
+    }
+
+    /// Reads each `(buffer, offset, len)` range into the caller's vector of the same index,
+    /// replacing its contents and reusing its capacity; one batch, one wait.
+    pub fn download_into(&self, ranges: &[(ResidentBuffer, u64, u64)], out: &mut [Vec<u8>]) -> Result<()> {
+        if ranges.len() != out.len() {
+            return Err(Error::LengthMismatch {
+                what: "download_into ranges and output vectors",
+                left: ranges.len(),
+                right: out.len(),
+            });
+        }
+        let mut batch = self.readbacks();
+        let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
+        let done = batch.submit()?.wait()?;
+        for (slot, vec) in slots.into_iter().zip(out) {
+            done.copy_into(slot, vec);
+        }
+        Ok(())
+    }
+
+    /// Blocks until every upload submitted so far has completed.
+    pub fn synchronize_uploads(&self) -> Result<()> {
+        self.core().lane(LaneKind::Upload).synchronize().map(|_| ())
+    }
+
+    /// Page-locks `[ptr, ptr + len)` of host memory for fast, asynchronous copies
+    /// (`cuMemHostRegister`, portable).
+    ///
+    /// # Safety
+    ///
+    /// The range must be mapped host memory that stays mapped until [`Device::unpin_host`].
+    pub unsafe fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        let raw = self.core().ctx.bind()?;
+        // SAFETY: as the caller promises.
+        unsafe { raw.mem_host_register(ptr, len) }
+    }
+
+    /// Undoes [`Device::pin_host`].
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be the start of a range pinned with `pin_host`, and no copy in flight may
+    /// use it.
+    pub unsafe fn unpin_host(&self, ptr: *mut u8) -> Result<()> {
+        let raw = self.core().ctx.bind()?;
+        // SAFETY: as the caller promises.
+        unsafe { raw.mem_host_unregister(ptr) }
+    }
+}
+
+/// A vector of `len` zero bytes, or an error instead of an abort when the host cannot give
+/// that much. Large zeroed allocations come from the OS already zero, so this costs no
+/// memset (unlike `resize`): the pages are touched first by whatever fills the vector.
+fn zeroed_vec(len: u64) -> Result<Vec<u8>> {
+    let oom = || Error::HostOutOfMemory { bytes: len };
+    let n = usize::try_from(len).map_err(|_| oom())?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| oom())?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(oom());
+    }
+    // SAFETY: ptr was allocated by the global allocator with exactly this layout (size n,
+    // align 1), and all n bytes are initialised (zero).
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
+/// The buffers a batch names, each resolved once: key (index) -> handle, address, length.
+#[derive(Default)]
+pub(crate) struct BufferTable {
+    pub(crate) entries: Vec<Resolved>,
+    /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two.
+    slots: Vec<u32>,
+}
+
+/// A buffer as the batch saw it when it was named.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Resolved {
+    pub(crate) buffer: ResidentBuffer,
+    pub(crate) ptr: u64,
+    pub(crate) len: u64,
+}
+
+impl BufferTable {
+    /// The key of `buffer`, resolving it on first sight.
+    pub(crate) fn key(&mut self, device: &Device, buffer: ResidentBuffer) -> Result<(u32, Resolved)> {
+        if self.entries.len() * 2 >= self.slots.len() {
+            self.grow();
+        }
+        let mask = self.slots.len() - 1;
+        let mut at = (buffer.mix() >> 32) as usize & mask;
+        loop {
+            match self.slots[at] {
+                0 => break,
+                k if self.entries[k as usize - 1].buffer == buffer => {
+                    return Ok((k - 1, self.entries[k as usize - 1]));
+                }
+                _ => at = (at + 1) & mask,
+            }
+        }
+        let (ptr, len) = device.core().alloc.resolve(buffer)?;
+        let resolved = Resolved { buffer, ptr, len };
+        self.entries.push(resolved);
+        self.slots[at] = self.entries.len() as u32;
+        Ok((self.entries.len() as u32 - 1, resolved))
+    }
+
+    fn grow(&mut self) {
+        let size = (self.slots.len() * 2).max(64);
+        self.slots = vec![0; size];
+        let mask = size - 1;
+        for (i, e) in self.entries.iter().enumerate() {
+            let mut at = (e.buffer.mix() >> 32) as usize & mask;
+            while self.slots[at] != 0 {
+                at = (at + 1) & mask;
+            }
+            self.slots[at] = i as u32 + 1;
+        }
+    }
+
+    pub(crate) fn buffers(&self) -> impl Iterator<Item = ResidentBuffer> + '_ {
+        self.entries.iter().map(|e| e.buffer)
+    }
+}
+
+/// One host memcpy of packing or unpacking.
+#[derive(Clone, Copy)]
+pub(crate) struct Piece {
+    pub(crate) dst: *mut u8,
+    pub(crate) src: *const u8,
+    pub(crate) len: usize,
+}
+
+// SAFETY: a piece is two addresses and a length; the code that builds pieces guarantees
+// that the ranges are valid and that no two pieces' destinations overlap.
+unsafe impl Send for Piece {}
+// SAFETY: as above; pieces are only read.
+unsafe impl Sync for Piece {}
+
+/// Pieces larger than this are split for the packing threads.
+const PIECE_SPLIT: usize = 256 << 10;
+/// Below this many bytes in all, one thread copies (waking the pool costs more).
+const PARALLEL_MIN: usize = 1 << 20;
+
+impl Piece {
+    /// Appends `piece`, split into parts of at most [`PIECE_SPLIT`] bytes.
+    pub(crate) fn push_split(out: &mut Vec<Piece>, piece: Piece) {
+        let mut done = 0;
+        while done < piece.len {
+            let len = (piece.len - done).min(PIECE_SPLIT);
+            // SAFETY: offsets stay inside the piece's ranges.
+            out.push(unsafe { Piece { dst: piece.dst.add(done), src: piece.src.add(done), len } });
+            done += len;
+        }
+    }
+
+    /// Performs every piece, in parallel on the device's packing threads when there is
+    /// enough to do.
+    ///
+    /// # Safety
+    /// Each piece's source must be readable and its destination writable for `len` bytes,
+    /// and no destination may overlap another piece's source or destination.
+    pub(crate) unsafe fn copy_all(device: &Device, pieces: &[Piece]) {
+        let total: usize = pieces.iter().map(|p| p.len).sum();
+        let run = |p: &Piece| {
+            // SAFETY: as the caller promises.
+            unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) }
+        };
+        if total < PARALLEL_MIN || pieces.len() < 2 {
+            pieces.iter().for_each(run);
+        } else {
+            use rayon::prelude::*;
+            device.core().packers().install(|| pieces.par_iter().with_min_len(1).for_each(run));
+        }
+    }
+}
+
+/// What a lane's batches reuse, used only under the lane's batch lock: the planner and its
+/// plans, descriptor and piece lists, and the device staging where packed bytes and
+/// descriptors land before the scatter (uploads) or where the gather collects them
+/// (readbacks), grown on demand.
+#[derive(Default)]
+pub(crate) struct DeviceStaging {
+    pub(crate) region: DeviceRegion,
+    pub(crate) planner: crate::plan::Planner,
+    pub(crate) upload_plan: crate::plan::UploadPlan,
+    pub(crate) readback_plan: crate::plan::ReadbackPlan,
+    pub(crate) descriptors: Vec<crate::kernels::CopyDescriptor>,
+    pub(crate) pieces: Vec<Piece>,
+}
+
+/// A lane's device staging buffer.
+#[derive(Default)]
+pub(crate) struct DeviceRegion {
+    buffer: Option<(ResidentBuffer, u64, u64)>,
+}
+
+impl DeviceRegion {
+    /// The address of at least `len` bytes of device staging for `lane`, growing it if need
+    /// be. Must be called under the lane's batch lock; `last_seq` is the lane's last
+    /// submission, which may still use the old staging.
+    pub(crate) fn ensure(&mut self, device: &Device, lane: LaneKind, len: u64, last_seq: u64) -> Result<u64> {
+        if let Some((_, ptr, have)) = self.buffer
+            && have >= len
+        {
+            return Ok(ptr);
+        }
+        let want = len.max(1 << 20).next_power_of_two();
+        let new = device.allocate(want)?;
+        let ptr = device.device_ptr(new)?;
+        if let Some((old, _, _)) = self.buffer.replace((new, ptr, want)) {
+            // Work already enqueued may still use it: free after that work.
+            device.core().alloc.mark_used(old, lane.index(), last_seq)?;
+            device.free(old)?;
+        }
+        Ok(ptr)
+    }
+}

@@ -1,0 +1,314 @@
+//! Readbacks: a batch of reads, fused, gathered on the device into device staging (small
+//! ranges) or copied directly (large ones), and moved into one pinned region that the caller
+//! reads as `&[u8]` views.
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::BufferTable;
+use crate::alloc::ResidentBuffer;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::host_pool::HostLease;
+use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors};
+use crate::plan::{PlanConfig, ReadRequest, ReadView};
+use crate::stream::{Fence, LaneKind};
+use crate::sync::lock;
+use crate::telemetry::Telemetry;
+
+/// A chunk with fewer packed ranges than this reads them by one DMA each.
+const KERNEL_MIN_COPIES: usize = 3;
+
+/// Names one read of a [`ReadbackBatch`]; redeem it with [`Readback::get`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Slot(u32);
+
+/// A batch of device-to-host reads ([`Device::readbacks`]). Reads of one buffer that overlap
+/// or touch are fused and move once. Every read is checked when it is added; a bad one
+/// returns its error and also fails `submit`.
+pub struct ReadbackBatch<'a> {
+    device: &'a Device,
+    table: BufferTable,
+    reads: Vec<ReadRequest>,
+    error: Option<Error>,
+}
+
+impl fmt::Debug for ReadbackBatch<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadbackBatch").field("reads", &self.reads.len()).finish_non_exhaustive()
+    }
+}
+
+/// A submitted readback: the bytes are in flight.
+#[derive(Debug)]
+pub struct PendingReadback {
+    fence: Fence,
+    readback: Readback,
+}
+
+/// Completed reads: views into pinned staging, valid while this value lives. Dropping it
+/// returns the staging to the pool.
+pub struct Readback {
+    lease: Option<Arc<HostLease>>,
+    /// Where flat staging starts in the lease (after the descriptor tables).
+    base: usize,
+    views: Vec<ReadView>,
+}
+
+impl fmt::Debug for Readback {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Readback").field("reads", &self.views.len()).finish_non_exhaustive()
+    }
+}
+
+impl Device {
+    /// Starts a batch of readbacks.
+    pub fn readbacks(&self) -> ReadbackBatch<'_> {
+        ReadbackBatch { device: self, table: BufferTable::default(), reads: Vec::new(), error: None }
+    }
+}
+
+impl ReadbackBatch<'_> {
+    /// Adds a read of `len` bytes of `buffer` at `offset`.
+    pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
+        let checked =
+            self.table.key(self.device, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
+                Some(end) if end <= resolved.len => Ok((key, resolved.len)),
+                _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
+            });
+        match checked {
+            Ok((key, buffer_len)) => {
+                let slot = Slot(self.reads.len() as u32);
+                self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
+                Ok(slot)
+            }
+            Err(e) => {
+                if self.error.is_none() {
+                    self.error = Some(e.clone());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Adds a read of the whole buffer.
+    pub fn read_all(&mut self, buffer: ResidentBuffer) -> Result<Slot> {
+        let len = self.device.buffer_len(buffer)?;
+        self.read(buffer, 0, len)
+    }
+
+    /// Adds a read of each whole buffer, in order.
+    pub fn read_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
+        buffers.iter().map(|&b| self.read_all(b)).collect()
+    }
+
+    /// Number of reads added.
+    pub fn len(&self) -> usize {
+        self.reads.len()
+    }
+
+    /// Whether no read was added.
+    pub fn is_empty(&self) -> bool {
+        self.reads.is_empty()
+    }
+
+    /// Starts the reads and returns at once. Fails (with nothing enqueued) if any read was
+    /// bad, a buffer was freed since, or the reads need more pinned staging than the pool's
+    /// cap.
+    pub fn submit(mut self) -> Result<PendingReadback> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        execute(&self)
+    }
+}
+
+impl PendingReadback {
+    /// Blocks until the bytes are in host memory.
+    pub fn wait(self) -> Result<Readback> {
+        self.fence.wait()?;
+        Ok(self.readback)
+    }
+
+    /// The fence of the reads.
+    pub fn fence(&self) -> &Fence {
+        &self.fence
+    }
+}
+
+impl Readback {
+    /// The bytes of a read, viewed in pinned staging (no copy).
+    ///
+    /// # Panics
+    /// If `slot` came from another batch with more reads than this one.
+    pub fn get(&self, slot: Slot) -> &[u8] {
+        let view = self.views[slot.0 as usize];
+        match &self.lease {
+            // SAFETY: the reads completed (this value exists only after the fence), the
+            // view lies inside the lease's flat staging, and the lease lives as long as self.
+            Some(lease) => unsafe {
+                &lease.as_slice()[self.base + view.stage_offset as usize..][..view.len as usize]
+            },
+            None => &[],
+        }
+    }
+
+    /// Copies a read into a caller-owned vector, replacing its contents (its capacity is
+    /// reused).
+    pub fn copy_into(&self, slot: Slot, out: &mut Vec<u8>) {
+        out.clear();
+        out.extend_from_slice(self.get(slot));
+    }
+
+    /// Number of reads.
+    pub fn len(&self) -> usize {
+        self.views.len()
+    }
+
+    /// Whether there are no reads.
+    pub fn is_empty(&self) -> bool {
+        self.views.is_empty()
+    }
+}
+
+fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
+    let count: u64 = copies.map(|len| len.div_ceil(SEGMENT)).sum();
+    (count * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256)
+}
+
+fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
+    let device = batch.device;
+    let core = device.core();
+    let config = device.config();
+    let plan_config =
+        PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
+    let lane = core.lane(LaneKind::Readback);
+    let lane_batch = lane.batch();
+    let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
+    let scratch = &mut *scratch;
+    scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
+    let plan = &scratch.readback_plan;
+    if plan.is_empty() {
+        let views = plan.views.clone();
+        return Ok(PendingReadback {
+            fence: Fence::completed(),
+            readback: Readback { lease: None, base: 0, views },
+        });
+    }
+    let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
+    let areas: Vec<u64> = plan
+        .chunks
+        .iter()
+        .map(
+            |c| if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 },
+        )
+        .collect();
+    let tables: u64 = areas.iter().sum();
+    let lease = Arc::new(device.acquire_staging((tables + plan.total_staging) as usize)?);
+    let base = lease.as_ptr();
+
+    let first_seq = lane_batch.next_seq();
+    let final_seq = first_seq + plan.chunks.len() as u64 - 1;
+    let last_other =
+        core.alloc.mark_used_many(batch.table.buffers(), LaneKind::Readback.index(), final_seq)?;
+    core.lane(LaneKind::Upload).make_stream_wait(last_other, lane.stream())?;
+
+    let kernels = if areas.iter().any(|&a| a > 0) { Some(core.kernels()?) } else { None };
+    let device_need =
+        plan.chunks.iter().zip(&areas).filter(|(_, a)| **a > 0).map(|(c, a)| a + c.packed_len).max();
+    let dev = match device_need {
+        Some(need) => scratch.region.ensure(device, LaneKind::Readback, need, first_seq - 1)?,
+        None => 0,
+    };
+    let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
+    // SAFETY: flat offsets of the plan lie inside the lease's staging part.
+    let staged = |flat: u64| unsafe { base.add((tables + flat) as usize) };
+
+    let (mut table_at, mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64, 0u64);
+    for (chunk, &area) in plan.chunks.iter().zip(&areas) {
+        let table = table_at;
+        table_at += area;
+        scratch.descriptors.clear();
+        if area > 0 {
+            for c in &chunk.packed {
+                let dst = dev + area + (c.stage_offset - chunk.packed_offset);
+                push_descriptors(&mut scratch.descriptors, ptr_of(c.buffer) + c.buffer_offset, dst, c.len);
+            }
+            let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
+            // SAFETY: the chunk's table area in the lease holds `bytes`; nothing reads it yet.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    scratch.descriptors.as_ptr().cast::<u8>(),
+                    base.add(table as usize),
+                    bytes,
+                )
+            };
+        }
+        let count = scratch.descriptors.len() as u64;
+        lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+            if area > 0 {
+                // SAFETY: the table is pinned and stays alive (kept by this submission);
+                // device staging holds area + packed_len bytes.
+                unsafe { raw.memcpy_htod_async(dev, base.add(table as usize), area as usize, stream) }?;
+                let kernels = kernels.expect("loaded when a chunk uses it");
+                // SAFETY: sources are live, marked buffers; destinations are disjoint ranges
+                // of device staging.
+                unsafe { kernels.copy(raw, stream, dev, count) }?;
+                // SAFETY: the packed region of this chunk lies inside the lease.
+                unsafe {
+                    raw.memcpy_dtoh_async(
+                        staged(chunk.packed_offset),
+                        dev + area,
+                        chunk.packed_len as usize,
+                        stream,
+                    )
+                }?;
+            } else {
+                for c in &chunk.packed {
+                    // SAFETY: a range of a live, marked buffer into the lease.
+                    unsafe {
+                        raw.memcpy_dtoh_async(
+                            staged(c.stage_offset),
+                            ptr_of(c.buffer) + c.buffer_offset,
+                            c.len as usize,
+                            stream,
+                        )
+                    }?;
+                }
+            }
+            for c in &chunk.direct {
+                // SAFETY: as above.
+                unsafe {
+                    raw.memcpy_dtoh_async(
+                        staged(c.stage_offset),
+                        ptr_of(c.buffer) + c.buffer_offset,
+                        c.len as usize,
+                        stream,
+                    )
+                }?;
+            }
+            Ok(())
+        })?;
+        if area > 0 {
+            dmas += 2 + chunk.direct.len() as u64;
+            launches += 1;
+            moved += area + chunk.packed_len;
+        } else {
+            dmas += (chunk.packed.len() + chunk.direct.len()) as u64;
+            moved += chunk.packed.iter().map(|c| c.len).sum::<u64>();
+        }
+        moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
+    }
+    let t = &core.telemetry;
+    Telemetry::add(&t.readback_submissions, plan.chunks.len() as u64);
+    Telemetry::add(&t.bytes_requested, plan.requested_bytes);
+    Telemetry::add(&t.bytes_moved, moved);
+    Telemetry::add(&t.dma_copies, dmas);
+    Telemetry::add(&t.kernel_launches, launches);
+    let views = plan.views.clone();
+    drop(lane_batch);
+    Ok(PendingReadback {
+        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        readback: Readback { lease: Some(lease), base: tables as usize, views },
+    })
+}

@@ -1,0 +1,301 @@
+//! Uploads: a batch of writes, fused, staged once in pinned memory and moved by one DMA plus
+//! one scatter per chunk (small writes) or one DMA each (large ones).
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::{BufferTable, Piece};
+use crate::alloc::ResidentBuffer;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::host_pool::HostLease;
+use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors};
+use crate::plan::{PlanConfig, WriteRequest};
+use crate::stream::{Fence, LaneKind};
+use crate::sync::lock;
+use crate::telemetry::Telemetry;
+
+/// Chunks of one batch in flight at once; packing chunk `k` waits for chunk `k - RING`.
+pub(crate) const RING: usize = 4;
+
+/// A chunk with at most this many packed copies moves them by one DMA each, without the
+/// kernel: for a handful of copies, DMAs cost less than a launch.
+const KERNEL_MIN_COPIES: usize = 3;
+
+/// Where a write's bytes come from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// The caller's slice.
+    Slice(&'a [u8]),
+    /// Written in place by `write_with`, into the batch's own pinned arena.
+    Arena { lease: u32, offset: usize },
+}
+
+/// A batch of host-to-device writes ([`Device::uploads`]). Writes apply in order: where
+/// two overlap, the later one wins. Nothing moves until [`UploadBatch::submit`].
+///
+/// Every write is checked when it is added; a bad one returns its error and also fails
+/// `submit`, so a batch with a bad write never moves anything.
+pub struct UploadBatch<'a> {
+    device: &'a Device,
+    table: BufferTable,
+    writes: Vec<WriteRequest>,
+    sources: Vec<Source<'a>>,
+    arena: Vec<HostLease>,
+    arena_used: usize,
+    error: Option<Error>,
+}
+
+impl fmt::Debug for UploadBatch<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UploadBatch").field("writes", &self.writes.len()).finish_non_exhaustive()
+    }
+}
+
+impl Device {
+    /// Starts a batch of uploads.
+    pub fn uploads(&self) -> UploadBatch<'_> {
+        UploadBatch {
+            device: self,
+            table: BufferTable::default(),
+            writes: Vec::new(),
+            sources: Vec::new(),
+            arena: Vec::new(),
+            arena_used: 0,
+            error: None,
+        }
+    }
+}
+
+impl<'a> UploadBatch<'a> {
+    /// Checks a write and records it; on error, poisons the batch.
+    fn add(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<()> {
+        let checked =
+            self.table.key(self.device, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
+                Some(end) if end <= resolved.len => Ok(key),
+                _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
+            });
+        match checked {
+            Ok(key) => {
+                self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len: 0, offset, len });
+                Ok(())
+            }
+            Err(e) => {
+                if self.error.is_none() {
+                    self.error = Some(e.clone());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Adds a write of `data` to `buffer` at `offset`. The slice is read at submit time.
+    pub fn write(&mut self, buffer: ResidentBuffer, offset: u64, data: &'a [u8]) -> Result<&mut Self> {
+        self.add(buffer, offset, data.len() as u64)?;
+        self.sources.push(Source::Slice(data));
+        Ok(self)
+    }
+
+    /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
+    /// place, straight into pinned staging: no copy of the caller's own.
+    pub fn write_with(
+        &mut self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<&mut Self> {
+        self.add(buffer, offset, len as u64)?;
+        // Same address residue mod 16 as the destination (buffers are 256-aligned), so the
+        // scatter can use 16-byte accesses.
+        let residue = (offset % 16) as usize;
+        let fits = |lease: &HostLease, used: usize| used.next_multiple_of(16) + residue + len <= lease.len();
+        if !self.arena.last().is_some_and(|lease| fits(lease, self.arena_used)) {
+            let size = (self.device.config().chunk_bytes as usize).max(len + 32);
+            match self.device.acquire_staging(size) {
+                Ok(lease) => self.arena.push(lease),
+                Err(e) => {
+                    self.writes.pop();
+                    return Err(e);
+                }
+            }
+            self.arena_used = 0;
+        }
+        let at = self.arena_used.next_multiple_of(16) + residue;
+        let lease_index = self.arena.len() - 1;
+        let lease = &mut self.arena[lease_index];
+        // SAFETY: the arena is this batch's own; no copy uses it before submit.
+        let region = unsafe { lease.as_mut_slice() };
+        fill(&mut region[at..at + len]);
+        self.arena_used = at + len;
+        self.sources.push(Source::Arena { lease: lease_index as u32, offset: at });
+        Ok(self)
+    }
+
+    /// Number of writes added.
+    pub fn len(&self) -> usize {
+        self.writes.len()
+    }
+
+    /// Whether no write was added.
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    /// Moves the batch to the device and returns at once; the fence completes when every
+    /// byte has landed. Fails (with nothing enqueued) if any write was bad or a buffer was
+    /// freed since it was added.
+    pub fn submit(mut self) -> Result<Fence> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        for w in &mut self.writes {
+            w.buffer_len = self.table.entries[w.buffer as usize].len;
+        }
+        execute(&self)
+    }
+}
+
+impl Source<'_> {
+    /// The address of byte `offset` of the write's data.
+    fn at(&self, arena: &[HostLease], offset: u64) -> *const u8 {
+        match *self {
+            Source::Slice(s) => s[offset as usize..].as_ptr(),
+            // SAFETY: offset lies within the write, which lies within its lease.
+            Source::Arena { lease, offset: at } => unsafe {
+                arena[lease as usize].as_ptr().add(at + offset as usize)
+            },
+        }
+    }
+}
+
+/// The size of a chunk's descriptor area: room for its packed copies' descriptors, rounded
+/// to 256 bytes so that the packed bytes after it stay aligned.
+fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
+    let count: u64 = copies.map(|len| len.div_ceil(SEGMENT)).sum();
+    (count * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256)
+}
+
+fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
+    let device = batch.device;
+    let core = device.core();
+    let config = device.config();
+    let plan_config =
+        PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
+    let lane = core.lane(LaneKind::Upload);
+    let lane_batch = lane.batch();
+    let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
+    let scratch = &mut *scratch;
+    scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
+    let plan = &scratch.upload_plan;
+    if plan.is_empty() {
+        return Ok(Fence::completed());
+    }
+    let first_seq = lane_batch.next_seq();
+    let final_seq = first_seq + plan.chunks.len() as u64 - 1;
+    // Every buffer is checked (and marked as used by this batch) before anything moves.
+    let last_other = core.alloc.mark_used_many(batch.table.buffers(), LaneKind::Upload.index(), final_seq)?;
+    core.lane(LaneKind::Readback).make_stream_wait(last_other, lane.stream())?;
+
+    let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
+    let kernels =
+        if plan.chunks.iter().any(|c| uses_kernel(c.packed.len())) { Some(core.kernels()?) } else { None };
+    let device_need = plan
+        .chunks
+        .iter()
+        .filter(|c| uses_kernel(c.packed.len()))
+        .map(|c| descriptor_area(c.packed.iter().map(|p| p.len)) + c.packed_len)
+        .max()
+        .unwrap_or(0);
+    let dev = if device_need > 0 {
+        scratch.region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?
+    } else {
+        0
+    };
+
+    let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
+    let mut seqs = Vec::with_capacity(plan.chunks.len());
+    let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
+    for (k, chunk) in plan.chunks.iter().enumerate() {
+        if k >= RING && lane.wait(seqs[k - RING])? {
+            Telemetry::add(&core.telemetry.host_waits, 1);
+        }
+        let kernel = uses_kernel(chunk.packed.len());
+        let area = if kernel { descriptor_area(chunk.packed.iter().map(|p| p.len)) } else { 0 };
+        let lease = Arc::new(device.acquire_staging((area + chunk.staging_len) as usize)?);
+        let base = lease.as_ptr();
+        // SAFETY: the lease holds area + staging_len bytes; offsets below stay inside.
+        let staged = |flat: u64| unsafe { base.add((area + chunk.local_offset(flat)) as usize) };
+
+        scratch.descriptors.clear();
+        if kernel {
+            for c in &chunk.packed {
+                let src = dev + area + (c.stage_offset - chunk.packed_offset);
+                push_descriptors(&mut scratch.descriptors, src, ptr_of(c.buffer) + c.buffer_offset, c.len);
+            }
+            let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
+            // SAFETY: the descriptor area holds at least `bytes` bytes; the lease is fresh.
+            unsafe { std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), base, bytes) };
+        }
+        scratch.pieces.clear();
+        for f in plan.fills_of(k as u32) {
+            let src = batch.sources[f.write as usize].at(&batch.arena, f.src_offset);
+            Piece::push_split(
+                &mut scratch.pieces,
+                Piece { dst: staged(f.stage_offset), src, len: f.len as usize },
+            );
+        }
+        // SAFETY: fills cover disjoint staging ranges inside the lease, sources are live
+        // slices or the batch's arena.
+        unsafe { Piece::copy_all(device, &scratch.pieces) };
+
+        let descriptor_count = scratch.descriptors.len() as u64;
+        let seq = lane_batch.submit(vec![lease], |raw, stream, _| {
+            if kernel {
+                // SAFETY: descriptors and packed bytes are contiguous at the lease's start,
+                // and device staging holds device_need >= area + packed_len bytes.
+                unsafe { raw.memcpy_htod_async(dev, base, (area + chunk.packed_len) as usize, stream) }?;
+                let kernels = kernels.expect("loaded when a chunk uses it");
+                // SAFETY: the table is in device staging by stream order; destinations are
+                // disjoint fused intervals of live, marked buffers.
+                unsafe { kernels.copy(raw, stream, dev, descriptor_count) }?;
+            } else {
+                for c in &chunk.packed {
+                    let src = staged(c.stage_offset);
+                    // SAFETY: staged bytes of a live, marked buffer's interval.
+                    unsafe {
+                        raw.memcpy_htod_async(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize, stream)
+                    }?;
+                }
+            }
+            for c in &chunk.direct {
+                let src = staged(c.stage_offset);
+                // SAFETY: as above.
+                unsafe {
+                    raw.memcpy_htod_async(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize, stream)
+                }?;
+            }
+            Ok(())
+        })?;
+        seqs.push(seq);
+        let direct_dmas = chunk.direct.len() as u64;
+        if kernel {
+            dmas += 1 + direct_dmas;
+            launches += 1;
+            moved += area + chunk.packed_len;
+        } else {
+            dmas += chunk.packed.len() as u64 + direct_dmas;
+            moved += chunk.packed.iter().map(|c| c.len).sum::<u64>();
+        }
+        moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
+    }
+    let t = &core.telemetry;
+    Telemetry::add(&t.upload_submissions, seqs.len() as u64);
+    Telemetry::add(&t.bytes_requested, plan.requested_bytes);
+    Telemetry::add(&t.bytes_moved, moved);
+    Telemetry::add(&t.dma_copies, dmas);
+    Telemetry::add(&t.kernel_launches, launches);
+    debug_assert_eq!(seqs.last().copied(), Some(final_seq));
+    drop(lane_batch);
+    Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq))
+}

@@ -1,0 +1,275 @@
+//! The transfer engine on a real GPU, checked byte for byte against a host model. Ignored
+//! where there is no GPU: `cargo test -- --include-ignored` on a machine with one.
+
+use std::sync::Arc;
+
+use cuda_resident::{Config, Device, Error, ResidentBuffer};
+
+fn device() -> Device {
+    Device::open(0).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A device with small chunks and a low direct threshold, so that batches split into many
+/// chunks and mix packed and direct copies.
+fn small_chunk_device() -> Device {
+    let config = Config { chunk_bytes: 1 << 20, direct_threshold: 64 << 10, ..Config::default() };
+    Device::open_with(Arc::clone(device().driver()), 0, config).unwrap()
+}
+
+fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v);
+    v
+}
+
+/// Buffers on the device and their expected contents on the host.
+struct Model {
+    buffers: Vec<ResidentBuffer>,
+    expect: Vec<Vec<u8>>,
+}
+
+impl Model {
+    fn new(d: &Device, rng: &mut fastrand::Rng, sizes: &[usize]) -> Model {
+        let buffers: Vec<_> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
+        let expect: Vec<_> = sizes.iter().map(|&n| random_vec(rng, n)).collect();
+        let writes: Vec<_> = buffers.iter().zip(&expect).map(|(&b, v)| (b, v.as_slice())).collect();
+        d.upload_many(&writes).unwrap();
+        Model { buffers, expect }
+    }
+
+    fn check(&self, d: &Device, what: &str) {
+        let got = d.download_many(&self.buffers).unwrap();
+        for (i, (g, e)) in got.iter().zip(&self.expect).enumerate() {
+            if g != e {
+                let at = g.iter().zip(e).position(|(a, b)| a != b);
+                panic!("{what}: buffer {i} ({} bytes) differs first at {at:?}", e.len());
+            }
+        }
+    }
+
+    /// A random range of a random buffer: lengths from 1 byte to all of it, biased small.
+    fn range(&self, rng: &mut fastrand::Rng) -> (usize, u64, u64) {
+        let i = rng.usize(..self.buffers.len());
+        let n = self.expect[i].len() as u64;
+        let len = match rng.u8(0..10) {
+            0 => rng.u64(1..=n),
+            1..=3 => rng.u64(1..=n.min(64)),
+            _ => rng.u64(1..=n.min(8192)),
+        };
+        (i, rng.u64(0..=n - len), len)
+    }
+
+    fn free(self, d: &Device) {
+        for b in self.buffers {
+            d.free(b).unwrap();
+        }
+    }
+}
+
+fn ragged_uploads_and_readbacks(d: &Device, seed: u64, rounds: usize) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let sizes: Vec<usize> = (0..24)
+        .map(|i| if i % 8 == 0 { rng.usize(1 << 20..6 << 20) } else { rng.usize(1..200_000) })
+        .collect();
+    let mut model = Model::new(d, &mut rng, &sizes);
+    model.check(d, "initial upload");
+    for round in 0..rounds {
+        // A batch of writes, some in place, with overlaps, touching ranges and duplicates.
+        let mut datas: Vec<(usize, u64, Vec<u8>, bool)> = Vec::new();
+        for _ in 0..rng.usize(1..600) {
+            let (i, offset, len) = model.range(&mut rng);
+            datas.push((i, offset, random_vec(&mut rng, len as usize), rng.u8(0..4) == 0));
+            if rng.u8(0..8) == 0 {
+                // Touching the previous write, or a duplicate of it.
+                let (i, offset, len) = (i, offset, len);
+                let end = offset + len;
+                let n = model.expect[i].len() as u64;
+                if end < n {
+                    let l = rng.u64(1..=(n - end).min(4096));
+                    datas.push((i, end, random_vec(&mut rng, l as usize), false));
+                }
+                datas.push((i, offset, random_vec(&mut rng, len as usize), false));
+            }
+        }
+        let mut batch = d.uploads();
+        for (i, offset, data, in_place) in &datas {
+            if *in_place {
+                batch
+                    .write_with(model.buffers[*i], *offset, data.len(), |dst| dst.copy_from_slice(data))
+                    .unwrap();
+            } else {
+                batch.write(model.buffers[*i], *offset, data).unwrap();
+            }
+        }
+        let fence = batch.submit().unwrap();
+        for (i, offset, data, _) in &datas {
+            model.expect[*i][*offset as usize..][..data.len()].copy_from_slice(data);
+        }
+        // Reads submitted at once, on the other lane: they must see the writes.
+        let mut reads = d.readbacks();
+        let ranges: Vec<_> = (0..rng.usize(1..500)).map(|_| model.range(&mut rng)).collect();
+        let slots: Vec<_> =
+            ranges.iter().map(|&(i, o, l)| reads.read(model.buffers[i], o, l).unwrap()).collect();
+        let done = reads.submit().unwrap().wait().unwrap();
+        assert!(fence.is_complete().unwrap(), "reads completed before the writes they follow");
+        for (&(i, o, l), slot) in ranges.iter().zip(slots) {
+            let expect = &model.expect[i][o as usize..][..l as usize];
+            assert!(done.get(slot) == expect, "round {round}: read of buffer {i} at {o}+{l} differs");
+        }
+    }
+    model.check(d, "after all rounds");
+    model.free(d);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn random_ragged_batches_match_the_model() {
+    ragged_uploads_and_readbacks(&device(), 1, 12);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn random_ragged_batches_match_the_model_with_small_chunks() {
+    ragged_uploads_and_readbacks(&small_chunk_device(), 2, 12);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn eight_threads_submit_batches_at_once() {
+    let d = device();
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let d = d.clone();
+            std::thread::spawn(move || ragged_uploads_and_readbacks(&d, 100 + t, 6))
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_large_pageable_round_trip() {
+    let d = device();
+    let mut rng = fastrand::Rng::with_seed(9);
+    let len = (1usize << 30) + 12345;
+    let data = random_vec(&mut rng, len);
+    let b = d.allocate(len as u64).unwrap();
+    d.upload(b, &data).unwrap();
+    let back = d.download(b).unwrap();
+    assert!(back == data, "1 GiB round trip differs");
+    let t = d.telemetry();
+    assert!(t.bytes_moved >= 2 * len as u64);
+    d.free(b).unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn thousands_of_small_copies_cost_one_dma_and_one_launch() {
+    let d = device();
+    let mut rng = fastrand::Rng::with_seed(4);
+    let b = d.allocate(8192 * 512).unwrap();
+    let data: Vec<Vec<u8>> = (0..4096).map(|_| random_vec(&mut rng, 256)).collect();
+    let before = d.telemetry();
+    let mut batch = d.uploads();
+    for (i, v) in data.iter().enumerate() {
+        batch.write(b, i as u64 * 512 + 3, v).unwrap(); // odd offsets, gaps between writes
+    }
+    batch.submit().unwrap().wait().unwrap();
+    let after = d.telemetry();
+    assert_eq!(after.dma_copies - before.dma_copies, 1);
+    assert_eq!(after.kernel_launches - before.kernel_launches, 1);
+    assert_eq!(after.bytes_requested - before.bytes_requested, 4096 * 256);
+    let back = d.download(b).unwrap();
+    for (i, v) in data.iter().enumerate() {
+        assert!(back[i * 512 + 3..][..256] == v[..], "copy {i}");
+    }
+    d.free(b).unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_seed_operations_each_work() {
+    let d = device();
+    let mut rng = fastrand::Rng::with_seed(5);
+    let a = d.allocate(10_000).unwrap();
+    let b = d.allocate(300_000).unwrap();
+    let va = random_vec(&mut rng, 10_000);
+    let vb = random_vec(&mut rng, 300_000);
+    d.upload(a, &va).unwrap();
+    assert_eq!(d.download(a).unwrap(), va);
+    d.upload_many(&[(a, &va[..5000]), (b, &vb)]).unwrap();
+    assert_eq!(d.download_many(&[a, b]).unwrap(), vec![va.clone(), vb.clone()]);
+    let patch = random_vec(&mut rng, 100);
+    d.upload_at(b, 777, &patch).unwrap();
+    let mut vb2 = vb.clone();
+    vb2[777..877].copy_from_slice(&patch);
+    assert_eq!(d.download_range(b, 700, 300).unwrap(), vb2[700..1000]);
+    d.upload_at_many(&[(a, 1, &patch[..10]), (a, 5, &patch[50..60])]).unwrap();
+    let mut va2 = va.clone();
+    va2[1..11].copy_from_slice(&patch[..10]);
+    va2[5..15].copy_from_slice(&patch[50..60]); // the later write wins
+    let ranges = [(a, 0, 20), (b, 0, 300_000), (a, 9990, 10)];
+    let got = d.download_ranges(&ranges).unwrap();
+    assert_eq!(got[0], va2[..20]);
+    assert_eq!(got[1], vb2);
+    assert_eq!(got[2], va2[9990..]);
+    let mut slots: Vec<Vec<u8>> = (0..3).map(|_| Vec::with_capacity(64)).collect();
+    d.download_into(&ranges, &mut slots).unwrap();
+    assert_eq!(slots, got);
+    let mut reads = d.readbacks();
+    let s = reads.read_many(&[a, b]).unwrap();
+    let done = reads.submit().unwrap().wait().unwrap();
+    assert_eq!((done.get(s[0]), done.get(s[1])), (&va2[..], &vb2[..]));
+
+    // Caller-pinned memory and the unsafe async path.
+    let mut host = random_vec(&mut rng, 300_000);
+    // SAFETY: host stays alive, unmoved and unread-by-us until unpinned after the copies.
+    unsafe {
+        d.pin_host(host.as_mut_ptr(), host.len()).unwrap();
+        d.upload_async_at(b, 0, host.as_ptr(), host.len()).unwrap();
+        d.synchronize_uploads().unwrap();
+        d.unpin_host(host.as_mut_ptr()).unwrap();
+    }
+    assert_eq!(d.download(b).unwrap(), host);
+    d.free(a).unwrap();
+    d.free(b).unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn bad_input_fails_the_batch_and_enqueues_nothing() {
+    let d = device();
+    let b = d.allocate(1000).unwrap();
+    let freed = d.allocate(1000).unwrap();
+    d.free(freed).unwrap();
+    let data = [7u8; 100];
+    let before = d.telemetry();
+
+    let mut batch = d.uploads();
+    batch.write(b, 0, &data).unwrap();
+    assert!(matches!(batch.write(b, 901, &data), Err(Error::OutOfRange { .. })));
+    assert!(matches!(batch.write(b, u64::MAX - 10, &data), Err(Error::OutOfRange { .. })), "overflow");
+    assert!(matches!(batch.write(freed, 0, &data), Err(Error::FreedBuffer { .. })));
+    assert!(matches!(batch.submit(), Err(Error::OutOfRange { .. })), "the first error fails the batch");
+
+    let mut reads = d.readbacks();
+    assert!(matches!(reads.read(b, 999, 2), Err(Error::OutOfRange { .. })));
+    assert!(reads.submit().is_err());
+    let mut out = vec![Vec::new(); 1];
+    assert!(matches!(d.download_into(&[(b, 0, 1), (b, 1, 1)], &mut out), Err(Error::LengthMismatch { .. })));
+    assert!(matches!(d.download(freed), Err(Error::FreedBuffer { .. })));
+
+    // A buffer freed between write and submit.
+    let gone = d.allocate(1000).unwrap();
+    let mut batch = d.uploads();
+    batch.write(gone, 0, &data).unwrap();
+    d.free(gone).unwrap();
+    assert!(matches!(batch.submit(), Err(Error::FreedBuffer { .. })));
+
+    let after = d.telemetry();
+    assert_eq!(after.upload_submissions, before.upload_submissions, "nothing was enqueued");
+    assert_eq!(after.readback_submissions, before.readback_submissions);
+    d.free(b).unwrap();
+}
