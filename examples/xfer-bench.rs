@@ -1,71 +1,577 @@
 //! xfer-bench: the transfer benchmark, the project's main job.
 //!
-//! Today it loads the CUDA driver, initialises it and reports the devices it sees; the
-//! side-by-side transfer suites build on this. Without a usable driver or GPU it exits with
-//! status 2 and one line that says what is missing and how to fix it.
+//! Every case runs, in the same process, the raw driver with one call per copy,
+//! `cuMemcpyBatchAsync` where the driver has it, and cuda-resident; rows give GB/s (or µs)
+//! and cuda-resident's ratio to each. Timing: one warm-up, then `--reps` repetitions timed
+//! on the host around work that ends in a synchronize, median reported. Data is random;
+//! every cuda-resident transfer that is timed is verified byte for byte afterwards, and a
+//! mismatch fails the run.
+//!
+//! Without a usable driver or GPU it exits with status 2 and one line that says what is
+//! missing and how to fix it.
 
-use std::ffi::CStr;
-use std::os::raw::c_char;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 
+use clap::Parser;
+use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, CUdeviceptr, CUresult, CUstream, MissingSymbol, call};
+use cuda_resident::{Device, ResidentBuffer};
 use cuda_resident_suite::PROVENANCE;
-use cuda_sys::{CUDA_SUCCESS, CUresult, Driver, call};
 
-fn fail(message: impl std::fmt::Display) -> ExitCode {
-    eprintln!("xfer-bench: {message}");
-    ExitCode::from(2)
+/// Side-by-side transfer benchmarks: raw driver, cuMemcpyBatchAsync, cuda-resident.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Timed repetitions per case (median reported; at least 5).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Copies per many-small case.
+    #[arg(long, default_value_t = 8192)]
+    count: usize,
+    /// Copy sizes of the many-small cases, in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![256, 4096, 65536])]
+    sizes: Vec<usize>,
+    /// Bytes of the large single-copy cases.
+    #[arg(long, default_value_t = 1 << 30)]
+    large: usize,
+    /// Folder for the JSON report.
+    #[arg(long, default_value = "target/xfer-bench")]
+    out: PathBuf,
 }
 
-fn driver_error(driver: &Driver, entry: &str, code: CUresult) -> String {
-    let name = driver.error_name(code).unwrap_or("an unknown CUresult");
-    let fix = if code == cuda_sys::CUDA_ERROR_NO_DEVICE {
-        "run on a machine with an NVIDIA GPU, and check that CUDA_VISIBLE_DEVICES does not hide it"
+type BenchResult<T> = Result<T, String>;
+
+fn check(what: &str, code: Result<CUresult, MissingSymbol>) -> BenchResult<()> {
+    match code {
+        Ok(CUDA_SUCCESS) => Ok(()),
+        Ok(code) => Err(format!("{what} failed with CUresult {code}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Median seconds of `reps` runs of `run`, after one warm-up run.
+fn median_secs(reps: usize, mut run: impl FnMut() -> BenchResult<()>) -> BenchResult<f64> {
+    run()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        run()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// One row of the report.
+#[derive(Debug)]
+struct Row {
+    case: String,
+    unit: &'static str,
+    raw: Option<f64>,
+    batch: Option<f64>,
+    ours: f64,
+}
+
+impl Row {
+    fn gbps(case: String, bytes: usize, raw: Option<f64>, batch: Option<f64>, ours: f64) -> Row {
+        let rate = |secs: f64| bytes as f64 / secs / 1e9;
+        Row { case, unit: "GB/s", raw: raw.map(rate), batch: batch.map(rate), ours: rate(ours) }
+    }
+
+    /// cuda-resident's advantage over `base` (higher is better for both units).
+    fn ratio(&self, base: Option<f64>) -> String {
+        match base {
+            Some(b) if self.unit == "GB/s" => format!("{:.1}x", self.ours / b),
+            Some(b) => format!("{:.2}x", b / self.ours),
+            None => "n/a".into(),
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "case": self.case, "unit": self.unit, "raw": self.raw, "batch": self.batch,
+            "cuda_resident": self.ours,
+        })
+    }
+}
+
+/// The raw side: a stream of the device's context and the driver table.
+struct Raw<'d> {
+    device: &'d Device,
+    stream: CUstream,
+    batch: bool,
+}
+
+impl Raw<'_> {
+    fn sync(&self) -> BenchResult<()> {
+        // SAFETY: the stream is live.
+        check("cuStreamSynchronize", unsafe { call!(self.device.driver(), cuStreamSynchronize(self.stream)) })
+    }
+
+    /// One `cuMemcpyBatchAsync` over all copies, host sources or destinations as `host_to_device` says.
+    fn memcpy_batch(
+        &self,
+        dsts: &mut [u64],
+        srcs: &mut [u64],
+        sizes: &mut [usize],
+        host_to_device: bool,
+    ) -> BenchResult<()> {
+        let host = cuda_sys::CUmemLocation { type_: cuda_sys::CU_MEM_LOCATION_TYPE_HOST, id: 0 };
+        let dev = cuda_sys::CUmemLocation {
+            type_: cuda_sys::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: self.device.info().ordinal as i32,
+        };
+        let (src_loc, dst_loc) = if host_to_device { (host, dev) } else { (dev, host) };
+        let mut attrs = cuda_sys::CUmemcpyAttributes {
+            srcAccessOrder: cuda_sys::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: src_loc,
+            dstLocHint: dst_loc,
+            flags: 0,
+        };
+        let mut idx = 0usize;
+        // SAFETY: the arrays hold `count` entries naming valid host and device ranges that
+        // outlive the synchronize below.
+        check("cuMemcpyBatchAsync", unsafe {
+            call!(
+                self.device.driver(),
+                cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    sizes.len(),
+                    &mut attrs,
+                    &mut idx,
+                    1,
+                    self.stream
+                )
+            )
+        })?;
+        self.sync()
+    }
+}
+
+fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v);
+    v
+}
+
+/// Many small copies: `count` copies of `size` bytes spread over 64 buffers with gaps, so
+/// that none fuse.
+struct Scatter {
+    buffers: Vec<ResidentBuffer>,
+    places: Vec<(usize, u64)>,
+    ptrs: Vec<u64>,
+}
+
+impl Scatter {
+    fn new(d: &Device, count: usize, size: usize) -> BenchResult<Scatter> {
+        let per = count.div_ceil(64);
+        let stride = size as u64 + 64;
+        let buffers = (0..64)
+            .map(|_| d.allocate(per as u64 * stride))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let places: Vec<(usize, u64)> = (0..count).map(|i| (i % 64, (i / 64) as u64 * stride)).collect();
+        let ptrs = places
+            .iter()
+            .map(|&(b, o)| d.device_ptr(buffers[b]).map(|p| p + o))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        Ok(Scatter { buffers, places, ptrs })
+    }
+
+    fn free(self, d: &Device) {
+        for b in self.buffers {
+            let _ = d.free(b);
+        }
+    }
+}
+
+fn many_small(d: &Device, raw: &Raw, args: &Args, size: usize, rows: &mut Vec<Row>) -> BenchResult<()> {
+    let count = args.count;
+    let bytes = count * size;
+    let mut rng = fastrand::Rng::with_seed(size as u64);
+    let sources: Vec<Vec<u8>> = (0..count).map(|_| random_vec(&mut rng, size)).collect();
+    let s = Scatter::new(d, count, size)?;
+    let e = |e: cuda_resident::Error| e.to_string();
+
+    // Host to device.
+    let raw_h2d = median_secs(args.reps, || {
+        for (src, &dst) in sources.iter().zip(&s.ptrs) {
+            // SAFETY: pageable source of `size` bytes, device range of `size` bytes.
+            check("cuMemcpyHtoDAsync", unsafe {
+                call!(d.driver(), cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), size, raw.stream))
+            })?;
+        }
+        raw.sync()
+    })?;
+    let batch_h2d = if raw.batch {
+        let mut dsts = s.ptrs.clone();
+        let mut srcs: Vec<u64> = sources.iter().map(|v| v.as_ptr() as u64).collect();
+        let mut sizes = vec![size; count];
+        Some(median_secs(args.reps, || raw.memcpy_batch(&mut dsts, &mut srcs, &mut sizes, true))?)
     } else {
-        "check that the NVIDIA driver is installed and working (nvidia-smi)"
+        None
     };
-    format!("{entry} failed with {name} ({code}). Fix: {fix}.")
+    let ours_h2d = median_secs(args.reps, || {
+        let mut batch = d.uploads();
+        for (src, &(b, o)) in sources.iter().zip(&s.places) {
+            batch.write(s.buffers[b], o, src).map_err(e)?;
+        }
+        batch.submit().map_err(e)?.wait().map_err(e)
+    })?;
+    verify_scatter(d, &s, &sources, size, "H2D")?;
+    let ours_in_place = median_secs(args.reps, || {
+        let mut batch = d.uploads();
+        for (src, &(b, o)) in sources.iter().zip(&s.places) {
+            batch.write_with(s.buffers[b], o, size, |dst| dst.copy_from_slice(src)).map_err(e)?;
+        }
+        batch.submit().map_err(e)?.wait().map_err(e)
+    })?;
+    verify_scatter(d, &s, &sources, size, "H2D write_with")?;
+    rows.push(Row::gbps(
+        format!("H2D {count} x {} from pageable", human(size)),
+        bytes,
+        Some(raw_h2d),
+        batch_h2d,
+        ours_h2d,
+    ));
+    rows.push(Row::gbps(
+        format!("H2D {count} x {} write_with", human(size)),
+        bytes,
+        Some(raw_h2d),
+        batch_h2d,
+        ours_in_place,
+    ));
+
+    // Device to host: the sources now hold `sources`.
+    let mut outs: Vec<Vec<u8>> = (0..count).map(|_| vec![0u8; size]).collect();
+    let raw_d2h = median_secs(args.reps, || {
+        for (out, &src) in outs.iter_mut().zip(&s.ptrs) {
+            // SAFETY: pageable destination of `size` bytes.
+            check("cuMemcpyDtoHAsync", unsafe {
+                call!(d.driver(), cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), src, size, raw.stream))
+            })?;
+        }
+        raw.sync()
+    })?;
+    let batch_d2h = if raw.batch {
+        let mut dsts: Vec<u64> = outs.iter_mut().map(|v| v.as_mut_ptr() as u64).collect();
+        let mut srcs = s.ptrs.clone();
+        let mut sizes = vec![size; count];
+        Some(median_secs(args.reps, || raw.memcpy_batch(&mut dsts, &mut srcs, &mut sizes, false))?)
+    } else {
+        None
+    };
+    for o in &mut outs {
+        o.fill(0xA5);
+    }
+    let ours_d2h = median_secs(args.reps, || {
+        let mut reads = d.readbacks();
+        let slots = s
+            .places
+            .iter()
+            .map(|&(b, o)| reads.read(s.buffers[b], o, size as u64))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(e)?;
+        let done = reads.submit().map_err(e)?.wait().map_err(e)?;
+        for (slot, out) in slots.into_iter().zip(&mut outs) {
+            done.copy_into(slot, out);
+        }
+        Ok(())
+    })?;
+    if outs != sources {
+        return Err(format!("D2H {count} x {size} into Vecs: bytes differ"));
+    }
+    let mut seen = 0usize;
+    let ours_views = median_secs(args.reps, || {
+        let mut reads = d.readbacks();
+        let slots = s
+            .places
+            .iter()
+            .map(|&(b, o)| reads.read(s.buffers[b], o, size as u64))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(e)?;
+        let done = reads.submit().map_err(e)?.wait().map_err(e)?;
+        seen = slots.iter().filter(|&&slot| done.get(slot).len() == size).count();
+        if slots.iter().zip(&sources).take(64).any(|(&slot, src)| done.get(slot) != &src[..]) {
+            return Err("D2H views: bytes differ".into());
+        }
+        Ok(())
+    })?;
+    assert_eq!(seen, count);
+    rows.push(Row::gbps(
+        format!("D2H {count} x {} into caller Vecs", human(size)),
+        bytes,
+        Some(raw_d2h),
+        batch_d2h,
+        ours_d2h,
+    ));
+    rows.push(Row::gbps(
+        format!("D2H {count} x {} read as views", human(size)),
+        bytes,
+        Some(raw_d2h),
+        batch_d2h,
+        ours_views,
+    ));
+    s.free(d);
+    Ok(())
+}
+
+fn verify_scatter(d: &Device, s: &Scatter, sources: &[Vec<u8>], size: usize, what: &str) -> BenchResult<()> {
+    let back = d.download_many(&s.buffers).map_err(|e| e.to_string())?;
+    for (src, &(b, o)) in sources.iter().zip(&s.places) {
+        if back[b][o as usize..][..size] != src[..] {
+            return Err(format!("{what}: a copy of {size} bytes to buffer {b} at {o} differs"));
+        }
+    }
+    Ok(())
+}
+
+fn large(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>) -> BenchResult<()> {
+    let n = args.large;
+    let e = |e: cuda_resident::Error| e.to_string();
+    let mut rng = fastrand::Rng::with_seed(77);
+    let src = random_vec(&mut rng, n);
+    let mut dst = vec![0u8; n];
+    let b = d.allocate(n as u64).map_err(e)?;
+    let ptr = d.device_ptr(b).map_err(e)?;
+
+    // Pageable.
+    let raw_up = median_secs(args.reps, || {
+        // SAFETY: n-byte pageable source, n-byte device buffer.
+        check("cuMemcpyHtoD", unsafe { call!(d.driver(), cuMemcpyHtoD_v2(ptr, src.as_ptr().cast(), n)) })
+    })?;
+    let ours_up = median_secs(args.reps, || d.upload(b, &src).map_err(e))?;
+    let raw_down = median_secs(args.reps, || {
+        // SAFETY: n-byte pageable destination.
+        check("cuMemcpyDtoH", unsafe { call!(d.driver(), cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), ptr, n)) })
+    })?;
+    dst.fill(0xA5);
+    let ours_down = median_secs(args.reps, || d.read_into_slice(b, 0, &mut dst).map_err(e))?;
+    if dst != src {
+        return Err("large pageable round trip: bytes differ".into());
+    }
+    rows.push(Row::gbps(format!("H2D {} from pageable", human(n)), n, Some(raw_up), None, ours_up));
+    rows.push(Row::gbps(format!("D2H {} into pageable", human(n)), n, Some(raw_down), None, ours_down));
+
+    // Pinned: the same host memory, registered.
+    let (mut hsrc, mut hdst) = (src, dst);
+    // SAFETY: both vectors stay alive and unmoved until unpinned below.
+    unsafe {
+        d.pin_host(hsrc.as_mut_ptr(), n).map_err(e)?;
+        d.pin_host(hdst.as_mut_ptr(), n).map_err(e)?;
+    }
+    let result = (|| -> BenchResult<()> {
+        let raw_up = median_secs(args.reps, || {
+            // SAFETY: pinned n-byte source.
+            check("cuMemcpyHtoDAsync", unsafe {
+                call!(d.driver(), cuMemcpyHtoDAsync_v2(ptr, hsrc.as_ptr().cast(), n, raw.stream))
+            })?;
+            raw.sync()
+        })?;
+        // SAFETY: pinned n-byte source, alive until the fence is waited on.
+        let ours_up = median_secs(args.reps, || {
+            unsafe { d.upload_async_at(b, 0, hsrc.as_ptr(), n) }.and_then(|f| f.wait()).map_err(e)
+        })?;
+        let raw_down = median_secs(args.reps, || {
+            // SAFETY: pinned n-byte destination.
+            check("cuMemcpyDtoHAsync", unsafe {
+                call!(d.driver(), cuMemcpyDtoHAsync_v2(hdst.as_mut_ptr().cast(), ptr, n, raw.stream))
+            })?;
+            raw.sync()
+        })?;
+        hdst.fill(0);
+        // SAFETY: pinned n-byte destination, untouched until the fence is waited on.
+        let ours_down = median_secs(args.reps, || {
+            unsafe { d.download_async_at(b, 0, hdst.as_mut_ptr(), n) }.and_then(|f| f.wait()).map_err(e)
+        })?;
+        if hdst != hsrc {
+            return Err("large pinned round trip: bytes differ".into());
+        }
+        rows.push(Row::gbps(format!("H2D {} pinned", human(n)), n, Some(raw_up), None, ours_up));
+        rows.push(Row::gbps(format!("D2H {} pinned", human(n)), n, Some(raw_down), None, ours_down));
+
+        // Both directions at once: half up, half down, on different buffers.
+        let half = n / 2;
+        let other = d.allocate(half as u64).map_err(e)?;
+        let optr = d.device_ptr(other).map_err(e)?;
+        let mut s2: CUstream = std::ptr::null_mut();
+        // SAFETY: creates a second raw stream on the current context.
+        check("cuStreamCreate", unsafe {
+            call!(d.driver(), cuStreamCreate(&mut s2, cuda_sys::CU_STREAM_NON_BLOCKING))
+        })?;
+        let raw_both = median_secs(args.reps, || {
+            // SAFETY: pinned halves, device ranges of `half` bytes.
+            unsafe {
+                check(
+                    "cuMemcpyHtoDAsync",
+                    call!(d.driver(), cuMemcpyHtoDAsync_v2(ptr, hsrc.as_ptr().cast(), half, raw.stream)),
+                )?;
+                check(
+                    "cuMemcpyDtoHAsync",
+                    call!(d.driver(), cuMemcpyDtoHAsync_v2(hdst.as_mut_ptr().cast(), optr, half, s2)),
+                )?;
+                check("cuStreamSynchronize", call!(d.driver(), cuStreamSynchronize(s2)))?;
+            }
+            raw.sync()
+        })?;
+        let ours_both = median_secs(args.reps, || {
+            // SAFETY: pinned halves, alive until both fences are waited on.
+            let (up, down) = unsafe {
+                (
+                    d.upload_async_at(b, 0, hsrc.as_ptr(), half).map_err(e)?,
+                    d.download_async_at(other, 0, hdst.as_mut_ptr(), half).map_err(e)?,
+                )
+            };
+            up.wait().map_err(e)?;
+            down.wait().map_err(e)
+        })?;
+        // SAFETY: the stream is idle and destroyed once.
+        check("cuStreamDestroy", unsafe { call!(d.driver(), cuStreamDestroy_v2(s2)) })?;
+        d.free(other).map_err(e)?;
+        rows.push(Row::gbps(
+            format!("both directions, 2 x {} pinned", human(half)),
+            2 * half,
+            Some(raw_both),
+            None,
+            ours_both,
+        ));
+        Ok(())
+    })();
+    // SAFETY: no copy uses the vectors any more (every case synchronized).
+    unsafe {
+        d.unpin_host(hsrc.as_mut_ptr()).map_err(e)?;
+        d.unpin_host(hdst.as_mut_ptr()).map_err(e)?;
+    }
+    d.free(b).map_err(e)?;
+    result
+}
+
+fn latency(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>) -> BenchResult<()> {
+    let e = |e: cuda_resident::Error| e.to_string();
+    let mut rng = fastrand::Rng::with_seed(3);
+    let data = random_vec(&mut rng, 4096);
+    let b = d.allocate(4096).map_err(e)?;
+    let ptr: CUdeviceptr = d.device_ptr(b).map_err(e)?;
+    const N: usize = 2000;
+    let per = |secs: f64| secs / N as f64 * 1e6;
+    let raw_t = median_secs(args.reps, || {
+        for _ in 0..N {
+            // SAFETY: 4 KiB pageable source into a 4 KiB buffer.
+            check("cuMemcpyHtoDAsync", unsafe {
+                call!(d.driver(), cuMemcpyHtoDAsync_v2(ptr, data.as_ptr().cast(), 4096, raw.stream))
+            })?;
+            raw.sync()?;
+        }
+        Ok(())
+    })?;
+    let ours_t = median_secs(args.reps, || {
+        for _ in 0..N {
+            d.upload(b, &data).map_err(e)?;
+        }
+        Ok(())
+    })?;
+    if d.download(b).map_err(e)? != data {
+        return Err("latency: bytes differ".into());
+    }
+    d.free(b).map_err(e)?;
+    rows.push(Row {
+        case: "one 4 KiB upload, submit to done".into(),
+        unit: "µs",
+        raw: Some(per(raw_t)),
+        batch: None,
+        ours: per(ours_t),
+    });
+    Ok(())
+}
+
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+fn run(args: &Args) -> BenchResult<Vec<Row>> {
+    let d = Device::open(args.device).map_err(|e| e.to_string())?;
+    d.make_current().map_err(|e| e.to_string())?;
+    let mut stream: CUstream = std::ptr::null_mut();
+    // SAFETY: creates a stream on the device's context, current on this thread.
+    check("cuStreamCreate", unsafe {
+        call!(d.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING))
+    })?;
+    let raw = Raw { device: &d, stream, batch: d.info().batch_memcpy };
+    println!("xfer-bench | {PROVENANCE}");
+    let info = d.info();
+    println!(
+        "device {}: {} | {} | driver CUDA {} | {} copy engines",
+        info.ordinal, info.name, info.pci_bus_id, info.driver_version, info.copy_engines
+    );
+    let mut rows = Vec::new();
+    for &size in &args.sizes {
+        eprintln!("xfer-bench: {} x {} …", args.count, human(size));
+        many_small(&d, &raw, args, size, &mut rows)?;
+    }
+    eprintln!("xfer-bench: {} single copies …", human(args.large));
+    large(&d, &raw, args, &mut rows)?;
+    latency(&d, &raw, args, &mut rows)?;
+    // SAFETY: the stream is idle and destroyed once.
+    check("cuStreamDestroy", unsafe { call!(d.driver(), cuStreamDestroy_v2(stream)) })?;
+    Ok(rows)
 }
 
 fn main() -> ExitCode {
-    let driver = match Driver::load() {
-        Ok(driver) => driver,
-        Err(e) => return fail(e),
-    };
-    // SAFETY: cuInit takes a flags word only.
-    match unsafe { call!(driver, cuInit(0)) } {
-        Ok(CUDA_SUCCESS) => {}
-        Ok(code) => return fail(driver_error(&driver, "cuInit", code)),
-        Err(e) => return fail(e),
-    }
-    let mut count = 0;
-    // SAFETY: writes one int through a valid pointer.
-    match unsafe { call!(driver, cuDeviceGetCount(&mut count)) } {
-        Ok(CUDA_SUCCESS) => {}
-        Ok(code) => return fail(driver_error(&driver, "cuDeviceGetCount", code)),
-        Err(e) => return fail(e),
-    }
-    let version = driver.version().map_or("unknown".into(), |v| v.to_string());
-    println!("xfer-bench | {PROVENANCE}");
-    println!("driver {} (CUDA {version}), {count} device(s)", driver.path().display());
-    for ordinal in 0..count {
-        let mut name = [0 as c_char; 256];
-        // SAFETY: the buffer holds 256 bytes, as the call is told; the ordinal is in range.
-        let code = unsafe {
-            let mut device = 0;
-            match call!(driver, cuDeviceGet(&mut device, ordinal)) {
-                Ok(CUDA_SUCCESS) => call!(driver, cuDeviceGetName(name.as_mut_ptr(), 256, device)),
-                other => other,
-            }
-        };
-        match code {
-            Ok(CUDA_SUCCESS) => {
-                // SAFETY: the driver wrote a NUL-terminated name into the buffer.
-                let name = unsafe { CStr::from_ptr(name.as_ptr()) };
-                println!("  {ordinal}: {}", name.to_string_lossy());
-            }
-            Ok(code) => return fail(driver_error(&driver, "cuDeviceGetName", code)),
-            Err(e) => return fail(e),
+    let mut args = Args::parse();
+    args.reps = args.reps.max(5);
+    let rows = match run(&args) {
+        Ok(rows) => rows,
+        Err(message) => {
+            eprintln!("xfer-bench: {message}");
+            return ExitCode::from(2);
         }
+    };
+    let fmt = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.2}"));
+    println!(
+        "{:<40} {:>5} {:>10} {:>12} {:>14} {:>8} {:>9}",
+        "case", "unit", "raw", "batch API", "cuda-resident", "vs raw", "vs batch"
+    );
+    for r in &rows {
+        println!(
+            "{:<40} {:>5} {:>10} {:>12} {:>14.2} {:>8} {:>9}",
+            r.case,
+            r.unit,
+            fmt(r.raw),
+            fmt(r.batch),
+            r.ours,
+            r.ratio(r.raw),
+            r.ratio(r.batch)
+        );
     }
+    let report = serde_json::json!({
+        "provenance": { "git": PROVENANCE.git_revision, "rustc": PROVENANCE.rustc, "profile": PROVENANCE.profile, "target": PROVENANCE.target },
+        "reps": args.reps,
+        "rows": rows.iter().map(Row::json).collect::<Vec<_>>(),
+    });
+    if let Err(e) = std::fs::create_dir_all(&args.out).and_then(|()| {
+        std::fs::write(
+            args.out.join("report.json"),
+            serde_json::to_string_pretty(&report).unwrap_or_default(),
+        )
+    }) {
+        eprintln!(
+            "xfer-bench: could not write the report to {}: {e}. Fix: pass --out with a writable folder.",
+            args.out.display()
+        );
+        return ExitCode::from(2);
+    }
+    println!("report: {}", args.out.join("report.json").display());
     ExitCode::SUCCESS
 }

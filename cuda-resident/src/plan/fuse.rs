@@ -116,10 +116,10 @@ fn checked_end<R: Request>(r: &R) -> Option<u64> {
     r.offset().checked_add(r.len()).filter(|&end| end <= r.buffer_len())
 }
 
-/// Sweeps the sorted entries into intervals: entries of one
-/// buffer that overlap or touch join one interval, handed to `close` as soon as it is
-/// complete (the next entry starts past it). Returns the sum of the interval lengths,
-/// saturating: the layout checks the offsets that contain them.
+/// Sweeps the sorted entries into intervals: entries of one buffer that overlap or touch
+/// join one interval, handed to `close` as soon as it is complete (the next entry starts
+/// past it). Returns the sum of the interval lengths, saturating: the layout checks the
+/// offsets that contain them, so a plan that succeeds has the exact sum.
 #[inline(always)]
 pub(super) fn sweep(
     entries: &Sorted<'_>,

@@ -85,8 +85,8 @@ impl Placer<'_> {
         PlanError::TooLarge { chunk_capacity: self.geo.cap }
     }
 
-    #[cold]
     /// Opens the next chunk at `end`, reusing a left-over chunk when there is one.
+    #[cold]
     fn open_chunk(&mut self) -> Result<(), PlanError> {
         if self.open >= u32::MAX as usize {
             return Err(self.too_large());
@@ -140,7 +140,7 @@ impl Placer<'_> {
         let end = start.checked_add(iv.len()).ok_or_else(|| self.too_large())?;
         self.reserve_through(end)?;
         iv.stage = start;
-        // `start <= end`; at `end` the interval starts the chunk about to be opened.
+        // `start <= self.end`; at `self.end` the interval starts the chunk about to be opened.
         iv.chunk = if start == self.end { self.open } else { self.open - 1 } as u32;
         let (mut flat, mut buffer_offset) = (start, iv.start);
         while flat < end {

@@ -34,7 +34,7 @@
 //!   the planner keeps such an interval's bytes contiguous in flat space; or
 //! - **a ring of pinned buffers** of `chunk_capacity` bytes each, one per chunk in flight. An
 //!   offset's place in its chunk's buffer is `flat - stage_start` ([`Chunk::local_offset`]).
-//!   Every [`Fill`] and [`Copy`] lies inside one chunk, so this works for every upload.
+//!   Every [`Fill`] and [`Copy`](struct@Copy) lies inside one chunk, so this works for every upload.
 //!
 //! `chunk_capacity` is `chunk_bytes` rounded down to a multiple of `align`, so an offset that
 //! is aligned in flat space is aligned inside its chunk too, and either backing keeps the
@@ -52,18 +52,22 @@
 //! and offset, a new chunk when the next one does not fit), then the direct intervals follow
 //! from where the packed ones ended. So at most one chunk holds both, and the packed region is
 //! always at the start of its chunk. A direct interval that does not fit in what is left of a
-//! chunk is split at the chunk boundary and continues at the start of the next chunk, which
-//! keeps every chunk but the last full and makes the split interval contiguous in flat space.
-//! A packed interval is never split: the effective direct threshold is clamped to
+//! chunk is split at the chunk boundary and continues at the start of the next chunk, so
+//! direct bytes leave no chunk partly empty (only a packed interval that does not fit leaves
+//! room behind, less than one threshold), and a split interval stays contiguous in flat
+//! space. A packed interval is never split: the effective direct threshold is clamped to
 //! `chunk_capacity`, so a packed interval always fits in an empty chunk.
 //!
 //! # Cost
 //!
-//! Planning sorts the non-empty requests once by `(buffer, offset, index)` (packed into one
-//! `u64` key when it fits, which it does for any realistic batch) and sweeps them;
-//! overlapping uploads are resolved with a small heap keyed by write index. A [`Planner`]
-//! keeps its scratch vectors, and the `*_into` methods reuse the plan's vectors, so a warm
-//! planner allocates nothing per request.
+//! Planning validates the requests in one pass, sorts the non-empty ones by `(buffer,
+//! offset, index)` (bucketed by buffer, one `u64` key each; skipped when they already come in
+//! that order), and then one sweep fuses, places and emits. Overlapping uploads are resolved
+//! with a small heap keyed by write index, used only by intervals of several writes. Nothing
+//! is allocated per request: a [`Planner`] keeps its scratch vectors, and its `*_into`
+//! methods reuse the plan's vectors too, which matters as much as the algorithm (fresh
+//! vectors of a few hundred KiB cost their page faults on every batch). `benches/plan.rs`
+//! measures it.
 
 mod fuse;
 mod layout;
@@ -90,7 +94,9 @@ pub struct PlanConfig {
     /// (a few µs) stops mattering next to its transfer time.
     pub direct_threshold: u64,
     /// Staging is processed in chunks of at most this many bytes (default 8 MiB). Must be at
-    /// least `align`; the usable part is rounded down to a multiple of `align`.
+    /// least `align`; the usable part is rounded down to a multiple of `align`. A plan holds
+    /// one [`Chunk`] per chunk, so tiny chunks for a huge batch cost memory (and more than
+    /// `u32::MAX` chunks are refused).
     pub chunk_bytes: u64,
     /// Every packed interval and every direct piece starts at a staging offset that is a
     /// multiple of this (default 16, what the scatter and gather kernels load at once).
@@ -182,7 +188,7 @@ pub enum PlanError {
     },
     /// The batch has more requests than a `u32` index can name.
     #[error(
-        "the batch has {count} requests, more than {} the planner can index. Fix: split the batch",
+        "the batch has {count} requests, more than the {} the planner can index. Fix: split the batch",
         u32::MAX
     )]
     TooManyRequests {
@@ -214,6 +220,9 @@ pub enum PlanError {
 ///
 /// For an upload it moves `len` bytes from staging to the buffer; for a readback the other
 /// way. `stage_offset` is flat (see the [module docs](self)); a copy never crosses a chunk.
+///
+/// Import it by path (`plan::Copy`), not with a glob import, which would shadow the
+/// prelude's `Copy` trait.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Copy {
     /// Flat staging offset of the first byte.

@@ -232,6 +232,28 @@ fn a_packed_interval_that_does_not_fit_starts_the_next_chunk() {
 }
 
 #[test]
+fn packed_intervals_that_fill_a_chunk_exactly_stay_in_it() {
+    let writes = [w(1, 1000, 0, 32), w(1, 1000, 100, 32), w(1, 1000, 200, 32)];
+    let plan = upload_checked(&writes, &cfg(40, 64, 16));
+    assert_eq!(plan.chunks.iter().map(|c| c.packed.len()).collect::<Vec<_>>(), vec![2, 1]);
+    assert_eq!((plan.chunks[0].staging_len, plan.chunks[1].stage_start), (64, 64));
+}
+
+#[test]
+fn requests_already_in_order_plan_like_shuffled_ones() {
+    let c = cfg(100, 256, 16);
+    let sorted: Vec<_> = (0..30).map(|i| w(i / 10, 1000, (i % 10) * 90, 40 + i)).collect();
+    let mut shuffled = sorted.clone();
+    shuffled.reverse();
+    let (a, b) = (upload_checked(&sorted, &c), upload_checked(&shuffled, &c));
+    assert_eq!(a.chunks, b.chunks);
+    assert_eq!(
+        a.fills.iter().map(|f| f.stage_offset).collect::<Vec<_>>(),
+        b.fills.iter().map(|f| f.stage_offset).collect::<Vec<_>>()
+    );
+}
+
+#[test]
 fn chunk_bytes_smaller_than_align_is_an_error() {
     let err = plan_upload(&[w(1, 10, 0, 1)], &cfg(4, 8, 16)).unwrap_err();
     assert_eq!(err, PlanError::ChunkTooSmall { chunk_bytes: 8, align: 16 });
