@@ -273,3 +273,53 @@ fn bad_input_fails_the_batch_and_enqueues_nothing() {
     assert_eq!(after.readback_submissions, before.readback_submissions);
     d.free(b).unwrap();
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn in_place_writes_move_without_a_host_copy_and_fall_back_when_they_overlap() {
+    let d = small_chunk_device();
+    let mut rng = fastrand::Rng::with_seed(6);
+    let b = d.allocate(8 << 20).unwrap();
+    d.upload(b, &random_vec(&mut rng, 8 << 20)).unwrap();
+    let mut expect = d.download(b).unwrap();
+    // Disjoint in-place writes, small and large (own lease, direct), odd offsets.
+    let writes: Vec<(u64, Vec<u8>)> = (0..3000u64)
+        .map(|i| {
+            (
+                i * 2048 + i % 7,
+                random_vec(&mut rng, if i % 500 == 0 { 100_000 } else { 1 + (i as usize * 37) % 1500 }),
+            )
+        })
+        .filter(|(o, v)| o + v.len() as u64 <= 8 << 20)
+        .collect();
+    let mut disjoint = Vec::new();
+    let mut end = 0;
+    for (o, v) in writes {
+        if o >= end {
+            end = o + v.len() as u64 + 1; // a gap: no two touch
+            disjoint.push((o, v));
+        }
+    }
+    let before = d.telemetry();
+    let mut batch = d.uploads();
+    for (o, v) in &disjoint {
+        batch.write_with(b, *o, v.len(), |dst| dst.copy_from_slice(v)).unwrap();
+        expect[*o as usize..][..v.len()].copy_from_slice(v);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    assert!(d.download(b).unwrap() == expect, "in-place writes");
+    let launched = d.telemetry().kernel_launches - before.kernel_launches;
+    assert!(launched >= 1, "packed in-place writes use the kernel");
+
+    // Overlapping in-place writes: the general path, later wins.
+    let mut batch = d.uploads();
+    for i in 0..500u64 {
+        let v = random_vec(&mut rng, 700);
+        let o = i * 300;
+        batch.write_with(b, o, v.len(), |dst| dst.copy_from_slice(&v)).unwrap();
+        expect[o as usize..][..700].copy_from_slice(&v);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    assert!(d.download(b).unwrap() == expect, "overlapping in-place writes");
+    d.free(b).unwrap();
+}

@@ -13,6 +13,15 @@ use super::fuse::{Interval, sweep};
 use super::sort::Sorted;
 use super::{Chunk, Copy, Geometry, PlanError};
 
+/// What a direction makes of each placed interval (fills, views).
+///
+/// A trait rather than a closure so that its `#[inline(always)]` method is inlined into the
+/// sweep, which runs once per request, at both of its call sites.
+pub(super) trait Emit {
+    /// Records what `iv`, just placed, needs besides its copies.
+    fn emit(&mut self, iv: &Interval);
+}
+
 /// Totals of a layout.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Layout {
@@ -29,7 +38,7 @@ pub(super) struct Layout {
 }
 
 /// Fuses the sorted `entries` into intervals, places each one (setting its `stage` and
-/// `chunk`), records its copies in `chunks`, and calls `emit` for it once it is placed.
+/// `chunk`), records its copies in `chunks`, and hands it to `emit` once it is placed.
 ///
 /// Packed intervals are placed as the sweep closes them, since they are laid out in sweep
 /// order anyway; direct ones wait in `directs` (scratch) until the packed ones are done.
@@ -41,7 +50,7 @@ pub(super) fn lay_out(
     geo: &Geometry,
     chunks: &mut Vec<Chunk>,
     directs: &mut Vec<Interval>,
-    mut emit: impl FnMut(&Interval),
+    emit: &mut impl Emit,
 ) -> Result<Layout, PlanError> {
     let mut placer = Placer { geo, chunks, open: 0, end: 0, cursor: 0 };
     let mut layout = Layout::default();
@@ -53,7 +62,7 @@ pub(super) fn lay_out(
             return Ok(());
         }
         placer.packed(&mut iv)?;
-        emit(&iv);
+        emit.emit(&iv);
         // Cannot overflow: packed bytes are part of the checked cursor.
         layout.packed_bytes += iv.len();
         layout.packed_intervals += 1;
@@ -61,7 +70,7 @@ pub(super) fn lay_out(
     })?;
     for iv in directs.iter_mut() {
         placer.direct(iv)?;
-        emit(iv);
+        emit.emit(iv);
     }
     layout.total_staging = placer.cursor;
     placer.chunks.truncate(placer.open);

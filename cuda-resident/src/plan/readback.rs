@@ -1,7 +1,7 @@
 //! Readback emission: the chunks' copies, and for every read the place of its bytes.
 
 use super::fuse::{Entry, Interval};
-use super::layout::{Layout, lay_out};
+use super::layout::{Emit, Layout, lay_out};
 use super::sort::Sorted;
 use super::{Chunk, Geometry, PlanError, ReadView};
 
@@ -17,11 +17,23 @@ pub(super) fn emit(
 ) -> Result<Layout, PlanError> {
     views.clear();
     views.resize(reads, ReadView::default());
-    lay_out(entries, geo, chunks, directs, |iv| {
-        for e in entries.range(iv.first, iv.last) {
-            views[e.index as usize] = view_of(iv, e, geo);
+    lay_out(entries, geo, chunks, directs, &mut Views { entries, geo, views })
+}
+
+/// The readback half of the layout: each read's view.
+struct Views<'a, 'e> {
+    entries: &'a Sorted<'e>,
+    geo: &'a Geometry,
+    views: &'a mut [ReadView],
+}
+
+impl Emit for Views<'_, '_> {
+    #[inline(always)]
+    fn emit(&mut self, iv: &Interval) {
+        for e in self.entries.range(iv.first, iv.last) {
+            self.views[e.index as usize] = view_of(iv, e, self.geo);
         }
-    })
+    }
 }
 
 /// A read lies inside its interval, whose staging is contiguous (packed intervals are never

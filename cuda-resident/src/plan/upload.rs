@@ -4,7 +4,7 @@
 use std::collections::BinaryHeap;
 
 use super::fuse::{Entry, Interval};
-use super::layout::{Layout, lay_out};
+use super::layout::{Emit, Layout, lay_out};
 use super::sort::Sorted;
 use super::{Chunk, Fill, Geometry, PlanError};
 
@@ -45,33 +45,54 @@ pub(super) fn emit(
     fills.clear();
     // At least one fill per interval; usually about one per write.
     fills.reserve(entries.len());
-    lay_out(entries, geo, chunks, directs, |iv| {
-        let packed = geo.is_packed(iv.len());
-        if packed && iv.last - iv.first == 1 {
-            // The common case, kept lean: one write, in one chunk, is one fill. (Built in
-            // place: assembling a `Fill` on the stack and copying it stalled on store
-            // forwarding, and cost more than the rest of the loop.)
-            let index = entries.get(iv.first as usize).index;
-            fills.push(Fill {
-                chunk: iv.chunk,
-                stage_offset: iv.stage,
-                write: index,
-                src_offset: 0,
-                len: iv.len(),
-            });
-            return;
+    lay_out(entries, geo, chunks, directs, &mut Fills { entries, geo, heap, fills })
+}
+
+/// The upload half of the layout: each interval's fills.
+struct Fills<'a, 'e> {
+    entries: &'a Sorted<'e>,
+    geo: &'a Geometry,
+    heap: &'a mut BinaryHeap<Active>,
+    fills: &'a mut Vec<Fill>,
+}
+
+impl Emit for Fills<'_, '_> {
+    #[inline(always)]
+    fn emit(&mut self, iv: &Interval) {
+        if iv.last - iv.first == 1 && self.geo.is_packed(iv.len()) {
+            // The common case, kept small so that it is inlined into the sweep: one write, in
+            // one chunk, is one fill. (Built in place: assembling a `Fill` on the stack and
+            // copying it stalled on store forwarding, and cost more than the rest of the loop.)
+            let write = self.entries.get(iv.first as usize).index;
+            let fill = Fill { chunk: iv.chunk, stage_offset: iv.stage, write, src_offset: 0, len: iv.len() };
+            self.fills.push(fill);
+        } else {
+            fill_interval(self.entries, iv, self.geo, self.heap, self.fills);
         }
-        winners(entries, iv, heap, |w, start, end| {
-            let fill = Fill {
-                chunk: iv.chunk,
-                stage_offset: iv.stage + (start - iv.start),
-                write: w.index,
-                src_offset: start - w.start,
-                len: end - start,
-            };
-            if packed { push_fill(fills, fill) } else { push_direct_fill(fills, geo, fill) }
-        });
-    })
+    }
+}
+
+/// The fills of an interval of several writes, or of a direct one (which may be split over
+/// chunks).
+#[inline(never)]
+fn fill_interval(
+    entries: &Sorted<'_>,
+    iv: &Interval,
+    geo: &Geometry,
+    heap: &mut BinaryHeap<Active>,
+    fills: &mut Vec<Fill>,
+) {
+    let packed = geo.is_packed(iv.len());
+    winners(entries, iv, heap, |w, start, end| {
+        let fill = Fill {
+            chunk: iv.chunk,
+            stage_offset: iv.stage + (start - iv.start),
+            write: w.index,
+            src_offset: start - w.start,
+            len: end - start,
+        };
+        if packed { push_fill(fills, fill) } else { push_direct_fill(fills, geo, fill) }
+    });
 }
 
 /// Splits interval `iv` into runs, each taken from the last write covering it, and calls
@@ -80,7 +101,6 @@ pub(super) fn emit(
 /// The interval's writes are sorted by start and cover it without gaps. A sweep keeps the
 /// writes covering the current position in a max-heap by index, dropping ended ones lazily,
 /// so the cost is `O(n log n)` however the writes overlap; a lone write needs no heap.
-#[inline(always)]
 fn winners(
     entries: &Sorted<'_>,
     iv: &Interval,

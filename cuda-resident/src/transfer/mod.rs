@@ -241,11 +241,7 @@ impl Device {
         }
         let mut batch = self.readbacks();
         let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
-        let done = batch.submit()?.wait()?;
-        for (slot, vec) in slots.into_iter().zip(out) {
-            done.copy_into(slot, vec);
-        }
-        Ok(())
+        batch.submit()?.wait()?.copy_all_into(&slots, out)
     }
 
     /// Blocks until every upload submitted so far has completed.
@@ -395,16 +391,33 @@ impl Piece {
     /// and no destination may overlap another piece's source or destination.
     pub(crate) unsafe fn copy_all(device: &Device, pieces: &[Piece]) {
         let total: usize = pieces.iter().map(|p| p.len).sum();
-        let run = |p: &Piece| {
-            // SAFETY: as the caller promises.
-            unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) }
+        let run = |group: &[Piece]| {
+            for p in group {
+                // SAFETY: as the caller promises.
+                unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) }
+            }
         };
         if total < PARALLEL_MIN || pieces.len() < 2 {
-            pieces.iter().for_each(run);
-        } else {
-            use rayon::prelude::*;
-            device.core().packers().install(|| pieces.par_iter().with_min_len(1).for_each(run));
+            return run(pieces);
         }
+        // Contiguous groups of about equal bytes, a few per thread: one task per group, not
+        // per piece (thousands of tiny tasks cost more than the copies).
+        let pool = device.core().packers();
+        let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
+        let mut groups: Vec<&[Piece]> = Vec::new();
+        let (mut start, mut bytes) = (0, 0);
+        for (i, p) in pieces.iter().enumerate() {
+            bytes += p.len;
+            if bytes >= target {
+                groups.push(&pieces[start..=i]);
+                (start, bytes) = (i + 1, 0);
+            }
+        }
+        if start < pieces.len() {
+            groups.push(&pieces[start..]);
+        }
+        use rayon::prelude::*;
+        pool.install(|| groups.par_iter().for_each(|g| run(g)));
     }
 }
 

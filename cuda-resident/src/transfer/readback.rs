@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::BufferTable;
+use super::{BufferTable, Piece};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -49,6 +49,7 @@ pub struct PendingReadback {
 /// Completed reads: views into pinned staging, valid while this value lives. Dropping it
 /// returns the staging to the pool.
 pub struct Readback {
+    device: Option<Device>,
     lease: Option<Arc<HostLease>>,
     /// Where flat staging starts in the lease (after the descriptor tables).
     base: usize,
@@ -160,6 +161,40 @@ impl Readback {
         out.extend_from_slice(self.get(slot));
     }
 
+    /// Copies each read into the caller's vector of the same index, replacing its contents
+    /// (capacity is reused), on the device's packing threads when there is enough to copy.
+    pub fn copy_all_into(&self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<()> {
+        if slots.len() != out.len() {
+            return Err(Error::LengthMismatch {
+                what: "slots and output vectors",
+                left: slots.len(),
+                right: out.len(),
+            });
+        }
+        let Some(device) = &self.device else {
+            out.iter_mut().for_each(Vec::clear);
+            return Ok(());
+        };
+        let mut pieces = Vec::with_capacity(slots.len());
+        for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
+            let src = self.get(slot);
+            vec.clear();
+            vec.reserve(src.len());
+            Piece::push_split(
+                &mut pieces,
+                Piece { dst: vec.as_mut_ptr(), src: src.as_ptr(), len: src.len() },
+            );
+        }
+        // SAFETY: each destination is a distinct vector's spare capacity of at least its
+        // source's length; sources are views of completed reads in pinned staging.
+        unsafe { Piece::copy_all(device, &pieces) };
+        for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
+            // SAFETY: the copies above initialised exactly this many bytes.
+            unsafe { vec.set_len(self.get(slot).len()) };
+        }
+        Ok(())
+    }
+
     /// Number of reads.
     pub fn len(&self) -> usize {
         self.views.len()
@@ -192,7 +227,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         let views = plan.views.clone();
         return Ok(PendingReadback {
             fence: Fence::completed(),
-            readback: Readback { lease: None, base: 0, views },
+            readback: Readback { device: None, lease: None, base: 0, views },
         });
     }
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
@@ -309,6 +344,6 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     drop(lane_batch);
     Ok(PendingReadback {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
-        readback: Readback { lease: Some(lease), base: tables as usize, views },
+        readback: Readback { device: Some(device.clone()), lease: Some(lease), base: tables as usize, views },
     })
 }

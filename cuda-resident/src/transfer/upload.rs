@@ -42,7 +42,8 @@ pub struct UploadBatch<'a> {
     writes: Vec<WriteRequest>,
     sources: Vec<Source<'a>>,
     arena: Vec<HostLease>,
-    arena_used: usize,
+    /// Bytes used in each arena lease.
+    arena_used: Vec<usize>,
     error: Option<Error>,
 }
 
@@ -61,7 +62,7 @@ impl Device {
             writes: Vec::new(),
             sources: Vec::new(),
             arena: Vec::new(),
-            arena_used: 0,
+            arena_used: Vec::new(),
             error: None,
         }
     }
@@ -110,24 +111,36 @@ impl<'a> UploadBatch<'a> {
         // scatter can use 16-byte accesses.
         let residue = (offset % 16) as usize;
         let fits = |lease: &HostLease, used: usize| used.next_multiple_of(16) + residue + len <= lease.len();
-        if !self.arena.last().is_some_and(|lease| fits(lease, self.arena_used)) {
-            let size = (self.device.config().chunk_bytes as usize).max(len + 32);
+        // A write that will be its own DMA gets a lease of its own, so that arena leases hold
+        // only packed writes and move whole.
+        let own = len as u64 >= self.device.config().direct_threshold;
+        let last = self.arena.len().checked_sub(1);
+        let reuse =
+            !own && last.is_some_and(|i| self.arena_used[i] > 0 && fits(&self.arena[i], self.arena_used[i]));
+        if !reuse {
+            let size = if own { len + 16 } else { (self.device.config().chunk_bytes as usize).max(len + 32) };
             match self.device.acquire_staging(size) {
-                Ok(lease) => self.arena.push(lease),
+                Ok(lease) => {
+                    self.arena.push(lease);
+                    // An own lease is closed to later writes.
+                    self.arena_used.push(if own { usize::MAX } else { 0 });
+                }
                 Err(e) => {
                     self.writes.pop();
                     return Err(e);
                 }
             }
-            self.arena_used = 0;
         }
-        let at = self.arena_used.next_multiple_of(16) + residue;
         let lease_index = self.arena.len() - 1;
+        let used = if own { 0 } else { self.arena_used[lease_index] };
+        let at = used.next_multiple_of(16) + residue;
         let lease = &mut self.arena[lease_index];
         // SAFETY: the arena is this batch's own; no copy uses it before submit.
         let region = unsafe { lease.as_mut_slice() };
         fill(&mut region[at..at + len]);
-        self.arena_used = at + len;
+        if !own {
+            self.arena_used[lease_index] = at + len;
+        }
         self.sources.push(Source::Arena { lease: lease_index as u32, offset: at });
         Ok(self)
     }
@@ -152,6 +165,13 @@ impl<'a> UploadBatch<'a> {
         for w in &mut self.writes {
             w.buffer_len = self.table.entries[w.buffer as usize].len;
         }
+        let all_in_place = self.sources.iter().all(|s| matches!(s, Source::Arena { .. }));
+        if !self.arena.is_empty()
+            && all_in_place
+            && let Some(fence) = execute_in_place(&mut self)?
+        {
+            return Ok(fence);
+        }
         execute(&self)
     }
 }
@@ -174,6 +194,124 @@ impl Source<'_> {
 fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
     let count: u64 = copies.map(|len| len.div_ceil(SEGMENT)).sum();
     (count * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256)
+}
+
+/// The in-place fast path: every write was made with `write_with` and no two fuse, so the
+/// arena already is the staging. Each arena lease moves whole by one DMA and is spread by
+/// one launch; writes with a lease of their own move by one DMA each. Nothing is copied on
+/// the host. Returns `None` (changing nothing) when writes overlap or touch, for the general
+/// path.
+fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
+    let device = batch.device;
+    let core = device.core();
+    let lane = core.lane(LaneKind::Upload);
+    let lane_batch = lane.batch();
+    let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
+    let scratch = &mut *scratch;
+    let plan_config = PlanConfig {
+        direct_threshold: device.config().direct_threshold,
+        chunk_bytes: device.config().chunk_bytes,
+        align: 16,
+    };
+    scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
+    let non_empty = batch.writes.iter().filter(|w| w.len > 0).count();
+    if scratch.upload_plan.intervals != non_empty {
+        return Ok(None);
+    }
+    if non_empty == 0 {
+        return Ok(Some(Fence::completed()));
+    }
+    // Per lease: its writes, as (write index).
+    let mut per_lease: Vec<Vec<usize>> = vec![Vec::new(); batch.arena.len()];
+    for (i, (w, src)) in batch.writes.iter().zip(&batch.sources).enumerate() {
+        if let (Source::Arena { lease, .. }, true) = (src, w.len > 0) {
+            per_lease[*lease as usize].push(i);
+        }
+    }
+    let leases: Vec<Arc<HostLease>> = batch.arena.drain(..).map(Arc::new).collect();
+    let own = |i: usize| batch.arena_used[i] == usize::MAX;
+    let packed_need = (0..leases.len())
+        .filter(|&i| !own(i))
+        .map(|i| {
+            descriptor_area(per_lease[i].iter().map(|&w| batch.writes[w].len)) + batch.arena_used[i] as u64
+        })
+        .max()
+        .unwrap_or(0);
+    let submissions = per_lease.iter().filter(|w| !w.is_empty()).count() as u64;
+    let first_seq = lane_batch.next_seq();
+    let final_seq = first_seq + submissions - 1;
+    let last_other = core.alloc.mark_used_many(batch.table.buffers(), LaneKind::Upload.index(), final_seq)?;
+    core.lane(LaneKind::Readback).make_stream_wait(last_other, lane.stream())?;
+    let dev = if packed_need > 0 {
+        scratch.region.ensure(device, LaneKind::Upload, packed_need, first_seq - 1)?
+    } else {
+        0
+    };
+    let kernels = if packed_need > 0 { Some(core.kernels()?) } else { None };
+    let ptr_of = |w: usize| batch.table.entries[batch.writes[w].buffer as usize].ptr + batch.writes[w].offset;
+    let offset_of = |w: usize| match batch.sources[w] {
+        Source::Arena { offset, .. } => offset as u64,
+        Source::Slice(_) => unreachable!("only arena writes take this path"),
+    };
+    let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
+    for (i, lease) in leases.iter().enumerate() {
+        let writes = &per_lease[i];
+        if writes.is_empty() {
+            continue;
+        }
+        let base = lease.as_ptr();
+        if own(i) {
+            let w = writes[0];
+            let len = batch.writes[w].len as usize;
+            lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+                // SAFETY: the write's bytes in its own pinned lease, kept alive by this
+                // submission, into a live, marked buffer.
+                unsafe { raw.memcpy_htod_async(ptr_of(w), base.add(offset_of(w) as usize), len, stream) }
+            })?;
+            dmas += 1;
+            moved += len as u64;
+            continue;
+        }
+        let area = descriptor_area(writes.iter().map(|&w| batch.writes[w].len));
+        scratch.descriptors.clear();
+        for &w in writes {
+            push_descriptors(
+                &mut scratch.descriptors,
+                dev + area + offset_of(w),
+                ptr_of(w),
+                batch.writes[w].len,
+            );
+        }
+        let table = Arc::new(device.acquire_staging(area as usize)?);
+        let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
+        // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
+        unsafe {
+            std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), table.as_ptr(), bytes)
+        };
+        let (count, used) = (scratch.descriptors.len() as u64, batch.arena_used[i]);
+        let kernels = kernels.expect("loaded when there are packed writes");
+        lane_batch.submit(vec![Arc::clone(lease), Arc::clone(&table)], |raw, stream, _| {
+            // SAFETY: both pinned regions are kept alive by this submission; device staging
+            // holds area + used bytes; destinations are disjoint ranges of live, marked
+            // buffers (no two writes fuse).
+            unsafe {
+                raw.memcpy_htod_async(dev, table.as_ptr(), area as usize, stream)?;
+                raw.memcpy_htod_async(dev + area, base, used, stream)?;
+                kernels.copy(raw, stream, dev, count)
+            }
+        })?;
+        dmas += 2;
+        launches += 1;
+        moved += area + used as u64;
+    }
+    let t = &core.telemetry;
+    Telemetry::add(&t.upload_submissions, submissions);
+    Telemetry::add(&t.bytes_requested, scratch.upload_plan.requested_bytes);
+    Telemetry::add(&t.bytes_moved, moved);
+    Telemetry::add(&t.dma_copies, dmas);
+    Telemetry::add(&t.kernel_launches, launches);
+    drop(lane_batch);
+    Ok(Some(Fence::new(device.clone(), LaneKind::Upload, final_seq)))
 }
 
 fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
