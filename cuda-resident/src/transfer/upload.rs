@@ -22,6 +22,9 @@ pub(crate) const RING: usize = 4;
 /// kernel: for a handful of copies, DMAs cost less than a launch.
 const KERNEL_MIN_COPIES: usize = 3;
 
+/// `arena_used` of a lease that holds one large write and takes no more.
+const CLOSED: usize = usize::MAX;
+
 /// Where a write's bytes come from.
 #[derive(Clone, Copy)]
 enum Source<'a> {
@@ -115,15 +118,15 @@ impl<'a> UploadBatch<'a> {
         // only packed writes and move whole.
         let own = len as u64 >= self.device.config().direct_threshold;
         let last = self.arena.len().checked_sub(1);
-        let reuse =
-            !own && last.is_some_and(|i| self.arena_used[i] > 0 && fits(&self.arena[i], self.arena_used[i]));
+        let open = |i: usize| self.arena_used[i] != CLOSED && fits(&self.arena[i], self.arena_used[i]);
+        let reuse = !own && last.is_some_and(open);
         if !reuse {
             let size = if own { len + 16 } else { (self.device.config().chunk_bytes as usize).max(len + 32) };
             match self.device.acquire_staging(size) {
                 Ok(lease) => {
                     self.arena.push(lease);
                     // An own lease is closed to later writes.
-                    self.arena_used.push(if own { usize::MAX } else { 0 });
+                    self.arena_used.push(if own { CLOSED } else { 0 });
                 }
                 Err(e) => {
                     self.writes.pop();
@@ -229,7 +232,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         }
     }
     let leases: Vec<Arc<HostLease>> = batch.arena.drain(..).map(Arc::new).collect();
-    let own = |i: usize| batch.arena_used[i] == usize::MAX;
+    let own = |i: usize| batch.arena_used[i] == CLOSED;
     let packed_need = (0..leases.len())
         .filter(|&i| !own(i))
         .map(|i| {
