@@ -38,6 +38,9 @@ struct Args {
     /// Bytes of the large single-copy cases.
     #[arg(long, default_value_t = 1 << 30)]
     large: usize,
+    /// Also print where the time of an upload batch goes (adding writes, submit, wait).
+    #[arg(long)]
+    breakdown: bool,
     /// Folder for the JSON report.
     #[arg(long, default_value = "target/xfer-bench")]
     out: PathBuf,
@@ -245,6 +248,58 @@ fn many_small(d: &Device, raw: &Raw, args: &Args, size: usize, rows: &mut Vec<Ro
         batch.submit().map_err(e)?.wait().map_err(e)
     })?;
     verify_scatter(d, &s, &sources, size, "H2D")?;
+    if args.breakdown {
+        // Where the time of one batch goes, from the outside: adding writes, submit
+        // (planning, packing, enqueueing), waiting.
+        let mut parts = [Vec::new(), Vec::new(), Vec::new()];
+        for _ in 0..args.reps {
+            let t = Instant::now();
+            let mut batch = d.uploads();
+            for (src, &(b, o)) in sources.iter().zip(&s.places) {
+                batch.write(s.buffers[b], o, src).map_err(e)?;
+            }
+            let t1 = Instant::now();
+            let fence = batch.submit().map_err(e)?;
+            let t2 = Instant::now();
+            fence.wait().map_err(e)?;
+            let t3 = Instant::now();
+            parts[0].push(t1 - t);
+            parts[1].push(t2 - t1);
+            parts[2].push(t3 - t2);
+        }
+        let med = |v: &mut Vec<std::time::Duration>| {
+            v.sort();
+            v[v.len() / 2].as_secs_f64() * 1e6
+        };
+        let len = d.buffer_len(s.buffers[0]).map_err(e)?;
+        let requests: Vec<_> = s
+            .places
+            .iter()
+            .map(|&(b, o)| cuda_resident::plan::WriteRequest {
+                buffer: b as u64,
+                buffer_len: len,
+                offset: o,
+                len: size as u64,
+            })
+            .collect();
+        let config = cuda_resident::plan::PlanConfig::default();
+        let (mut planner, mut plan) =
+            (cuda_resident::plan::Planner::new(), cuda_resident::plan::UploadPlan::default());
+        let mut planning = Vec::new();
+        for _ in 0..args.reps.max(20) {
+            let t = Instant::now();
+            planner.plan_upload_into(&requests, &config, &mut plan).map_err(|e| e.to_string())?;
+            planning.push(t.elapsed());
+        }
+        eprintln!(
+            "breakdown H2D {count} x {}: write {:.0} µs, submit {:.0} µs (planning alone {:.0} µs), wait {:.0} µs",
+            human(size),
+            med(&mut parts[0]),
+            med(&mut parts[1]),
+            med(&mut planning),
+            med(&mut parts[2])
+        );
+    }
     let ours_in_place = median_secs(args.reps, || {
         let mut batch = d.uploads();
         for (src, &(b, o)) in sources.iter().zip(&s.places) {
