@@ -358,10 +358,7 @@ fn many_small(d: &Device, raw: &Raw, args: &Args, size: usize, rows: &mut Vec<Ro
             .collect::<Result<Vec<_>, _>>()
             .map_err(e)?;
         let done = reads.submit().map_err(e)?.wait().map_err(e)?;
-        for (slot, out) in slots.into_iter().zip(&mut outs) {
-            done.copy_into(slot, out);
-        }
-        Ok(())
+        done.copy_all_into(&slots, &mut outs).map_err(e)
     })?;
     if outs != sources {
         return Err(format!("D2H {count} x {size} into Vecs: bytes differ"));

@@ -91,6 +91,8 @@ pub(super) fn collect<R: Request>(
     ranker.reset();
     let mut found = Collected { requested_bytes: 0, max_start: 0, in_order: true };
     let mut previous = (0, 0);
+    // The last buffer ranked and its rank: requests often come grouped by buffer.
+    let mut last = None;
     for (index, r) in (0u32..).zip(requests) {
         let Some(end) = checked_end(r) else {
             return Err(out_of_range(index, r));
@@ -103,8 +105,12 @@ pub(super) fn collect<R: Request>(
             let (buffer, offset) = (r.buffer(), r.offset());
             found.in_order &= (previous.0 < buffer) | ((previous.0 == buffer) & (previous.1 <= offset));
             previous = (buffer, offset);
-            let rank = ranker.rank(r.buffer());
-            entries.push(Entry { buffer: r.buffer(), start: r.offset(), end, index, rank });
+            let rank = match last {
+                Some((key, rank)) if key == buffer => rank,
+                _ => ranker.rank(buffer),
+            };
+            last = Some((buffer, rank));
+            entries.push(Entry { buffer, start: offset, end, index, rank });
         }
     }
     Ok(found)

@@ -168,6 +168,12 @@ impl<'a> UploadBatch<'a> {
         for w in &mut self.writes {
             w.buffer_len = self.table.entries[w.buffer as usize].len;
         }
+        if let ([write], [Source::Slice(data)]) = (&self.writes[..], &self.sources[..])
+            && write.len > 0
+            && write.len <= self.device.config().chunk_bytes
+        {
+            return execute_one(self.device, &self.table, write, data);
+        }
         let all_in_place = self.sources.iter().all(|s| matches!(s, Source::Arena { .. }));
         if !self.arena.is_empty()
             && all_in_place
@@ -197,6 +203,36 @@ impl Source<'_> {
 fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
     let count: u64 = copies.map(|len| len.div_ceil(SEGMENT)).sum();
     (count * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256)
+}
+
+/// One write, the latency path: staged and moved by one DMA, no planning.
+fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data: &[u8]) -> Result<Fence> {
+    let core = device.core();
+    let target = table.entries[write.buffer as usize];
+    let mut lease = device.acquire_staging(data.len())?;
+    // SAFETY: the lease is fresh (no copy uses it) and holds data.len() bytes.
+    unsafe { lease.as_mut_slice() }.copy_from_slice(data);
+    let lease = Arc::new(lease);
+    let src = lease.as_ptr();
+    let lane = core.lane(LaneKind::Upload);
+    let batch = lane.batch();
+    let last_other = core.alloc.mark_used_many(
+        std::iter::once(target.buffer),
+        LaneKind::Upload.index(),
+        batch.next_seq(),
+    )?;
+    core.lane(LaneKind::Readback).make_stream_wait(last_other, lane.stream())?;
+    let seq = batch.submit(vec![lease], |raw, stream, _| {
+        // SAFETY: pinned staging kept alive by this submission, into a live, marked buffer
+        // range checked when the write was added.
+        unsafe { raw.memcpy_htod_async(target.ptr + write.offset, src, data.len(), stream) }
+    })?;
+    let t = &core.telemetry;
+    Telemetry::add(&t.upload_submissions, 1);
+    Telemetry::add(&t.bytes_requested, write.len);
+    Telemetry::add(&t.bytes_moved, write.len);
+    Telemetry::add(&t.dma_copies, 1);
+    Ok(Fence::new(device.clone(), LaneKind::Upload, seq))
 }
 
 /// The in-place fast path: every write was made with `write_with` and no two fuse, so the
