@@ -575,7 +575,18 @@ fn human(bytes: usize) -> String {
     }
 }
 
-fn run(args: &Args) -> BenchResult<Vec<Row>> {
+/// What the report says about the device.
+fn device_json(d: &Device) -> serde_json::Value {
+    let i = d.info();
+    serde_json::json!({
+        "name": i.name, "ordinal": i.ordinal, "pci_bus_id": i.pci_bus_id, "total_memory": i.total_memory,
+        "compute_capability": [i.compute_capability.0, i.compute_capability.1],
+        "copy_engines": i.copy_engines, "driver_cuda_version": i.driver_version.to_string(),
+        "cuMemcpyBatchAsync": i.batch_memcpy,
+    })
+}
+
+fn run(args: &Args) -> BenchResult<(Vec<Row>, serde_json::Value)> {
     let d = Device::open(args.device).map_err(|e| e.to_string())?;
     d.make_current().map_err(|e| e.to_string())?;
     let mut stream: CUstream = std::ptr::null_mut();
@@ -600,14 +611,14 @@ fn run(args: &Args) -> BenchResult<Vec<Row>> {
     latency(&d, &raw, args, &mut rows)?;
     // SAFETY: the stream is idle and destroyed once.
     check("cuStreamDestroy", unsafe { call!(d.driver(), cuStreamDestroy_v2(stream)) })?;
-    Ok(rows)
+    Ok((rows, device_json(&d)))
 }
 
 fn main() -> ExitCode {
     let mut args = Args::parse();
     args.reps = args.reps.max(5);
-    let rows = match run(&args) {
-        Ok(rows) => rows,
+    let (rows, device) = match run(&args) {
+        Ok(done) => done,
         Err(message) => {
             eprintln!("xfer-bench: {message}");
             return ExitCode::from(2);
@@ -632,6 +643,7 @@ fn main() -> ExitCode {
     }
     let report = serde_json::json!({
         "provenance": { "git": PROVENANCE.git_revision, "rustc": PROVENANCE.rustc, "profile": PROVENANCE.profile, "target": PROVENANCE.target },
+        "device": device,
         "reps": args.reps,
         "rows": rows.iter().map(Row::json).collect::<Vec<_>>(),
     });

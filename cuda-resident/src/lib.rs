@@ -7,18 +7,36 @@
 //!   foreign handle is an error, never a dangling pointer;
 //! - a **pinned staging pool** ([`Device::pinned`]): page-locked host memory, reused;
 //! - two **lanes**, one non-blocking stream per direction, so that uploads and readbacks
-//!   overlap; submitted work completes into a [`Fence`].
+//!   overlap; submitted work completes into a [`Fence`];
+//! - **fused copies**: an [`UploadBatch`] or [`ReadbackBatch`] of thousands of small copies
+//!   costs one DMA and one scatter or gather kernel launch per staging chunk; large copies
+//!   from ordinary memory are pipelined through pinned staging by several threads.
 //!
 //! Every error says what happened and ends with `Fix: …`.
 //!
 //! ```no_run
 //! use cuda_resident::Device;
+//!
 //! let device = Device::open(0)?;
-//! println!("{} with {} GiB", device.info().name, device.info().total_memory >> 30);
-//! let buffer = device.allocate(1 << 20)?;
-//! let ptr = device.device_ptr(buffer)?; // for your own kernels
-//! # let _ = ptr;
-//! device.free(buffer)?;
+//! let a = device.allocate(1 << 20)?; // budgeted, sub-allocated: no driver call
+//! let b = device.allocate(4096)?;
+//!
+//! // Small writes are fused, packed into pinned staging and moved by one DMA plus one
+//! // scatter launch.
+//! let (x, y) = (vec![1u8; 300], vec![2u8; 64]);
+//! let mut uploads = device.uploads();
+//! uploads.write(a, 0, &x)?.write(b, 128, &y)?;
+//! uploads.write_with(a, 4096, 1000, |dst| dst.fill(3))?; // fill pinned staging in place
+//! let fence = uploads.submit()?; // returns at once
+//!
+//! // Reads on the other lane wait for the writes on the device, not on the host.
+//! let mut reads = device.readbacks();
+//! let slot = reads.read(a, 0, 300)?;
+//! let done = reads.submit()?.wait()?;
+//! assert_eq!(done.get(slot), &x[..]); // a view into pinned staging, no copy
+//! assert!(fence.is_complete()?);
+//! device.free(a)?;
+//! device.free(b)?;
 //! # Ok::<(), cuda_resident::Error>(())
 //! ```
 
