@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, CUdeviceptr, CUresult, CUstream, MissingSymbol, call};
-use cuda_resident::{Device, ResidentBuffer};
+use cuda_resident::{Device, Readback, ResidentBuffer, Slot};
 use cuda_resident_suite::PROVENANCE;
 
 /// Side-by-side transfer benchmarks: raw driver, cuMemcpyBatchAsync, cuda-resident.
@@ -207,6 +207,17 @@ impl Scatter {
         Ok(Scatter { buffers, places, ptrs })
     }
 
+    /// Reads every copy's range back as one batch.
+    fn read_all(&self, d: &Device, size: usize) -> cuda_resident::Result<(Vec<Slot>, Readback)> {
+        let mut reads = d.readbacks();
+        let slots = self
+            .places
+            .iter()
+            .map(|&(b, o)| reads.read(self.buffers[b], o, size as u64))
+            .collect::<Result<_, _>>()?;
+        Ok((slots, reads.submit()?.wait()?))
+    }
+
     fn free(self, d: &Device) {
         for b in self.buffers {
             let _ = d.free(b);
@@ -350,14 +361,7 @@ fn many_small(d: &Device, raw: &Raw, args: &Args, size: usize, rows: &mut Vec<Ro
         o.fill(0xA5);
     }
     let ours_d2h = median_secs(args.reps, || {
-        let mut reads = d.readbacks();
-        let slots = s
-            .places
-            .iter()
-            .map(|&(b, o)| reads.read(s.buffers[b], o, size as u64))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(e)?;
-        let done = reads.submit().map_err(e)?.wait().map_err(e)?;
+        let (slots, done) = s.read_all(d, size).map_err(e)?;
         done.copy_all_into(&slots, &mut outs).map_err(e)
     })?;
     if outs != sources {
@@ -365,14 +369,7 @@ fn many_small(d: &Device, raw: &Raw, args: &Args, size: usize, rows: &mut Vec<Ro
     }
     let mut seen = 0usize;
     let ours_views = median_secs(args.reps, || {
-        let mut reads = d.readbacks();
-        let slots = s
-            .places
-            .iter()
-            .map(|&(b, o)| reads.read(s.buffers[b], o, size as u64))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(e)?;
-        let done = reads.submit().map_err(e)?.wait().map_err(e)?;
+        let (slots, done) = s.read_all(d, size).map_err(e)?;
         seen = slots.iter().filter(|&&slot| done.get(slot).len() == size).count();
         if slots.iter().zip(&sources).take(64).any(|(&slot, src)| done.get(slot) != &src[..]) {
             return Err("D2H views: bytes differ".into());

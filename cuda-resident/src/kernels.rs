@@ -85,6 +85,13 @@ impl Kernels {
     }
 }
 
+/// The bytes of a descriptor table for copies of these lengths, rounded to 256 so that what
+/// follows it in staging stays aligned.
+pub(crate) fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
+    let count: u64 = copies.map(|len| len.div_ceil(SEGMENT)).sum();
+    (count * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256)
+}
+
 /// Appends descriptors for one copy of `len` bytes, split into pieces of at most
 /// [`SEGMENT`] bytes.
 pub(crate) fn push_descriptors(out: &mut Vec<CopyDescriptor>, src: u64, dst: u64, len: u64) {

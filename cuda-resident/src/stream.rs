@@ -38,6 +38,14 @@ impl LaneKind {
     pub(crate) fn index(self) -> usize {
         self as usize
     }
+
+    /// The other direction.
+    pub(crate) fn other(self) -> LaneKind {
+        match self {
+            LaneKind::Upload => LaneKind::Readback,
+            LaneKind::Readback => LaneKind::Upload,
+        }
+    }
 }
 
 /// What a submission keeps alive until its work completes.

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::alloc::AllocatorStats;
 use crate::host_pool::PinnedStats;
+use crate::stream::LaneKind;
 
 /// The device's own counters.
 #[derive(Debug, Default)]
@@ -31,6 +32,30 @@ impl Telemetry {
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
+
+    /// Counts a batch: its submissions on `lane`, the bytes asked for and moved, the DMAs
+    /// and kernel launches it enqueued.
+    pub(crate) fn record(&self, lane: LaneKind, moves: Moves) {
+        let submissions = match lane {
+            LaneKind::Upload => &self.upload_submissions,
+            LaneKind::Readback => &self.readback_submissions,
+        };
+        Self::add(submissions, moves.submissions);
+        Self::add(&self.bytes_requested, moves.requested);
+        Self::add(&self.bytes_moved, moves.moved);
+        Self::add(&self.dma_copies, moves.dmas);
+        Self::add(&self.kernel_launches, moves.launches);
+    }
+}
+
+/// What one batch enqueued, for [`Telemetry::record`].
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Moves {
+    pub(crate) submissions: u64,
+    pub(crate) requested: u64,
+    pub(crate) moved: u64,
+    pub(crate) dmas: u64,
+    pub(crate) launches: u64,
 }
 
 /// A snapshot of a device's counters ([`Device::telemetry`](crate::Device::telemetry)).

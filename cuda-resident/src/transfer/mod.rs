@@ -15,10 +15,28 @@ use std::sync::Arc;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::stream::{Fence, LaneKind};
-use crate::telemetry::Telemetry;
+use crate::stream::{Fence, LaneBatch, LaneKind};
+use crate::telemetry::{Moves, Telemetry};
 
 impl Device {
+    /// Readies a batch of `submissions` on `batch`'s lane: checks every buffer and marks it
+    /// as used by the batch's last submission (so that freeing it waits), and makes the lane
+    /// wait, on the device, for work of the other lane that uses them. Nothing is enqueued
+    /// if a buffer is stale. Returns the last submission's sequence number.
+    pub(crate) fn claim(
+        &self,
+        batch: &LaneBatch<'_>,
+        kind: LaneKind,
+        buffers: impl Iterator<Item = ResidentBuffer>,
+        submissions: u64,
+    ) -> Result<u64> {
+        let core = self.core();
+        let final_seq = batch.next_seq() + submissions.max(1) - 1;
+        let last_other = core.alloc.mark_used_many(buffers, kind.index(), final_seq)?;
+        core.lane(kind.other()).make_stream_wait(last_other, core.lane(kind).stream())?;
+        Ok(final_seq)
+    }
+
     /// Checks that `[offset, offset + len)` lies in `buffer`; returns the buffer's device
     /// address of `offset`.
     pub(crate) fn checked_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<u64> {
@@ -50,19 +68,17 @@ impl Device {
         let core = self.core();
         let lane = core.lane(LaneKind::Upload);
         let batch = lane.batch();
-        let last_other =
-            core.alloc.mark_used_many(std::iter::once(buffer), LaneKind::Upload.index(), batch.next_seq())?;
-        core.lane(LaneKind::Readback).make_stream_wait(last_other, lane.stream())?;
+        self.claim(&batch, LaneKind::Upload, std::iter::once(buffer), 1)?;
         let seq = batch.submit(Vec::new(), |raw, stream, _| {
             // SAFETY: dst..dst+len lies in a live buffer (checked above, and the buffer
             // cannot be reused before this submission completes since it is marked);
             // the caller vouches for the source.
             unsafe { raw.memcpy_htod_async(dst, src, len, stream) }
         })?;
-        Telemetry::add(&core.telemetry.upload_submissions, 1);
-        Telemetry::add(&core.telemetry.bytes_requested, len as u64);
-        Telemetry::add(&core.telemetry.bytes_moved, len as u64);
-        Telemetry::add(&core.telemetry.dma_copies, 1);
+        core.telemetry.record(
+            LaneKind::Upload,
+            Moves { submissions: 1, requested: len as u64, moved: len as u64, dmas: 1, ..Moves::default() },
+        );
         Ok(Fence::new(self.clone(), LaneKind::Upload, seq))
     }
 
@@ -85,20 +101,15 @@ impl Device {
         let core = self.core();
         let lane = core.lane(LaneKind::Readback);
         let batch = lane.batch();
-        let last_other = core.alloc.mark_used_many(
-            std::iter::once(buffer),
-            LaneKind::Readback.index(),
-            batch.next_seq(),
-        )?;
-        core.lane(LaneKind::Upload).make_stream_wait(last_other, lane.stream())?;
+        self.claim(&batch, LaneKind::Readback, std::iter::once(buffer), 1)?;
         let seq = batch.submit(Vec::new(), |raw, stream, _| {
             // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
             unsafe { raw.memcpy_dtoh_async(dst, src, len, stream) }
         })?;
-        Telemetry::add(&core.telemetry.readback_submissions, 1);
-        Telemetry::add(&core.telemetry.bytes_requested, len as u64);
-        Telemetry::add(&core.telemetry.bytes_moved, len as u64);
-        Telemetry::add(&core.telemetry.dma_copies, 1);
+        core.telemetry.record(
+            LaneKind::Readback,
+            Moves { submissions: 1, requested: len as u64, moved: len as u64, dmas: 1, ..Moves::default() },
+        );
         Ok(Fence::new(self.clone(), LaneKind::Readback, seq))
     }
 
@@ -163,10 +174,7 @@ impl Device {
         let chunks = len.div_ceil(chunk) as usize;
         let lane = core.lane(LaneKind::Readback);
         let batch = lane.batch();
-        let final_seq = batch.next_seq() + chunks as u64 - 1;
-        let last_other =
-            core.alloc.mark_used_many(std::iter::once(buffer), LaneKind::Readback.index(), final_seq)?;
-        core.lane(LaneKind::Upload).make_stream_wait(last_other, lane.stream())?;
+        self.claim(&batch, LaneKind::Readback, std::iter::once(buffer), chunks as u64)?;
         let ring_len = chunks.min(upload::RING);
         let ring = (0..ring_len)
             .map(|_| self.acquire_staging(chunk as usize).map(Arc::new))
@@ -205,11 +213,16 @@ impl Device {
         for k in chunks.saturating_sub(ring_len)..chunks {
             unpack(k, &seqs, out)?;
         }
-        let t = &core.telemetry;
-        Telemetry::add(&t.readback_submissions, chunks as u64);
-        Telemetry::add(&t.bytes_requested, len);
-        Telemetry::add(&t.bytes_moved, len);
-        Telemetry::add(&t.dma_copies, chunks as u64);
+        core.telemetry.record(
+            LaneKind::Readback,
+            Moves {
+                submissions: chunks as u64,
+                requested: len,
+                moved: len,
+                dmas: chunks as u64,
+                ..Moves::default()
+            },
+        );
         Ok(())
     }
 
@@ -332,6 +345,29 @@ impl BufferTable {
         self.entries.push(resolved);
         self.slots[at] = self.entries.len() as u32;
         Ok((self.entries.len() as u32 - 1, resolved))
+    }
+
+    /// The key and length of `buffer`, after checking that `[offset, offset + len)` lies in
+    /// it. A failure is also kept in `first_error` (when it holds none yet): it fails the
+    /// batch at submit.
+    pub(crate) fn check(
+        &mut self,
+        device: &Device,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: u64,
+        first_error: &mut Option<Error>,
+    ) -> Result<(u32, u64)> {
+        let checked = self.key(device, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
+            Some(end) if end <= resolved.len => Ok((key, resolved.len)),
+            _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
+        });
+        if let Err(e) = &checked
+            && first_error.is_none()
+        {
+            *first_error = Some(e.clone());
+        }
+        checked
     }
 
     fn grow(&mut self) {

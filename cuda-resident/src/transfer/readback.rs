@@ -10,11 +10,11 @@ use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors};
+use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::Telemetry;
+use crate::telemetry::Moves;
 
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
@@ -72,24 +72,10 @@ impl Device {
 impl ReadbackBatch<'_> {
     /// Adds a read of `len` bytes of `buffer` at `offset`.
     pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
-        let checked =
-            self.table.key(self.device, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
-                Some(end) if end <= resolved.len => Ok((key, resolved.len)),
-                _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
-            });
-        match checked {
-            Ok((key, buffer_len)) => {
-                let slot = Slot(self.reads.len() as u32);
-                self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
-                Ok(slot)
-            }
-            Err(e) => {
-                if self.error.is_none() {
-                    self.error = Some(e.clone());
-                }
-                Err(e)
-            }
-        }
+        let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
+        let slot = Slot(self.reads.len() as u32);
+        self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
+        Ok(slot)
     }
 
     /// Adds a read of the whole buffer.
@@ -206,11 +192,6 @@ impl Readback {
     }
 }
 
-fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
-    let count: u64 = copies.map(|len| len.div_ceil(SEGMENT)).sum();
-    (count * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256)
-}
-
 fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let device = batch.device;
     let core = device.core();
@@ -243,10 +224,8 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let base = lease.as_ptr();
 
     let first_seq = lane_batch.next_seq();
-    let final_seq = first_seq + plan.chunks.len() as u64 - 1;
-    let last_other =
-        core.alloc.mark_used_many(batch.table.buffers(), LaneKind::Readback.index(), final_seq)?;
-    core.lane(LaneKind::Upload).make_stream_wait(last_other, lane.stream())?;
+    let final_seq =
+        device.claim(&lane_batch, LaneKind::Readback, batch.table.buffers(), plan.chunks.len() as u64)?;
 
     let kernels = if areas.iter().any(|&a| a > 0) { Some(core.kernels()?) } else { None };
     let device_need =
@@ -298,21 +277,11 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
                         stream,
                     )
                 }?;
-            } else {
-                for c in &chunk.packed {
-                    // SAFETY: a range of a live, marked buffer into the lease.
-                    unsafe {
-                        raw.memcpy_dtoh_async(
-                            staged(c.stage_offset),
-                            ptr_of(c.buffer) + c.buffer_offset,
-                            c.len as usize,
-                            stream,
-                        )
-                    }?;
-                }
             }
-            for c in &chunk.direct {
-                // SAFETY: as above.
+            // Packed ranges without the kernel, and direct ones: one DMA each.
+            let singles = if area > 0 { &chunk.packed[..0] } else { &chunk.packed[..] };
+            for c in singles.iter().chain(&chunk.direct) {
+                // SAFETY: a range of a live, marked buffer into the lease.
                 unsafe {
                     raw.memcpy_dtoh_async(
                         staged(c.stage_offset),
@@ -334,12 +303,16 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         }
         moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
     }
-    let t = &core.telemetry;
-    Telemetry::add(&t.readback_submissions, plan.chunks.len() as u64);
-    Telemetry::add(&t.bytes_requested, plan.requested_bytes);
-    Telemetry::add(&t.bytes_moved, moved);
-    Telemetry::add(&t.dma_copies, dmas);
-    Telemetry::add(&t.kernel_launches, launches);
+    core.telemetry.record(
+        LaneKind::Readback,
+        Moves {
+            submissions: plan.chunks.len() as u64,
+            requested: plan.requested_bytes,
+            moved,
+            dmas,
+            launches,
+        },
+    );
     let views = plan.views.clone();
     drop(lane_batch);
     Ok(PendingReadback {

@@ -9,11 +9,11 @@ use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors};
+use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::Telemetry;
+use crate::telemetry::{Moves, Telemetry};
 
 /// Chunks of one batch in flight at once; packing chunk `k` waits for chunk `k - RING`.
 pub(crate) const RING: usize = 4;
@@ -74,23 +74,9 @@ impl Device {
 impl<'a> UploadBatch<'a> {
     /// Checks a write and records it; on error, poisons the batch.
     fn add(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<()> {
-        let checked =
-            self.table.key(self.device, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
-                Some(end) if end <= resolved.len => Ok(key),
-                _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
-            });
-        match checked {
-            Ok(key) => {
-                self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len: 0, offset, len });
-                Ok(())
-            }
-            Err(e) => {
-                if self.error.is_none() {
-                    self.error = Some(e.clone());
-                }
-                Err(e)
-            }
-        }
+        let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
+        self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
+        Ok(())
     }
 
     /// Adds a write of `data` to `buffer` at `offset`. The slice is read at submit time.
@@ -165,9 +151,6 @@ impl<'a> UploadBatch<'a> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        for w in &mut self.writes {
-            w.buffer_len = self.table.entries[w.buffer as usize].len;
-        }
         if let ([write], [Source::Slice(data)]) = (&self.writes[..], &self.sources[..])
             && write.len > 0
             && write.len <= self.device.config().chunk_bytes
@@ -198,13 +181,6 @@ impl Source<'_> {
     }
 }
 
-/// The size of a chunk's descriptor area: room for its packed copies' descriptors, rounded
-/// to 256 bytes so that the packed bytes after it stay aligned.
-fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
-    let count: u64 = copies.map(|len| len.div_ceil(SEGMENT)).sum();
-    (count * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256)
-}
-
 /// One write, the latency path: staged and moved by one DMA, no planning.
 fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data: &[u8]) -> Result<Fence> {
     let core = device.core();
@@ -216,22 +192,16 @@ fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data:
     let src = lease.as_ptr();
     let lane = core.lane(LaneKind::Upload);
     let batch = lane.batch();
-    let last_other = core.alloc.mark_used_many(
-        std::iter::once(target.buffer),
-        LaneKind::Upload.index(),
-        batch.next_seq(),
-    )?;
-    core.lane(LaneKind::Readback).make_stream_wait(last_other, lane.stream())?;
+    device.claim(&batch, LaneKind::Upload, std::iter::once(target.buffer), 1)?;
     let seq = batch.submit(vec![lease], |raw, stream, _| {
         // SAFETY: pinned staging kept alive by this submission, into a live, marked buffer
         // range checked when the write was added.
         unsafe { raw.memcpy_htod_async(target.ptr + write.offset, src, data.len(), stream) }
     })?;
-    let t = &core.telemetry;
-    Telemetry::add(&t.upload_submissions, 1);
-    Telemetry::add(&t.bytes_requested, write.len);
-    Telemetry::add(&t.bytes_moved, write.len);
-    Telemetry::add(&t.dma_copies, 1);
+    core.telemetry.record(
+        LaneKind::Upload,
+        Moves { submissions: 1, requested: write.len, moved: write.len, dmas: 1, ..Moves::default() },
+    );
     Ok(Fence::new(device.clone(), LaneKind::Upload, seq))
 }
 
@@ -278,9 +248,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         .unwrap_or(0);
     let submissions = per_lease.iter().filter(|w| !w.is_empty()).count() as u64;
     let first_seq = lane_batch.next_seq();
-    let final_seq = first_seq + submissions - 1;
-    let last_other = core.alloc.mark_used_many(batch.table.buffers(), LaneKind::Upload.index(), final_seq)?;
-    core.lane(LaneKind::Readback).make_stream_wait(last_other, lane.stream())?;
+    let final_seq = device.claim(&lane_batch, LaneKind::Upload, batch.table.buffers(), submissions)?;
     let dev = if packed_need > 0 {
         scratch.region.ensure(device, LaneKind::Upload, packed_need, first_seq - 1)?
     } else {
@@ -343,12 +311,10 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         launches += 1;
         moved += area + used as u64;
     }
-    let t = &core.telemetry;
-    Telemetry::add(&t.upload_submissions, submissions);
-    Telemetry::add(&t.bytes_requested, scratch.upload_plan.requested_bytes);
-    Telemetry::add(&t.bytes_moved, moved);
-    Telemetry::add(&t.dma_copies, dmas);
-    Telemetry::add(&t.kernel_launches, launches);
+    core.telemetry.record(
+        LaneKind::Upload,
+        Moves { submissions, requested: scratch.upload_plan.requested_bytes, moved, dmas, launches },
+    );
     drop(lane_batch);
     Ok(Some(Fence::new(device.clone(), LaneKind::Upload, final_seq)))
 }
@@ -369,10 +335,9 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
         return Ok(Fence::completed());
     }
     let first_seq = lane_batch.next_seq();
-    let final_seq = first_seq + plan.chunks.len() as u64 - 1;
     // Every buffer is checked (and marked as used by this batch) before anything moves.
-    let last_other = core.alloc.mark_used_many(batch.table.buffers(), LaneKind::Upload.index(), final_seq)?;
-    core.lane(LaneKind::Readback).make_stream_wait(last_other, lane.stream())?;
+    let final_seq =
+        device.claim(&lane_batch, LaneKind::Upload, batch.table.buffers(), plan.chunks.len() as u64)?;
 
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
     let kernels =
@@ -466,12 +431,10 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
         }
         moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
     }
-    let t = &core.telemetry;
-    Telemetry::add(&t.upload_submissions, seqs.len() as u64);
-    Telemetry::add(&t.bytes_requested, plan.requested_bytes);
-    Telemetry::add(&t.bytes_moved, moved);
-    Telemetry::add(&t.dma_copies, dmas);
-    Telemetry::add(&t.kernel_launches, launches);
+    core.telemetry.record(
+        LaneKind::Upload,
+        Moves { submissions: seqs.len() as u64, requested: plan.requested_bytes, moved, dmas, launches },
+    );
     debug_assert_eq!(seqs.last().copied(), Some(final_seq));
     drop(lane_batch);
     Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq))
