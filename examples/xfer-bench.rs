@@ -38,6 +38,15 @@ struct Args {
     /// Bytes of the large single-copy cases.
     #[arg(long, default_value_t = 1 << 30)]
     large: usize,
+    /// cuda-resident's staging chunk in KiB (Config::chunk_bytes; default: the library's).
+    #[arg(long)]
+    chunk_kib: Option<u64>,
+    /// cuda-resident's direct-copy threshold in KiB (Config::direct_threshold).
+    #[arg(long)]
+    direct_kib: Option<u64>,
+    /// cuda-resident's packing threads (Config::pack_threads; 0 = one per core, up to 16).
+    #[arg(long)]
+    pack_threads: Option<usize>,
     /// Also print where the time of an upload batch goes (adding writes, submit, wait).
     #[arg(long)]
     breakdown: bool,
@@ -584,7 +593,19 @@ fn device_json(d: &Device) -> serde_json::Value {
 }
 
 fn run(args: &Args) -> BenchResult<(Vec<Row>, serde_json::Value)> {
-    let d = Device::open(args.device).map_err(|e| e.to_string())?;
+    let mut config = cuda_resident::Config::default();
+    if let Some(kib) = args.chunk_kib {
+        config.chunk_bytes = kib << 10;
+    }
+    if let Some(kib) = args.direct_kib {
+        config.direct_threshold = kib << 10;
+    }
+    if let Some(threads) = args.pack_threads {
+        config.pack_threads = threads;
+    }
+    let driver =
+        cuda_resident::cuda_sys::Driver::load().map(std::sync::Arc::new).map_err(|e| e.to_string())?;
+    let d = Device::open_with(driver, args.device, config).map_err(|e| e.to_string())?;
     d.make_current().map_err(|e| e.to_string())?;
     let mut stream: CUstream = std::ptr::null_mut();
     // SAFETY: creates a stream on the device's context, current on this thread.
@@ -594,6 +615,13 @@ fn run(args: &Args) -> BenchResult<(Vec<Row>, serde_json::Value)> {
     let raw = Raw { device: &d, stream, batch: d.info().batch_memcpy };
     println!("xfer-bench | {PROVENANCE}");
     let info = d.info();
+    let c = d.config();
+    println!(
+        "cuda-resident config: chunk {} KiB, direct threshold {} KiB, {} packing threads",
+        c.chunk_bytes >> 10,
+        c.direct_threshold >> 10,
+        c.resolved_pack_threads()
+    );
     println!(
         "device {}: {} | {} | driver CUDA {} | {} copy engines",
         info.ordinal, info.name, info.pci_bus_id, info.driver_version, info.copy_engines
