@@ -473,7 +473,7 @@ mod tests {
             (Config { pinned_cap_bytes: 16 << 20, ..Config::default() }, "pinned_cap_bytes"),
             (Config { pinned_prewarm_bytes: 2 << 30, ..Config::default() }, "pinned_prewarm_bytes"),
             (Config { direct_threshold: 0, ..Config::default() }, "direct_threshold"),
-            (Config { direct_threshold: 16 << 20, ..Config::default() }, "direct_threshold"),
+            (Config { direct_threshold: 32 << 20, ..Config::default() }, "direct_threshold"),
         ];
         for (config, field) in cases {
             let err = config.validate().unwrap_err();
