@@ -370,8 +370,14 @@ fn many_small(d: &Device, raw: &Raw, args: &Args, size: usize, rows: &mut Vec<Ro
         o.fill(0xA5);
     }
     let ours_d2h = median_secs(args.reps, || {
-        let (slots, done) = s.read_all(d, size).map_err(e)?;
-        done.copy_all_into(&slots, &mut outs).map_err(e)
+        let mut reads = d.readbacks();
+        let slots = s
+            .places
+            .iter()
+            .map(|&(b, o)| reads.read(s.buffers[b], o, size as u64))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(e)?;
+        reads.submit().map_err(e)?.wait_into(&slots, &mut outs).map(drop).map_err(e)
     })?;
     if outs != sources {
         return Err(format!("D2H {count} x {size} into Vecs: bytes differ"));

@@ -110,11 +110,20 @@ fn ragged_uploads_and_readbacks(d: &Device, seed: u64, rounds: usize) {
         let ranges: Vec<_> = (0..rng.usize(1..500)).map(|_| model.range(&mut rng)).collect();
         let slots: Vec<_> =
             ranges.iter().map(|&(i, o, l)| reads.read(model.buffers[i], o, l).unwrap()).collect();
-        let done = reads.submit().unwrap().wait().unwrap();
+        let mut outs: Vec<Vec<u8>> = vec![Vec::new(); slots.len()];
+        let done = if round % 2 == 0 {
+            reads.submit().unwrap().wait().unwrap()
+        } else {
+            // Chunk by chunk into caller vectors.
+            reads.submit().unwrap().wait_into(&slots, &mut outs).unwrap()
+        };
         assert!(fence.is_complete().unwrap(), "reads completed before the writes they follow");
-        for (&(i, o, l), slot) in ranges.iter().zip(slots) {
+        for (k, (&(i, o, l), &slot)) in ranges.iter().zip(&slots).enumerate() {
             let expect = &model.expect[i][o as usize..][..l as usize];
             assert!(done.get(slot) == expect, "round {round}: read of buffer {i} at {o}+{l} differs");
+            if round % 2 == 1 {
+                assert!(outs[k] == expect, "round {round}: wait_into of buffer {i} at {o}+{l} differs");
+            }
         }
     }
     model.check(d, "after all rounds");

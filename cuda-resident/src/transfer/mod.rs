@@ -254,7 +254,7 @@ impl Device {
         }
         let mut batch = self.readbacks();
         let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
-        batch.submit()?.wait()?.copy_all_into(&slots, out)
+        batch.submit()?.wait_into(&slots, out).map(drop)
     }
 
     /// Blocks until every upload submitted so far has completed.

@@ -44,6 +44,8 @@ impl fmt::Debug for ReadbackBatch<'_> {
 pub struct PendingReadback {
     fence: Fence,
     readback: Readback,
+    /// The sequence number of the first chunk's submission (chunk `k` is `first_seq + k`).
+    first_seq: u64,
 }
 
 /// Completed reads: views into pinned staging, valid while this value lives. Dropping it
@@ -117,6 +119,41 @@ impl PendingReadback {
         Ok(self.readback)
     }
 
+    /// Waits for the reads chunk by chunk and copies each read into the caller's vector of
+    /// the same index as soon as its chunk has landed, while later chunks are still on the
+    /// wire; replaces each vector's contents (capacity is reused). Returns the readback for
+    /// views as well.
+    pub fn wait_into(self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Readback> {
+        if slots.len() != out.len() {
+            return Err(Error::LengthMismatch {
+                what: "slots and output vectors",
+                left: slots.len(),
+                right: out.len(),
+            });
+        }
+        let Some(device) = self.readback.device.clone() else {
+            self.readback.copy_all_into(slots, out)?;
+            return Ok(self.readback);
+        };
+        // Reads grouped by the chunk that completes them.
+        let mut order: Vec<usize> = (0..slots.len()).collect();
+        order.sort_unstable_by_key(|&i| self.readback.views[slots[i].0 as usize].last_chunk);
+        let lane = device.core().lane(LaneKind::Readback);
+        let mut start = 0;
+        while start < order.len() {
+            let chunk = self.readback.views[slots[order[start]].0 as usize].last_chunk;
+            let end = start
+                + order[start..]
+                    .partition_point(|&i| self.readback.views[slots[i].0 as usize].last_chunk == chunk);
+            lane.wait(self.first_seq + u64::from(chunk))?;
+            self.readback.copy_some_into(&device, slots, out, &order[start..end]);
+            start = end;
+        }
+        // Everything has landed; this also reports any error of the last submissions.
+        self.fence.wait()?;
+        Ok(self.readback)
+    }
+
     /// The fence of the reads.
     pub fn fence(&self) -> &Fence {
         &self.fence
@@ -157,13 +194,20 @@ impl Readback {
                 right: out.len(),
             });
         }
-        let Some(device) = &self.device else {
-            out.iter_mut().for_each(Vec::clear);
-            return Ok(());
-        };
-        let mut pieces = Vec::with_capacity(slots.len());
-        for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
-            let src = self.get(slot);
+        match &self.device {
+            Some(device) => self.copy_some_into(device, slots, out, &(0..slots.len()).collect::<Vec<_>>()),
+            None => out.iter_mut().for_each(Vec::clear),
+        }
+        Ok(())
+    }
+
+    /// Copies reads `which` (indices into `slots` and `out`, each at most once) into their
+    /// vectors.
+    fn copy_some_into(&self, device: &Device, slots: &[Slot], out: &mut [Vec<u8>], which: &[usize]) {
+        let mut pieces = Vec::with_capacity(which.len());
+        for &i in which {
+            let src = self.get(slots[i]);
+            let vec = &mut out[i];
             vec.clear();
             vec.reserve(src.len());
             Piece::push_split(
@@ -172,13 +216,12 @@ impl Readback {
             );
         }
         // SAFETY: each destination is a distinct vector's spare capacity of at least its
-        // source's length; sources are views of completed reads in pinned staging.
+        // source's length (indices are distinct); sources are views of landed reads.
         unsafe { Piece::copy_all(device, &pieces) };
-        for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
+        for &i in which {
             // SAFETY: the copies above initialised exactly this many bytes.
-            unsafe { vec.set_len(self.get(slot).len()) };
+            unsafe { out[i].set_len(self.get(slots[i]).len()) };
         }
-        Ok(())
     }
 
     /// Number of reads.
@@ -209,6 +252,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         return Ok(PendingReadback {
             fence: Fence::completed(),
             readback: Readback { device: None, lease: None, base: 0, views },
+            first_seq: 0,
         });
     }
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
@@ -318,5 +362,6 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     Ok(PendingReadback {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
         readback: Readback { device: Some(device.clone()), lease: Some(lease), base: tables as usize, views },
+        first_seq: final_seq + 1 - plan.chunks.len() as u64,
     })
 }
