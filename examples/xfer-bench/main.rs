@@ -10,6 +10,8 @@
 //! Without a usable driver or GPU it exits with status 2 and one line that says what is
 //! missing and how to fix it.
 
+mod plot;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -18,11 +20,26 @@ use clap::Parser;
 use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, CUdeviceptr, CUresult, CUstream, MissingSymbol, call};
 use cuda_resident::{Device, Readback, ResidentBuffer, Slot};
 use cuda_resident_suite::PROVENANCE;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Which cases to run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Suite {
+    /// Many small copies, 1 GiB single copies, both directions at once, latency (under a minute).
+    Default,
+    /// Single copies from 4 KiB to `--large`, pageable and pinned, both directions.
+    Sweep,
+    /// Both of the above.
+    All,
+}
 
 /// Side-by-side transfer benchmarks: raw driver, cuMemcpyBatchAsync, cuda-resident.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Args {
+    /// Which cases to run.
+    #[arg(long, value_enum, default_value_t = Suite::Default)]
+    suite: Suite,
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
@@ -50,7 +67,7 @@ struct Args {
     /// Also print where the time of an upload batch goes (adding writes, submit, wait).
     #[arg(long)]
     breakdown: bool,
-    /// Folder for the JSON report.
+    /// Folder for the JSON report and the SVG plots.
     #[arg(long, default_value = "target/xfer-bench")]
     out: PathBuf,
 }
@@ -101,6 +118,8 @@ fn median_secs_prepared<T>(
 #[derive(Debug)]
 struct Row {
     case: String,
+    /// Bytes per copy, for the plots (cases that sweep a size).
+    size: Option<usize>,
     unit: &'static str,
     raw: Option<f64>,
     batch: Option<f64>,
@@ -110,7 +129,7 @@ struct Row {
 impl Row {
     fn gbps(case: String, bytes: usize, raw: Option<f64>, batch: Option<f64>, ours: f64) -> Row {
         let rate = |secs: f64| bytes as f64 / secs / 1e9;
-        Row { case, unit: "GB/s", raw: raw.map(rate), batch: batch.map(rate), ours: rate(ours) }
+        Row { case, size: None, unit: "GB/s", raw: raw.map(rate), batch: batch.map(rate), ours: rate(ours) }
     }
 
     /// cuda-resident's advantage over `base` (higher is better for both units).
@@ -235,6 +254,15 @@ impl Scatter {
 }
 
 fn many_small(d: &Device, raw: &Raw, args: &Args, size: usize, rows: &mut Vec<Row>) -> BenchResult<()> {
+    let first = rows.len();
+    many_small_rows(d, raw, args, size, rows)?;
+    for r in &mut rows[first..] {
+        r.size = Some(size);
+    }
+    Ok(())
+}
+
+fn many_small_rows(d: &Device, raw: &Raw, args: &Args, size: usize, rows: &mut Vec<Row>) -> BenchResult<()> {
     let count = args.count;
     let bytes = count * size;
     let mut rng = fastrand::Rng::with_seed(size as u64);
@@ -570,12 +598,183 @@ fn latency(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>) -> BenchResu
     d.free(b).map_err(e)?;
     rows.push(Row {
         case: "one 4 KiB upload, submit to done".into(),
+        size: None,
         unit: "µs",
         raw: Some(per(raw_t)),
         batch: None,
         ours: per(ours_t),
     });
     Ok(())
+}
+
+/// Single copies of every size from 4 KiB up to `--large` (x16 apart), pageable and pinned,
+/// each direction: the raw driver's synchronous (pageable) or async-then-synchronize (pinned)
+/// copy against cuda-resident's `upload_at` / `read_into_slice` (pageable) and
+/// `upload_async_at` / `download_async_at` (pinned). Each sample moves at least 16 MiB.
+fn sweep(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>, progress: &ProgressBar) -> BenchResult<()> {
+    let e = |e: cuda_resident::Error| e.to_string();
+    let n = args.large;
+    let mut rng = fastrand::Rng::with_seed(11);
+    let mut src = random_vec(&mut rng, n);
+    let mut dst = vec![0u8; n];
+    let b = d.allocate(n as u64).map_err(e)?;
+    let ptr = d.device_ptr(b).map_err(e)?;
+    let mut sizes: Vec<usize> = (0..).map(|i| 4096usize << (4 * i)).take_while(|&size| size <= n).collect();
+    if sizes.last() != Some(&n) {
+        sizes.push(n);
+    }
+    let driver = d.driver();
+    for pinned in [false, true] {
+        let memory = if pinned { "pinned" } else { "pageable" };
+        if pinned {
+            // SAFETY: both vectors stay alive and unmoved until unpinned below.
+            unsafe {
+                d.pin_host(src.as_mut_ptr(), n).map_err(e)?;
+                d.pin_host(dst.as_mut_ptr(), n).map_err(e)?;
+            }
+        }
+        for &size in &sizes {
+            progress.set_message(format!("sweep: {} {memory}", human(size)));
+            let iters = (16usize << 20).div_ceil(size);
+            let (s_ptr, d_ptr) = (src.as_ptr(), dst.as_mut_ptr());
+            let raw_up = median_secs(args.reps, || {
+                for _ in 0..iters {
+                    // SAFETY: `size` bytes of a live host vector into a buffer of `n >= size`.
+                    unsafe {
+                        if pinned {
+                            check(
+                                "cuMemcpyHtoDAsync",
+                                call!(driver, cuMemcpyHtoDAsync_v2(ptr, s_ptr.cast(), size, raw.stream)),
+                            )?;
+                            raw.sync()?;
+                        } else {
+                            check("cuMemcpyHtoD", call!(driver, cuMemcpyHtoD_v2(ptr, s_ptr.cast(), size)))?;
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+            let ours_up = median_secs(args.reps, || {
+                for _ in 0..iters {
+                    if pinned {
+                        // SAFETY: pinned source of `size` bytes, alive until the fence is waited on.
+                        unsafe { d.upload_async_at(b, 0, s_ptr, size) }.and_then(|f| f.wait()).map_err(e)?;
+                    } else {
+                        d.upload_at(b, 0, &src[..size]).map_err(e)?;
+                    }
+                }
+                Ok(())
+            })?;
+            let raw_down = median_secs(args.reps, || {
+                for _ in 0..iters {
+                    // SAFETY: `size` bytes of the buffer into a live host vector of `n >= size`.
+                    unsafe {
+                        if pinned {
+                            check(
+                                "cuMemcpyDtoHAsync",
+                                call!(driver, cuMemcpyDtoHAsync_v2(d_ptr.cast(), ptr, size, raw.stream)),
+                            )?;
+                            raw.sync()?;
+                        } else {
+                            check("cuMemcpyDtoH", call!(driver, cuMemcpyDtoH_v2(d_ptr.cast(), ptr, size)))?;
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+            dst[..size].fill(0xA5);
+            let ours_down = median_secs(args.reps, || {
+                for _ in 0..iters {
+                    if pinned {
+                        // SAFETY: pinned destination of `size` bytes, untouched until the fence is waited on.
+                        unsafe { d.download_async_at(b, 0, d_ptr, size) }
+                            .and_then(|f| f.wait())
+                            .map_err(e)?;
+                    } else {
+                        d.read_into_slice(b, 0, &mut dst[..size]).map_err(e)?;
+                    }
+                }
+                Ok(())
+            })?;
+            if dst[..size] != src[..size] {
+                return Err(format!("sweep {memory} {}: bytes differ", human(size)));
+            }
+            let bytes = size * iters;
+            let mut up =
+                Row::gbps(format!("sweep H2D {memory} {}", human(size)), bytes, Some(raw_up), None, ours_up);
+            let mut down = Row::gbps(
+                format!("sweep D2H {memory} {}", human(size)),
+                bytes,
+                Some(raw_down),
+                None,
+                ours_down,
+            );
+            (up.size, down.size) = (Some(size), Some(size));
+            rows.extend([up, down]);
+            progress.inc(1);
+        }
+        if pinned {
+            // SAFETY: every copy above has completed.
+            unsafe {
+                d.unpin_host(src.as_mut_ptr()).map_err(e)?;
+                d.unpin_host(dst.as_mut_ptr()).map_err(e)?;
+            }
+        }
+    }
+    d.free(b).map_err(e)
+}
+
+/// The SVG plots: many-small copies and the size sweep, bandwidth against bytes per copy.
+fn plots(rows: &[Row], out: &std::path::Path) -> BenchResult<Vec<PathBuf>> {
+    use plot::Series;
+    type Pick = fn(&Row) -> Option<f64>;
+    let methods: [(&str, Pick); 3] =
+        [("raw driver", |r| r.raw), ("cuMemcpyBatchAsync", |r| r.batch), ("cuda-resident", |r| Some(r.ours))];
+    let series = |starts: &str, ends: &str, label: &str| -> Vec<Series> {
+        let matching: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.size.is_some() && r.case.starts_with(starts) && r.case.ends_with(ends))
+            .collect();
+        methods
+            .iter()
+            .map(|(method, pick)| Series {
+                name: format!("{method}, {label}"),
+                points: matching.iter().filter_map(|r| Some((r.size? as f64, pick(r)?))).collect(),
+            })
+            .filter(|s| !s.points.is_empty())
+            .collect()
+    };
+    let charts = [
+        (
+            "many-small.svg",
+            "8192 small copies: bandwidth by copy size",
+            [
+                series("H2D", "from pageable", "H2D from pageable"),
+                series("D2H", "into caller Vecs", "D2H into Vecs"),
+            ]
+            .concat(),
+        ),
+        (
+            "sweep.svg",
+            "single copies: bandwidth by size",
+            [
+                series("sweep H2D pageable", "", "H2D pageable"),
+                series("sweep D2H pageable", "", "D2H pageable"),
+                series("sweep H2D pinned", "", "H2D pinned"),
+                series("sweep D2H pinned", "", "D2H pinned"),
+            ]
+            .concat(),
+        ),
+    ];
+    let mut written = Vec::new();
+    for (file, title, lines) in charts {
+        if !lines.is_empty() {
+            let path = out.join(file);
+            plot::bandwidth_chart(&path, title, &lines)?;
+            written.push(path);
+        }
+    }
+    Ok(written)
 }
 
 fn human(bytes: usize) -> String {
@@ -633,13 +832,34 @@ fn run(args: &Args) -> BenchResult<(Vec<Row>, serde_json::Value)> {
         info.ordinal, info.name, info.pci_bus_id, info.driver_version, info.copy_engines
     );
     let mut rows = Vec::new();
-    for &size in &args.sizes {
-        eprintln!("xfer-bench: {} x {} …", args.count, human(size));
-        many_small(&d, &raw, args, size, &mut rows)?;
+    let default = matches!(args.suite, Suite::Default | Suite::All);
+    let sweep_steps = if matches!(args.suite, Suite::Sweep | Suite::All) {
+        2 * (0..).map(|i| 4096usize << (4 * i)).take_while(|&size| size <= args.large).count() as u64 + 2
+    } else {
+        0
+    };
+    let steps = if default { args.sizes.len() as u64 + 2 } else { 0 } + sweep_steps;
+    let progress = ProgressBar::new(steps).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    if default {
+        for &size in &args.sizes {
+            progress.set_message(format!("{} x {}", args.count, human(size)));
+            many_small(&d, &raw, args, size, &mut rows)?;
+            progress.inc(1);
+        }
+        progress.set_message(format!("{} single copies", human(args.large)));
+        large(&d, &raw, args, &mut rows)?;
+        progress.inc(1);
+        progress.set_message("latency");
+        latency(&d, &raw, args, &mut rows)?;
+        progress.inc(1);
     }
-    eprintln!("xfer-bench: {} single copies …", human(args.large));
-    large(&d, &raw, args, &mut rows)?;
-    latency(&d, &raw, args, &mut rows)?;
+    if sweep_steps > 0 {
+        sweep(&d, &raw, args, &mut rows, &progress)?;
+    }
+    progress.finish_and_clear();
     // SAFETY: the stream is idle and destroyed once.
     check("cuStreamDestroy", unsafe { call!(d.driver(), cuStreamDestroy_v2(stream)) })?;
     Ok((rows, device_json(&d)))
@@ -691,5 +911,45 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     println!("report: {}", args.out.join("report.json").display());
+    match plots(&rows, &args.out) {
+        Ok(files) => files.iter().for_each(|f| println!("plot: {}", f.display())),
+        Err(message) => {
+            eprintln!("xfer-bench: {message}. Fix: pass --out with a writable folder.");
+            return ExitCode::from(2);
+        }
+    }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plots_are_written_for_measured_rows() {
+        let mut rows = Vec::new();
+        for (i, size) in [256usize, 4096, 65536].into_iter().enumerate() {
+            for case in [
+                format!("H2D 8192 x {} from pageable", human(size)),
+                format!("D2H 8192 x {} into caller Vecs", human(size)),
+            ] {
+                let mut r = Row::gbps(case, size * 8192, Some(0.1 * (i + 1) as f64), Some(0.2), 1.0);
+                r.size = Some(size);
+                rows.push(r);
+            }
+            let mut r =
+                Row::gbps(format!("sweep H2D pinned {}", human(size)), size, Some(1.0), None, 2.0 + i as f64);
+            r.size = Some(size);
+            rows.push(r);
+        }
+        let out = std::env::temp_dir().join(format!("xfer-bench-plot-test-{}", std::process::id()));
+        std::fs::create_dir_all(&out).unwrap();
+        let files = plots(&rows, &out).unwrap();
+        assert_eq!(files.len(), 2);
+        for f in files {
+            let svg = std::fs::read_to_string(&f).unwrap();
+            assert!(svg.starts_with("<svg") && svg.contains("cuda-resident"), "{}", f.display());
+        }
+        std::fs::remove_dir_all(&out).unwrap();
+    }
 }
