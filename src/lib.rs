@@ -1,5 +1,7 @@
 //! Support code shared by the examples and benchmarks of cuda-resident: where the binary
-//! came from, and (as the benchmarks grow) the measurement helpers they share.
+//! came from, and the measurements more than one binary runs.
+
+pub mod alloc_bench;
 
 /// Where this build came from; every benchmark report prints it.
 #[derive(Clone, Copy, Debug)]

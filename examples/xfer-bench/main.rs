@@ -29,13 +29,19 @@ enum Suite {
     Default,
     /// Single copies from 4 KiB to `--large`, pageable and pinned, both directions.
     Sweep,
-    /// Both of the above.
+    /// Allocation: device memory and pinned staging against cuMemAlloc, cuMemAllocAsync (in
+    /// the "batch API" column) and cuMemHostAlloc.
+    Alloc,
+    /// Everything.
     All,
 }
 
 /// Side-by-side transfer benchmarks: raw driver, cuMemcpyBatchAsync, cuda-resident.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(
+    version,
+    about = "Side-by-side transfer benchmarks: the raw CUDA driver, cuMemcpyBatchAsync and cuda-resident, in one run."
+)]
 struct Args {
     /// Which cases to run.
     #[arg(long, value_enum, default_value_t = Suite::Default)]
@@ -838,7 +844,9 @@ fn run(args: &Args) -> BenchResult<(Vec<Row>, serde_json::Value)> {
     } else {
         0
     };
-    let steps = if default { args.sizes.len() as u64 + 2 } else { 0 } + sweep_steps;
+    let steps = if default { args.sizes.len() as u64 + 2 } else { 0 }
+        + sweep_steps
+        + u64::from(args.suite == Suite::Alloc || args.suite == Suite::All);
     let progress = ProgressBar::new(steps).with_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -858,6 +866,33 @@ fn run(args: &Args) -> BenchResult<(Vec<Row>, serde_json::Value)> {
     }
     if sweep_steps > 0 {
         sweep(&d, &raw, args, &mut rows, &progress)?;
+    }
+    if matches!(args.suite, Suite::Alloc | Suite::All) {
+        progress.set_message("allocation");
+        let threads = std::thread::available_parallelism().map_or(16, |n| n.get()).min(16);
+        let r = cuda_resident_suite::alloc_bench::measure(&d, threads)?;
+        let ns = |case: String, raw: Option<f64>, batch: Option<f64>, ours: f64| Row {
+            case,
+            size: None,
+            unit: "ns",
+            raw,
+            batch,
+            ours,
+        };
+        rows.push(ns(
+            "allocate + free 1 MiB, 1 thread".into(),
+            Some(r.raw_alloc_ns),
+            Some(r.raw_async_ns),
+            r.one_thread_ns,
+        ));
+        rows.push(ns(
+            format!("allocate + free 1 MiB, {threads} threads each"),
+            None,
+            None,
+            r.many_threads_ns,
+        ));
+        rows.push(ns("pinned staging 1 MiB acquire + return".into(), Some(r.raw_host_ns), None, r.pinned_ns));
+        println!("size-class waste on 4000 buffers of uniform 1 B..4 MiB: {:.2} %", r.waste_percent);
     }
     progress.finish_and_clear();
     // SAFETY: the stream is idle and destroyed once.

@@ -1,0 +1,58 @@
+//! Criterion benchmarks of cuda-resident's transfers on a GPU: an upload batch and a readback
+//! batch of 8192 x 4 KiB spread over 64 buffers, submit to fence. Without a GPU (or driver)
+//! they print why they are skipped and measure nothing. `xfer-bench` is the side-by-side
+//! comparison with the raw driver; these track cuda-resident's own speed over time.
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use cuda_resident::Device;
+
+const COUNT: usize = 8192;
+const SIZE: usize = 4096;
+
+fn transfers(c: &mut Criterion) {
+    let device = match Device::open(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("transfer benches skipped: {e}");
+            return;
+        }
+    };
+    let mut rng = fastrand::Rng::with_seed(1);
+    let buffers: Vec<_> =
+        (0..64).map(|_| device.allocate((COUNT / 64 * (SIZE + 64)) as u64).unwrap()).collect();
+    let places: Vec<_> = (0..COUNT).map(|i| (buffers[i % 64], (i / 64 * (SIZE + 64)) as u64)).collect();
+    let data: Vec<Vec<u8>> = (0..COUNT)
+        .map(|_| {
+            let mut v = vec![0u8; SIZE];
+            rng.fill(&mut v);
+            v
+        })
+        .collect();
+    let mut group = c.benchmark_group("transfer");
+    group.throughput(Throughput::Bytes((COUNT * SIZE) as u64));
+    group.bench_function("upload 8192 x 4 KiB", |b| {
+        b.iter(|| {
+            let mut batch = device.uploads();
+            for (v, &(buf, off)) in data.iter().zip(&places) {
+                batch.write(buf, off, v).unwrap();
+            }
+            batch.submit().unwrap().wait().unwrap();
+        })
+    });
+    group.bench_function("readback 8192 x 4 KiB as views", |b| {
+        b.iter(|| {
+            let mut reads = device.readbacks();
+            for &(buf, off) in &places {
+                reads.read(buf, off, SIZE as u64).unwrap();
+            }
+            reads.submit().unwrap().wait().unwrap()
+        })
+    });
+    group.finish();
+    for b in buffers {
+        device.free(b).unwrap();
+    }
+}
+
+criterion_group!(benches, transfers);
+criterion_main!(benches);

@@ -1,0 +1,173 @@
+//! What allocating device memory and pinned staging costs, against the raw driver: the
+//! measurements behind `alloc-bench` and `xfer-bench --suite alloc`.
+//!
+//! Warm, medians of 7 repetitions, 1 MiB unless said: `Device::allocate` + `Device::free` on
+//! one thread and on N threads at once (time per pair as each thread sees it);
+//! `Device::pinned` acquire + return; the raw driver's `cuMemAlloc` + `cuMemFree`,
+//! `cuMemAllocAsync` + `cuMemFreeAsync` (a stream synchronize every 1000 pairs) and
+//! `cuMemHostAlloc` + `cuMemFreeHost`; and the size classes' internal waste on 4000 buffers of
+//! uniform random size, 1 B to 4 MiB.
+
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, CUresult, MissingSymbol, call};
+use cuda_resident::{Device, MAX_CLASS_BYTES};
+
+const MIB: u64 = 1 << 20;
+const REPS: usize = 7;
+
+/// The measurements, in nanoseconds per pair (waste in percent).
+#[derive(Clone, Copy, Debug)]
+pub struct AllocReport {
+    /// Threads of the concurrent case.
+    pub threads: usize,
+    /// `allocate` + `free`, one thread.
+    pub one_thread_ns: f64,
+    /// `allocate` + `free`, `threads` threads at once, per thread.
+    pub many_threads_ns: f64,
+    /// `pinned` acquire + return.
+    pub pinned_ns: f64,
+    /// `cuMemAlloc` + `cuMemFree`.
+    pub raw_alloc_ns: f64,
+    /// `cuMemAllocAsync` + `cuMemFreeAsync`.
+    pub raw_async_ns: f64,
+    /// `cuMemHostAlloc` + `cuMemFreeHost`.
+    pub raw_host_ns: f64,
+    /// Internal waste of the size classes, percent of the bytes requested.
+    pub waste_percent: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn check(what: &str, code: Result<CUresult, MissingSymbol>) -> Result<(), String> {
+    match code {
+        Ok(CUDA_SUCCESS) => Ok(()),
+        Ok(code) => Err(format!("{what} failed with CUresult {code}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Median over repetitions of nanoseconds per run of `f`, `n` runs each, after a warm-up.
+fn time_ns(n: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    for _ in 0..n.min(1000) {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        let t = Instant::now();
+        for _ in 0..n {
+            f()?;
+        }
+        times.push(t.elapsed().as_nanos() as f64 / n as f64);
+    }
+    Ok(median(times))
+}
+
+/// Runs every measurement on `device`.
+pub fn measure(device: &Device, threads: usize) -> Result<AllocReport, String> {
+    let e = |e: cuda_resident::Error| e.to_string();
+    let pair = |d: &Device| d.allocate(MIB).and_then(|b| d.free(b)).map_err(e);
+    let one_thread_ns = time_ns(200_000, || pair(device))?;
+
+    let mut per_thread = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        let barrier = Arc::new(Barrier::new(threads));
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (d, barrier) = (device.clone(), Arc::clone(&barrier));
+                std::thread::spawn(move || -> Result<f64, String> {
+                    let pair =
+                        |d: &Device| d.allocate(MIB).and_then(|b| d.free(b)).map_err(|e| e.to_string());
+                    for _ in 0..1000 {
+                        pair(&d)?;
+                    }
+                    barrier.wait();
+                    const N: usize = 100_000;
+                    let t = Instant::now();
+                    for _ in 0..N {
+                        pair(&d)?;
+                    }
+                    Ok(t.elapsed().as_nanos() as f64 / N as f64)
+                })
+            })
+            .collect();
+        let times = handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| "an allocating thread panicked".to_string())?)
+            .collect::<Result<Vec<_>, _>>()?;
+        per_thread.push(median(times));
+    }
+    let many_threads_ns = median(per_thread);
+    let pinned_ns = time_ns(200_000, || device.pinned(MIB as usize).map(drop).map_err(e))?;
+
+    let driver = Arc::clone(device.driver());
+    device.make_current().map_err(e)?;
+    let raw_alloc_ns = time_ns(2000, || {
+        let mut p = 0;
+        // SAFETY: allocates and frees 1 MiB on the current context.
+        unsafe {
+            check("cuMemAlloc", call!(driver, cuMemAlloc_v2(&mut p, MIB as usize)))?;
+            check("cuMemFree", call!(driver, cuMemFree_v2(p)))
+        }
+    })?;
+    let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
+    // SAFETY: creates a stream on the current context.
+    check("cuStreamCreate", unsafe {
+        call!(driver, cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING))
+    })?;
+    let mut i = 0u64;
+    let raw_async_ns = time_ns(20_000, || {
+        let mut p = 0;
+        i += 1;
+        // SAFETY: stream-ordered allocate and free of 1 MiB on a live stream.
+        unsafe {
+            check("cuMemAllocAsync", call!(driver, cuMemAllocAsync(&mut p, MIB as usize, stream)))?;
+            check("cuMemFreeAsync", call!(driver, cuMemFreeAsync(p, stream)))?;
+            if i.is_multiple_of(1000) {
+                check("cuStreamSynchronize", call!(driver, cuStreamSynchronize(stream)))?;
+            }
+        }
+        Ok(())
+    })?;
+    // SAFETY: the stream is idle after a synchronize and destroyed once.
+    unsafe {
+        check("cuStreamSynchronize", call!(driver, cuStreamSynchronize(stream)))?;
+        check("cuStreamDestroy", call!(driver, cuStreamDestroy_v2(stream)))?;
+    }
+    let raw_host_ns = time_ns(50, || {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: allocates and frees 1 MiB of pinned host memory.
+        unsafe {
+            let flags = cuda_sys::CU_MEMHOSTALLOC_PORTABLE;
+            check("cuMemHostAlloc", call!(driver, cuMemHostAlloc(&mut p, MIB as usize, flags)))?;
+            check("cuMemFreeHost", call!(driver, cuMemFreeHost(p)))
+        }
+    })?;
+
+    let mut rng = fastrand::Rng::with_seed(42);
+    let before = device.telemetry().memory;
+    let buffers = (0..4000)
+        .map(|_| device.allocate(rng.u64(1..=MAX_CLASS_BYTES)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(e)?;
+    let during = device.telemetry().memory;
+    let requested = during.allocated_bytes - before.allocated_bytes;
+    let footprint = during.footprint_bytes - before.footprint_bytes;
+    for b in buffers {
+        device.free(b).map_err(e)?;
+    }
+    Ok(AllocReport {
+        threads,
+        one_thread_ns,
+        many_threads_ns,
+        pinned_ns,
+        raw_alloc_ns,
+        raw_async_ns,
+        raw_host_ns,
+        waste_percent: 100.0 * (footprint - requested) as f64 / requested as f64,
+    })
+}
