@@ -1,8 +1,8 @@
 //! Pinned (page-locked) host staging: arenas from `cuMemHostAlloc`, reused.
 //!
 //! `cuMemHostAlloc` costs about half a millisecond per call, so staging is never allocated
-//! per copy. Arenas come in power-of-two sizes from 64 KiB (exact multiples of 64 KiB past
-//! half the cap), are lent out whole as a [`HostLease`] and come back when the lease drops.
+//! per copy. Arenas come in power-of-two sizes from 64 KiB to 32 MiB and in multiples of 8 MiB
+//! above, are lent out whole as a [`HostLease`] and come back when the lease drops.
 //! A lease used by a copy is kept alive by the lane until the copy's event completes, so an
 //! arena is reused only after the GPU is done with it. The pool never holds more than
 //! `Config::pinned_cap_bytes`; when it is full, free arenas of other sizes are released
@@ -23,6 +23,20 @@ use crate::sync::{Mutex, lock};
 
 /// The smallest arena.
 pub(crate) const MIN_ARENA: u64 = 64 << 10;
+/// Arenas up to this size are powers of two.
+const POW2_UP_TO: u64 = 32 << 20;
+/// Larger arenas are multiples of this.
+const LARGE_STEP: u64 = 8 << 20;
+
+/// The arena size that serves `len` bytes under `cap`: a power of two up to [`POW2_UP_TO`]
+/// (few sizes, so arenas are reused across batches of different sizes), a multiple of
+/// [`LARGE_STEP`] above (a power of two would waste up to half of a large region), never past
+/// the cap (a request within the cap must be servable).
+fn arena_bytes(len: u64, cap: u64) -> u64 {
+    let len = len.max(MIN_ARENA);
+    let rounded = if len <= POW2_UP_TO { len.next_power_of_two() } else { len.next_multiple_of(LARGE_STEP) };
+    rounded.min(cap).max(len)
+}
 
 /// One `cuMemHostAlloc` allocation.
 struct Arena {
@@ -105,12 +119,6 @@ impl HostPool {
         }
     }
 
-    /// The arena size that serves `len` bytes.
-    fn arena_bytes(&self, len: u64) -> u64 {
-        let pow2 = len.max(MIN_ARENA).checked_next_power_of_two().unwrap_or(u64::MAX);
-        if pow2 <= self.cap { pow2 } else { len.next_multiple_of(MIN_ARENA) }
-    }
-
     /// Lends a region of `len` bytes (at least 1), or `None` when the cap is reached by
     /// arenas in use. Fails when `len` alone is over the cap, or the driver fails.
     pub(crate) fn try_acquire(self: &Arc<Self>, len: usize) -> Result<Option<HostLease>> {
@@ -118,7 +126,7 @@ impl HostPool {
         if len64 > self.cap {
             return Err(Error::PinnedCapExceeded { requested: len64, cap: self.cap });
         }
-        let bytes = self.arena_bytes(len64);
+        let bytes = arena_bytes(len64, self.cap);
         let mut evicted = Vec::new();
         {
             let mut state = lock(&self.state);
@@ -314,5 +322,25 @@ impl std::ops::DerefMut for PinnedBuffer {
     fn deref_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` makes the access exclusive.
         unsafe { self.lease.as_mut_slice() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn arena_sizes() {
+        assert_eq!(arena_bytes(1, 1 << 30), MIN_ARENA);
+        assert_eq!(arena_bytes(MIB + 1, 1 << 30), 2 * MIB);
+        assert_eq!(arena_bytes(32 * MIB, 1 << 30), 32 * MIB);
+        assert_eq!(arena_bytes(32 * MIB + 1, 1 << 30), 40 * MIB, "multiples of 8 MiB past 32 MiB");
+        assert_eq!(arena_bytes(512 * MIB + 300_000, 1 << 30), 520 * MIB, "not the next power of two");
+        // Never past the cap, never below the request.
+        assert_eq!(arena_bytes(17 * MIB, 20 * MIB), 20 * MIB);
+        assert_eq!(arena_bytes(1000 * MIB + 1, 1001 * MIB), 1001 * MIB);
+        assert_eq!(arena_bytes(5 * MIB, 5 * MIB), 5 * MIB);
     }
 }
