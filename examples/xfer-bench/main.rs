@@ -210,6 +210,24 @@ impl Raw<'_> {
     }
 }
 
+impl Raw<'_> {
+    /// One copy through `cuMemcpyBatchAsync` (count 1), or `None` when the driver lacks it.
+    fn batch_one(
+        &self,
+        reps: usize,
+        dst: u64,
+        src: u64,
+        len: usize,
+        host_to_device: bool,
+    ) -> BenchResult<Option<f64>> {
+        if !self.batch {
+            return Ok(None);
+        }
+        let (mut d, mut s, mut n) = ([dst], [src], [len]);
+        median_secs(reps, || self.memcpy_batch(&mut d, &mut s, &mut n, host_to_device)).map(Some)
+    }
+}
+
 fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     rng.fill(&mut v);
@@ -469,6 +487,8 @@ fn large(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>) -> BenchResult
         check("cuMemcpyHtoD", unsafe { call!(d.driver(), cuMemcpyHtoD_v2(ptr, src.as_ptr().cast(), n)) })
     })?;
     let ours_up = median_secs(args.reps, || d.upload(b, &src).map_err(e))?;
+    let batch_up = raw.batch_one(args.reps, ptr, src.as_ptr() as u64, n, true)?;
+    let batch_down = raw.batch_one(args.reps, dst.as_mut_ptr() as u64, ptr, n, false)?;
     let raw_down = median_secs(args.reps, || {
         // SAFETY: n-byte pageable destination.
         check("cuMemcpyDtoH", unsafe { call!(d.driver(), cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), ptr, n)) })
@@ -478,8 +498,8 @@ fn large(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>) -> BenchResult
     if dst != src {
         return Err("large pageable round trip: bytes differ".into());
     }
-    rows.push(Row::gbps(format!("H2D {} from pageable", human(n)), n, Some(raw_up), None, ours_up));
-    rows.push(Row::gbps(format!("D2H {} into pageable", human(n)), n, Some(raw_down), None, ours_down));
+    rows.push(Row::gbps(format!("H2D {} from pageable", human(n)), n, Some(raw_up), batch_up, ours_up));
+    rows.push(Row::gbps(format!("D2H {} into pageable", human(n)), n, Some(raw_down), batch_down, ours_down));
 
     // Pinned: the same host memory, registered.
     let (mut hsrc, mut hdst) = (src, dst);
@@ -515,8 +535,10 @@ fn large(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>) -> BenchResult
         if hdst != hsrc {
             return Err("large pinned round trip: bytes differ".into());
         }
-        rows.push(Row::gbps(format!("H2D {} pinned", human(n)), n, Some(raw_up), None, ours_up));
-        rows.push(Row::gbps(format!("D2H {} pinned", human(n)), n, Some(raw_down), None, ours_down));
+        let batch_up = raw.batch_one(args.reps, ptr, hsrc.as_ptr() as u64, n, true)?;
+        let batch_down = raw.batch_one(args.reps, hdst.as_mut_ptr() as u64, ptr, n, false)?;
+        rows.push(Row::gbps(format!("H2D {} pinned", human(n)), n, Some(raw_up), batch_up, ours_up));
+        rows.push(Row::gbps(format!("D2H {} pinned", human(n)), n, Some(raw_down), batch_down, ours_down));
 
         // Both directions at once: half up, half down, on different buffers.
         let half = n / 2;
@@ -592,6 +614,17 @@ fn latency(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>) -> BenchResu
         }
         Ok(())
     })?;
+    let batch_t = if raw.batch {
+        let (mut dst, mut src, mut len) = ([ptr], [data.as_ptr() as u64], [4096usize]);
+        Some(median_secs(args.reps, || {
+            for _ in 0..N {
+                raw.memcpy_batch(&mut dst, &mut src, &mut len, true)?;
+            }
+            Ok(())
+        })?)
+    } else {
+        None
+    };
     let ours_t = median_secs(args.reps, || {
         for _ in 0..N {
             d.upload(b, &data).map_err(e)?;
@@ -607,7 +640,7 @@ fn latency(d: &Device, raw: &Raw, args: &Args, rows: &mut Vec<Row>) -> BenchResu
         size: None,
         unit: "µs",
         raw: Some(per(raw_t)),
-        batch: None,
+        batch: batch_t.map(per),
         ours: per(ours_t),
     });
     Ok(())
