@@ -61,8 +61,8 @@
 //! # Cost
 //!
 //! Planning validates the requests in one pass, sorts the non-empty ones by `(buffer,
-//! offset, index)` (bucketed by buffer, one `u64` key each; skipped when they already come in
-//! that order), and then one sweep fuses, places and emits. Overlapping uploads are resolved
+//! offset, index)` (one packed `u64` key each, radix sorted; skipped when they already come
+//! in that order), and then one sweep fuses, places and emits. Overlapping uploads are resolved
 //! with a small heap keyed by write index, used only by intervals of several writes. Nothing
 //! is allocated per request: a [`Planner`] keeps its scratch vectors, and its `*_into`
 //! methods reuse the plan's vectors too, which matters as much as the algorithm (fresh
