@@ -153,7 +153,7 @@ impl<'a> UploadBatch<'a> {
         }
         if let ([write], [Source::Slice(data)]) = (&self.writes[..], &self.sources[..])
             && write.len > 0
-            && write.len <= self.device.config().chunk_bytes
+            && write.len < self.device.config().direct_threshold
         {
             return execute_one(self.device, &self.table, write, data);
         }
@@ -181,7 +181,9 @@ impl Source<'_> {
     }
 }
 
-/// One write, the latency path: staged and moved by one DMA, no planning.
+/// One small write (below the direct threshold), the latency path: staged by one memcpy on
+/// this thread and moved by one DMA, no planning. Larger single writes take the general
+/// path, which packs on the packing threads and pipelines chunks.
 fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data: &[u8]) -> Result<Fence> {
     let core = device.core();
     let target = table.entries[write.buffer as usize];
