@@ -47,7 +47,12 @@ pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<()
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
             chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.9)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .draw()?;
         root.present()?;
         Ok(())
     };
