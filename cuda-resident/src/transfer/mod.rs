@@ -64,22 +64,11 @@ impl Device {
         src: *const u8,
         len: usize,
     ) -> Result<Fence> {
-        let dst = self.checked_range(buffer, offset, len as u64)?;
-        let core = self.core();
-        let lane = core.lane(LaneKind::Upload);
-        let batch = lane.batch();
-        self.claim(&batch, LaneKind::Upload, std::iter::once(buffer), 1)?;
-        let seq = batch.submit(Vec::new(), |raw, stream, _| {
-            // SAFETY: dst..dst+len lies in a live buffer (checked above, and the buffer
-            // cannot be reused before this submission completes since it is marked);
-            // the caller vouches for the source.
+        self.single_copy(LaneKind::Upload, buffer, offset, len, |raw, stream, dst| {
+            // SAFETY: dst..dst+len lies in a live buffer (checked, and marked so that it is
+            // not reused before this copy completes); the caller vouches for the source.
             unsafe { raw.memcpy_htod_async(dst, src, len, stream) }
-        })?;
-        core.telemetry.record(
-            LaneKind::Upload,
-            Moves { submissions: 1, requested: len as u64, moved: len as u64, dmas: 1, ..Moves::default() },
-        );
-        Ok(Fence::new(self.clone(), LaneKind::Upload, seq))
+        })
     }
 
     /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
@@ -97,20 +86,34 @@ impl Device {
         dst: *mut u8,
         len: usize,
     ) -> Result<Fence> {
-        let src = self.checked_range(buffer, offset, len as u64)?;
-        let core = self.core();
-        let lane = core.lane(LaneKind::Readback);
-        let batch = lane.batch();
-        self.claim(&batch, LaneKind::Readback, std::iter::once(buffer), 1)?;
-        let seq = batch.submit(Vec::new(), |raw, stream, _| {
+        self.single_copy(LaneKind::Readback, buffer, offset, len, |raw, stream, src| {
             // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
             unsafe { raw.memcpy_dtoh_async(dst, src, len, stream) }
-        })?;
+        })
+    }
+
+    /// One DMA between host memory and `[offset, offset + len)` of `buffer` on `kind`'s
+    /// lane: checks the range, claims the buffer, lets `copy` enqueue the DMA given the
+    /// buffer's device address of `offset`, and counts it.
+    fn single_copy(
+        &self,
+        kind: LaneKind,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: usize,
+        copy: impl FnOnce(&crate::raw::Raw, cuda_sys::CUstream, u64) -> Result<()>,
+    ) -> Result<Fence> {
+        let address = self.checked_range(buffer, offset, len as u64)?;
+        let core = self.core();
+        let batch = core.lane(kind).batch();
+        self.claim(&batch, kind, std::iter::once(buffer), 1)?;
+        let seq = batch.submit(Vec::new(), |raw, stream, _| copy(raw, stream, address))?;
+        let bytes = len as u64;
         core.telemetry.record(
-            LaneKind::Readback,
-            Moves { submissions: 1, requested: len as u64, moved: len as u64, dmas: 1, ..Moves::default() },
+            kind,
+            Moves { submissions: 1, requested: bytes, moved: bytes, dmas: 1, ..Moves::default() },
         );
-        Ok(Fence::new(self.clone(), LaneKind::Readback, seq))
+        Ok(Fence::new(self.clone(), kind, seq))
     }
 
     /// Uploads `data` to the start of `buffer` and waits until it has landed.
