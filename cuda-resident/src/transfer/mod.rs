@@ -173,7 +173,7 @@ impl Device {
             return Ok(());
         }
         let core = self.core();
-        let chunk = self.config().chunk_bytes;
+        let chunk = pipeline_chunk(self.config().chunk_bytes, len);
         let chunks = len.div_ceil(chunk) as usize;
         let lane = core.lane(LaneKind::Readback);
         let batch = lane.batch();
@@ -289,6 +289,19 @@ impl Device {
         unsafe { raw.mem_host_unregister(ptr) }
     }
 }
+
+/// The staging chunk for a batch of `total` bytes: the configured chunk, but small enough that
+/// the batch has at least [`PIPELINE_DEPTH`] chunks (down to [`MIN_PIPELINE_CHUNK`]), so that
+/// packing one chunk overlaps the DMA of the previous one even for mid-size batches.
+pub(crate) fn pipeline_chunk(configured: u64, total: u64) -> u64 {
+    let share = (total / PIPELINE_DEPTH).next_multiple_of(crate::host_pool::MIN_ARENA);
+    configured.min(share.max(MIN_PIPELINE_CHUNK))
+}
+
+/// Chunks a batch is cut into at least, when it is large enough.
+const PIPELINE_DEPTH: u64 = 4;
+/// Chunks are never cut smaller than this for pipelining.
+const MIN_PIPELINE_CHUNK: u64 = 1 << 20;
 
 /// A vector of `len` zero bytes, or an error instead of an abort when the host cannot give
 /// that much. Large zeroed allocations come from the OS already zero, so this costs no
@@ -499,5 +512,21 @@ impl DeviceRegion {
             device.free(old)?;
         }
         Ok(ptr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pipeline_chunk;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn batches_are_cut_into_several_chunks_when_large_enough() {
+        assert_eq!(pipeline_chunk(16 * MIB, 100), MIB, "small batches: the minimum");
+        assert_eq!(pipeline_chunk(16 * MIB, 16 * MIB), 4 * MIB);
+        assert_eq!(pipeline_chunk(16 * MIB, 1 << 30), 16 * MIB, "large batches: the configured chunk");
+        assert_eq!(pipeline_chunk(16 * MIB, 6 * MIB + 1) % (64 << 10), 0);
+        assert_eq!(pipeline_chunk(512 << 10, 16 * MIB), 512 << 10, "never above the configured chunk");
     }
 }

@@ -239,8 +239,10 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
+    let total: u64 = batch.reads.iter().map(|r| r.len).sum();
+    let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total);
     let plan_config =
-        PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
+        PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
     let lane = core.lane(LaneKind::Readback);
     let lane_batch = lane.batch();
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
