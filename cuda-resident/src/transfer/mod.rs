@@ -290,9 +290,10 @@ impl Device {
     }
 }
 
-/// The staging chunk for a batch of `total` bytes: the configured chunk, but small enough that
-/// the batch has at least [`PIPELINE_DEPTH`] chunks (down to [`MIN_PIPELINE_CHUNK`]), so that
-/// packing one chunk overlaps the DMA of the previous one even for mid-size batches.
+/// The staging chunk for a readback of `total` bytes: the configured chunk, but small enough
+/// that the readback has at least [`PIPELINE_DEPTH`] chunks (down to [`MIN_PIPELINE_CHUNK`]), so
+/// that copying one chunk out overlaps the DMA of the next even for mid-size reads (on the H200
+/// a 16 MiB read into pageable memory went from 15.8 to 24.1 GB/s, one run each).
 pub(crate) fn pipeline_chunk(configured: u64, total: u64) -> u64 {
     let share = (total / PIPELINE_DEPTH).next_multiple_of(crate::host_pool::MIN_ARENA);
     configured.min(share.max(MIN_PIPELINE_CHUNK))

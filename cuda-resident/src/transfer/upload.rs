@@ -325,10 +325,10 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
-    let total: u64 = batch.writes.iter().map(|w| w.len).sum();
-    let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total);
+    // Uploads keep the configured chunk: cutting mid-size batches finer (as readbacks do)
+    // measured no better on the H200 (16 MiB single uploads 15.2 against 17.8 GB/s, one run each).
     let plan_config =
-        PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
+        PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
     let lane = core.lane(LaneKind::Upload);
     let lane_batch = lane.batch();
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
