@@ -1,7 +1,7 @@
 //! Validation and fusion: the requests, checked, sorted by buffer and offset, and swept into
 //! disjoint intervals.
 
-use super::sort::{Ranker, Sorted};
+use super::sort::{SortScratch, Sorted, position_bits};
 use super::{BufferKey, PlanError, ReadRequest, WriteRequest};
 
 /// What validation and fusion need of a request; writes and reads have the same shape.
@@ -34,15 +34,15 @@ macro_rules! impl_request {
 impl_request!(WriteRequest);
 impl_request!(ReadRequest);
 
-/// A validated, non-empty request: `[start, end)` of `buffer`, request number `index`.
+/// A validated, non-empty request: `[start, end)` of the buffer that `place` names (see
+/// [`Sorted::buffer_of`]), request number `index`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Entry {
-    pub(super) buffer: BufferKey,
+    /// Equal for entries of one buffer, different for different buffers.
+    pub(super) place: u64,
     pub(super) start: u64,
     pub(super) end: u64,
     pub(super) index: u32,
-    /// The buffer's first-seen rank in the batch, for the bucketed sort.
-    pub(super) rank: u32,
 }
 
 /// A fused run `[start, end)` of one buffer, made of the sorted entries `first..last`,
@@ -56,6 +56,8 @@ pub(super) struct Interval {
     pub(super) first: u32,
     pub(super) last: u32,
     pub(super) chunk: u32,
+    /// The request index of entry `first`.
+    pub(super) index: u32,
 }
 
 impl Interval {
@@ -64,56 +66,72 @@ impl Interval {
     }
 }
 
-/// What validation found, besides the entries.
+/// What validation found, besides what it left in the sort scratch.
 pub(super) struct Collected {
     /// Sum of the requests' lengths (saturating: it is a statistic, and the layout checks
     /// the sums that become offsets).
     pub(super) requested_bytes: u64,
-    /// The largest start of a non-empty request, which sizes the sort key.
-    pub(super) max_start: u64,
-    /// Whether the non-empty requests already come sorted by buffer and offset (a caller
-    /// that writes buffers front to back), so that sorting can be skipped.
-    pub(super) in_order: bool,
+    /// The bitwise or of the requests' offsets: its bit count (that of the largest offset)
+    /// sizes the sort key.
+    pub(super) start_bits: u64,
+    /// Whether a request is longer than `u32::MAX` bytes, too long for the sort's `lens`.
+    pub(super) wide: bool,
 }
 
-/// Validates every request, in order, and collects the non-empty ones into `entries`,
-/// ranking their buffers on the way. The first bad request fails with its index.
-pub(super) fn collect<R: Request>(
-    requests: &[R],
-    entries: &mut Vec<Entry>,
-    ranker: &mut Ranker,
-) -> Result<Collected, PlanError> {
+/// Validates every request, in order, and leaves in `scratch` what the sort needs: every
+/// request's length, and for each non-empty one its key as far as it is known (`start <<
+/// position_bits | index`) and its buffer's first-seen rank. The first bad request fails
+/// with its index.
+pub(super) fn collect<R: Request>(requests: &[R], scratch: &mut SortScratch) -> Result<Collected, PlanError> {
     if u32::try_from(requests.len()).is_err() {
         return Err(PlanError::TooManyRequests { count: requests.len() });
     }
-    entries.clear();
-    entries.reserve(requests.len());
+    let SortScratch { ranker, keys, ranks, lens, .. } = scratch;
+    let position_bits = position_bits(requests.len());
+    // First the checks and the batch's totals: one pass of reductions, no branch and no
+    // store per request.
+    let (mut bad, mut saturated, mut wide, mut empties) = (false, false, 0, 0usize);
+    let (mut requested, mut starts) = (0u64, 0);
+    for r in requests {
+        let (offset, len) = (r.offset(), r.len());
+        let (end, overflow) = offset.overflowing_add(len);
+        bad |= overflow | (end > r.buffer_len());
+        let (sum, overflow) = requested.overflowing_add(len);
+        (requested, saturated) = (sum, saturated | overflow);
+        wide |= len >> u32::BITS;
+        empties += usize::from(len == 0);
+        // Zero-length requests count too: that can only widen the key, which sorts the
+        // same.
+        starts |= offset;
+    }
+    if bad {
+        return Err(first_out_of_range(requests));
+    }
+    let requested_bytes = if saturated { u64::MAX } else { requested };
     ranker.reset();
-    let mut found = Collected { requested_bytes: 0, max_start: 0, in_order: true };
-    let mut previous = (0, 0);
-    // The last buffer ranked and its rank: requests often come grouped by buffer.
-    let mut last = None;
-    for (index, r) in (0u32..).zip(requests) {
-        let Some(end) = checked_end(r) else {
-            return Err(out_of_range(index, r));
-        };
-        found.requested_bytes = found.requested_bytes.saturating_add(r.len());
-        if r.len() > 0 {
-            found.max_start = found.max_start.max(r.offset());
-            // Bitwise, not short-circuit: with buffers in random order a branch here
-            // mispredicts half the time.
-            let (buffer, offset) = (r.buffer(), r.offset());
-            found.in_order &= (previous.0 < buffer) | ((previous.0 == buffer) & (previous.1 <= offset));
-            previous = (buffer, offset);
-            let rank = match last {
-                Some((key, rank)) if key == buffer => rank,
-                _ => ranker.rank(buffer),
-            };
-            last = Some((buffer, rank));
-            entries.push(Entry { buffer, start: offset, end, index, rank });
+    lens.clear();
+    lens.extend(requests.iter().map(|r| r.len() as u32));
+    keys.clear();
+    ranks.clear();
+    // Bits shifted out of a key mean a key too wide, which the sort notices from `start_bits`.
+    if empties == 0 {
+        keys.extend((0u64..).zip(requests).map(|(index, r)| r.offset().wrapping_shl(position_bits) | index));
+        ranks.extend(requests.iter().map(|r| ranker.rank(r.buffer())));
+    } else {
+        for (index, r) in (0u64..).zip(requests).filter(|(_, r)| r.len() > 0) {
+            keys.push(r.offset().wrapping_shl(position_bits) | index);
+            ranks.push(ranker.rank(r.buffer()));
         }
     }
-    Ok(found)
+    Ok(Collected { requested_bytes, start_bits: starts, wide: wide != 0 })
+}
+
+/// The error for the first request that reaches past its buffer.
+#[cold]
+fn first_out_of_range<R: Request>(requests: &[R]) -> PlanError {
+    let (index, r) =
+        (0u32..).zip(requests).find(|(_, r)| checked_end(*r).is_none()).expect("a request out of range");
+    out_of_range(index, r)
 }
 
 /// The error for request `index`, built only when it is needed.
@@ -142,27 +160,37 @@ fn checked_end<R: Request>(r: &R) -> Option<u64> {
 /// request, and a call per interval with the interval spilled to the stack cost as much as
 /// the rest of the sweep.
 #[inline(always)]
-pub(super) fn sweep(
-    entries: &Sorted<'_>,
+pub(super) fn sweep<S: Sorted + ?Sized>(
+    entries: &S,
     mut close: impl FnMut(Interval) -> Result<(), PlanError>,
 ) -> Result<u64, PlanError> {
     let n = entries.len();
     let (mut moved, mut i) = (0u64, 0);
     while i < n {
         let e = entries.get(i);
-        let (buffer, start, mut end, first) = (e.buffer, e.start, e.end, i);
+        let (place, start, mut end, first, index) = (e.place, e.start, e.end, i, e.index);
         i += 1;
         while i < n {
             let e = entries.get(i);
-            if e.buffer != buffer || e.start > end {
+            if e.place != place || e.start > end {
                 break;
             }
             end = end.max(e.end);
             i += 1;
         }
         moved = moved.saturating_add(end - start);
+        let buffer = entries.buffer_of(place);
         // Positions fit `u32`: there are no more entries than requests.
-        close(Interval { buffer, start, end, stage: 0, first: first as u32, last: i as u32, chunk: 0 })?;
+        close(Interval {
+            buffer,
+            start,
+            end,
+            stage: 0,
+            first: first as u32,
+            last: i as u32,
+            chunk: 0,
+            index,
+        })?;
     }
     Ok(moved)
 }

@@ -45,36 +45,44 @@ pub(super) struct Layout {
 /// So `emit` sees the intervals in ascending flat staging order, and whatever it appends
 /// is sorted too. All offset arithmetic is checked; a chunk count past `u32::MAX` is
 /// [`PlanError::TooLarge`].
-pub(super) fn lay_out(
-    entries: &Sorted<'_>,
+pub(super) fn lay_out<S: Sorted + ?Sized>(
+    entries: &S,
     geo: &Geometry,
     chunks: &mut Vec<Chunk>,
     directs: &mut Vec<Interval>,
     emit: &mut impl Emit,
 ) -> Result<Layout, PlanError> {
     let mut placer = Placer { geo, chunks, open: 0, end: 0, cursor: 0 };
-    let mut layout = Layout::default();
     directs.clear();
-    layout.moved_bytes = sweep(entries, |mut iv| {
-        layout.intervals += 1;
+    // The counts are taken afterwards rather than per interval, which keeps the loop's
+    // state in registers.
+    let moved_bytes = sweep(entries, |mut iv| {
         if !geo.is_packed(iv.len()) {
             directs.push(iv);
             return Ok(());
         }
         placer.packed(&mut iv)?;
         emit.emit(&iv);
-        // Cannot overflow: packed bytes are part of the checked cursor.
-        layout.packed_bytes += iv.len();
-        layout.packed_intervals += 1;
         Ok(())
     })?;
+    placer.close_packed();
+    let mut direct_bytes = 0u64;
     for iv in directs.iter_mut() {
         placer.direct(iv)?;
         emit.emit(iv);
+        // Cannot overflow: the placement checked the cursor past all of them.
+        direct_bytes += iv.len();
     }
-    layout.total_staging = placer.cursor;
     placer.chunks.truncate(placer.open);
-    Ok(layout)
+    let packed_intervals = placer.chunks.iter().map(|c| c.packed.len()).sum::<usize>();
+    Ok(Layout {
+        total_staging: placer.cursor,
+        moved_bytes,
+        // The sum of the lengths is exact for a layout that succeeds: the cursor is past it.
+        packed_bytes: moved_bytes - direct_bytes,
+        intervals: packed_intervals + directs.len(),
+        packed_intervals,
+    })
 }
 
 /// The moving state of a layout.
@@ -127,8 +135,10 @@ impl Placer<'_> {
     #[inline(always)]
     fn packed(&mut self, iv: &mut Interval) -> Result<(), PlanError> {
         let len = iv.len();
-        let mut start = self.geo.align_up(self.cursor).ok_or_else(|| self.too_large())?;
-        if start.checked_add(len).ok_or_else(|| self.too_large())? > self.end {
+        // `cursor <= end`, and `end` is a multiple of `align` that fits `u64`: no overflow.
+        let mut start = (self.cursor + self.geo.align - 1) & !(self.geo.align - 1);
+        if len > self.end - start {
+            self.close_packed();
             start = self.end;
             self.open_chunk()?;
         }
@@ -137,9 +147,20 @@ impl Placer<'_> {
         self.cursor = start + len;
         let chunk = self.current();
         chunk.packed.push(Copy { stage_offset: start, buffer: iv.buffer, buffer_offset: iv.start, len });
-        chunk.packed_len = start + len - chunk.stage_start;
-        chunk.staging_len = chunk.packed_len;
         Ok(())
+    }
+
+    /// Sets the current chunk's packed region, which ends at `cursor` while packed intervals
+    /// are placed. Done once per chunk rather than per interval.
+    #[cold]
+    fn close_packed(&mut self) {
+        let cursor = self.cursor;
+        if let Some(chunk) = self.chunks[..self.open].last_mut()
+            && !chunk.packed.is_empty()
+        {
+            chunk.packed_len = cursor - chunk.stage_start;
+            chunk.staging_len = chunk.packed_len;
+        }
     }
 
     /// A direct interval goes at the next aligned offset and is cut at each chunk boundary;

@@ -60,14 +60,14 @@
 //!
 //! # Cost
 //!
-//! Planning validates the requests in one pass, sorts the non-empty ones by `(buffer,
-//! offset, index)` (one packed `u64` key each, radix sorted; skipped when they already come
-//! in that order), and then one sweep fuses, places and emits. Overlapping uploads are resolved
-//! with a small heap keyed by write index, used only by intervals of several writes. Nothing
-//! is allocated per request: a [`Planner`] keeps its scratch vectors, and its `*_into`
-//! methods reuse the plan's vectors too, which matters as much as the algorithm (fresh
-//! vectors of a few hundred KiB cost their page faults on every batch). `benches/plan.rs`
-//! measures it.
+//! Planning validates the requests in one pass, builds one packed `u64` key per non-empty
+//! request (`(buffer, offset, index)`), radix sorts the keys (sorting nothing when they
+//! already come in order), and then one sweep over the sorted keys fuses, places and emits.
+//! Overlapping uploads are resolved with a small heap keyed by write index, used only by
+//! intervals of several writes. Nothing is allocated per request: a [`Planner`] keeps its
+//! scratch vectors, and its `*_into` methods reuse the plan's vectors too, which matters as
+//! much as the algorithm (fresh vectors of a few hundred KiB cost their page faults on every
+//! batch). `benches/plan.rs` measures it.
 
 mod fuse;
 mod layout;
@@ -465,7 +465,6 @@ pub fn plan_readback(reads: &[ReadRequest], cfg: &PlanConfig) -> Result<Readback
 /// grown.
 #[derive(Debug, Default)]
 pub struct Planner {
-    entries: Vec<fuse::Entry>,
     sort: sort::SortScratch,
     upload: upload::Scratch,
     directs: Vec<fuse::Interval>,
@@ -540,8 +539,15 @@ impl Planner {
         plan: &mut UploadPlan,
     ) -> Result<(), PlanError> {
         let geo = Geometry::new(cfg)?;
-        let (requested_bytes, sorted) = prepare(writes, &mut self.entries, &mut self.sort)?;
-        let layout = upload::emit(&sorted, &geo, &mut self.upload, &mut plan.chunks, &mut plan.fills)?;
+        let (requested_bytes, sorted) = prepare(writes, &mut self.sort)?;
+        let layout = match sorted {
+            sort::Order::Keys(keys) => {
+                upload::emit(&keys, &geo, &mut self.upload, &mut plan.chunks, &mut plan.fills)
+            }
+            sort::Order::Tuples(tuples) => {
+                upload::emit(tuples, &geo, &mut self.upload, &mut plan.chunks, &mut plan.fills)
+            }
+        }?;
         plan.chunk_capacity = geo.cap;
         plan.total_staging = layout.total_staging;
         plan.requested_bytes = requested_bytes;
@@ -559,9 +565,12 @@ impl Planner {
         plan: &mut ReadbackPlan,
     ) -> Result<(), PlanError> {
         let geo = Geometry::new(cfg)?;
-        let (requested_bytes, sorted) = prepare(reads, &mut self.entries, &mut self.sort)?;
-        let layout =
-            readback::emit(&sorted, &mut self.directs, &geo, &mut plan.chunks, reads.len(), &mut plan.views)?;
+        let (requested_bytes, sorted) = prepare(reads, &mut self.sort)?;
+        let (directs, chunks, views) = (&mut self.directs, &mut plan.chunks, &mut plan.views);
+        let layout = match sorted {
+            sort::Order::Keys(keys) => readback::emit(&keys, directs, &geo, chunks, reads.len(), views),
+            sort::Order::Tuples(tuples) => readback::emit(tuples, directs, &geo, chunks, reads.len(), views),
+        }?;
         plan.chunk_capacity = geo.cap;
         plan.total_staging = layout.total_staging;
         plan.requested_bytes = requested_bytes;
@@ -574,14 +583,13 @@ impl Planner {
 }
 
 /// The direction-independent start: validate, and sort the non-empty requests. Returns the
-/// sum of the requests' lengths and the sorted entries.
+/// sum of the requests' lengths and the sorted requests.
 fn prepare<'a, R: fuse::Request>(
     requests: &[R],
-    entries: &'a mut Vec<fuse::Entry>,
     scratch: &'a mut sort::SortScratch,
-) -> Result<(u64, sort::Sorted<'a>), PlanError> {
-    let found = fuse::collect(requests, entries, &mut scratch.ranker)?;
-    Ok((found.requested_bytes, sort::sort_entries(entries, &found, scratch)))
+) -> Result<(u64, sort::Order<'a>), PlanError> {
+    let found = fuse::collect(requests, scratch)?;
+    Ok((found.requested_bytes, sort::sort(requests, &found, scratch)))
 }
 
 /// A validated config, reduced to the numbers the layout uses.

@@ -7,8 +7,8 @@ use super::{Chunk, Geometry, PlanError, ReadView};
 
 /// Fuses the sorted entries, lays the intervals out into `chunks` and fills `views` with one view per read (`reads`
 /// of them; zero-length reads keep the empty default view).
-pub(super) fn emit(
-    entries: &Sorted<'_>,
+pub(super) fn emit<S: Sorted + ?Sized>(
+    entries: &S,
     directs: &mut Vec<Interval>,
     geo: &Geometry,
     chunks: &mut Vec<Chunk>,
@@ -21,17 +21,23 @@ pub(super) fn emit(
 }
 
 /// The readback half of the layout: each read's view.
-struct Views<'a, 'e> {
-    entries: &'a Sorted<'e>,
+struct Views<'a, S: ?Sized> {
+    entries: &'a S,
     geo: &'a Geometry,
     views: &'a mut [ReadView],
 }
 
-impl Emit for Views<'_, '_> {
+impl<S: Sorted + ?Sized> Emit for Views<'_, S> {
     #[inline(always)]
     fn emit(&mut self, iv: &Interval) {
+        if iv.last - iv.first == 1 {
+            // A lone read is the interval: no need to read its entry again.
+            let e = Entry { place: 0, start: iv.start, end: iv.end, index: iv.index };
+            self.views[e.index as usize] = view_of(iv, &e, self.geo);
+            return;
+        }
         for e in self.entries.range(iv.first, iv.last) {
-            self.views[e.index as usize] = view_of(iv, e, self.geo);
+            self.views[e.index as usize] = view_of(iv, &e, self.geo);
         }
     }
 }

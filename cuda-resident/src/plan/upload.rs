@@ -18,7 +18,7 @@ pub(super) struct Active {
 }
 
 impl Active {
-    fn of(e: &Entry) -> Self {
+    fn of(e: Entry) -> Self {
         Self { index: e.index, end: e.end, start: e.start }
     }
 }
@@ -69,8 +69,8 @@ pub(super) struct Scratch {
 
 /// Fuses the sorted entries, lays the intervals out into `chunks` and fills `fills` with the staging fills, in
 /// ascending flat staging order.
-pub(super) fn emit(
-    entries: &Sorted<'_>,
+pub(super) fn emit<S: Sorted + ?Sized>(
+    entries: &S,
     geo: &Geometry,
     scratch: &mut Scratch,
     chunks: &mut Vec<Chunk>,
@@ -84,21 +84,21 @@ pub(super) fn emit(
 }
 
 /// The upload half of the layout: each interval's fills.
-struct Fills<'a, 'e> {
-    entries: &'a Sorted<'e>,
+struct Fills<'a, S: ?Sized> {
+    entries: &'a S,
     geo: &'a Geometry,
     heap: &'a mut Heap,
     fills: &'a mut Vec<Fill>,
 }
 
-impl Emit for Fills<'_, '_> {
+impl<S: Sorted + ?Sized> Emit for Fills<'_, S> {
     #[inline(always)]
     fn emit(&mut self, iv: &Interval) {
         if iv.last - iv.first == 1 && self.geo.is_packed(iv.len()) {
             // The common case, kept small so that it is inlined into the sweep: one write, in
             // one chunk, is one fill. (Built in place: assembling a `Fill` on the stack and
             // copying it stalled on store forwarding, and cost more than the rest of the loop.)
-            let write = self.entries.get(iv.first as usize).index;
+            let write = iv.index;
             let fill = Fill { chunk: iv.chunk, stage_offset: iv.stage, write, src_offset: 0, len: iv.len() };
             self.fills.push(fill);
         } else {
@@ -110,8 +110,8 @@ impl Emit for Fills<'_, '_> {
 /// The fills of an interval of several writes, or of a direct one (which may be split over
 /// chunks).
 #[inline(never)]
-fn fill_interval(
-    entries: &Sorted<'_>,
+fn fill_interval<S: Sorted + ?Sized>(
+    entries: &S,
     iv: &Interval,
     geo: &Geometry,
     heap: &mut Heap,
@@ -136,7 +136,12 @@ fn fill_interval(
 /// The interval's writes are sorted by start and cover it without gaps. A sweep keeps the
 /// writes covering the current position in a max-heap by index, dropping ended ones lazily,
 /// so the cost is `O(n log n)` however the writes overlap; a lone write needs no heap.
-fn winners(entries: &Sorted<'_>, iv: &Interval, heap: &mut Heap, mut run: impl FnMut(Active, u64, u64)) {
+fn winners<S: Sorted + ?Sized>(
+    entries: &S,
+    iv: &Interval,
+    heap: &mut Heap,
+    mut run: impl FnMut(Active, u64, u64),
+) {
     if iv.last - iv.first == 1 {
         let only = entries.get(iv.first as usize);
         run(Active::of(only), only.start, only.end);
@@ -146,7 +151,12 @@ fn winners(entries: &Sorted<'_>, iv: &Interval, heap: &mut Heap, mut run: impl F
 }
 
 /// The heap sweep of [`winners`], for an interval of several writes.
-fn overlapping(entries: &Sorted<'_>, iv: &Interval, heap: &mut Heap, mut run: impl FnMut(Active, u64, u64)) {
+fn overlapping<S: Sorted + ?Sized>(
+    entries: &S,
+    iv: &Interval,
+    heap: &mut Heap,
+    mut run: impl FnMut(Active, u64, u64),
+) {
     heap.clear();
     let (mut pos, mut next) = (iv.start, iv.first);
     let next_entry = |next: u32| (next < iv.last).then(|| entries.get(next as usize));
