@@ -7,7 +7,7 @@ use cuda_sys::{CUcontext, Driver, DriverVersion};
 
 use crate::alloc::{Allocator, AllocatorConfig, LastUse, ResidentBuffer};
 use crate::context::Context;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, release_retrying};
 use crate::host_pool::{HostPool, PinnedBuffer};
 use crate::kernels::Kernels;
 use crate::raw::Raw;
@@ -220,9 +220,9 @@ impl Drop for Core {
         for lane in &self.lanes {
             let _ = lane.synchronize();
         }
-        let _ = self.ctx.bind();
+        let _ = release_retrying(|| self.ctx.bind().map(drop));
         if let Some(kernels) = self.kernels.get() {
-            let _ = kernels.unload(&self.ctx.raw);
+            let _ = release_retrying(|| kernels.unload(&self.ctx.raw));
         }
         let _ = self.alloc.release_all();
     }
@@ -369,6 +369,12 @@ impl Device {
     /// Bytes held by live buffers, as requested by callers.
     pub fn allocated_bytes(&self) -> u64 {
         self.core.alloc.allocated_bytes()
+    }
+
+    /// Device memory free right now, as the driver reports it (`cuMemGetInfo`): what every
+    /// process on the GPU leaves, not this device's budget.
+    pub fn free_memory(&self) -> Result<u64> {
+        Ok(self.core.ctx.bind()?.mem_get_info()?.0)
     }
 
     /// Releases cached device memory and free pinned staging back to the driver. Returns

@@ -67,7 +67,7 @@ pub enum Error {
         "allocating {requested} bytes would exceed the device memory budget: {in_use} bytes are in use \
          and the limit is {limit} bytes ({fraction} of {total} total{driver_oom}). \
          Fix: free buffers you no longer need, or raise Config::budget_fraction."
-    , driver_oom = if *.driver_out_of_memory { ", and the driver reported out of memory" } else { "" })]
+    , driver_oom = if *.driver_out_of_memory { ", and cuMemAlloc_v2 reported out of memory" } else { "" })]
     OverBudget {
         /// Bytes asked for.
         requested: u64,
@@ -218,6 +218,12 @@ fn driver_fix(code: CUresult) -> &'static str {
 
 /// A `Fix:`-terminated error from a driver result, for the one place each entry point is
 /// wrapped ([`crate::raw`]).
+/// Runs a release step, and once more if it fails: for teardown, where no error can be
+/// returned and one refused call must not leak what it was releasing.
+pub(crate) fn release_retrying(mut step: impl FnMut() -> Result<()>) -> Result<()> {
+    step().or_else(|_| step())
+}
+
 pub(crate) fn driver_error(driver: &cuda_sys::Driver, entry: &'static str, code: CUresult) -> Error {
     Error::Driver {
         entry,

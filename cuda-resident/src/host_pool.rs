@@ -55,6 +55,9 @@ struct PoolState {
     reserved: u64,
     /// Bytes lent out.
     lent: u64,
+    /// Arenas whose `cuMemFreeHost` failed: still counted in `reserved`, retried by the next
+    /// trim.
+    unreleased: Vec<Arena>,
 }
 
 /// Counters of the pool, for telemetry.
@@ -153,14 +156,16 @@ impl HostPool {
             }
             if state.reserved + bytes > self.cap {
                 drop(state);
-                self.free_arenas(evicted)?;
+                // A failed eviction is not this request's failure: the arena stays listed
+                // for the next trim, which reports it.
+                let _ = self.free_arenas(evicted);
                 return Ok(None);
             }
             state.reserved += bytes;
             state.lent += bytes;
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        self.free_arenas(evicted)?;
+        let _ = self.free_arenas(evicted);
         match self.ctx.bind().and_then(|raw| raw.mem_host_alloc(bytes)) {
             Ok(ptr) => {
                 let ptr = NonNull::new(ptr).expect("cuMemHostAlloc returned success and null");
@@ -189,16 +194,41 @@ impl HostPool {
         if arenas.is_empty() {
             return Ok(());
         }
-        let raw = self.ctx.bind()?;
+        let raw = match self.ctx.bind() {
+            Ok(raw) => raw,
+            Err(e) => {
+                self.keep_unreleased(arenas);
+                return Err(e);
+            }
+        };
         let mut result = Ok(());
+        let mut failed = Vec::new();
         for arena in arenas {
-            self.released.fetch_add(1, Ordering::Relaxed);
             // SAFETY: the arena came from mem_host_alloc, is free (no lease, so no copy uses
             // it) and is removed from the pool, so it is freed once.
-            let freed = unsafe { raw.mem_free_host(arena.ptr.as_ptr()) };
-            result = result.and(freed);
+            match unsafe { raw.mem_free_host(arena.ptr.as_ptr()) } {
+                Ok(()) => {
+                    self.released.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    result = result.and(Err(e));
+                    failed.push(arena);
+                }
+            }
         }
+        self.keep_unreleased(failed);
         result
+    }
+
+    /// Takes back arenas the driver refused to free: still held, so counted, and retried by
+    /// the next trim.
+    fn keep_unreleased(&self, arenas: Vec<Arena>) {
+        if arenas.is_empty() {
+            return;
+        }
+        let mut state = lock(&self.state);
+        state.reserved += arenas.iter().map(|a| a.bytes).sum::<u64>();
+        state.unreleased.extend(arenas);
     }
 
     /// Allocates free arenas of `arena_len` bytes until `total` bytes are held (or the cap
@@ -218,7 +248,8 @@ impl HostPool {
     pub(crate) fn trim(&self) -> Result<u64> {
         let arenas: Vec<Arena> = {
             let mut state = lock(&self.state);
-            let arenas: Vec<Arena> = std::mem::take(&mut state.free).into_values().flatten().collect();
+            let mut arenas: Vec<Arena> = std::mem::take(&mut state.free).into_values().flatten().collect();
+            arenas.append(&mut state.unreleased);
             state.reserved -= arenas.iter().map(|a| a.bytes).sum::<u64>();
             arenas
         };
@@ -242,8 +273,9 @@ impl HostPool {
 
 impl Drop for HostPool {
     fn drop(&mut self) {
-        // Every lease holds the pool, so none is out: all arenas are free.
-        let _ = self.trim();
+        // Every lease holds the pool, so none is out: all arenas are free. An arena the
+        // driver refused is kept by the first trim and retried by the second.
+        let _ = self.trim().or_else(|_| self.trim());
     }
 }
 

@@ -51,7 +51,7 @@ impl Kernels {
         match raw.module_get_function(module, c"copy_descriptors") {
             Ok(copy) => Ok(Kernels { module, copy, max_blocks: multiprocessors.max(1) * 8 }),
             Err(e) => {
-                let _ = raw.module_unload(module);
+                let _ = crate::error::release_retrying(|| raw.module_unload(module));
                 Err(e)
             }
         }

@@ -18,7 +18,7 @@ use cuda_sys::{CUevent, CUstream};
 
 use crate::context::Context;
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Result, release_retrying};
 use crate::host_pool::HostLease;
 use crate::raw::Raw;
 use crate::sync::lock;
@@ -112,7 +112,7 @@ impl Lane {
     /// Starts a batch of submissions: until the returned guard drops, no other thread
     /// submits on this lane.
     pub(crate) fn batch(&self) -> LaneBatch<'_> {
-        LaneBatch { lane: self, _exclusive: lock(&self.submitting) }
+        LaneBatch { lane: self, reserved: std::cell::Cell::new(0), _exclusive: lock(&self.submitting) }
     }
 
     /// The lane's stream.
@@ -183,7 +183,7 @@ impl Lane {
         }
         let event = {
             let state = lock(&self.state);
-            state.inflight.iter().find(|f| f.seq == seq).map(|f| f.event)
+            state.inflight.iter().find(|f| f.seq >= seq).map(|f| f.event)
         };
         let Some(event) = event else {
             // Retired between the check and the lock.
@@ -209,7 +209,7 @@ impl Lane {
         }
         // The lock keeps the event from being recycled while the wait is enqueued.
         let state = lock(&self.state);
-        match state.inflight.iter().find(|f| f.seq == seq) {
+        match state.inflight.iter().find(|f| f.seq >= seq) {
             Some(f) => self.ctx.raw.stream_wait_event(stream, f.event),
             None => Ok(()),
         }
@@ -217,12 +217,29 @@ impl Lane {
 }
 
 /// Exclusive use of a lane for a batch of submissions.
+///
+/// A batch reserves the sequence numbers of its submissions before the first is enqueued
+/// ([`LaneBatch::reserve`]: buffers are marked as used up to the last one). If it stops
+/// part-way (a driver call failed), dropping it makes the numbers it never submitted complete
+/// with the work enqueued before them, so that nothing waits for them forever.
 pub(crate) struct LaneBatch<'a> {
     lane: &'a Lane,
+    reserved: std::cell::Cell<u64>,
     _exclusive: crate::sync::MutexGuard<'a, ()>,
 }
 
+impl Drop for LaneBatch<'_> {
+    fn drop(&mut self) {
+        self.lane.skip_to(self.reserved.get());
+    }
+}
+
 impl LaneBatch<'_> {
+    /// Records that this batch's submissions will use sequence numbers up to `last`.
+    pub(crate) fn reserve(&self, last: u64) {
+        self.reserved.set(self.reserved.get().max(last));
+    }
+
     /// The sequence number the next submission of this batch will get.
     pub(crate) fn next_seq(&self) -> u64 {
         lock(&self.lane.state).next_seq
@@ -274,19 +291,65 @@ impl Lane {
     }
 }
 
+impl Lane {
+    /// Makes every sequence number up to `last` that was reserved but never submitted complete
+    /// once the work enqueued before it has: one event recorded as submission `last`. If the
+    /// stream cannot take it, waits for the stream instead and retires what was in flight.
+    fn skip_to(&self, last: u64) {
+        let raw = &self.ctx.raw;
+        let mut state = lock(&self.state);
+        if state.next_seq > last {
+            return;
+        }
+        let event = match state.spare_events.pop() {
+            Some(event) => Ok(event),
+            None => raw.event_create(),
+        };
+        match event.and_then(|event| match raw.event_record(event, self.stream) {
+            Ok(()) => Ok(event),
+            Err(e) => {
+                state.spare_events.push(event);
+                Err(e)
+            }
+        }) {
+            Ok(event) => {
+                state.inflight.push_back(InFlight { seq: last, event, keep: Vec::new() });
+                state.next_seq = last + 1;
+            }
+            Err(_) => {
+                state.next_seq = last + 1;
+                drop(state);
+                // The stream takes no event: wait for all it holds. When that succeeds every
+                // submission so far is done; when it fails too, the context is lost and
+                // nothing will run again, and the work in flight keeps its staging.
+                if raw.stream_synchronize(self.stream).is_ok() {
+                    let retired: Vec<InFlight> = {
+                        let mut state = lock(&self.state);
+                        let retired: Vec<InFlight> = state.inflight.drain(..).collect();
+                        state.spare_events.extend(retired.iter().map(|f| f.event));
+                        retired
+                    };
+                    self.completed.fetch_max(last, Ordering::AcqRel);
+                    drop(retired);
+                }
+            }
+        }
+    }
+}
+
 impl Drop for Lane {
     fn drop(&mut self) {
-        let Ok(raw) = self.ctx.bind() else { return };
+        // Destroying needs no current context; binding is for the synchronize.
+        let _ = release_retrying(|| self.ctx.bind().map(drop));
+        let raw = &self.ctx.raw;
         // Work in flight finishes before its staging is released and the stream destroyed.
-        let _ = raw.stream_synchronize(self.stream);
+        let _ = release_retrying(|| raw.stream_synchronize(self.stream));
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        for done in state.inflight.drain(..) {
-            let _ = raw.event_destroy(done.event);
+        let events = state.inflight.drain(..).map(|f| f.event).chain(state.spare_events.drain(..));
+        for event in events {
+            let _ = release_retrying(|| raw.event_destroy(event));
         }
-        for event in state.spare_events.drain(..) {
-            let _ = raw.event_destroy(event);
-        }
-        let _ = raw.stream_destroy(self.stream);
+        let _ = release_retrying(|| raw.stream_destroy(self.stream));
     }
 }
 

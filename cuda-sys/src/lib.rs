@@ -40,9 +40,11 @@
 #[rustfmt::skip]
 mod bindings;
 
+pub mod faults;
 mod loader;
 
 pub use bindings::*;
+pub use faults::{CallCount, Fault, Faults, InvalidFault};
 pub use loader::{Attempt, DEFAULT_LIBRARY_NAMES, Driver, DriverVersion, ENV_VAR, LoadError, MissingSymbol};
 
 /// Calls a driver entry point through a [`Driver`]'s symbol table.
@@ -52,6 +54,10 @@ pub use loader::{Attempt, DEFAULT_LIBRARY_NAMES, Driver, DriverVersion, ENV_VAR,
 /// loaded library does not export that entry point. `driver` may be a `Driver`, a reference
 /// to one, or anything that dereferences to one (`Arc<Driver>`).
 ///
+/// The call passes through the driver's [`Faults`] first: unarmed, that is one atomic load;
+/// armed by a test, the call is counted and may be answered by an injected fault instead of
+/// the driver (then its arguments are not evaluated).
+///
 /// The call itself is `unsafe`: use the macro inside an `unsafe` block and uphold the
 /// entry point's contract from the CUDA documentation.
 #[macro_export]
@@ -59,7 +65,17 @@ macro_rules! call {
     ($driver:expr, $entry:ident ( $($arg:expr),* $(,)? )) => {{
         let driver: &$crate::Driver = &$driver;
         match &driver.api().$entry {
-            ::core::result::Result::Ok(entry) => ::core::result::Result::Ok(entry($($arg),*)),
+            ::core::result::Result::Ok(entry) => {
+                let name = ::core::stringify!($entry);
+                match driver.faults().before(name) {
+                    ::core::option::Option::Some(code) => ::core::result::Result::Ok(code),
+                    ::core::option::Option::None => {
+                        let code = entry($($arg),*);
+                        driver.faults().after(name, code);
+                        ::core::result::Result::Ok(code)
+                    }
+                }
+            }
             ::core::result::Result::Err(_) => {
                 ::core::result::Result::Err(driver.missing(::core::stringify!($entry)))
             }

@@ -7,6 +7,7 @@ use std::fmt;
 use std::os::raw::{c_char, c_int};
 use std::path::{Path, PathBuf};
 
+use crate::faults::Faults;
 use crate::{CUDA_SUCCESS, CUresult, DriverApi};
 
 /// The environment variable that names the driver library to load instead of the defaults.
@@ -35,6 +36,7 @@ pub struct Driver {
     api: DriverApi,
     path: PathBuf,
     version: Option<DriverVersion>,
+    faults: Faults,
 }
 
 impl Driver {
@@ -80,7 +82,7 @@ impl Driver {
             origin,
             reason: error_chain(&e),
         })?;
-        let mut driver = Driver { api, path: PathBuf::from(name), version: None };
+        let mut driver = Driver { api, path: PathBuf::from(name), version: None, faults: Faults::default() };
         driver.version = driver.query_version();
         Ok(driver)
     }
@@ -112,6 +114,12 @@ impl Driver {
     /// example that `cuMemAlloc_v2` returning `CUDA_SUCCESS` wrote a valid pointer).
     pub unsafe fn api_mut(&mut self) -> &mut DriverApi {
         &mut self.api
+    }
+
+    /// The fault plan and call counts of this driver: see [`Faults`]. Unarmed (every call
+    /// goes to the driver, uncounted) until a test arms it.
+    pub fn faults(&self) -> &Faults {
+        &self.faults
     }
 
     /// The path or name this driver was loaded from.
@@ -395,6 +403,36 @@ mod tests {
         // The name helpers degrade to None instead of failing.
         assert_eq!(driver.error_name(crate::CUDA_ERROR_OUT_OF_MEMORY), None);
         assert_eq!(driver.error_string(crate::CUDA_ERROR_OUT_OF_MEMORY), None);
+    }
+
+    #[test]
+    fn call_goes_through_the_fault_plan_and_an_injected_fault_never_reaches_the_driver() {
+        use crate::{CUDA_ERROR_NOT_INITIALIZED, Fault};
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static REAL_CALLS: AtomicU32 = AtomicU32::new(0);
+        unsafe extern "C" fn fake_init(_flags: std::os::raw::c_uint) -> CUresult {
+            REAL_CALLS.fetch_add(1, Ordering::SeqCst);
+            CUDA_SUCCESS
+        }
+        let mut driver = Driver::load_from(NOT_CUDA).expect("libc loads");
+        // SAFETY: fake_init has cuInit's signature and honours its contract (no outputs).
+        unsafe { driver.api_mut() }.cuInit = Ok(fake_init);
+        let init = |driver: &Driver| {
+            // SAFETY: the fake entry point takes a flags word and nothing else.
+            unsafe { crate::call!(driver, cuInit(0)) }.expect("installed")
+        };
+        assert_eq!(init(&driver), CUDA_SUCCESS);
+        assert!(driver.faults().counts().is_empty(), "not counted while unarmed");
+        driver.faults().inject(Fault::new("cuInit", 2, CUDA_ERROR_NOT_INITIALIZED)).unwrap();
+        let codes: Vec<CUresult> = (0..3).map(|_| init(&driver)).collect();
+        assert_eq!(codes, [CUDA_SUCCESS, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS]);
+        assert_eq!(REAL_CALLS.load(Ordering::SeqCst), 3, "1 unarmed + 2 passed through");
+        let count = driver.faults().counts()["cuInit"];
+        assert_eq!((count.calls, count.succeeded, count.injected), (3, 2, 1));
+        // A missing entry point is still reported as missing, armed or not.
+        // SAFETY: missing, so nothing is called.
+        let missing = unsafe { crate::call!(driver, cuMemAlloc_v2(std::ptr::null_mut(), 1)) };
+        assert_eq!(missing.unwrap_err().entry(), "cuMemAlloc_v2");
     }
 
     #[test]

@@ -148,6 +148,9 @@ struct Global {
     dedicated: u64,
     /// Freed while in use by a copy: memory waits for the copy.
     deferred: Vec<(Block, LastUse)>,
+    /// Driver allocations whose `cuMemFree` failed, as `(pointer, bytes)`: still counted in
+    /// `reserved`, retried by the next trim and when the device goes away.
+    unreleased: Vec<(u64, u64)>,
     driver_allocations: u64,
     driver_frees: u64,
     trims: u64,
@@ -445,12 +448,37 @@ impl<M: DeviceMemory> Allocator<M> {
                 Ok(())
             }
             Origin::Dedicated => {
-                global.reserved -= block.bytes;
                 global.dedicated -= block.bytes;
-                global.driver_frees += 1;
-                self.memory.mem_free(block.ptr)
+                self.driver_free(global, block.ptr, block.bytes)
             }
         }
+    }
+
+    /// Returns one driver allocation. On failure the memory is still held: it stays counted
+    /// in `reserved` and is retried by the next trim (a driver that refused once may not
+    /// refuse again; one whose context is lost refuses everything, and then nothing leaks
+    /// twice).
+    fn driver_free(&self, global: &mut Global, ptr: u64, bytes: u64) -> Result<()> {
+        match self.memory.mem_free(ptr) {
+            Ok(()) => {
+                global.reserved -= bytes;
+                global.driver_frees += 1;
+                Ok(())
+            }
+            Err(e) => {
+                global.unreleased.push((ptr, bytes));
+                Err(e)
+            }
+        }
+    }
+
+    /// Retries the driver frees that failed before.
+    fn retry_unreleased(&self, global: &mut Global) -> Result<()> {
+        let mut result = Ok(());
+        for (ptr, bytes) in std::mem::take(&mut global.unreleased) {
+            result = result.and(self.driver_free(global, ptr, bytes));
+        }
+        result
     }
 
     /// Moves deferred frees whose copies have completed back into circulation.
@@ -478,7 +506,9 @@ impl<M: DeviceMemory> Allocator<M> {
         is_idle: &dyn Fn(LastUse) -> bool,
     ) -> Result<Block> {
         let mut global = lock(&self.global);
-        self.reclaim_deferred(&mut global, is_idle)?;
+        // A failed driver free here is not this allocation's failure: the memory stays
+        // listed for the next trim, which reports it.
+        let _ = self.reclaim_deferred(&mut global, is_idle);
         let mut trimmed = false;
         loop {
             let attempt = if origin == Origin::Dedicated {
@@ -488,7 +518,8 @@ impl<M: DeviceMemory> Allocator<M> {
             };
             match attempt {
                 Err(refusal) if !trimmed && is_refusal(&refusal) => {
-                    self.trim_locked(&mut global)?;
+                    // As above: what the trim fails to free is retried later.
+                    let _ = self.trim_locked(&mut global);
                     trimmed = true;
                 }
                 Err(refusal) if is_refusal(&refusal) => {
@@ -581,12 +612,17 @@ impl<M: DeviceMemory> Allocator<M> {
     /// Releases cached blocks and empty slabs to the driver. Returns the bytes released.
     pub(crate) fn trim(&self, is_idle: &dyn Fn(LastUse) -> bool) -> Result<u64> {
         let mut global = lock(&self.global);
-        self.reclaim_deferred(&mut global, is_idle)?;
-        self.trim_locked(&mut global)
+        let reclaimed = self.reclaim_deferred(&mut global, is_idle);
+        let trimmed = self.trim_locked(&mut global);
+        reclaimed.and(trimmed)
     }
 
+    /// Every step runs even when a driver free fails (the first failure is returned), so a
+    /// failing free never strands the rest of the cache.
     fn trim_locked(&self, global: &mut Global) -> Result<u64> {
         global.trims += 1;
+        let before = global.reserved;
+        let mut result = self.retry_unreleased(global);
         for cell in self.shards.iter() {
             let blocks: Vec<Block> = {
                 let mut shard = lock(&cell.state);
@@ -594,19 +630,15 @@ impl<M: DeviceMemory> Allocator<M> {
                 shard.cache.iter_mut().flat_map(std::mem::take).collect()
             };
             for block in blocks {
-                self.release(global, block)?;
+                result = result.and(self.release(global, block));
             }
         }
-        let before = global.reserved;
-        let mut result = Ok(());
         for id in 0..global.slabs.len() {
             let Some(slab) = &global.slabs[id] else { continue };
             let (ptr, bytes) = (slab.ptr, slab.bytes);
             if global.ranges.remove_slab_if_free(id as SlabId, bytes) {
                 global.slabs[id] = None;
-                global.reserved -= bytes;
-                global.driver_frees += 1;
-                result = result.and(self.memory.mem_free(ptr));
+                result = result.and(self.driver_free(global, ptr, bytes));
             }
         }
         result.map(|()| before - global.reserved)
@@ -662,12 +694,14 @@ impl<M: DeviceMemory> Allocator<M> {
             global.deferred.drain(..).filter(|(b, _)| b.origin == Origin::Dedicated).map(|(b, _)| b.ptr),
         );
         ptrs.extend(global.slabs.drain(..).flatten().map(|slab| slab.ptr));
+        ptrs.extend(global.unreleased.drain(..).map(|(ptr, _)| ptr));
         global.reserved = 0;
         global.dedicated = 0;
-        // Free everything even if one call fails; report the first failure.
+        // Free everything even if one call fails (each failed free is tried once more);
+        // report the first failure.
         let mut result = Ok(());
         for ptr in ptrs {
-            result = result.and(self.memory.mem_free(ptr));
+            result = result.and(crate::error::release_retrying(|| self.memory.mem_free(ptr)));
         }
         result
     }

@@ -24,6 +24,8 @@ struct ModelState {
     /// Bytes taken by someone else (another process).
     others: u64,
     refuse: bool,
+    /// Frees to refuse (the memory stays allocated), as a failing `cuMemFree` does.
+    failing_frees: u32,
 }
 
 impl Model {
@@ -57,7 +59,17 @@ impl DeviceMemory for Arc<Model> {
         Ok(ptr)
     }
     fn mem_free(&self, ptr: u64) -> Result<()> {
-        let removed = lock(&self.state).live.remove(&ptr);
+        let mut s = lock(&self.state);
+        if s.failing_frees > 0 {
+            s.failing_frees -= 1;
+            return Err(Error::Driver {
+                entry: "cuMemFree_v2",
+                code: cuda_sys::CUDA_ERROR_INVALID_CONTEXT,
+                name: "CUDA_ERROR_INVALID_CONTEXT".into(),
+                text: "invalid device context".into(),
+            });
+        }
+        let removed = s.live.remove(&ptr);
         assert!(removed.is_some(), "freed {ptr:#x}, which is not allocated");
         Ok(())
     }
@@ -212,7 +224,7 @@ fn driver_out_of_memory_trims_retries_once_then_reports() {
     // Past the slab size: needs the driver.
     let err = a.allocate(100 * MIB, IDLE).unwrap_err();
     assert!(matches!(err, Error::OverBudget { driver_out_of_memory: true, .. }), "{err}");
-    assert!(err.to_string().contains("the driver reported out of memory"), "{err}");
+    assert!(err.to_string().contains("cuMemAlloc_v2 reported out of memory"), "{err}");
     // The retry trimmed the cache and the empty slab.
     assert_eq!(model.live_bytes(), 0);
     assert_eq!(a.stats().reserved_bytes, 0);
@@ -318,5 +330,50 @@ fn many_threads_keep_the_accounting_exact() {
     assert_eq!(stats.allocations, stats.frees);
     assert_eq!(stats.reserved_bytes, stats.cached_bytes + stats.slab_free_bytes + stats.dedicated_bytes);
     a.trim(IDLE).unwrap();
+    assert_eq!(model.live_bytes(), 0);
+}
+
+#[test]
+fn a_failed_driver_free_keeps_the_memory_counted_and_the_next_trim_retries_it() {
+    let (model, a) = allocator(GIB, 0.9);
+    let big = a.allocate(100 * MIB, IDLE).unwrap();
+    let small = a.allocate(MIB, IDLE).unwrap();
+    let held = a.stats().reserved_bytes;
+    assert_eq!(model.live_bytes(), held);
+
+    // A dedicated free whose cuMemFree fails: the handle is gone, the error names the call,
+    // and the memory is still counted as held (it is: the driver did not free it).
+    lock(&model.state).failing_frees = 1;
+    let err = a.free(big, IDLE).unwrap_err();
+    assert!(err.to_string().contains("cuMemFree_v2"), "{err}");
+    assert!(matches!(a.resolve(big), Err(Error::FreedBuffer { .. })));
+    assert_eq!(a.stats().reserved_bytes, held);
+    assert_eq!(model.live_bytes(), held);
+
+    // A trim whose slab free fails frees what it can, reports the failure, keeps counting.
+    a.free(small, IDLE).unwrap();
+    lock(&model.state).failing_frees = 1;
+    let err = a.trim(IDLE).unwrap_err();
+    assert!(err.to_string().contains("cuMemFree_v2"), "{err}");
+    assert_eq!(a.stats().reserved_bytes, model.live_bytes(), "accounting matches the driver");
+    assert!(model.live_bytes() > 0);
+
+    // The next trim retries and everything returns to the driver.
+    assert!(a.trim(IDLE).unwrap() > 0);
+    assert_eq!((a.stats().reserved_bytes, model.live_bytes()), (0, 0));
+    let stats = a.stats();
+    assert_eq!(stats.driver_allocations, stats.driver_frees);
+    // And the allocator works as before.
+    let again = a.allocate(100 * MIB, IDLE).unwrap();
+    a.free(again, IDLE).unwrap();
+}
+
+#[test]
+fn a_failed_free_at_teardown_is_retried_there() {
+    let (model, mut a) = allocator(GIB, 0.9);
+    let big = a.allocate(100 * MIB, IDLE).unwrap();
+    lock(&model.state).failing_frees = 1;
+    assert!(a.free(big, IDLE).is_err());
+    a.release_all().unwrap();
     assert_eq!(model.live_bytes(), 0);
 }

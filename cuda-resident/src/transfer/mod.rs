@@ -32,6 +32,7 @@ impl Device {
     ) -> Result<u64> {
         let core = self.core();
         let final_seq = batch.next_seq() + submissions.max(1) - 1;
+        batch.reserve(final_seq);
         let last_other = core.alloc.mark_used_many(buffers, kind.index(), final_seq)?;
         core.lane(kind.other()).make_stream_wait(last_other, core.lane(kind).stream())?;
         Ok(final_seq)
