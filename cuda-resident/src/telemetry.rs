@@ -26,6 +26,8 @@ pub(crate) struct Telemetry {
     pub(crate) dma_copies: AtomicU64,
     /// Kernel launches enqueued.
     pub(crate) kernel_launches: AtomicU64,
+    /// Bytes of device memory the lanes hold as staging (descriptor tables, packed bytes).
+    pub(crate) staging_bytes: AtomicU64,
 }
 
 impl Telemetry {
@@ -80,6 +82,10 @@ pub struct TelemetrySnapshot {
     pub dma_copies: u64,
     /// Kernel launches enqueued.
     pub kernel_launches: u64,
+    /// Bytes of device memory held as staging by the copy lanes: buffers of the resident
+    /// store (counted in `memory`) that no caller owns. With every caller buffer freed,
+    /// `memory.allocated_bytes` equals this.
+    pub staging_bytes: u64,
 }
 
 impl TelemetrySnapshot {
@@ -95,6 +101,7 @@ impl TelemetrySnapshot {
             bytes_moved: get(&t.bytes_moved),
             dma_copies: get(&t.dma_copies),
             kernel_launches: get(&t.kernel_launches),
+            staging_bytes: get(&t.staging_bytes),
         }
     }
 }

@@ -19,11 +19,12 @@
 //! Ignored where there is no GPU: `cargo test -- --include-ignored` on a machine with one.
 //! `FAULT_CALLS_PER_ENTRY` (default 24) bounds how many call numbers are tried per entry point.
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use cuda_resident::cuda_sys::{self, CUresult, CallCount, Driver, Fault};
+use cuda_resident::cuda_sys::{self, CUresult, Driver, Fault};
 use cuda_resident::{Config, Device, Error, ResidentBuffer};
 
 const CODES: [CUresult; 4] = [
@@ -31,16 +32,6 @@ const CODES: [CUresult; 4] = [
     cuda_sys::CUDA_ERROR_LAUNCH_FAILED,
     cuda_sys::CUDA_ERROR_ILLEGAL_ADDRESS,
     cuda_sys::CUDA_ERROR_NOT_INITIALIZED,
-];
-
-/// Acquire / release pairs whose successful calls must balance once the device is gone.
-const PAIRS: [(&str, &str); 6] = [
-    ("cuMemAlloc_v2", "cuMemFree_v2"),
-    ("cuMemHostAlloc", "cuMemFreeHost"),
-    ("cuStreamCreate", "cuStreamDestroy_v2"),
-    ("cuEventCreate", "cuEventDestroy_v2"),
-    ("cuModuleLoadData", "cuModuleUnload"),
-    ("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2"),
 ];
 
 /// Small chunks and a low direct threshold: the sequence crosses chunk boundaries and mixes
@@ -85,7 +76,11 @@ fn same(what: &str, got: &[u8], want: &[u8]) -> Result<(), Failure> {
         return Ok(());
     }
     let at = got.iter().zip(want).position(|(a, b)| a != b);
-    Err(Failure::Corrupt(format!("{what}: {} vs {} bytes, first difference at {at:?}", got.len(), want.len())))
+    Err(Failure::Corrupt(format!(
+        "{what}: {} vs {} bytes, first difference at {at:?}",
+        got.len(),
+        want.len()
+    )))
 }
 
 /// The realistic sequence. Buffers are freed whatever happens, as an owner's cleanup would.
@@ -257,8 +252,11 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
     let (mut cases, mut fired, mut absorbed, mut ops_total, mut bytes_total) = (0u64, 0u64, 0u64, 0u64, 0u64);
     for (index, (&entry, count)) in recorded.iter().enumerate() {
         for k in call_numbers(count.calls, limit) {
-            let codes: Vec<CUresult> =
-                if count.calls < 4 { CODES.to_vec() } else { vec![CODES[(k as usize + index) % CODES.len()]] };
+            let codes: Vec<CUresult> = if count.calls < 4 {
+                CODES.to_vec()
+            } else {
+                vec![CODES[(k as usize + index) % CODES.len()]]
+            };
             for code in codes {
                 cases += 1;
                 let case = format!("{entry} call {k} -> {code}");
@@ -370,17 +368,7 @@ fn run_case(
     }
     drop(device);
 
-    let counts: BTreeMap<&str, CallCount> = faults.counts();
-    let succeeded = |e: &str| counts.get(e).map_or(0, |c| c.succeeded);
-    for (acquire, release) in PAIRS {
-        if succeeded(acquire) != succeeded(release) {
-            return Err(format!(
-                "{acquire} succeeded {} times, {release} {} times: a leak",
-                succeeded(acquire),
-                succeeded(release)
-            ));
-        }
-    }
+    common::balanced(&faults.counts())?;
     let free = anchor.free_memory().map_err(|e| e.to_string())?;
     if free != baseline_free {
         return Err(format!("the driver reports {free} bytes free, {baseline_free} before: a leak"));

@@ -135,7 +135,10 @@ impl Faults {
             );
         }
         if fault.nth == 0 || fault.times == 0 {
-            return invalid("calls are counted from 1 and at least one must fail", "use nth >= 1 and times >= 1");
+            return invalid(
+                "calls are counted from 1 and at least one must fail",
+                "use nth >= 1 and times >= 1",
+            );
         }
         self.lock().faults.push(fault);
         self.armed.store(true, Ordering::SeqCst);

@@ -508,7 +508,10 @@ impl DeviceRegion {
         let want = len.max(1 << 20).next_power_of_two();
         let new = device.allocate(want)?;
         let ptr = device.device_ptr(new)?;
-        if let Some((old, _, _)) = self.buffer.replace((new, ptr, want)) {
+        let staging = &device.core().telemetry.staging_bytes;
+        staging.fetch_add(want, std::sync::atomic::Ordering::Relaxed);
+        if let Some((old, _, old_len)) = self.buffer.replace((new, ptr, want)) {
+            staging.fetch_sub(old_len, std::sync::atomic::Ordering::Relaxed);
             // Work already enqueued may still use it: free after that work.
             device.core().alloc.mark_used(old, lane.index(), last_seq)?;
             device.free(old)?;
