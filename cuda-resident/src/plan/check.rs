@@ -1,12 +1,16 @@
 //! Test support: a byte model of the buffers, CPU executors for plans, and checks of every
-//! structural promise a plan makes. Shared by the unit and property tests.
+//! structural promise a plan makes. Shared by the unit and property tests, and by the fuzz
+//! target in `fuzz/` through the `fuzzing` feature (which is how it is public, and why it is
+//! hidden from the docs: it is not part of the crate's API).
+//!
+//! The checks panic on the first broken promise.
 
 use std::collections::HashMap;
 
 use super::{BufferKey, Chunk, PlanConfig, ReadRequest, ReadbackPlan, UploadPlan, WriteRequest};
 
-/// A stand-in for device memory: each buffer's bytes.
-pub(super) type Buffers = HashMap<BufferKey, Vec<u8>>;
+/// A stand-in for device memory: each buffer's bytes, from offset 0.
+pub type Buffers = HashMap<BufferKey, Vec<u8>>;
 
 /// A well-mixed 64-bit hash (splitmix64's finaliser).
 fn mix(mut x: u64) -> u64 {
@@ -17,22 +21,23 @@ fn mix(mut x: u64) -> u64 {
 }
 
 /// Byte `pos` of write `write`'s data.
-pub(super) fn data_byte(write: usize, pos: u64) -> u8 {
+pub fn data_byte(write: usize, pos: u64) -> u8 {
     mix((write as u64) << 40 ^ pos) as u8
 }
 
 /// Byte `pos` of buffer `buffer` before any write.
-pub(super) fn initial_byte(buffer: BufferKey, pos: u64) -> u8 {
+pub fn initial_byte(buffer: BufferKey, pos: u64) -> u8 {
     mix(buffer.rotate_left(17) ^ pos ^ 0x5555) as u8
 }
 
 /// Buffers with their initial contents.
-pub(super) fn initial_buffers(lens: &[(BufferKey, u64)]) -> Buffers {
+pub fn initial_buffers(lens: &[(BufferKey, u64)]) -> Buffers {
     lens.iter().map(|&(key, len)| (key, (0..len).map(|p| initial_byte(key, p)).collect())).collect()
 }
 
-/// The reference: applies the writes in order, and records which write owns each byte.
-pub(super) fn apply_in_order(
+/// The reference: applies the writes in order, and records which write owns each byte
+/// (`None` for a byte no write touches). Every write must lie inside a modelled buffer.
+pub fn apply_in_order(
     buffers: &mut Buffers,
     writes: &[WriteRequest],
 ) -> HashMap<BufferKey, Vec<Option<u32>>> {
@@ -138,11 +143,12 @@ fn check_chunks(
     (moved, runs.len(), packed_bytes, packed_runs.len())
 }
 
-/// Checks an upload plan and carries it out on the model through a ring of chunk-sized
-/// staging buffers (the executor with the least slack): fills into the ring, the packed
-/// region through "device staging" and the scatter, direct pieces straight to the buffers.
-/// Checks that every staged byte is filled exactly once, from the write that owns it.
-pub(super) fn execute_upload(
+/// Checks an upload plan and carries it out on the model through a ring of staging buffers,
+/// each as long as its chunk's `staging_len` (the executor with the least slack): fills into
+/// the ring, the packed region through "device staging" and the scatter, direct pieces
+/// straight to the buffers. Checks that every staged byte is filled exactly once, from the
+/// write that owns it. `owners` is what [`apply_in_order`] returned for the same writes.
+pub fn execute_upload(
     plan: &UploadPlan,
     writes: &[WriteRequest],
     cfg: &PlanConfig,
@@ -160,10 +166,12 @@ pub(super) fn execute_upload(
     assert_eq!(plan.is_empty(), moved == 0);
 
     // Fill: each staged byte remembers (write, source offset) and how often it was filled.
-    let cap = plan.chunk_capacity as usize;
-    let mut ring: Vec<Vec<u8>> = vec![vec![0xA5; cap]; plan.chunks.len()];
-    let mut source: Vec<Vec<Option<(u32, u64)>>> = vec![vec![None; cap]; plan.chunks.len()];
-    let mut filled: Vec<Vec<u8>> = vec![vec![0; cap]; plan.chunks.len()];
+    // Each ring buffer holds just the chunk's `staging_len` bytes (at most the capacity), so
+    // that a byte placed past it fails, and a config with huge chunks needs no huge buffers.
+    let sized = |c: &Chunk| c.staging_len as usize;
+    let mut ring: Vec<Vec<u8>> = plan.chunks.iter().map(|c| vec![0xA5; sized(c)]).collect();
+    let mut source: Vec<Vec<Option<(u32, u64)>>> = plan.chunks.iter().map(|c| vec![None; sized(c)]).collect();
+    let mut filled: Vec<Vec<u8>> = plan.chunks.iter().map(|c| vec![0; sized(c)]).collect();
     let mut previous_end = 0;
     for f in &plan.fills {
         let c = &plan.chunks[f.chunk as usize];
@@ -225,12 +233,7 @@ pub(super) fn execute_upload(
 /// Checks a readback plan and carries it out on the model into one flat staging region:
 /// gather into "device staging" and one DMA of the packed region, direct pieces straight
 /// from the buffers. Then every view must show exactly its read's bytes.
-pub(super) fn execute_readback(
-    plan: &ReadbackPlan,
-    reads: &[ReadRequest],
-    cfg: &PlanConfig,
-    buffers: &Buffers,
-) {
+pub fn execute_readback(plan: &ReadbackPlan, reads: &[ReadRequest], cfg: &PlanConfig, buffers: &Buffers) {
     let requests: Vec<_> = reads.iter().map(|r| (r.buffer, r.offset, r.len)).collect();
     let (moved, intervals, packed_bytes, packed_intervals) =
         check_chunks(&plan.chunks, cfg, plan.chunk_capacity, plan.total_staging, &requests);

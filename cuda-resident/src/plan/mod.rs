@@ -75,8 +75,11 @@ mod readback;
 mod sort;
 mod upload;
 
-#[cfg(test)]
-mod check;
+// The byte model the tests check plans against. The `fuzzing` feature makes it public for the
+// fuzz target in `fuzz/`; it is hidden from the docs and is not part of the crate's API.
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod check;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]
