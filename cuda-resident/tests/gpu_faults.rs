@@ -235,22 +235,29 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
     // accounting a run without faults leaves.
     let driver = load_driver();
     driver.faults().record();
-    let (reference, recorded) = {
+    let (reference, recorded, teardown) = {
         let d = Device::open_with(Arc::clone(&driver), 0, config()).unwrap();
         sequence(&d, seed).unwrap_or_else(|f| panic!("the sequence fails without faults: {f:?}"));
         let reference = settled(&d).unwrap();
-        (reference, driver.faults().counts())
+        let recorded = driver.faults().counts();
+        driver.faults().reset();
+        drop(d);
+        (reference, recorded, driver.faults().counts())
     };
     driver.faults().clear();
     let baseline_free = anchor.free_memory().unwrap();
-    println!("recorded sequence: {} entry points", recorded.len());
-    for (entry, count) in &recorded {
-        println!("  {entry}: {} calls", count.calls);
+    for (phase, counts) in [("sequence", &recorded), ("teardown", &teardown)] {
+        println!("recorded {phase}: {} entry points", counts.len());
+        for (entry, count) in counts {
+            println!("  {entry}: {} calls", count.calls);
+        }
     }
 
     let mut failures: Vec<String> = Vec::new();
     let (mut cases, mut fired, mut absorbed, mut ops_total, mut bytes_total) = (0u64, 0u64, 0u64, 0u64, 0u64);
-    for (index, (&entry, count)) in recorded.iter().enumerate() {
+    let phases =
+        recorded.iter().map(|e| (Phase::Sequence, e)).chain(teardown.iter().map(|e| (Phase::Teardown, e)));
+    for (index, (phase, (&entry, count))) in phases.enumerate() {
         for k in call_numbers(count.calls, limit) {
             let codes: Vec<CUresult> = if count.calls < 4 {
                 CODES.to_vec()
@@ -259,9 +266,14 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
             };
             for code in codes {
                 cases += 1;
-                let case = format!("{entry} call {k} -> {code}");
-                let outcome = catch_unwind(AssertUnwindSafe(|| {
-                    run_case(&driver, entry, k, code, seed, reference, &anchor, baseline_free)
+                let case = format!("{phase:?}: {entry} call {k} -> {code}");
+                let outcome = catch_unwind(AssertUnwindSafe(|| match phase {
+                    Phase::Sequence => {
+                        run_case(&driver, entry, k, code, seed, reference, &anchor, baseline_free)
+                    }
+                    Phase::Teardown => {
+                        teardown_case(&driver, entry, k, code, seed, reference, &anchor, baseline_free)
+                    }
                 }));
                 match outcome {
                     Ok(Ok(report)) => {
@@ -285,13 +297,65 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
         }
     }
     println!(
-        "fault matrix: {cases} cases over {} entry points, {fired} faults fired ({absorbed} absorbed by a \
-         retry), {ops_total} operations, {bytes_total} bytes verified, {} failures",
+        "fault matrix: {cases} cases over {} entry points ({} in the sequence, {} in teardown), {fired} \
+         faults fired ({absorbed} absorbed by a retry), {ops_total} operations, {bytes_total} bytes verified, \
+         {} failures",
+        recorded.keys().chain(teardown.keys()).collect::<std::collections::BTreeSet<_>>().len(),
         recorded.len(),
+        teardown.len(),
         failures.len()
     );
-    assert!(fired > 0);
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(fired > 0, "no fault fired: the matrix tested nothing");
+}
+
+/// Where the fault is injected.
+#[derive(Clone, Copy, Debug)]
+enum Phase {
+    /// While the device opens and runs the sequence.
+    Sequence,
+    /// While the device is dropped (every release retries once; nothing may leak).
+    Teardown,
+}
+
+/// A fault while a device that ran the whole sequence is dropped.
+#[allow(clippy::too_many_arguments)]
+fn teardown_case(
+    driver: &Arc<Driver>,
+    entry: &'static str,
+    k: u64,
+    code: CUresult,
+    seed: u64,
+    reference: [u64; 5],
+    anchor: &Device,
+    baseline_free: u64,
+) -> Result<CaseReport, String> {
+    let faults = driver.faults();
+    faults.record();
+    let d = Device::open_with(Arc::clone(driver), 0, config()).map_err(|e| e.to_string())?;
+    let (ops, bytes) = sequence(&d, seed).map_err(|f| format!("the sequence failed: {f:?}"))?;
+    let state = settled(&d).map_err(|e| e.to_string())?;
+    if state != reference {
+        return Err(format!("accounting {state:?}, expected {reference:?}"));
+    }
+    let mut counts = faults.counts();
+    faults.reset();
+    faults.inject(Fault::new(entry, k, code)).map_err(|e| e.to_string())?;
+    drop(d);
+    faults.remove_faults();
+    let fired = faults.injected() > 0;
+    for (name, c) in faults.counts() {
+        let total = counts.entry(name).or_default();
+        total.calls += c.calls;
+        total.succeeded += c.succeeded;
+        total.injected += c.injected;
+    }
+    common::balanced(&counts)?;
+    let free = anchor.free_memory().map_err(|e| e.to_string())?;
+    if free != baseline_free {
+        return Err(format!("the driver reports {free} bytes free, {baseline_free} before: a leak"));
+    }
+    Ok(CaseReport { fired, absorbed: fired, ops, bytes })
 }
 
 struct CaseReport {
