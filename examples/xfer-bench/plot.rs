@@ -1,14 +1,38 @@
-//! SVG line charts of the results: bandwidth against size, one line per method.
+//! SVG line charts of the results: bandwidth against size, a color per group of cases
+//! (a copy count, a direction) and a line style per method.
 
 use std::path::Path;
 
 use plotters::prelude::*;
 
-/// One line of a chart: its name and `(bytes, GB/s)` points.
+/// How a line is drawn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stroke {
+    Solid,
+    /// Long dashes.
+    Dashed,
+    /// Short dashes.
+    Dotted,
+}
+
+impl Stroke {
+    /// Dash and gap lengths in pixels (`None`: a solid line).
+    fn dashes(self) -> Option<(i32, i32)> {
+        match self {
+            Stroke::Solid => None,
+            Stroke::Dashed => Some((10, 6)),
+            Stroke::Dotted => Some((3, 4)),
+        }
+    }
+}
+
+/// One line of a chart: its name, `(bytes, GB/s)` points, color index and style.
 #[derive(Clone)]
 pub struct Series {
     pub name: String,
     pub points: Vec<(f64, f64)>,
+    pub color: usize,
+    pub stroke: Stroke,
 }
 
 /// Draws `series` on a log-log chart (bytes on x, GB/s on y) into an SVG file.
@@ -39,12 +63,21 @@ pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<()
             .y_desc("GB/s")
             .x_label_formatter(&|x| super::human(*x as usize))
             .draw()?;
-        for (i, s) in series.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            chart
-                .draw_series(LineSeries::new(s.points.iter().copied(), color.stroke_width(2)))?
-                .label(s.name.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        for s in series {
+            let color = Palette99::pick(s.color).to_rgba();
+            let style = color.stroke_width(2);
+            let points = s.points.iter().copied();
+            let drawn = match s.stroke.dashes() {
+                None => chart.draw_series(LineSeries::new(points, style))?,
+                Some((dash, gap)) => chart.draw_series(DashedLineSeries::new(points, dash, gap, style))?,
+            };
+            // The legend's sample: two strokes, touching for a solid line.
+            let (dash, gap) = s.stroke.dashes().map_or((10, 0), |(dash, gap)| (dash.min(8), gap.max(4)));
+            drawn.label(s.name.clone()).legend(move |(x, y)| {
+                EmptyElement::at((x, y))
+                    + PathElement::new(vec![(0, 0), (dash, 0)], style)
+                    + PathElement::new(vec![(dash + gap, 0), (2 * dash + gap, 0)], style)
+            });
             chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
         }
         chart
