@@ -139,7 +139,13 @@ impl HostPool {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(Some(self.lease(arena, len)));
             }
-            // Make room by releasing free arenas of other sizes, largest first.
+            // Make room: first retry arenas the driver refused to free before, then release
+            // free arenas of other sizes, largest first.
+            if state.reserved + bytes > self.cap && !state.unreleased.is_empty() {
+                let retry = std::mem::take(&mut state.unreleased);
+                state.reserved -= retry.iter().map(|a| a.bytes).sum::<u64>();
+                evicted.extend(retry);
+            }
             while state.reserved + bytes > self.cap {
                 let Some(mut entry) = state.free.last_entry() else { break };
                 match entry.get_mut().pop() {
