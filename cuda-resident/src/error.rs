@@ -168,6 +168,25 @@ pub enum Error {
         /// Bytes lent out.
         lent: u64,
     },
+
+    /// Host memory given to an asynchronous copy is not pinned (page-locked).
+    #[error(
+        "{operation} was given {len} bytes of host memory at {address:#x} whose byte at {unpinned:#x} \
+         is not pinned (page-locked): the driver would copy it synchronously, and the copy would not \
+         overlap anything. Nothing was enqueued. Fix: pin the range with Device::pin_host, copy from \
+         or into memory from Device::pinned, or use the safe upload_at / read_into_slice, which \
+         stage pageable memory themselves."
+    )]
+    NotPinned {
+        /// The operation.
+        operation: &'static str,
+        /// The start of the range.
+        address: usize,
+        /// Its length.
+        len: usize,
+        /// A byte of it that is not pinned.
+        unpinned: usize,
+    },
 }
 
 impl Error {
@@ -270,6 +289,7 @@ mod tests {
             Error::PinnedExhausted { requested: 2, cap: 4, lent: 3 },
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
             Error::HostOutOfMemory { bytes: 1 },
+            Error::NotPinned { operation: "Device::upload_async_at", address: 4096, len: 10, unpinned: 4105 },
         ];
         for e in errors {
             let text = e.to_string();

@@ -105,6 +105,29 @@ impl Raw {
     }
 
     /// `(free, total)` bytes of device memory, as the driver sees them now.
+    /// Whether host address `ptr` lies in pinned memory (allocated by `cuMemHostAlloc` or
+    /// registered): `cuPointerGetAttribute` knows pinned memory as host memory and answers
+    /// `CUDA_ERROR_INVALID_VALUE` for memory the driver has never seen.
+    pub(crate) fn is_pinned_host(&self, ptr: *const u8) -> Result<bool> {
+        let mut kind: std::os::raw::c_uint = 0;
+        // SAFETY: writes one CUmemorytype; the address is only looked up, never dereferenced.
+        let code = unsafe {
+            cuda_sys::call!(
+                self.driver,
+                cuPointerGetAttribute(
+                    (&raw mut kind).cast::<c_void>(),
+                    CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                    ptr as CUdeviceptr
+                )
+            )
+        }?;
+        match code {
+            CUDA_SUCCESS => Ok(kind == CU_MEMORYTYPE_HOST),
+            CUDA_ERROR_INVALID_VALUE => Ok(false),
+            code => Err(driver_error(&self.driver, "cuPointerGetAttribute", code)),
+        }
+    }
+
     pub(crate) fn mem_get_info(&self) -> Result<(u64, u64)> {
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: writes two sizes; needs a current context.

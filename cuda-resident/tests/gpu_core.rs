@@ -182,8 +182,35 @@ fn bad_handles_and_ranges_are_errors() {
         assert!(matches!(d.upload_async_at(b, 4090, data.as_ptr(), 16), Err(Error::OutOfRange { .. })));
         assert!(matches!(d.upload_async_at(b, u64::MAX, data.as_ptr(), 16), Err(Error::OutOfRange { .. })));
         assert!(matches!(d.upload_async_at(theirs, 0, data.as_ptr(), 16), Err(Error::ForeignBuffer { .. })));
+        // Pageable memory on the asynchronous path.
+        let err = d.upload_async_at(b, 0, data.as_ptr(), 16).unwrap_err();
+        assert!(matches!(err, Error::NotPinned { .. }), "{err}");
+        assert!(err.to_string().contains("Device::upload_async_at"), "{err}");
+        let mut out = [0u8; 16];
+        let err = d.download_async_at(b, 0, out.as_mut_ptr(), 16).unwrap_err();
+        assert!(matches!(err, Error::NotPinned { .. }), "{err}");
     }
-    assert_eq!(d.telemetry().upload_submissions, 0, "nothing was enqueued");
+    assert_eq!(d.telemetry().upload_submissions + d.telemetry().readback_submissions, 0);
+    // Pinned memory passes; a range that runs past a pinned region does not.
+    let mut host = vec![3u8; 8192];
+    // SAFETY: the vector's memory stays mapped until unpinned below; nothing is in flight
+    // when it is unpinned (every fence is waited on).
+    unsafe {
+        d.pin_host(host.as_mut_ptr(), 4096).unwrap();
+        d.upload_async_at(b, 0, host.as_ptr(), 4096).unwrap().wait().unwrap();
+        let err = d.upload_async_at(b, 0, host.as_ptr().add(100), 4096).unwrap_err();
+        match err {
+            Error::NotPinned { unpinned, .. } => assert_eq!(unpinned, host.as_ptr() as usize + 4195),
+            other => panic!("expected NotPinned, got {other}"),
+        }
+        d.unpin_host(host.as_mut_ptr()).unwrap();
+        assert!(matches!(d.upload_async_at(b, 0, host.as_ptr(), 16), Err(Error::NotPinned { .. })));
+    }
+    let mut pinned = d.pinned(4096).unwrap();
+    fastrand::Rng::with_seed(0x9177).fill(&mut pinned);
+    // SAFETY: pinned, 4096 bytes, alive until the fence is waited on.
+    unsafe { d.upload_async_at(b, 0, pinned.as_ptr(), 4096) }.unwrap().wait().unwrap();
+    assert_eq!(d.download(b).unwrap()[..4096], pinned[..]);
     assert!(matches!(d.allocate(0), Err(Error::ZeroSizedAllocation)));
     d.free(b).unwrap();
     assert!(matches!(d.free(b), Err(Error::FreedBuffer { .. })));

@@ -55,9 +55,13 @@ impl Device {
     /// # Safety
     ///
     /// `[src, src + len)` must be readable host memory that stays valid and unchanged until
-    /// the copy completes. It should be pinned ([`Device::pin_host`], or memory from
-    /// [`Device::pinned`]); pageable memory works but the driver then copies synchronously
-    /// and slowly.
+    /// the copy completes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotPinned`] (nothing enqueued) when the range is not pinned: pin it with
+    /// [`Device::pin_host`] or use memory from [`Device::pinned`]. The first and last byte
+    /// are checked.
     pub unsafe fn upload_async_at(
         &self,
         buffer: ResidentBuffer,
@@ -65,7 +69,8 @@ impl Device {
         src: *const u8,
         len: usize,
     ) -> Result<Fence> {
-        self.single_copy(LaneKind::Upload, buffer, offset, len, |raw, stream, dst| {
+        let host = ("Device::upload_async_at", src);
+        self.single_copy(LaneKind::Upload, buffer, offset, len, host, |raw, stream, dst| {
             // SAFETY: dst..dst+len lies in a live buffer (checked, and marked so that it is
             // not reused before this copy completes); the caller vouches for the source.
             unsafe { raw.memcpy_htod_async(dst, src, len, stream) }
@@ -78,8 +83,8 @@ impl Device {
     /// # Safety
     ///
     /// `[dst, dst + len)` must be writable host memory that stays valid, and that nothing
-    /// reads or writes, until the copy completes. It should be pinned, as for
-    /// [`Device::upload_async_at`].
+    /// reads or writes, until the copy completes. It must be pinned, as for
+    /// [`Device::upload_async_at`] ([`Error::NotPinned`] otherwise).
     pub unsafe fn download_async_at(
         &self,
         buffer: ResidentBuffer,
@@ -87,14 +92,34 @@ impl Device {
         dst: *mut u8,
         len: usize,
     ) -> Result<Fence> {
-        self.single_copy(LaneKind::Readback, buffer, offset, len, |raw, stream, src| {
+        let host = ("Device::download_async_at", dst.cast_const());
+        self.single_copy(LaneKind::Readback, buffer, offset, len, host, |raw, stream, src| {
             // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
             unsafe { raw.memcpy_dtoh_async(dst, src, len, stream) }
         })
     }
 
-    /// One DMA between host memory and `[offset, offset + len)` of `buffer` on `kind`'s
-    /// lane: checks the range, claims the buffer, lets `copy` enqueue the DMA given the
+    /// Fails with [`Error::NotPinned`] unless the first and the last byte of `[ptr, ptr + len)`
+    /// are pinned host memory (two lookups; a range pinned in separate pieces with a pageable
+    /// gap between them is not detected).
+    fn check_pinned(&self, operation: &'static str, ptr: *const u8, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let raw = self.core().ctx.bind()?;
+        let last = ptr.wrapping_add(len - 1);
+        for byte in [ptr, last] {
+            if !raw.is_pinned_host(byte)? {
+                let (address, unpinned) = (ptr as usize, byte as usize);
+                return Err(Error::NotPinned { operation, address, len, unpinned });
+            }
+        }
+        Ok(())
+    }
+
+    /// One DMA between host memory at `host.1` (for `host.0`, an operation's name) and
+    /// `[offset, offset + len)` of `buffer` on `kind`'s lane: checks the range and that the
+    /// host memory is pinned, claims the buffer, lets `copy` enqueue the DMA given the
     /// buffer's device address of `offset`, and counts it.
     fn single_copy(
         &self,
@@ -102,9 +127,11 @@ impl Device {
         buffer: ResidentBuffer,
         offset: u64,
         len: usize,
+        host: (&'static str, *const u8),
         copy: impl FnOnce(&crate::raw::Raw, cuda_sys::CUstream, u64) -> Result<()>,
     ) -> Result<Fence> {
         let address = self.checked_range(buffer, offset, len as u64)?;
+        self.check_pinned(host.0, host.1, len)?;
         let core = self.core();
         let batch = core.lane(kind).batch();
         self.claim(&batch, kind, std::iter::once(buffer), 1)?;
