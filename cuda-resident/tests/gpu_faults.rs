@@ -254,6 +254,7 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
     }
 
     let mut failures: Vec<String> = Vec::new();
+    let mut unfired: Vec<String> = Vec::new();
     let (mut cases, mut fired, mut absorbed, mut ops_total, mut bytes_total) = (0u64, 0u64, 0u64, 0u64, 0u64);
     let phases =
         recorded.iter().map(|e| (Phase::Sequence, e)).chain(teardown.iter().map(|e| (Phase::Teardown, e)));
@@ -277,6 +278,11 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
                 }));
                 match outcome {
                     Ok(Ok(report)) => {
+                        if !report.fired {
+                            // Calls whose count varies with timing (event polling) may not
+                            // reach k in this run.
+                            unfired.push(case);
+                        }
                         fired += u64::from(report.fired);
                         absorbed += u64::from(report.fired && report.absorbed);
                         ops_total += report.ops;
@@ -305,6 +311,9 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
         teardown.len(),
         failures.len()
     );
+    if !unfired.is_empty() {
+        println!("not reached in their run: {}", unfired.join("; "));
+    }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
     assert!(fired > 0, "no fault fired: the matrix tested nothing");
 }
