@@ -272,7 +272,10 @@ impl Lane {
         // The event exists before any work is enqueued, so enqueued work always gets one.
         let event = match state.spare_events.pop() {
             Some(event) => event,
-            None => raw.event_create()?,
+            // Creating an event needs the context current on this thread, which nothing
+            // else on the submission path does (copies, launches and records name their
+            // stream).
+            None => self.ctx.bind()?.event_create()?,
         };
         let enqueued = enqueue(raw, self.stream, state.next_seq);
         if let Err(e) = raw.event_record(event, self.stream) {
@@ -303,7 +306,7 @@ impl Lane {
         }
         let event = match state.spare_events.pop() {
             Some(event) => Ok(event),
-            None => raw.event_create(),
+            None => self.ctx.bind().and_then(Raw::event_create),
         };
         match event.and_then(|event| match raw.event_record(event, self.stream) {
             Ok(()) => Ok(event),

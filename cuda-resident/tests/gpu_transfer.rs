@@ -332,3 +332,57 @@ fn in_place_writes_move_without_a_host_copy_and_fall_back_when_they_overlap() {
     assert!(d.download(b).unwrap() == expect, "overlapping in-place writes");
     d.free(b).unwrap();
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_thread_that_never_bound_the_context_submits_batches_back_to_back() {
+    // Staging, device staging and the kernel are all made on this thread, so a new thread's
+    // batches reach the driver only through copies, launches and events; back-to-back
+    // batches need new events, which need the context current on that thread.
+    let base = device();
+    // Prewarmed arenas of the chunk's size serve every batch below without a new pinned
+    // allocation (which would make the context current as a side effect).
+    let config = Config {
+        chunk_bytes: 64 << 10,
+        direct_threshold: 16 << 10,
+        pinned_prewarm_bytes: 2 << 20,
+        ..Config::default()
+    };
+    let d = Device::open_with(Arc::clone(base.driver()), 0, config).unwrap();
+    let mut rng = fastrand::Rng::with_seed(0xc0de);
+    let b = d.allocate(1 << 20).unwrap();
+    let warm: Vec<Vec<u8>> = (0..8).map(|_| random_vec(&mut rng, 100)).collect();
+    let writes: Vec<_> = warm.iter().enumerate().map(|(i, v)| (b, i as u64 * 1000, v.as_slice())).collect();
+    d.upload_at_many(&writes).unwrap();
+    let expect = {
+        let mut e = d.download(b).unwrap();
+        let batches: Vec<Vec<(u64, Vec<u8>)>> = (0..6)
+            .map(|_| (0..50).map(|_| (rng.u64(0..(1 << 20) - 300), random_vec(&mut rng, 300))).collect())
+            .collect();
+        for batch in &batches {
+            for (offset, bytes) in batch {
+                e[*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
+            }
+        }
+        let d2 = d.clone();
+        std::thread::spawn(move || {
+            let fences: Vec<_> = batches
+                .iter()
+                .map(|batch| {
+                    let mut up = d2.uploads();
+                    for (offset, bytes) in batch {
+                        up.write(b, *offset, bytes).unwrap();
+                    }
+                    up.submit().unwrap()
+                })
+                .collect();
+            for f in fences {
+                f.wait().unwrap();
+            }
+        })
+        .join()
+        .unwrap();
+        e
+    };
+    assert!(d.download(b).unwrap() == expect, "the batches from the other thread did not land");
+}
