@@ -224,10 +224,15 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         chunk_bytes: device.config().chunk_bytes,
         align: 16,
     };
-    scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
     let non_empty = batch.writes.iter().filter(|w| w.len > 0).count();
-    if scratch.upload_plan.intervals != non_empty {
-        return Ok(None);
+    let requested: u64 = batch.writes.iter().map(|w| w.len).sum();
+    // Writes in order are disjoint: no planning needed to know that none fuse. Otherwise the
+    // planner tells (writes out of order may still be disjoint).
+    if !batch.table.in_order {
+        scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
+        if scratch.upload_plan.intervals != non_empty {
+            return Ok(None);
+        }
     }
     if non_empty == 0 {
         return Ok(Some(Fence::completed()));
@@ -315,7 +320,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     }
     core.telemetry.record(
         LaneKind::Upload,
-        Moves { submissions, requested: scratch.upload_plan.requested_bytes, moved, dmas, launches },
+        Moves { submissions, requested, moved, dmas, launches },
     );
     drop(lane_batch);
     Ok(Some(Fence::new(device.clone(), LaneKind::Upload, final_seq)))
