@@ -320,6 +320,29 @@ fn in_place_writes_move_without_a_host_copy_and_fall_back_when_they_overlap() {
     let launched = d.telemetry().kernel_launches - before.kernel_launches;
     assert!(launched >= 1, "packed in-place writes use the kernel");
 
+    // Touching writes in order (in place, no planning) and disjoint writes in reverse order
+    // (the planner decides), each checked.
+    for reverse in [false, true] {
+        let mut pieces: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut at = 1u64 << 20;
+        for i in 0..800u64 {
+            let v = random_vec(&mut rng, 1 + (i as usize * 53) % 900);
+            let gap = if reverse { 5 } else { 0 };
+            pieces.push((at, v));
+            at += pieces.last().unwrap().1.len() as u64 + gap;
+        }
+        if reverse {
+            pieces.reverse();
+        }
+        let mut batch = d.uploads();
+        for (o, v) in &pieces {
+            batch.write_with(b, *o, v.len(), |dst| dst.copy_from_slice(v)).unwrap();
+            expect[*o as usize..][..v.len()].copy_from_slice(v);
+        }
+        batch.submit().unwrap().wait().unwrap();
+        assert!(d.download(b).unwrap() == expect, "in-place writes, reverse order: {reverse}");
+    }
+
     // Overlapping in-place writes: the general path, later wins.
     let mut batch = d.uploads();
     for i in 0..500u64 {
