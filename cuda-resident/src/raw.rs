@@ -104,30 +104,23 @@ impl Raw {
         unsafe { cu!(self, cuCtxSetCurrent(ctx)) }
     }
 
-    /// `(free, total)` bytes of device memory, as the driver sees them now.
     /// Whether host address `ptr` lies in pinned memory (allocated by `cuMemHostAlloc` or
-    /// registered): `cuPointerGetAttribute` knows pinned memory as host memory and answers
-    /// `CUDA_ERROR_INVALID_VALUE` for memory the driver has never seen.
+    /// registered). `cuPointerGetAttributes` (unlike `cuPointerGetAttribute`) answers an
+    /// address the driver has never seen with success and a memory type of 0, so the check
+    /// makes no failing call (which tools such as compute-sanitizer would report).
     pub(crate) fn is_pinned_host(&self, ptr: *const u8) -> Result<bool> {
         let mut kind: std::os::raw::c_uint = 0;
-        // SAFETY: writes one CUmemorytype; the address is only looked up, never dereferenced.
-        let code = unsafe {
-            cuda_sys::call!(
-                self.driver,
-                cuPointerGetAttribute(
-                    (&raw mut kind).cast::<c_void>(),
-                    CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                    ptr as CUdeviceptr
-                )
-            )
+        let mut attribute = CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+        let mut data = (&raw mut kind).cast::<c_void>();
+        // SAFETY: one attribute, one output of the attribute's type (a CUmemorytype); the
+        // address is only looked up, never dereferenced.
+        unsafe {
+            cu!(self, cuPointerGetAttributes(1, &mut attribute, &mut data, ptr as CUdeviceptr))
         }?;
-        match code {
-            CUDA_SUCCESS => Ok(kind == CU_MEMORYTYPE_HOST),
-            CUDA_ERROR_INVALID_VALUE => Ok(false),
-            code => Err(driver_error(&self.driver, "cuPointerGetAttribute", code)),
-        }
+        Ok(kind == CU_MEMORYTYPE_HOST)
     }
 
+    /// `(free, total)` bytes of device memory, as the driver sees them now.
     pub(crate) fn mem_get_info(&self) -> Result<(u64, u64)> {
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: writes two sizes; needs a current context.
