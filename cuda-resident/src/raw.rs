@@ -105,19 +105,37 @@ impl Raw {
     }
 
     /// Whether host address `ptr` lies in pinned memory (allocated by `cuMemHostAlloc` or
-    /// registered). `cuPointerGetAttributes` (unlike `cuPointerGetAttribute`) answers an
-    /// address the driver has never seen with success and a memory type of 0, so the check
-    /// makes no failing call (which tools such as compute-sanitizer would report).
-    pub(crate) fn is_pinned_host(&self, ptr: *const u8) -> Result<bool> {
-        let mut kind: std::os::raw::c_uint = 0;
-        let mut attribute = CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
-        let mut data = (&raw mut kind).cast::<c_void>();
-        // SAFETY: one attribute, one output of the attribute's type (a CUmemorytype); the
-        // address is only looked up, never dereferenced.
+    /// registered), and if so the extent `(start, bytes)` of the allocation it lies in, as far
+    /// as the driver tells (`bytes` is 0 when it does not). One call:
+    /// `cuPointerGetAttributes` (unlike `cuPointerGetAttribute`) answers an address the
+    /// driver has never seen with success and a memory type of 0, so the check makes no
+    /// failing call (which tools such as compute-sanitizer would report).
+    pub(crate) fn pinned_extent(&self, ptr: *const u8) -> Result<Option<(u64, u64)>> {
+        let (mut kind, mut start, mut bytes): (std::os::raw::c_uint, CUdeviceptr, usize) = (0, 0, 0);
+        let mut attributes = [
+            CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ];
+        let mut data = [
+            (&raw mut kind).cast::<c_void>(),
+            (&raw mut start).cast::<c_void>(),
+            (&raw mut bytes).cast::<c_void>(),
+        ];
+        // SAFETY: three attributes, each output of its attribute's type (CUmemorytype,
+        // CUdeviceptr, size_t); the address is only looked up, never dereferenced.
         unsafe {
-            cu!(self, cuPointerGetAttributes(1, &mut attribute, &mut data, ptr as CUdeviceptr))
+            cu!(
+                self,
+                cuPointerGetAttributes(
+                    attributes.len() as std::os::raw::c_uint,
+                    attributes.as_mut_ptr(),
+                    data.as_mut_ptr(),
+                    ptr as CUdeviceptr
+                )
+            )
         }?;
-        Ok(kind == CU_MEMORYTYPE_HOST)
+        Ok((kind == CU_MEMORYTYPE_HOST).then_some((start, bytes as u64)))
     }
 
     /// `(free, total)` bytes of device memory, as the driver sees them now.

@@ -99,22 +99,31 @@ impl Device {
         })
     }
 
-    /// Fails with [`Error::NotPinned`] unless the first and the last byte of `[ptr, ptr + len)`
-    /// are pinned host memory (two lookups; a range pinned in separate pieces with a pageable
-    /// gap between them is not detected).
+    /// Fails with [`Error::NotPinned`] unless `[ptr, ptr + len)` is pinned host memory: one
+    /// lookup when the first byte's pinned allocation covers the range, else a second one for
+    /// the last byte (then a range pinned in separate pieces with a pageable gap between them
+    /// is not detected).
     fn check_pinned(&self, operation: &'static str, ptr: *const u8, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
         let raw = self.core().ctx.bind()?;
-        let last = ptr.wrapping_add(len - 1);
-        for byte in [ptr, last] {
-            if !raw.is_pinned_host(byte)? {
-                let (address, unpinned) = (ptr as usize, byte as usize);
-                return Err(Error::NotPinned { operation, address, len, unpinned });
-            }
+        let not_pinned = |byte: *const u8| Error::NotPinned {
+            operation,
+            address: ptr as usize,
+            len,
+            unpinned: byte as usize,
+        };
+        let Some((start, bytes)) = raw.pinned_extent(ptr)? else { return Err(not_pinned(ptr)) };
+        let (first, end) = (ptr as u64, ptr as u64 + len as u64);
+        if start <= first && end <= start.saturating_add(bytes) {
+            return Ok(());
         }
-        Ok(())
+        let last = ptr.wrapping_add(len - 1);
+        match raw.pinned_extent(last)? {
+            Some(_) => Ok(()),
+            None => Err(not_pinned(last)),
+        }
     }
 
     /// One DMA between host memory at `host.1` (for `host.0`, an operation's name) and
