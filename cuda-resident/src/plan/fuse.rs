@@ -83,11 +83,39 @@ pub(super) struct Collected {
 /// position_bits | index`) and its buffer's first-seen rank. The first bad request fails
 /// with its index.
 pub(super) fn collect<R: Request>(requests: &[R], scratch: &mut SortScratch) -> Result<Collected, PlanError> {
+    let Checked { collected, empties } = check(requests)?;
+    let SortScratch { ranker, keys, ranks, lens, .. } = scratch;
+    let position_bits = position_bits(requests.len());
+    ranker.reset();
+    lens.clear();
+    lens.extend(requests.iter().map(|r| r.len() as u32));
+    keys.clear();
+    ranks.clear();
+    // Bits shifted out of a key mean a key too wide, which the sort notices from `start_bits`.
+    if empties == 0 {
+        keys.extend((0u64..).zip(requests).map(|(index, r)| r.offset().wrapping_shl(position_bits) | index));
+        ranks.extend(requests.iter().map(|r| ranker.rank(r.buffer())));
+    } else {
+        for (index, r) in (0u64..).zip(requests).filter(|(_, r)| r.len() > 0) {
+            keys.push(r.offset().wrapping_shl(position_bits) | index);
+            ranks.push(ranker.rank(r.buffer()));
+        }
+    }
+    Ok(collected)
+}
+
+/// What [`check`] found.
+pub(super) struct Checked {
+    pub(super) collected: Collected,
+    /// How many requests are empty.
+    pub(super) empties: usize,
+}
+
+/// Checks every request (the first bad one fails with its index) and totals the batch.
+pub(super) fn check<R: Request>(requests: &[R]) -> Result<Checked, PlanError> {
     if u32::try_from(requests.len()).is_err() {
         return Err(PlanError::TooManyRequests { count: requests.len() });
     }
-    let SortScratch { ranker, keys, ranks, lens, .. } = scratch;
-    let position_bits = position_bits(requests.len());
     // First the checks and the batch's totals: one pass of reductions, no branch and no
     // store per request.
     let (mut bad, mut saturated, mut wide, mut empties) = (false, false, 0, 0usize);
@@ -108,22 +136,37 @@ pub(super) fn collect<R: Request>(requests: &[R], scratch: &mut SortScratch) -> 
         return Err(first_out_of_range(requests));
     }
     let requested_bytes = if saturated { u64::MAX } else { requested };
-    ranker.reset();
-    lens.clear();
-    lens.extend(requests.iter().map(|r| r.len() as u32));
-    keys.clear();
-    ranks.clear();
-    // Bits shifted out of a key mean a key too wide, which the sort notices from `start_bits`.
-    if empties == 0 {
-        keys.extend((0u64..).zip(requests).map(|(index, r)| r.offset().wrapping_shl(position_bits) | index));
-        ranks.extend(requests.iter().map(|r| ranker.rank(r.buffer())));
-    } else {
-        for (index, r) in (0u64..).zip(requests).filter(|(_, r)| r.len() > 0) {
-            keys.push(r.offset().wrapping_shl(position_bits) | index);
-            ranks.push(ranker.rank(r.buffer()));
-        }
+    Ok(Checked { collected: Collected { requested_bytes, start_bits: starts, wide: wide != 0 }, empties })
+}
+
+/// The non-empty requests of a batch in order, taken as sorted: for a batch whose every
+/// request starts at or after the end of the previous one of its buffer (so no two overlap,
+/// and each buffer's requests come in ascending order), which makes the sweep's result the
+/// same as after a sort, up to the order of the intervals of different buffers.
+pub(super) struct InOrder<'a, R> {
+    pub(super) requests: &'a [R],
+    /// The non-empty requests' indices, when some are empty.
+    pub(super) non_empty: Option<&'a [u32]>,
+}
+
+impl<R: Request> Sorted for InOrder<'_, R> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.non_empty.map_or(self.requests.len(), <[u32]>::len)
     }
-    Ok(Collected { requested_bytes, start_bits: starts, wide: wide != 0 })
+
+    #[inline(always)]
+    fn get(&self, i: usize) -> Entry {
+        let index = self.non_empty.map_or(i as u32, |n| n[i]);
+        let r = &self.requests[index as usize];
+        // The end cannot overflow: `check` accepted the request.
+        Entry { place: r.buffer(), start: r.offset(), end: r.offset() + r.len(), index }
+    }
+
+    #[inline]
+    fn buffer_of(&self, place: u64) -> BufferKey {
+        place
+    }
 }
 
 /// The error for the first request that reaches past its buffer.

@@ -471,6 +471,8 @@ pub struct Planner {
     sort: sort::SortScratch,
     upload: upload::Scratch,
     directs: Vec<fuse::Interval>,
+    /// The non-empty requests of an in-order batch that has empty ones.
+    non_empty: Vec<u32>,
 }
 
 impl Planner {
@@ -535,6 +537,89 @@ impl Planner {
         result
     }
 
+    /// Plans a batch of writes that is in order: every non-empty write starts at or after
+    /// the end of the previous non-empty write to the same buffer (so none overlap). Such a
+    /// batch needs no sort, which is most of the planning. The plan is one the general
+    /// planner could make (it may fuse fewer touching writes). On error `plan` is left empty.
+    ///
+    /// The order is the caller's promise, not checked here (checking it needs a look-up per
+    /// write): the transfer layer notices it while it resolves each write's buffer. A batch
+    /// out of order gets a wrong plan.
+    pub(crate) fn plan_upload_in_order_into(
+        &mut self,
+        writes: &[WriteRequest],
+        cfg: &PlanConfig,
+        plan: &mut UploadPlan,
+    ) -> Result<(), PlanError> {
+        let result = self.try_plan_upload_in_order(writes, cfg, plan);
+        if result.is_err() {
+            plan.clear();
+        }
+        result
+    }
+
+    /// [`Planner::plan_upload_in_order_into`] for reads: every non-empty read starts at or
+    /// after the end of the previous non-empty read of the same buffer.
+    pub(crate) fn plan_readback_in_order_into(
+        &mut self,
+        reads: &[ReadRequest],
+        cfg: &PlanConfig,
+        plan: &mut ReadbackPlan,
+    ) -> Result<(), PlanError> {
+        let result = self.try_plan_readback_in_order(reads, cfg, plan);
+        if result.is_err() {
+            plan.clear();
+        }
+        result
+    }
+
+    /// Checks an in-order batch and lists its non-empty requests when some are empty.
+    fn in_order<'a, R: fuse::Request>(
+        requests: &'a [R],
+        non_empty: &'a mut Vec<u32>,
+    ) -> Result<(u64, fuse::InOrder<'a, R>), PlanError> {
+        let checked = fuse::check(requests)?;
+        let non_empty = (checked.empties > 0).then(|| {
+            non_empty.clear();
+            non_empty.extend((0u32..).zip(requests).filter(|(_, r)| r.len() > 0).map(|(i, _)| i));
+            &non_empty[..]
+        });
+        Ok((checked.collected.requested_bytes, fuse::InOrder { requests, non_empty }))
+    }
+
+    fn try_plan_upload_in_order(
+        &mut self,
+        writes: &[WriteRequest],
+        cfg: &PlanConfig,
+        plan: &mut UploadPlan,
+    ) -> Result<(), PlanError> {
+        let geo = Geometry::new(cfg)?;
+        let (requested_bytes, entries) = Self::in_order(writes, &mut self.non_empty)?;
+        let layout = upload::emit(&entries, &geo, &mut self.upload, &mut plan.chunks, &mut plan.fills)?;
+        plan.store(&geo, &layout, requested_bytes);
+        Ok(())
+    }
+
+    fn try_plan_readback_in_order(
+        &mut self,
+        reads: &[ReadRequest],
+        cfg: &PlanConfig,
+        plan: &mut ReadbackPlan,
+    ) -> Result<(), PlanError> {
+        let geo = Geometry::new(cfg)?;
+        let (requested_bytes, entries) = Self::in_order(reads, &mut self.non_empty)?;
+        let layout = readback::emit(
+            &entries,
+            &mut self.directs,
+            &geo,
+            &mut plan.chunks,
+            reads.len(),
+            &mut plan.views,
+        )?;
+        plan.store(&geo, &layout, requested_bytes);
+        Ok(())
+    }
+
     fn try_plan_upload(
         &mut self,
         writes: &[WriteRequest],
@@ -551,13 +636,7 @@ impl Planner {
                 upload::emit(tuples, &geo, &mut self.upload, &mut plan.chunks, &mut plan.fills)
             }
         }?;
-        plan.chunk_capacity = geo.cap;
-        plan.total_staging = layout.total_staging;
-        plan.requested_bytes = requested_bytes;
-        plan.moved_bytes = layout.moved_bytes;
-        plan.packed_bytes = layout.packed_bytes;
-        plan.intervals = layout.intervals;
-        plan.packed_intervals = layout.packed_intervals;
+        plan.store(&geo, &layout, requested_bytes);
         Ok(())
     }
 
@@ -574,16 +653,29 @@ impl Planner {
             sort::Order::Keys(keys) => readback::emit(&keys, directs, &geo, chunks, reads.len(), views),
             sort::Order::Tuples(tuples) => readback::emit(tuples, directs, &geo, chunks, reads.len(), views),
         }?;
-        plan.chunk_capacity = geo.cap;
-        plan.total_staging = layout.total_staging;
-        plan.requested_bytes = requested_bytes;
-        plan.moved_bytes = layout.moved_bytes;
-        plan.packed_bytes = layout.packed_bytes;
-        plan.intervals = layout.intervals;
-        plan.packed_intervals = layout.packed_intervals;
+        plan.store(&geo, &layout, requested_bytes);
         Ok(())
     }
 }
+
+/// The totals of a layout, stored into a plan of either direction.
+macro_rules! impl_store {
+    ($plan:ty) => {
+        impl $plan {
+            fn store(&mut self, geo: &Geometry, layout: &layout::Layout, requested_bytes: u64) {
+                self.chunk_capacity = geo.cap;
+                self.total_staging = layout.total_staging;
+                self.requested_bytes = requested_bytes;
+                self.moved_bytes = layout.moved_bytes;
+                self.packed_bytes = layout.packed_bytes;
+                self.intervals = layout.intervals;
+                self.packed_intervals = layout.packed_intervals;
+            }
+        }
+    };
+}
+impl_store!(UploadPlan);
+impl_store!(ReadbackPlan);
 
 /// The direction-independent start: validate, and sort the non-empty requests. Returns the
 /// sum of the requests' lengths and the sorted requests.
