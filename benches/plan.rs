@@ -37,7 +37,18 @@ fn batches() -> Vec<(&'static str, Vec<WriteRequest>)> {
         ("65536", fixed(65536)),
         ("mixed", batch(64 << 20, mixed)),
         ("overlapping", batch(4 << 20, mixed)),
+        ("4096 in order", in_order(4096)),
     ]
+}
+
+/// 8192 writes of `size` bytes in order, round robin over `BUFFERS` buffers at increasing
+/// offsets with gaps (as xfer-bench's many-small cases write): planned without a sort.
+fn in_order(size: u64) -> Vec<WriteRequest> {
+    let stride = size + 64;
+    let buffer_len = (REQUESTS as u64).div_ceil(BUFFERS) * stride;
+    (0..REQUESTS as u64)
+        .map(|i| WriteRequest { buffer: i % BUFFERS, buffer_len, offset: (i / BUFFERS) * stride, len: size })
+        .collect()
 }
 
 /// 8192 writes over `BUFFERS` buffers of `buffer_len` bytes, sizes from `size`, random

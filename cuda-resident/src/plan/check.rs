@@ -69,7 +69,8 @@ fn covered_runs(requests: impl Iterator<Item = (BufferKey, u64, u64)>) -> Vec<(B
     runs
 }
 
-/// How far a plan fused its requests.
+/// How far a plan fused its requests: the planner takes batches in order (see
+/// `Planner::plan_upload_into`) without sorting, and then joins only consecutive requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fused {
     /// Every overlapping or touching pair of requests of a buffer joined one interval (the
@@ -78,6 +79,13 @@ pub enum Fused {
     /// Requests joined only when consecutive in request order (the in-order planner, for
     /// batches without overlaps): copies may touch without being joined.
     Consecutive,
+}
+
+impl Fused {
+    /// How the planner fuses `requests`: by the same rule it uses to choose its path.
+    fn of<R: super::fuse::Request>(requests: &[R]) -> Fused {
+        if super::in_order(requests, &mut Vec::new()) { Fused::Consecutive } else { Fused::All }
+    }
 }
 
 /// Everything a plan promises about its chunks and copies, whatever the direction.
@@ -185,18 +193,7 @@ pub fn execute_upload(
     buffers: &mut Buffers,
     owners: &HashMap<BufferKey, Vec<Option<u32>>>,
 ) {
-    execute_upload_fused(plan, writes, cfg, buffers, owners, Fused::All);
-}
-
-/// [`execute_upload`] for a plan fused as `fused` says.
-pub fn execute_upload_fused(
-    plan: &UploadPlan,
-    writes: &[WriteRequest],
-    cfg: &PlanConfig,
-    buffers: &mut Buffers,
-    owners: &HashMap<BufferKey, Vec<Option<u32>>>,
-    fused: Fused,
-) {
+    let fused = Fused::of(writes);
     let requests: Vec<_> = writes.iter().map(|w| (w.buffer, w.offset, w.len)).collect();
     let (moved, intervals, packed_bytes, packed_intervals) =
         check_chunks(&plan.chunks, cfg, plan.chunk_capacity, plan.total_staging, &requests, fused);
@@ -278,17 +275,7 @@ pub fn execute_upload_fused(
 /// gather into "device staging" and one DMA of the packed region, direct pieces straight
 /// from the buffers. Then every view must show exactly its read's bytes.
 pub fn execute_readback(plan: &ReadbackPlan, reads: &[ReadRequest], cfg: &PlanConfig, buffers: &Buffers) {
-    execute_readback_fused(plan, reads, cfg, buffers, Fused::All);
-}
-
-/// [`execute_readback`] for a plan fused as `fused` says.
-pub fn execute_readback_fused(
-    plan: &ReadbackPlan,
-    reads: &[ReadRequest],
-    cfg: &PlanConfig,
-    buffers: &Buffers,
-    fused: Fused,
-) {
+    let fused = Fused::of(reads);
     let requests: Vec<_> = reads.iter().map(|r| (r.buffer, r.offset, r.len)).collect();
     let (moved, intervals, packed_bytes, packed_intervals) =
         check_chunks(&plan.chunks, cfg, plan.chunk_capacity, plan.total_staging, &requests, fused);

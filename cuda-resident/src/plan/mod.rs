@@ -63,6 +63,11 @@
 //! Planning validates the requests in one pass, builds one packed `u64` key per non-empty
 //! request (`(buffer, offset, index)`), radix sorts the keys (sorting nothing when they
 //! already come in order), and then one sweep over the sorted keys fuses, places and emits.
+//! A batch in order (every non-empty request starts at or after the end of the previous one
+//! of its buffer, with buffer keys below the request count + 64, as the transfer layer's
+//! dense keys are) is found in one pass and needs no keys and no sort: the sweep takes the
+//! requests as they come, and joins only consecutive ones (touching requests of a buffer
+//! that are not consecutive stay separate copies; no byte moves twice either way).
 //! Overlapping uploads are resolved with a small heap keyed by write index, used only by
 //! intervals of several writes. Nothing is allocated per request: a [`Planner`] keeps its
 //! scratch vectors, and its `*_into` methods reuse the plan's vectors too, which matters as
@@ -473,6 +478,36 @@ pub struct Planner {
     directs: Vec<fuse::Interval>,
     /// The non-empty requests of an in-order batch that has empty ones.
     non_empty: Vec<u32>,
+    /// Per buffer key, the end of its last request so far: finding in-order batches.
+    ends: Vec<u64>,
+}
+
+/// Whether a batch is in order: every non-empty request starts at or after the end of the
+/// previous non-empty request of its buffer (so none overlap). Answered only for buffer keys
+/// below `requests.len() + 64` (dense keys, such as a table's indices), with one pass over
+/// `ends`; other keys, and requests that overflow, answer `false` (the general path then
+/// plans or reports them).
+fn in_order<R: fuse::Request>(requests: &[R], ends: &mut Vec<u64>) -> bool {
+    let bound = requests.len() as u64 + 64;
+    ends.clear();
+    for r in requests {
+        if r.len() == 0 {
+            continue;
+        }
+        let key = r.buffer();
+        if key >= bound {
+            return false;
+        }
+        let key = key as usize;
+        if key >= ends.len() {
+            ends.resize(key + 1, 0);
+        }
+        match r.offset().checked_add(r.len()) {
+            Some(end) if r.offset() >= ends[key] => ends[key] = end,
+            _ => return false,
+        }
+    }
+    true
 }
 
 impl Planner {
@@ -537,42 +572,6 @@ impl Planner {
         result
     }
 
-    /// Plans a batch of writes that is in order: every non-empty write starts at or after
-    /// the end of the previous non-empty write to the same buffer (so none overlap). Such a
-    /// batch needs no sort, which is most of the planning. The plan is one the general
-    /// planner could make (it may fuse fewer touching writes). On error `plan` is left empty.
-    ///
-    /// The order is the caller's promise, not checked here (checking it needs a look-up per
-    /// write): the transfer layer notices it while it resolves each write's buffer. A batch
-    /// out of order gets a wrong plan.
-    pub(crate) fn plan_upload_in_order_into(
-        &mut self,
-        writes: &[WriteRequest],
-        cfg: &PlanConfig,
-        plan: &mut UploadPlan,
-    ) -> Result<(), PlanError> {
-        let result = self.try_plan_upload_in_order(writes, cfg, plan);
-        if result.is_err() {
-            plan.clear();
-        }
-        result
-    }
-
-    /// [`Planner::plan_upload_in_order_into`] for reads: every non-empty read starts at or
-    /// after the end of the previous non-empty read of the same buffer.
-    pub(crate) fn plan_readback_in_order_into(
-        &mut self,
-        reads: &[ReadRequest],
-        cfg: &PlanConfig,
-        plan: &mut ReadbackPlan,
-    ) -> Result<(), PlanError> {
-        let result = self.try_plan_readback_in_order(reads, cfg, plan);
-        if result.is_err() {
-            plan.clear();
-        }
-        result
-    }
-
     /// Checks an in-order batch and lists its non-empty requests when some are empty.
     fn in_order<'a, R: fuse::Request>(
         requests: &'a [R],
@@ -626,6 +625,9 @@ impl Planner {
         cfg: &PlanConfig,
         plan: &mut UploadPlan,
     ) -> Result<(), PlanError> {
+        if in_order(writes, &mut self.ends) {
+            return self.try_plan_upload_in_order(writes, cfg, plan);
+        }
         let geo = Geometry::new(cfg)?;
         let (requested_bytes, sorted) = prepare(writes, &mut self.sort)?;
         let layout = match sorted {
@@ -646,6 +648,9 @@ impl Planner {
         cfg: &PlanConfig,
         plan: &mut ReadbackPlan,
     ) -> Result<(), PlanError> {
+        if in_order(reads, &mut self.ends) {
+            return self.try_plan_readback_in_order(reads, cfg, plan);
+        }
         let geo = Geometry::new(cfg)?;
         let (requested_bytes, sorted) = prepare(reads, &mut self.sort)?;
         let (directs, chunks, views) = (&mut self.directs, &mut plan.chunks, &mut plan.views);

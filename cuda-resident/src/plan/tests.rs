@@ -94,10 +94,28 @@ fn a_gap_of_one_byte_keeps_intervals_apart() {
 
 #[test]
 fn same_range_of_different_buffers_does_not_fuse() {
-    let plan = upload_checked(&[w(2, 100, 0, 10), w(1, 100, 0, 10), w(2, 100, 10, 10)], &cfg(64, 256, 16));
+    // Out of order (buffer 2's second write comes first): sorted, fused, laid out by buffer.
+    let plan = upload_checked(&[w(2, 100, 10, 10), w(1, 100, 0, 10), w(2, 100, 0, 10)], &cfg(64, 256, 16));
     assert_eq!(plan.intervals, 2);
     let order: Vec<_> = plan.chunks[0].packed.iter().map(|c| (c.buffer, c.len)).collect();
     assert_eq!(order, vec![(1, 10), (2, 20)], "intervals are laid out by buffer, then offset");
+}
+
+#[test]
+fn a_batch_in_order_is_laid_out_in_request_order_without_a_sort() {
+    // Each write at or after the end of the previous one of its buffer: no sort, and only
+    // consecutive writes of one buffer join (here none are consecutive).
+    let plan = upload_checked(&[w(2, 100, 0, 10), w(1, 100, 0, 10), w(2, 100, 10, 10)], &cfg(64, 256, 16));
+    assert_eq!(plan.intervals, 3);
+    let order: Vec<_> = plan.chunks[0].packed.iter().map(|c| (c.buffer, c.buffer_offset, c.len)).collect();
+    assert_eq!(order, vec![(2, 0, 10), (1, 0, 10), (2, 10, 10)], "request order");
+    // Consecutive touching writes of one buffer do join.
+    let plan = upload_checked(&[w(2, 100, 0, 10), w(2, 100, 10, 10), w(1, 100, 0, 10)], &cfg(64, 256, 16));
+    assert_eq!(plan.intervals, 2);
+    // Keys far from dense (past the batch's length + 64) take the sorted path.
+    let plan =
+        upload_checked(&[w(900, 100, 0, 10), w(1, 100, 0, 10), w(900, 100, 10, 10)], &cfg(64, 256, 16));
+    assert_eq!(plan.intervals, 2);
 }
 
 #[test]

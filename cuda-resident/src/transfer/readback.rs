@@ -247,17 +247,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let lane_batch = lane.batch();
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
-    // Reads in order (each at or after the end of the previous one of its buffer) need no
-    // sort: the table noticed the order while checking them.
-    if batch.table.in_order {
-        scratch.planner.plan_readback_in_order_into(
-            &batch.reads,
-            &plan_config,
-            &mut scratch.readback_plan,
-        )?;
-    } else {
-        scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
-    }
+    scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
     let plan = &scratch.readback_plan;
     if plan.is_empty() {
         let views = plan.views.clone();

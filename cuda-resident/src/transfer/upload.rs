@@ -335,13 +335,7 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     let lane_batch = lane.batch();
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
-    // Writes in order (each at or after the end of the previous one of its buffer) cannot
-    // overlap and need no sort: the table noticed the order while checking them.
-    if batch.table.in_order {
-        scratch.planner.plan_upload_in_order_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
-    } else {
-        scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
-    }
+    scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
     let plan = &scratch.upload_plan;
     if plan.is_empty() {
         return Ok(Fence::completed());
