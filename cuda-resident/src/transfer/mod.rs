@@ -527,17 +527,8 @@ impl Piece {
         if start < pieces.len() {
             groups.push(&pieces[start..]);
         }
-        // Every packing thread is woken at once and claims groups from a shared counter:
-        // a recursive split (`par_iter`) wakes them one level at a time, and each wake-up of
-        // a sleeping thread costs microseconds, paid per chunk.
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        pool.broadcast(|_| {
-            loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(group) = groups.get(i) else { break };
-                run(group);
-            }
-        });
+        use rayon::prelude::*;
+        pool.install(|| groups.par_iter().for_each(|g| run(g)));
     }
 }
 
