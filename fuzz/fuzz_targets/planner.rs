@@ -6,7 +6,9 @@
 //! writes and a batch of reads. Requests may overlap, touch, repeat, be empty, reach past
 //! their buffer or overflow `u64`, and may claim a longer buffer than another request of the
 //! same buffer does. An optional bulk part adds hundreds of requests, so that the radix sort
-//! (and its shortcut for requests that come in order) runs, not only the comparison sort.
+//! (and its shortcut for requests that come in order) runs, not only the comparison sort, or
+//! replaces a direction's requests with hundreds in order (each at or after the end of the
+//! previous one of its buffer), which the planner takes without sorting.
 //!
 //! For each batch:
 //!
@@ -132,10 +134,24 @@ struct Bulk {
     count: u16,
     seed: u64,
     max_len: u16,
-    /// Sort them by buffer key and offset, as a caller writing front to back would.
-    sorted: bool,
+    /// How the requests are placed and ordered.
+    placement: Placement,
     /// 0: writes, 1: reads, else both.
     to: u8,
+}
+
+/// The bulk requests' placement.
+#[derive(Arbitrary, Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// Random offsets, in random order.
+    Random,
+    /// Random offsets, sorted by buffer key and offset, as a caller writing front to back
+    /// would (overlaps stay).
+    Sorted,
+    /// In order: each request of a buffer starts at or after the end of the previous one
+    /// (touching or with a gap), buffers interleaved, as the planner's sort-free path takes
+    /// them (with small keys); they replace the input's own requests of that direction.
+    InOrder,
 }
 
 /// A request as the planner sees it, before it becomes a write or a read.
@@ -223,6 +239,26 @@ impl Bulk {
         let mut state = self.seed;
         let max_len = u64::from(self.max_len % 1024);
         let count = 256 + usize::from(self.count) % 1793;
+        if self.placement == Placement::InOrder {
+            let mut cursors: HashMap<BufferKey, u64> = HashMap::new();
+            return (0..count)
+                .map(|_| {
+                    let b = buffers[next(&mut state) as usize % buffers.len()];
+                    let cursor = cursors.entry(b.key).or_insert(0);
+                    let gap = if next(&mut state).is_multiple_of(3) { 0 } else { next(&mut state) % 64 };
+                    let len = next(&mut state) % (max_len.min(b.len) + 1);
+                    let offset = *cursor + gap;
+                    if offset + len > b.len {
+                        // The buffer is full: an empty request, which the order ignores.
+                        return Req { buffer: b.key, buffer_len: b.len, offset: b.len, len: 0 };
+                    }
+                    if len > 0 {
+                        *cursor = offset + len;
+                    }
+                    Req { buffer: b.key, buffer_len: b.len, offset, len }
+                })
+                .collect();
+        }
         let mut reqs: Vec<Req> = (0..count)
             .map(|_| {
                 let b = buffers[next(&mut state) as usize % buffers.len()];
@@ -231,7 +267,7 @@ impl Bulk {
                 Req { buffer: b.key, buffer_len: b.len, offset, len }
             })
             .collect();
-        if self.sorted {
+        if self.placement == Placement::Sorted {
             reqs.sort_by_key(|r| (r.buffer, r.offset));
         }
         reqs
@@ -385,11 +421,12 @@ fuzz_target!(|input: Input| {
     let mut reads: Vec<Req> = input.reads.iter().map(|r| r.to_req(&buffers)).collect();
     if let Some(bulk) = &input.bulk {
         let more = bulk.requests(&buffers);
-        if bulk.to != 1 {
-            writes.extend_from_slice(&more);
-        }
-        if bulk.to != 0 {
-            reads.extend_from_slice(&more);
+        for (to, reqs) in [(bulk.to != 1, &mut writes), (bulk.to != 0, &mut reads)] {
+            if to && bulk.placement == Placement::InOrder {
+                *reqs = more.clone();
+            } else if to {
+                reqs.extend_from_slice(&more);
+            }
         }
     }
     // The model's buffers are as long as the longest length any good request claims.
