@@ -245,7 +245,7 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
         (reference, recorded, driver.faults().counts())
     };
     driver.faults().clear();
-    let baseline_free = anchor.free_memory().unwrap();
+    let base = Baseline { seed, reference, anchor: &anchor, free: anchor.free_memory().unwrap() };
     for (phase, counts) in [("sequence", &recorded), ("teardown", &teardown)] {
         println!("recorded {phase}: {} entry points", counts.len());
         for (entry, count) in counts {
@@ -268,13 +268,10 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
             for code in codes {
                 cases += 1;
                 let case = format!("{phase:?}: {entry} call {k} -> {code}");
+                let fault = Fault::new(entry, k, code);
                 let outcome = catch_unwind(AssertUnwindSafe(|| match phase {
-                    Phase::Sequence => {
-                        run_case(&driver, entry, k, code, seed, reference, &anchor, baseline_free)
-                    }
-                    Phase::Teardown => {
-                        teardown_case(&driver, entry, k, code, seed, reference, &anchor, baseline_free)
-                    }
+                    Phase::Sequence => run_case(&driver, fault, &base),
+                    Phase::Teardown => teardown_case(&driver, fault, &base),
                 }));
                 match outcome {
                     Ok(Ok(report)) => {
@@ -327,18 +324,30 @@ enum Phase {
     Teardown,
 }
 
-/// A fault while a device that ran the whole sequence is dropped.
-#[allow(clippy::too_many_arguments)]
-fn teardown_case(
-    driver: &Arc<Driver>,
-    entry: &'static str,
-    k: u64,
-    code: CUresult,
+/// What every case compares against: the sequence's seed, the accounting a run without
+/// faults leaves, and the device's free memory with no case running (read through `anchor`,
+/// which keeps the primary context alive).
+struct Baseline<'a> {
     seed: u64,
     reference: [u64; 5],
-    anchor: &Device,
-    baseline_free: u64,
-) -> Result<CaseReport, String> {
+    anchor: &'a Device,
+    free: u64,
+}
+
+impl Baseline<'_> {
+    /// Fails when the driver reports less free device memory than before the case.
+    fn no_leak(&self) -> Result<(), String> {
+        let free = self.anchor.free_memory().map_err(|e| e.to_string())?;
+        if free != self.free {
+            return Err(format!("the driver reports {free} bytes free, {} before: a leak", self.free));
+        }
+        Ok(())
+    }
+}
+
+/// A fault while a device that ran the whole sequence is dropped.
+fn teardown_case(driver: &Arc<Driver>, fault: Fault, base: &Baseline) -> Result<CaseReport, String> {
+    let (seed, reference) = (base.seed, base.reference);
     let faults = driver.faults();
     faults.record();
     let d = Device::open_with(Arc::clone(driver), 0, config()).map_err(|e| e.to_string())?;
@@ -349,7 +358,7 @@ fn teardown_case(
     }
     let mut counts = faults.counts();
     faults.reset();
-    faults.inject(Fault::new(entry, k, code)).map_err(|e| e.to_string())?;
+    faults.inject(fault).map_err(|e| e.to_string())?;
     drop(d);
     faults.remove_faults();
     let fired = faults.injected() > 0;
@@ -360,10 +369,7 @@ fn teardown_case(
         total.injected += c.injected;
     }
     common::balanced(&counts)?;
-    let free = anchor.free_memory().map_err(|e| e.to_string())?;
-    if free != baseline_free {
-        return Err(format!("the driver reports {free} bytes free, {baseline_free} before: a leak"));
-    }
+    base.no_leak()?;
     Ok(CaseReport { fired, absorbed: fired, ops, bytes })
 }
 
@@ -374,20 +380,12 @@ struct CaseReport {
     bytes: u64,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_case(
-    driver: &Arc<Driver>,
-    entry: &'static str,
-    k: u64,
-    code: CUresult,
-    seed: u64,
-    reference: [u64; 5],
-    anchor: &Device,
-    baseline_free: u64,
-) -> Result<CaseReport, String> {
+/// A fault while a device opens and runs the sequence; then the same device runs it again.
+fn run_case(driver: &Arc<Driver>, fault: Fault, base: &Baseline) -> Result<CaseReport, String> {
+    let (seed, reference, entry, k) = (base.seed, base.reference, fault.entry, fault.nth);
     let faults = driver.faults();
     faults.record();
-    faults.inject(Fault::new(entry, k, code)).map_err(|e| e.to_string())?;
+    faults.inject(fault).map_err(|e| e.to_string())?;
     let (mut ops, mut bytes) = (0, 0);
 
     // The faulty run: opening the device may be what fails.
@@ -442,9 +440,6 @@ fn run_case(
     drop(device);
 
     common::balanced(&faults.counts())?;
-    let free = anchor.free_memory().map_err(|e| e.to_string())?;
-    if free != baseline_free {
-        return Err(format!("the driver reports {free} bytes free, {baseline_free} before: a leak"));
-    }
+    base.no_leak()?;
     Ok(CaseReport { fired, absorbed: fired && absorbed, ops, bytes })
 }
