@@ -1127,11 +1127,37 @@ fn human(bytes: usize) -> String {
     }
 }
 
+/// The PCIe link of the device at `bus_id` (`0000:00:06.0`) as Linux reports it under
+/// `root` (`/sys/bus/pci/devices`): `PCIe 32.0 GT/s x16 (max 32.0 GT/s x16)`, or `None`
+/// where the files are not there (another system, a container without sysfs).
+fn pci_link(root: &std::path::Path, bus_id: &str) -> Option<String> {
+    let dir = root.join(bus_id.to_ascii_lowercase());
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok().map(|s| s.trim().to_owned());
+    let speed = |s: String| s.trim_end_matches(" PCIe").to_owned();
+    let (now_speed, now_width) = (speed(read("current_link_speed")?), read("current_link_width")?);
+    // Virtual slots may say "Unknown" or a width of 0.
+    if !now_speed.contains("GT/s") || now_width == "0" {
+        return None;
+    }
+    let mut link = format!("PCIe {now_speed} x{now_width}");
+    if let (Some(max_speed), Some(max_width)) = (read("max_link_speed"), read("max_link_width")) {
+        link.push_str(&format!(" (max {} x{max_width})", speed(max_speed)));
+    }
+    Some(link)
+}
+
+/// The device's link, or "unknown".
+fn link_of(d: &Device) -> String {
+    pci_link(std::path::Path::new("/sys/bus/pci/devices"), &d.info().pci_bus_id)
+        .unwrap_or_else(|| "link unknown".to_owned())
+}
+
 /// What the report says about the device.
 fn device_json(d: &Device) -> serde_json::Value {
     let i = d.info();
     serde_json::json!({
-        "name": i.name, "ordinal": i.ordinal, "pci_bus_id": i.pci_bus_id, "total_memory": i.total_memory,
+        "name": i.name, "ordinal": i.ordinal, "pci_bus_id": i.pci_bus_id, "link": link_of(d),
+        "total_memory": i.total_memory,
         "compute_capability": [i.compute_capability.0, i.compute_capability.1],
         "copy_engines": i.copy_engines, "driver_cuda_version": i.driver_version.to_string(),
         "cuMemcpyBatchAsync": i.batch_memcpy,
@@ -1237,8 +1263,13 @@ fn run(
         c.resolved_pack_threads()
     );
     println!(
-        "device {}: {} | {} | driver CUDA {} | {} copy engines",
-        info.ordinal, info.name, info.pci_bus_id, info.driver_version, info.copy_engines
+        "device {}: {} | {} | {} | driver CUDA {} | {} copy engines",
+        info.ordinal,
+        info.name,
+        info.pci_bus_id,
+        link_of(&d),
+        info.driver_version,
+        info.copy_engines
     );
     for skipped in &plan.skipped {
         println!("skipped: {skipped}");
@@ -1362,6 +1393,33 @@ fn main() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod link_tests {
+    use super::pci_link;
+
+    #[test]
+    fn the_link_is_read_from_sysfs_files_and_missing_files_give_none() {
+        let root = std::env::temp_dir().join(format!("xfer-bench-sysfs-{}", std::process::id()));
+        // The driver may spell the bus id in upper case; sysfs names are lower case.
+        let dir = root.join("0000:1a:00.0");
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(pci_link(&root, "0000:1A:00.0"), None, "no files");
+        std::fs::write(dir.join("current_link_speed"), "Unknown\n").unwrap();
+        std::fs::write(dir.join("current_link_width"), "0\n").unwrap();
+        assert_eq!(pci_link(&root, "0000:1A:00.0"), None, "a virtual slot");
+        std::fs::write(dir.join("current_link_speed"), "32.0 GT/s PCIe\n").unwrap();
+        std::fs::write(dir.join("current_link_width"), "16\n").unwrap();
+        assert_eq!(pci_link(&root, "0000:1A:00.0").as_deref(), Some("PCIe 32.0 GT/s x16"));
+        std::fs::write(dir.join("max_link_speed"), "32.0 GT/s PCIe\n").unwrap();
+        std::fs::write(dir.join("max_link_width"), "16\n").unwrap();
+        assert_eq!(
+            pci_link(&root, "0000:1A:00.0").as_deref(),
+            Some("PCIe 32.0 GT/s x16 (max 32.0 GT/s x16)")
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }
 
 #[cfg(test)]
