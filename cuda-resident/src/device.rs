@@ -352,6 +352,10 @@ impl Device {
 
     /// Frees a buffer. The handle is invalid at once; if a copy still uses the buffer, its
     /// memory is reused only after the copy completes.
+    ///
+    /// An error from the driver's own free (`cuMemFree`, for a buffer past the slab size)
+    /// is returned, but the handle is freed all the same: the memory stays counted as held
+    /// and the next [`Device::trim`] tries again.
     pub fn free(&self, buffer: ResidentBuffer) -> Result<()> {
         self.core.alloc.free(buffer, &|last| self.core.is_known_idle(last))
     }

@@ -61,6 +61,19 @@ struct LaneState {
     next_seq: u64,
     inflight: VecDeque<InFlight>,
     spare_events: Vec<CUevent>,
+    /// What submissions kept alive when neither their event nor a stream synchronize could
+    /// be had (a lost context): held until the lane goes away, never lent again meanwhile.
+    stranded: Vec<KeepAlive>,
+}
+
+impl LaneState {
+    /// The event after which submission `seq` is done: that of the first submission in
+    /// flight at or after it; failing that (`seq` was reserved but never got an event of its
+    /// own, after a failure), the newest in flight, which is never too early. `None` when
+    /// nothing is in flight.
+    fn event_for(&self, seq: u64) -> Option<CUevent> {
+        self.inflight.iter().find(|f| f.seq >= seq).or(self.inflight.back()).map(|f| f.event)
+    }
 }
 
 /// One stream and its timeline.
@@ -103,6 +116,7 @@ impl Lane {
                 next_seq: 1,
                 inflight: VecDeque::new(),
                 spare_events: Vec::new(),
+                stranded: Vec::new(),
             }),
             submitting: crate::sync::Mutex::new(()),
             completed: AtomicU64::new(0),
@@ -181,12 +195,8 @@ impl Lane {
         if self.is_known_done(seq) {
             return Ok(false);
         }
-        let event = {
-            let state = lock(&self.state);
-            state.inflight.iter().find(|f| f.seq >= seq).map(|f| f.event)
-        };
-        let Some(event) = event else {
-            // Retired between the check and the lock.
+        let Some(event) = lock(&self.state).event_for(seq) else {
+            // Nothing in flight: retired between the check and the lock.
             return Ok(false);
         };
         // The event may be recycled for a later submission on this same stream while we
@@ -209,8 +219,8 @@ impl Lane {
         }
         // The lock keeps the event from being recycled while the wait is enqueued.
         let state = lock(&self.state);
-        match state.inflight.iter().find(|f| f.seq >= seq) {
-            Some(f) => self.ctx.raw.stream_wait_event(stream, f.event),
+        match state.event_for(seq) {
+            Some(event) => self.ctx.raw.stream_wait_event(stream, event),
             None => Ok(()),
         }
     }
@@ -281,9 +291,12 @@ impl Lane {
         if let Err(e) = raw.event_record(event, self.stream) {
             state.spare_events.push(event);
             drop(state);
-            // Recording failed: the stream is broken. Wait for it so that `keep` is safe to
-            // release; if even that fails, the context is lost and nothing is in flight.
-            let _ = raw.stream_synchronize(self.stream);
+            // Recording failed: wait for the stream so that `keep` is safe to release. If even
+            // that fails, the context is lost; what was enqueued may or may not run, so its
+            // staging is never lent again (kept until the lane goes away).
+            if raw.stream_synchronize(self.stream).is_err() {
+                lock(&self.state).stranded.push(keep);
+            }
             return Err(e);
         }
         let seq = state.next_seq;

@@ -150,12 +150,21 @@ struct Global {
     deferred: Vec<(Block, LastUse)>,
     /// Driver allocations whose `cuMemFree` failed, as `(pointer, bytes)`: still counted in
     /// `reserved`, retried by the next trim and when the device goes away.
-    unreleased: Vec<(u64, u64)>,
+    unreleased: Vec<Unreleased>,
     driver_allocations: u64,
     driver_frees: u64,
     trims: u64,
     budget_refusals: u64,
     deferred_frees: u64,
+}
+
+/// A driver allocation on its way back to the driver: a slab or a dedicated block.
+#[derive(Clone, Copy, Debug)]
+struct Unreleased {
+    ptr: u64,
+    bytes: u64,
+    /// A dedicated block (counted in `Global::dedicated` until freed), not a slab.
+    dedicated: bool,
 }
 
 /// Statistics of the resident store.
@@ -448,8 +457,7 @@ impl<M: DeviceMemory> Allocator<M> {
                 Ok(())
             }
             Origin::Dedicated => {
-                global.dedicated -= block.bytes;
-                self.driver_free(global, block.ptr, block.bytes)
+                self.driver_free(global, Unreleased { ptr: block.ptr, bytes: block.bytes, dedicated: true })
             }
         }
     }
@@ -458,15 +466,18 @@ impl<M: DeviceMemory> Allocator<M> {
     /// in `reserved` and is retried by the next trim (a driver that refused once may not
     /// refuse again; one whose context is lost refuses everything, and then nothing leaks
     /// twice).
-    fn driver_free(&self, global: &mut Global, ptr: u64, bytes: u64) -> Result<()> {
-        match self.memory.mem_free(ptr) {
+    fn driver_free(&self, global: &mut Global, memory: Unreleased) -> Result<()> {
+        match self.memory.mem_free(memory.ptr) {
             Ok(()) => {
-                global.reserved -= bytes;
+                global.reserved -= memory.bytes;
+                if memory.dedicated {
+                    global.dedicated -= memory.bytes;
+                }
                 global.driver_frees += 1;
                 Ok(())
             }
             Err(e) => {
-                global.unreleased.push((ptr, bytes));
+                global.unreleased.push(memory);
                 Err(e)
             }
         }
@@ -475,8 +486,8 @@ impl<M: DeviceMemory> Allocator<M> {
     /// Retries the driver frees that failed before.
     fn retry_unreleased(&self, global: &mut Global) -> Result<()> {
         let mut result = Ok(());
-        for (ptr, bytes) in std::mem::take(&mut global.unreleased) {
-            result = result.and(self.driver_free(global, ptr, bytes));
+        for memory in std::mem::take(&mut global.unreleased) {
+            result = result.and(self.driver_free(global, memory));
         }
         result
     }
@@ -638,7 +649,7 @@ impl<M: DeviceMemory> Allocator<M> {
             let (ptr, bytes) = (slab.ptr, slab.bytes);
             if global.ranges.remove_slab_if_free(id as SlabId, bytes) {
                 global.slabs[id] = None;
-                result = result.and(self.driver_free(global, ptr, bytes));
+                result = result.and(self.driver_free(global, Unreleased { ptr, bytes, dedicated: false }));
             }
         }
         result.map(|()| before - global.reserved)
@@ -694,7 +705,7 @@ impl<M: DeviceMemory> Allocator<M> {
             global.deferred.drain(..).filter(|(b, _)| b.origin == Origin::Dedicated).map(|(b, _)| b.ptr),
         );
         ptrs.extend(global.slabs.drain(..).flatten().map(|slab| slab.ptr));
-        ptrs.extend(global.unreleased.drain(..).map(|(ptr, _)| ptr));
+        ptrs.extend(global.unreleased.drain(..).map(|memory| memory.ptr));
         global.reserved = 0;
         global.dedicated = 0;
         // Free everything even if one call fails (each failed free is tried once more);

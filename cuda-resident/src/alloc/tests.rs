@@ -348,6 +348,7 @@ fn a_failed_driver_free_keeps_the_memory_counted_and_the_next_trim_retries_it() 
     assert!(err.to_string().contains("cuMemFree_v2"), "{err}");
     assert!(matches!(a.resolve(big), Err(Error::FreedBuffer { .. })));
     assert_eq!(a.stats().reserved_bytes, held);
+    assert_eq!(a.stats().dedicated_bytes, 100 * MIB, "still held, so still counted");
     assert_eq!(model.live_bytes(), held);
 
     // A trim whose slab free fails frees what it can, reports the failure, keeps counting.
@@ -360,7 +361,7 @@ fn a_failed_driver_free_keeps_the_memory_counted_and_the_next_trim_retries_it() 
 
     // The next trim retries and everything returns to the driver.
     assert!(a.trim(IDLE).unwrap() > 0);
-    assert_eq!((a.stats().reserved_bytes, model.live_bytes()), (0, 0));
+    assert_eq!((a.stats().reserved_bytes, a.stats().dedicated_bytes, model.live_bytes()), (0, 0, 0));
     let stats = a.stats();
     assert_eq!(stats.driver_allocations, stats.driver_frees);
     // And the allocator works as before.
