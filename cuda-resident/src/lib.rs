@@ -45,6 +45,8 @@ pub mod budget;
 mod context;
 mod device;
 mod error;
+#[cfg(test)]
+mod fake_driver;
 mod host_pool;
 mod kernels;
 pub mod plan;

@@ -431,3 +431,98 @@ impl Fence {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Driver, Fault};
+
+    use super::*;
+    use crate::fake_driver::{self, complete_all, with};
+    use crate::host_pool::HostPool;
+
+    /// A lane on the model GPU, and its driver (for faults).
+    fn lane() -> (Arc<Driver>, Lane) {
+        let driver = fake_driver::driver();
+        let lane = Lane::new(LaneKind::Upload, fake_driver::context(&driver)).unwrap();
+        (driver, lane)
+    }
+
+    /// A batch that reserved three numbers and submitted one: as after a failure part-way.
+    fn stop_after_one_of_three(lane: &Lane) {
+        let batch = lane.batch();
+        batch.reserve(3);
+        assert_eq!(batch.submit(Vec::new(), |_, _, _| Ok(())).unwrap(), 1);
+    }
+
+    #[test]
+    fn a_batch_that_stops_part_way_completes_its_numbers_with_the_work_before_them() {
+        let (_driver, lane) = lane();
+        stop_after_one_of_three(&lane);
+        assert_eq!(lane.last_submitted(), 3, "2 and 3 are used up");
+        assert!(!lane.is_done(3).unwrap(), "not done before the work before them");
+        assert!(!lane.is_done(2).unwrap());
+        complete_all();
+        assert!(lane.is_done(2).unwrap() && lane.is_done(3).unwrap());
+        assert_eq!(lane.batch().next_seq(), 4, "the next batch continues after them");
+    }
+
+    #[test]
+    fn when_no_marker_can_be_recorded_the_stream_is_waited_for_and_everything_retires() {
+        let (driver, lane) = lane();
+        // The first record is the submission's, the second the marker's.
+        driver.faults().inject(Fault::new("cuEventRecord", 2, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        stop_after_one_of_three(&lane);
+        assert_eq!(with(|g| g.stream_syncs), 1, "the stream was synchronized instead");
+        assert!(lane.is_known_done(3), "and everything up to the reserved numbers retired");
+        assert_eq!(lane.oldest_in_flight(), None);
+    }
+
+    #[test]
+    fn a_wait_for_a_number_that_never_got_an_event_waits_for_the_newest_work() {
+        let (driver, lane) = lane();
+        // Neither the marker nor the stream synchronize: a context in trouble.
+        driver.faults().inject(Fault::new("cuEventRecord", 2, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        driver.faults().inject(Fault::new("cuStreamSynchronize", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        stop_after_one_of_three(&lane);
+        let first = {
+            let state = lock(&lane.state);
+            assert_eq!(state.inflight.iter().map(|f| f.seq).collect::<Vec<_>>(), vec![1]);
+            fake_driver::id(state.inflight[0].event)
+        };
+        assert!(!lane.is_known_done(3));
+        // Number 3 has no event of its own: waiting for it waits for submission 1, the
+        // newest work in flight, rather than returning at once.
+        assert!(lane.wait(3).unwrap(), "it had to wait");
+        assert_eq!(with(|g| g.event_waits.clone()), vec![first]);
+        assert!(lane.is_done(1).unwrap());
+    }
+
+    #[test]
+    fn staging_of_a_submission_whose_record_and_synchronize_fail_is_never_lent_again() {
+        let (driver, lane) = lane();
+        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20));
+        let lease = Arc::new(pool.try_acquire(4096).unwrap().expect("room in the pool"));
+        driver.faults().inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        driver.faults().inject(Fault::new("cuStreamSynchronize", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        let err = lane.batch().submit(vec![Arc::clone(&lease)], |_, _, _| Ok(())).unwrap_err();
+        assert!(err.to_string().contains("cuEventRecord"), "{err}");
+        drop(lease);
+        assert!(pool.stats().lent_bytes > 0, "what the copy may still use is not back in the pool");
+        drop(lane);
+        assert_eq!(pool.stats().lent_bytes, 0, "returned once the lane is gone");
+    }
+
+    #[test]
+    fn a_failed_submission_with_a_working_stream_returns_its_staging_after_waiting() {
+        let (driver, lane) = lane();
+        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20));
+        let lease = Arc::new(pool.try_acquire(4096).unwrap().expect("room in the pool"));
+        driver.faults().inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        lane.batch().submit(vec![Arc::clone(&lease)], |_, _, _| Ok(())).unwrap_err();
+        assert_eq!(with(|g| g.stream_syncs), 1);
+        drop(lease);
+        assert_eq!(pool.stats().lent_bytes, 0);
+    }
+}
