@@ -381,4 +381,59 @@ mod tests {
         assert_eq!(arena_bytes(1000 * MIB + 1, 1001 * MIB), 1001 * MIB);
         assert_eq!(arena_bytes(5 * MIB, 5 * MIB), 5 * MIB);
     }
+
+    use cuda_sys::{CUDA_ERROR_INVALID_CONTEXT, Fault};
+
+    use crate::fake_driver;
+
+    /// A pool of `cap` bytes on the model driver, and the driver (for faults).
+    fn pool(cap: u64) -> (Arc<cuda_sys::Driver>, Arc<HostPool>) {
+        let driver = fake_driver::driver();
+        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), cap));
+        driver.faults().record();
+        (driver, pool)
+    }
+
+    /// The pool's first `cuMemFreeHost` is refused (none happened before in these tests).
+    fn free_host_fails_once(driver: &cuda_sys::Driver) {
+        assert!(!driver.faults().counts().contains_key("cuMemFreeHost"));
+        driver.faults().inject(Fault::new("cuMemFreeHost", 1, CUDA_ERROR_INVALID_CONTEXT)).unwrap();
+    }
+
+    #[test]
+    fn a_refused_host_free_keeps_the_arena_counted_and_the_next_trim_retries_it() {
+        let (driver, pool) = pool(8 * MIB);
+        drop(pool.try_acquire(1000).unwrap().unwrap());
+        assert_eq!(pool.stats().reserved_bytes, MIN_ARENA);
+        free_host_fails_once(&driver);
+        let err = pool.trim().unwrap_err();
+        assert!(err.to_string().contains("cuMemFreeHost"), "{err}");
+        assert_eq!(pool.stats().reserved_bytes, MIN_ARENA, "still held, still counted");
+        assert_eq!(pool.trim().unwrap(), MIN_ARENA, "the next trim frees it");
+        let stats = pool.stats();
+        assert_eq!((stats.reserved_bytes, stats.lent_bytes), (0, 0));
+        let counts = driver.faults().counts();
+        assert_eq!(counts["cuMemFreeHost"].succeeded, 1, "freed exactly once");
+    }
+
+    #[test]
+    fn an_arena_refused_during_eviction_is_retried_when_room_is_needed_again() {
+        // Room for one 4 MiB arena at a time: each new size evicts the free one.
+        let (driver, pool) = pool(4 * MIB);
+        drop(pool.try_acquire(4 * MIB as usize).unwrap().unwrap());
+        free_host_fails_once(&driver);
+        // Evicting the 4 MiB arena fails: the request still gets its arena (the refusal is
+        // not its failure), and the refused one stays listed and counted.
+        let lease = pool.try_acquire(MIB as usize).unwrap().expect("served");
+        assert_eq!(pool.stats().reserved_bytes, 5 * MIB, "over the cap while the driver refuses");
+        drop(lease);
+        // The next request that needs room retries the refused arena first.
+        let lease = pool.try_acquire(2 * MIB as usize).unwrap().expect("served");
+        assert!(pool.stats().reserved_bytes <= 4 * MIB, "{:?}", pool.stats());
+        drop(lease);
+        pool.trim().unwrap();
+        assert_eq!(pool.stats().reserved_bytes, 0);
+        let counts = driver.faults().counts();
+        assert_eq!(counts["cuMemHostAlloc"].succeeded, counts["cuMemFreeHost"].succeeded, "nothing leaked");
+    }
 }
