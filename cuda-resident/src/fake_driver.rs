@@ -4,14 +4,23 @@
 //! when the host waits for it.
 //!
 //! The model is per thread (each test runs the code under test on its own thread): one
-//! counter of recorded work, one of completed work. Recording an event is a unit of work;
-//! the event is complete once the completed count reaches it. `cuEventSynchronize` and
-//! `cuStreamSynchronize` complete work up to the event, or all of it, as a host wait would.
+//! counter of recorded work, one of completed work. Recording an event, enqueueing a copy
+//! and launching the copy kernel are each a unit of work; an event is complete once the
+//! completed count reaches it. `cuEventSynchronize` and `cuStreamSynchronize` complete work
+//! up to the event, or all of it, as a host wait would, and only then are the queued copies
+//! and kernels carried out, in order: a copy whose staging was reused too early shows up
+//! as wrong bytes. Device memory is host memory at the address the model hands out; every
+//! device range a copy or the kernel touches must lie in one allocation, and the host side
+//! of every copy must be pinned (allocated or registered). A copy that breaks either is
+//! refused at enqueue (`CUDA_ERROR_INVALID_VALUE`) or, found when carried out, skipped and
+//! remembered: from then on every wait and query answers `CUDA_ERROR_ILLEGAL_ADDRESS`, as a
+//! GPU's sticky error would. Each such finding is printed, for the failing test's output.
+//!
 //! Faults are injected through the driver's own [`Faults`](cuda_sys::Faults).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::os::raw::{c_uint, c_void};
+use std::os::raw::{c_char, c_int, c_uint, c_void};
 use std::sync::Arc;
 
 use cuda_sys::*;
@@ -19,12 +28,26 @@ use cuda_sys::*;
 use crate::context::Context;
 use crate::raw::Raw;
 
+/// Queued work.
+enum Op {
+    /// `len` bytes from `src` to `dst` (either may be device or host memory).
+    Copy { dst: usize, src: usize, len: usize },
+    /// The copy kernel: `count` descriptors (`src, dst, len` as `u64`s) at device `table`.
+    Kernel { table: usize, count: u64 },
+}
+
 /// The model GPU of the calling thread.
 #[derive(Default)]
 pub(crate) struct FakeGpu {
     next_handle: usize,
     recorded: u64,
     completed: u64,
+    /// Work not yet carried out, with its position.
+    queue: std::collections::VecDeque<(u64, Op)>,
+    /// Device allocations: address -> length.
+    device: std::collections::BTreeMap<usize, usize>,
+    /// Registered host ranges: address -> length.
+    registered: std::collections::BTreeMap<usize, usize>,
     /// Per live event, the work position of its last record (`None`: never recorded).
     events: HashMap<usize, Option<u64>>,
     /// Pinned allocations: address -> length.
@@ -33,6 +56,8 @@ pub(crate) struct FakeGpu {
     pub(crate) event_waits: Vec<usize>,
     /// `cuStreamSynchronize` calls that succeeded.
     pub(crate) stream_syncs: u64,
+    /// What the model found wrong (illegal accesses), in order.
+    pub(crate) errors: Vec<String>,
 }
 
 thread_local! {
@@ -46,7 +71,83 @@ pub(crate) fn with<R>(f: impl FnOnce(&mut FakeGpu) -> R) -> R {
 
 /// Completes every piece of work recorded so far, as the GPU would in its own time.
 pub(crate) fn complete_all() {
-    with(|g| g.completed = g.recorded);
+    with(|g| g.complete_to(g.recorded));
+}
+
+/// Whether `[at, at + len)` lies inside one of `ranges` (address -> length).
+fn inside(ranges: &std::collections::BTreeMap<usize, usize>, at: usize, len: usize) -> bool {
+    ranges.range(..=at).next_back().is_some_and(|(&base, &n)| at + len <= base + n)
+}
+
+impl FakeGpu {
+    fn is_device(&self, at: usize, len: usize) -> bool {
+        inside(&self.device, at, len)
+    }
+
+    fn is_pinned(&self, at: usize, len: usize) -> bool {
+        let pinned: std::collections::BTreeMap<usize, usize> = self
+            .pinned
+            .iter()
+            .map(|(&a, &n)| (a, n))
+            .chain(self.registered.iter().map(|(&a, &n)| (a, n)))
+            .collect();
+        inside(&pinned, at, len)
+    }
+
+    fn enqueue(&mut self, op: Op) {
+        self.recorded += 1;
+        self.queue.push_back((self.recorded, op));
+    }
+
+    /// Marks work up to `position` complete, carrying out the queued work in order.
+    fn complete_to(&mut self, position: u64) {
+        while self.queue.front().is_some_and(|(at, _)| *at <= position) {
+            let (_, op) = self.queue.pop_front().expect("checked");
+            match op {
+                Op::Copy { dst, src, len } => self.copy(dst, src, len),
+                Op::Kernel { table, count } => {
+                    if !self.is_device(table, count as usize * 24) {
+                        self.illegal(format!("descriptor table {table:#x} x {count} outside device memory"));
+                        continue;
+                    }
+                    for i in 0..count as usize {
+                        // SAFETY: the table lies in a live device allocation (checked above).
+                        let [src, dst, len] =
+                            unsafe { std::ptr::read_unaligned((table as *const [u64; 3]).add(i)) };
+                        let (src, dst, len) = (src as usize, dst as usize, len as usize);
+                        if self.is_device(src, len) && self.is_device(dst, len) {
+                            self.copy(dst, src, len);
+                        } else {
+                            self.illegal(format!(
+                                "descriptor {i}: {src:#x} -> {dst:#x} ({len} bytes) outside device memory"
+                            ));
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.completed = self.completed.max(position);
+    }
+
+    fn illegal(&mut self, what: String) {
+        eprintln!("model GPU: {what}");
+        self.errors.push(what);
+    }
+
+    /// What waits and queries answer once the model found an illegal access.
+    fn sticky(&self) -> Option<CUresult> {
+        (!self.errors.is_empty()).then_some(CUDA_ERROR_ILLEGAL_ADDRESS)
+    }
+
+    fn copy(&self, dst: usize, src: usize, len: usize) {
+        // SAFETY: both ranges were checked to lie in live device or pinned allocations when
+        // the copy was queued (device ones again for the kernel). A region the code under
+        // test freed while a copy still used it would be a use after free here too: finding
+        // that is what these tests are for, and the checks above catch the usual case (a
+        // table or a range overwritten by a later batch) before any copy.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+    }
 }
 
 /// The handle a test sees for `event` (its address as a number).
@@ -87,10 +188,10 @@ unsafe extern "C" fn stream_destroy(_stream: CUstream) -> CUresult {
 
 unsafe extern "C" fn stream_synchronize(_stream: CUstream) -> CUresult {
     with(|g| {
-        g.completed = g.recorded;
+        g.complete_to(g.recorded);
         g.stream_syncs += 1;
-    });
-    CUDA_SUCCESS
+        g.sticky().unwrap_or(CUDA_SUCCESS)
+    })
 }
 
 unsafe extern "C" fn stream_wait_event(_stream: CUstream, _event: CUevent, _flags: c_uint) -> CUresult {
@@ -121,6 +222,7 @@ unsafe extern "C" fn event_record(event: CUevent, _stream: CUstream) -> CUresult
 
 unsafe extern "C" fn event_query(event: CUevent) -> CUresult {
     with(|g| match g.events.get(&id(event)) {
+        _ if g.sticky().is_some() => CUDA_ERROR_ILLEGAL_ADDRESS,
         Some(Some(at)) if *at > g.completed => CUDA_ERROR_NOT_READY,
         Some(_) => CUDA_SUCCESS,
         None => CUDA_ERROR_INVALID_HANDLE,
@@ -130,9 +232,9 @@ unsafe extern "C" fn event_query(event: CUevent) -> CUresult {
 unsafe extern "C" fn event_synchronize(event: CUevent) -> CUresult {
     with(|g| match g.events.get(&id(event)).copied() {
         Some(at) => {
-            g.completed = g.completed.max(at.unwrap_or(0));
+            g.complete_to(at.unwrap_or(0));
             g.event_waits.push(id(event));
-            CUDA_SUCCESS
+            g.sticky().unwrap_or(CUDA_SUCCESS)
         }
         None => CUDA_ERROR_INVALID_HANDLE,
     })
@@ -162,6 +264,238 @@ unsafe extern "C" fn mem_free_host(p: *mut c_void) -> CUresult {
     }
 }
 
+unsafe extern "C" fn init(_flags: c_uint) -> CUresult {
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn device_get_count(count: *mut c_int) -> CUresult {
+    // SAFETY: as above.
+    unsafe { *count = 1 };
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn device_get(device: *mut CUdevice, ordinal: c_int) -> CUresult {
+    if ordinal != 0 {
+        return CUDA_ERROR_INVALID_DEVICE;
+    }
+    // SAFETY: as above.
+    unsafe { *device = 0 };
+    CUDA_SUCCESS
+}
+
+/// Writes `text` NUL-terminated into `out` of `len` bytes.
+unsafe fn write_str(out: *mut c_char, len: c_int, text: &str) -> CUresult {
+    let bytes = text.as_bytes();
+    if bytes.len() + 1 > len as usize {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    // SAFETY: the caller's buffer holds `len` bytes, more than the text and its NUL.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), out, bytes.len());
+        *out.add(bytes.len()) = 0;
+    }
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn device_get_name(name: *mut c_char, len: c_int, _dev: CUdevice) -> CUresult {
+    // SAFETY: as the driver requires of the caller.
+    unsafe { write_str(name, len, "Model GPU") }
+}
+
+unsafe extern "C" fn device_get_pci_bus_id(id: *mut c_char, len: c_int, _dev: CUdevice) -> CUresult {
+    // SAFETY: as above.
+    unsafe { write_str(id, len, "0000:00:00.0") }
+}
+
+/// The model's device memory.
+const TOTAL: usize = 4 << 30;
+
+unsafe extern "C" fn device_total_mem(bytes: *mut usize, _dev: CUdevice) -> CUresult {
+    // SAFETY: as above.
+    unsafe { *bytes = TOTAL };
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn device_get_attribute(
+    pi: *mut c_int,
+    attribute: CUdevice_attribute,
+    _dev: CUdevice,
+) -> CUresult {
+    let value = match attribute {
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
+        CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => 4,
+        CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT => 2,
+        CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED | CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => 1,
+        _ => 0,
+    };
+    // SAFETY: as above.
+    unsafe { *pi = value };
+    CUDA_SUCCESS
+}
+
+/// Alignment of the model's device allocations, as the driver's (at least 256).
+const DEVICE_ALIGN: usize = 4096;
+
+unsafe extern "C" fn mem_alloc(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult {
+    let used: usize = with(|g| g.device.values().sum());
+    if bytes == 0 || used + bytes > TOTAL {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let layout = std::alloc::Layout::from_size_align(bytes, DEVICE_ALIGN).expect("a valid layout");
+    // SAFETY: the layout has a non-zero size.
+    let at = unsafe { std::alloc::alloc_zeroed(layout) };
+    if at.is_null() {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    with(|g| g.device.insert(at as usize, bytes));
+    // SAFETY: as above.
+    unsafe { *dptr = at as CUdeviceptr };
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn mem_free(dptr: CUdeviceptr) -> CUresult {
+    match with(|g| g.device.remove(&(dptr as usize))) {
+        Some(bytes) => {
+            let layout = std::alloc::Layout::from_size_align(bytes, DEVICE_ALIGN).expect("a valid layout");
+            // SAFETY: allocated above with this layout, freed once (removed from the table).
+            unsafe { std::alloc::dealloc(dptr as *mut u8, layout) };
+            CUDA_SUCCESS
+        }
+        None => CUDA_ERROR_INVALID_VALUE,
+    }
+}
+
+unsafe extern "C" fn mem_get_info(free: *mut usize, total: *mut usize) -> CUresult {
+    let used: usize = with(|g| g.device.values().sum());
+    // SAFETY: as above.
+    unsafe {
+        *free = TOTAL - used;
+        *total = TOTAL;
+    }
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn module_load_data(module: *mut CUmodule, _image: *const c_void) -> CUresult {
+    let h = with(handle);
+    // SAFETY: as above.
+    unsafe { *module = h as CUmodule };
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn module_get_function(
+    f: *mut CUfunction,
+    _module: CUmodule,
+    _name: *const c_char,
+) -> CUresult {
+    let h = with(handle);
+    // SAFETY: as above.
+    unsafe { *f = h as CUfunction };
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn module_unload(_module: CUmodule) -> CUresult {
+    CUDA_SUCCESS
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn launch_kernel(
+    _f: CUfunction,
+    _gx: c_uint,
+    _gy: c_uint,
+    _gz: c_uint,
+    _bx: c_uint,
+    _by: c_uint,
+    _bz: c_uint,
+    _shared: c_uint,
+    _stream: CUstream,
+    params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: the copy kernel's parameters: a pointer to the table address, one to the count.
+    let (table, count) = unsafe { (*(*params).cast::<u64>(), *(*params.add(1)).cast::<u64>()) };
+    with(|g| g.enqueue(Op::Kernel { table: table as usize, count }));
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn memcpy_htod(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    bytes: usize,
+    _stream: CUstream,
+) -> CUresult {
+    with(|g| {
+        if !g.is_device(dst as usize, bytes) || !g.is_pinned(src as usize, bytes) {
+            g.illegal(format!("copy {src:?} -> {dst:#x} ({bytes} bytes): not pinned host to device memory"));
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        g.enqueue(Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
+        CUDA_SUCCESS
+    })
+}
+
+unsafe extern "C" fn memcpy_dtoh(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    bytes: usize,
+    _stream: CUstream,
+) -> CUresult {
+    with(|g| {
+        if !g.is_device(src as usize, bytes) || !g.is_pinned(dst as usize, bytes) {
+            g.illegal(format!("copy {src:#x} -> {dst:?} ({bytes} bytes): not device to pinned host memory"));
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        g.enqueue(Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
+        CUDA_SUCCESS
+    })
+}
+
+unsafe extern "C" fn host_register(p: *mut c_void, bytes: usize, _flags: c_uint) -> CUresult {
+    with(|g| g.registered.insert(p as usize, bytes));
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn host_unregister(p: *mut c_void) -> CUresult {
+    match with(|g| g.registered.remove(&(p as usize))) {
+        Some(_) => CUDA_SUCCESS,
+        None => CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+    }
+}
+
+unsafe extern "C" fn pointer_get_attributes(
+    n: c_uint,
+    attributes: *mut CUpointer_attribute,
+    data: *mut *mut c_void,
+    ptr: CUdeviceptr,
+) -> CUresult {
+    let at = ptr as usize;
+    let range = with(|g| {
+        let pinned: std::collections::BTreeMap<usize, usize> = g
+            .pinned
+            .iter()
+            .map(|(&a, &n)| (a, n))
+            .chain(g.registered.iter().map(|(&a, &n)| (a, n)))
+            .collect();
+        pinned.range(..=at).next_back().filter(|(base, len)| at < *base + *len).map(|(&b, &n)| (b, n))
+    });
+    for i in 0..n as usize {
+        // SAFETY: `n` attributes and as many outputs, each of its attribute's type.
+        unsafe {
+            let out = *data.add(i);
+            match *attributes.add(i) {
+                CU_POINTER_ATTRIBUTE_MEMORY_TYPE => {
+                    *out.cast::<c_uint>() = if range.is_some() { CU_MEMORYTYPE_HOST } else { 0 }
+                }
+                CU_POINTER_ATTRIBUTE_RANGE_START_ADDR => {
+                    *out.cast::<CUdeviceptr>() = range.map_or(0, |r| r.0 as u64)
+                }
+                CU_POINTER_ATTRIBUTE_RANGE_SIZE => *out.cast::<usize>() = range.map_or(0, |r| r.1),
+                _ => return CUDA_ERROR_INVALID_VALUE,
+            }
+        }
+    }
+    CUDA_SUCCESS
+}
+
 /// A driver whose context, stream, event and pinned-memory entry points are the model's.
 pub(crate) fn driver() -> Arc<Driver> {
     let mut driver = Driver::load_from("libc.so.6").expect("libc loads");
@@ -182,6 +516,25 @@ pub(crate) fn driver() -> Arc<Driver> {
     api.cuEventDestroy_v2 = Ok(event_destroy);
     api.cuMemHostAlloc = Ok(mem_host_alloc);
     api.cuMemFreeHost = Ok(mem_free_host);
+    api.cuInit = Ok(init);
+    api.cuDeviceGetCount = Ok(device_get_count);
+    api.cuDeviceGet = Ok(device_get);
+    api.cuDeviceGetName = Ok(device_get_name);
+    api.cuDeviceGetPCIBusId = Ok(device_get_pci_bus_id);
+    api.cuDeviceTotalMem_v2 = Ok(device_total_mem);
+    api.cuDeviceGetAttribute = Ok(device_get_attribute);
+    api.cuMemAlloc_v2 = Ok(mem_alloc);
+    api.cuMemFree_v2 = Ok(mem_free);
+    api.cuMemGetInfo_v2 = Ok(mem_get_info);
+    api.cuModuleLoadData = Ok(module_load_data);
+    api.cuModuleGetFunction = Ok(module_get_function);
+    api.cuModuleUnload = Ok(module_unload);
+    api.cuLaunchKernel = Ok(launch_kernel);
+    api.cuMemcpyHtoDAsync_v2 = Ok(memcpy_htod);
+    api.cuMemcpyDtoHAsync_v2 = Ok(memcpy_dtoh);
+    api.cuMemHostRegister_v2 = Ok(host_register);
+    api.cuMemHostUnregister = Ok(host_unregister);
+    api.cuPointerGetAttributes = Ok(pointer_get_attributes);
     Arc::new(driver)
 }
 

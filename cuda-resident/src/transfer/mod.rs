@@ -581,6 +581,9 @@ impl DeviceRegion {
 }
 
 #[cfg(test)]
+mod model_tests;
+
+#[cfg(test)]
 mod tests {
     use super::pipeline_chunk;
 

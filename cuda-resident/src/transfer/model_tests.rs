@@ -1,0 +1,219 @@
+//! The whole transfer engine on the model driver (`fake_driver`): a `Device` opened on it
+//! plans, stages, packs, "DMAs" and "scatters" exactly as on a GPU, and the model carries
+//! the copies and kernels out only when the host waits, so staging reused too early shows
+//! as wrong bytes. No GPU needed: these run in CI. (The model runs every stream's work in
+//! one order, so it cannot catch a missing wait between the two lanes; the GPU tests do.)
+
+use crate::fake_driver;
+use crate::{Config, Device, Error, ResidentBuffer};
+
+fn device(config: Config) -> Device {
+    Device::open_with(fake_driver::driver(), 0, config).expect("the model opens")
+}
+
+/// Small chunks and a low threshold: batches split into chunks and mix packed and direct.
+fn small_chunks() -> Config {
+    Config {
+        chunk_bytes: 64 << 10,
+        direct_threshold: 8 << 10,
+        pinned_cap_bytes: 8 << 20,
+        ..Config::default()
+    }
+}
+
+fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v);
+    v
+}
+
+/// Buffers and what they must hold.
+struct Model {
+    buffers: Vec<ResidentBuffer>,
+    expect: Vec<Vec<u8>>,
+}
+
+impl Model {
+    fn new(d: &Device, rng: &mut fastrand::Rng, sizes: &[usize]) -> Model {
+        let buffers: Vec<_> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
+        let expect: Vec<_> = sizes.iter().map(|&n| random_vec(rng, n)).collect();
+        let writes: Vec<_> = buffers.iter().zip(&expect).map(|(&b, v)| (b, v.as_slice())).collect();
+        d.upload_many(&writes).unwrap();
+        Model { buffers, expect }
+    }
+
+    fn check(&self, d: &Device, what: &str) {
+        for (i, got) in d.download_many(&self.buffers).unwrap().iter().enumerate() {
+            assert!(
+                got == &self.expect[i],
+                "{what}: buffer {i} differs at {:?}",
+                got.iter().zip(&self.expect[i]).position(|(a, b)| a != b)
+            );
+        }
+    }
+
+    /// A random range: 1 byte to the whole buffer, mostly small.
+    fn range(&self, rng: &mut fastrand::Rng) -> (usize, usize, usize) {
+        let i = rng.usize(..self.buffers.len());
+        let n = self.expect[i].len();
+        let len = match rng.u8(0..10) {
+            0 => rng.usize(1..=n),
+            1..=4 => rng.usize(1..=n.min(64)),
+            _ => rng.usize(1..=n.min(5000)),
+        };
+        (i, rng.usize(0..=n - len), len)
+    }
+}
+
+fn ragged_rounds(config: Config, seed: u64) {
+    let d = device(config);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut m = Model::new(&d, &mut rng, &[1, 100, 4096, 70_000, 300_000, 1 << 20]);
+    m.check(&d, "initial");
+    for round in 0..12 {
+        // Writes, copied or in place, overlapping, in any order; later ones win.
+        let mut batch = d.uploads();
+        // In-place batches hold their pinned staging until submitted: keep them within the
+        // small configuration's cap.
+        let in_place = round % 3 == 1;
+        let data: Vec<(usize, usize, Vec<u8>)> = (0..rng.usize(1..300))
+            .map(|_| {
+                let (i, offset, len) = m.range(&mut rng);
+                let len = if in_place { len.min(5000) } else { len };
+                (i, offset, random_vec(&mut rng, len))
+            })
+            .collect();
+        for (i, offset, bytes) in &data {
+            if in_place {
+                batch
+                    .write_with(m.buffers[*i], *offset as u64, bytes.len(), |dst| dst.copy_from_slice(bytes))
+                    .unwrap();
+            } else {
+                batch.write(m.buffers[*i], *offset as u64, bytes).unwrap();
+            }
+            m.expect[*i][*offset..offset + bytes.len()].copy_from_slice(bytes);
+        }
+        let fence = batch.submit().unwrap();
+        if round % 2 == 0 {
+            fence.wait().unwrap();
+        }
+        // Reads of random ranges, on the other lane, without waiting for the writes on the
+        // host: as views, and into vectors.
+        let mut reads = d.readbacks();
+        let ranges: Vec<_> = (0..rng.usize(1..200)).map(|_| m.range(&mut rng)).collect();
+        let slots: Vec<_> = ranges
+            .iter()
+            .map(|&(i, offset, len)| reads.read(m.buffers[i], offset as u64, len as u64).unwrap())
+            .collect();
+        let pending = reads.submit().unwrap();
+        if round % 2 == 0 {
+            let got = pending.wait().unwrap();
+            for (&(i, offset, len), &slot) in ranges.iter().zip(&slots) {
+                assert_eq!(got.get(slot), &m.expect[i][offset..offset + len], "round {round}: a view");
+            }
+        } else {
+            let mut out = vec![Vec::new(); slots.len()];
+            pending.wait_into(&slots, &mut out).unwrap();
+            for (&(i, offset, len), got) in ranges.iter().zip(&out) {
+                assert_eq!(got, &m.expect[i][offset..offset + len], "round {round}: a copy");
+            }
+        }
+        // One range the slow way round.
+        let (i, offset, len) = m.range(&mut rng);
+        let mut slice = vec![0x5a; len];
+        d.read_into_slice(m.buffers[i], offset as u64, &mut slice).unwrap();
+        assert_eq!(slice, &m.expect[i][offset..offset + len]);
+        assert_eq!(
+            d.download_range(m.buffers[i], offset as u64, len as u64).unwrap(),
+            &m.expect[i][offset..offset + len]
+        );
+    }
+    m.check(&d, "after the rounds");
+    for b in m.buffers.drain(..) {
+        d.free(b).unwrap();
+    }
+    d.synchronize().unwrap();
+    d.trim().unwrap();
+    let t = d.telemetry();
+    assert_eq!(t.memory.allocated_bytes, t.staging_bytes, "{t:#?}");
+    assert_eq!(t.pinned.lent_bytes, 0, "{t:#?}");
+}
+
+#[test]
+fn ragged_batches_on_the_model_match_the_byte_model() {
+    ragged_rounds(Config::default(), 1);
+}
+
+#[test]
+fn ragged_batches_in_small_chunks_on_the_model_match_the_byte_model() {
+    ragged_rounds(small_chunks(), 2);
+    ragged_rounds(small_chunks(), 3);
+}
+
+#[test]
+fn batches_submitted_back_to_back_never_reuse_staging_too_early() {
+    // A pinned cap of a few chunks, many batches in flight, nothing waited for until the end:
+    // staging must come back only after the model has carried out the copies that use it.
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(4);
+    let b = d.allocate(4 << 20).unwrap();
+    let mut expect = vec![0u8; 4 << 20];
+    d.upload(b, &expect).unwrap();
+    let mut fences = Vec::new();
+    for _ in 0..40 {
+        let mut batch = d.uploads();
+        let data: Vec<(usize, Vec<u8>)> = (0..50)
+            .map(|_| {
+                let len = rng.usize(1..20_000);
+                (rng.usize(0..=expect.len() - len), random_vec(&mut rng, len))
+            })
+            .collect();
+        for (offset, bytes) in &data {
+            batch.write(b, *offset as u64, bytes).unwrap();
+            expect[*offset..offset + bytes.len()].copy_from_slice(bytes);
+        }
+        fences.push(batch.submit().unwrap());
+    }
+    drop(fences);
+    assert!(d.download(b).unwrap() == expect, "a later batch's staging overwrote an earlier one's");
+    d.free(b).unwrap();
+}
+
+#[test]
+fn the_asynchronous_path_takes_pinned_memory_only() {
+    let d = device(Config::default());
+    let b = d.allocate(4096).unwrap();
+    let mut rng = fastrand::Rng::with_seed(5);
+    let data = random_vec(&mut rng, 4096);
+    // SAFETY: refused before anything is enqueued.
+    let err = unsafe { d.upload_async_at(b, 0, data.as_ptr(), data.len()) }.unwrap_err();
+    assert!(matches!(err, Error::NotPinned { .. }), "{err}");
+    let mut pinned = d.pinned(4096).unwrap();
+    pinned.copy_from_slice(&data);
+    // SAFETY: pinned, 4096 bytes, alive until the fence is waited on.
+    unsafe { d.upload_async_at(b, 0, pinned.as_ptr(), 4096) }.unwrap().wait().unwrap();
+    let mut back = d.pinned(4096).unwrap();
+    // SAFETY: as above, written by the copy only.
+    unsafe { d.download_async_at(b, 0, back.as_mut_ptr(), 4096) }.unwrap().wait().unwrap();
+    assert_eq!(&back[..], &data[..]);
+    assert_eq!(d.telemetry().upload_submissions, 1, "the refused copy enqueued nothing");
+}
+
+#[test]
+fn a_device_dropped_with_work_in_flight_carries_it_out_first() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(6);
+    let b = d.allocate(1 << 20).unwrap();
+    let data = random_vec(&mut rng, 1 << 20);
+    let mut reads = {
+        let mut batch = d.uploads();
+        batch.write(b, 0, &data).unwrap();
+        drop(batch.submit().unwrap());
+        d.readbacks()
+    };
+    let slot = reads.read_all(b).unwrap();
+    let pending = reads.submit().unwrap();
+    drop(d);
+    let got = pending.wait().unwrap();
+    assert!(got.get(slot) == &data[..]);
+}
