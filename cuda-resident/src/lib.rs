@@ -49,6 +49,8 @@ mod error;
 mod fake_driver;
 mod host_pool;
 mod kernels;
+#[cfg(test)]
+mod model_faults;
 pub mod plan;
 mod raw;
 mod stream;
