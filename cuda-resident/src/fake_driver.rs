@@ -3,13 +3,13 @@
 //! has none of them), over a model GPU whose work completes only when the test says so or
 //! when the host waits for it.
 //!
-//! The model is per thread (each test runs the code under test on its own thread): one
-//! counter of recorded work, one of completed work. Recording an event, enqueueing a copy
-//! and launching the copy kernel are each a unit of work; an event is complete once the
-//! completed count reaches it. `cuEventSynchronize` and `cuStreamSynchronize` complete work
-//! up to the event, or all of it, as a host wait would, and only then are the queued copies
-//! and kernels carried out, in order: a copy whose staging was reused too early shows up
-//! as wrong bytes. Device memory is host memory at the address the model hands out; every
+//! The model is per thread (each test runs the code under test on its own thread). Each
+//! stream has a queue of work (copies, kernel launches, waits for another stream's event),
+//! carried out as late as the host allows: only when the host waits for an event or a
+//! stream (`cuEventSynchronize`, `cuStreamSynchronize`), and then only that stream's work up
+//! to that point, plus, through its waits, the other streams' work it was told to wait for.
+//! So a copy whose staging was reused too early, or a read on one stream that was not told
+//! to wait for a write on another, shows up as wrong bytes. Device memory is host memory at the address the model hands out; every
 //! device range a copy or the kernel touches must lie in one allocation, and the host side
 //! of every copy must be pinned (allocated or registered). A copy that breaks either is
 //! refused at enqueue (`CUDA_ERROR_INVALID_VALUE`) or, found when carried out, skipped and
@@ -30,6 +30,8 @@ use crate::raw::Raw;
 
 /// Queued work.
 enum Op {
+    /// Carry out stream `stream`'s work up to position `at` first (`cuStreamWaitEvent`).
+    Wait { stream: usize, at: u64 },
     /// `len` bytes from `src` to `dst` (either may be device or host memory).
     Copy { dst: usize, src: usize, len: usize },
     /// The copy kernel: `count` descriptors (`src, dst, len` as `u64`s) at device `table`.
@@ -40,16 +42,16 @@ enum Op {
 #[derive(Default)]
 pub(crate) struct FakeGpu {
     next_handle: usize,
-    recorded: u64,
-    completed: u64,
-    /// Work not yet carried out, with its position.
-    queue: std::collections::VecDeque<(u64, Op)>,
+    /// The last position handed out (work and event records share one numbering).
+    position: u64,
+    /// Per stream: work not yet carried out, with its position, and how far it is done.
+    streams: HashMap<usize, StreamModel>,
     /// Device allocations: address -> length.
     device: std::collections::BTreeMap<usize, usize>,
     /// Registered host ranges: address -> length.
     registered: std::collections::BTreeMap<usize, usize>,
-    /// Per live event, the work position of its last record (`None`: never recorded).
-    events: HashMap<usize, Option<u64>>,
+    /// Per live event, the stream and position of its last record (`None`: never recorded).
+    events: HashMap<usize, Option<(usize, u64)>>,
     /// Pinned allocations: address -> length.
     pinned: HashMap<usize, usize>,
     /// Events the host waited on with `cuEventSynchronize`, in order.
@@ -69,9 +71,23 @@ pub(crate) fn with<R>(f: impl FnOnce(&mut FakeGpu) -> R) -> R {
     GPU.with(|gpu| f(&mut gpu.borrow_mut()))
 }
 
-/// Completes every piece of work recorded so far, as the GPU would in its own time.
+/// One stream of the model.
+#[derive(Default)]
+struct StreamModel {
+    queue: std::collections::VecDeque<(u64, Op)>,
+    /// Every position up to this one is done.
+    done: u64,
+}
+
+/// Completes every piece of work enqueued so far, as the GPU would in its own time.
 pub(crate) fn complete_all() {
-    with(|g| g.complete_to(g.recorded));
+    with(|g| {
+        let streams: Vec<usize> = g.streams.keys().copied().collect();
+        let upto = g.position;
+        for stream in streams {
+            g.complete_to(stream, upto);
+        }
+    });
 }
 
 /// Whether `[at, at + len)` lies inside one of `ranges` (address -> length).
@@ -94,16 +110,33 @@ impl FakeGpu {
         inside(&pinned, at, len)
     }
 
-    fn enqueue(&mut self, op: Op) {
-        self.recorded += 1;
-        self.queue.push_back((self.recorded, op));
+    fn next_position(&mut self) -> u64 {
+        self.position += 1;
+        self.position
     }
 
-    /// Marks work up to `position` complete, carrying out the queued work in order.
-    fn complete_to(&mut self, position: u64) {
-        while self.queue.front().is_some_and(|(at, _)| *at <= position) {
-            let (_, op) = self.queue.pop_front().expect("checked");
+    fn enqueue(&mut self, stream: CUstream, op: Op) {
+        let at = self.next_position();
+        self.streams.entry(stream as usize).or_default().queue.push_back((at, op));
+    }
+
+    /// Whether `stream` is done up to `at`.
+    fn is_done(&self, stream: usize, at: u64) -> bool {
+        self.streams.get(&stream).is_none_or(|s| s.done >= at)
+    }
+
+    /// Carries out `stream`'s work up to position `position`, in order, and the other
+    /// streams' work its waits name, first.
+    fn complete_to(&mut self, stream: usize, position: u64) {
+        loop {
+            let Some(s) = self.streams.get_mut(&stream) else { return };
+            if s.queue.front().is_none_or(|(at, _)| *at > position) {
+                s.done = s.done.max(position);
+                return;
+            }
+            let (_, op) = s.queue.pop_front().expect("checked");
             match op {
+                Op::Wait { stream: other, at } => self.complete_to(other, at),
                 Op::Copy { dst, src, len } => self.copy(dst, src, len),
                 Op::Kernel { table, count } => {
                     if !self.is_device(table, count as usize * 24) {
@@ -127,7 +160,6 @@ impl FakeGpu {
                 }
             }
         }
-        self.completed = self.completed.max(position);
     }
 
     fn illegal(&mut self, what: String) {
@@ -186,16 +218,25 @@ unsafe extern "C" fn stream_destroy(_stream: CUstream) -> CUresult {
     CUDA_SUCCESS
 }
 
-unsafe extern "C" fn stream_synchronize(_stream: CUstream) -> CUresult {
+unsafe extern "C" fn stream_synchronize(stream: CUstream) -> CUresult {
     with(|g| {
-        g.complete_to(g.recorded);
+        g.complete_to(stream as usize, g.position);
         g.stream_syncs += 1;
         g.sticky().unwrap_or(CUDA_SUCCESS)
     })
 }
 
-unsafe extern "C" fn stream_wait_event(_stream: CUstream, _event: CUevent, _flags: c_uint) -> CUresult {
-    CUDA_SUCCESS
+unsafe extern "C" fn stream_wait_event(stream: CUstream, event: CUevent, _flags: c_uint) -> CUresult {
+    with(|g| match g.events.get(&id(event)).copied() {
+        Some(Some((other, at))) => {
+            if other != stream as usize {
+                g.enqueue(stream, Op::Wait { stream: other, at });
+            }
+            CUDA_SUCCESS
+        }
+        Some(None) => CUDA_SUCCESS,
+        None => CUDA_ERROR_INVALID_HANDLE,
+    })
 }
 
 unsafe extern "C" fn event_create(event: *mut CUevent, _flags: c_uint) -> CUresult {
@@ -209,21 +250,22 @@ unsafe extern "C" fn event_create(event: *mut CUevent, _flags: c_uint) -> CUresu
     CUDA_SUCCESS
 }
 
-unsafe extern "C" fn event_record(event: CUevent, _stream: CUstream) -> CUresult {
-    with(|g| match g.events.get_mut(&id(event)) {
-        Some(at) => {
-            g.recorded += 1;
-            *at = Some(g.recorded);
-            CUDA_SUCCESS
+unsafe extern "C" fn event_record(event: CUevent, stream: CUstream) -> CUresult {
+    with(|g| {
+        if !g.events.contains_key(&id(event)) {
+            return CUDA_ERROR_INVALID_HANDLE;
         }
-        None => CUDA_ERROR_INVALID_HANDLE,
+        let at = g.next_position();
+        g.streams.entry(stream as usize).or_default();
+        g.events.insert(id(event), Some((stream as usize, at)));
+        CUDA_SUCCESS
     })
 }
 
 unsafe extern "C" fn event_query(event: CUevent) -> CUresult {
     with(|g| match g.events.get(&id(event)) {
         _ if g.sticky().is_some() => CUDA_ERROR_ILLEGAL_ADDRESS,
-        Some(Some(at)) if *at > g.completed => CUDA_ERROR_NOT_READY,
+        Some(Some((stream, at))) if !g.is_done(*stream, *at) => CUDA_ERROR_NOT_READY,
         Some(_) => CUDA_SUCCESS,
         None => CUDA_ERROR_INVALID_HANDLE,
     })
@@ -231,8 +273,10 @@ unsafe extern "C" fn event_query(event: CUevent) -> CUresult {
 
 unsafe extern "C" fn event_synchronize(event: CUevent) -> CUresult {
     with(|g| match g.events.get(&id(event)).copied() {
-        Some(at) => {
-            g.complete_to(at.unwrap_or(0));
+        Some(recorded) => {
+            if let Some((stream, at)) = recorded {
+                g.complete_to(stream, at);
+            }
             g.event_waits.push(id(event));
             g.sticky().unwrap_or(CUDA_SUCCESS)
         }
@@ -407,13 +451,13 @@ unsafe extern "C" fn launch_kernel(
     _by: c_uint,
     _bz: c_uint,
     _shared: c_uint,
-    _stream: CUstream,
+    stream: CUstream,
     params: *mut *mut c_void,
     _extra: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: the copy kernel's parameters: a pointer to the table address, one to the count.
     let (table, count) = unsafe { (*(*params).cast::<u64>(), *(*params.add(1)).cast::<u64>()) };
-    with(|g| g.enqueue(Op::Kernel { table: table as usize, count }));
+    with(|g| g.enqueue(stream, Op::Kernel { table: table as usize, count }));
     CUDA_SUCCESS
 }
 
@@ -421,14 +465,14 @@ unsafe extern "C" fn memcpy_htod(
     dst: CUdeviceptr,
     src: *const c_void,
     bytes: usize,
-    _stream: CUstream,
+    stream: CUstream,
 ) -> CUresult {
     with(|g| {
         if !g.is_device(dst as usize, bytes) || !g.is_pinned(src as usize, bytes) {
             g.illegal(format!("copy {src:?} -> {dst:#x} ({bytes} bytes): not pinned host to device memory"));
             return CUDA_ERROR_INVALID_VALUE;
         }
-        g.enqueue(Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
+        g.enqueue(stream, Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
         CUDA_SUCCESS
     })
 }
@@ -437,14 +481,14 @@ unsafe extern "C" fn memcpy_dtoh(
     dst: *mut c_void,
     src: CUdeviceptr,
     bytes: usize,
-    _stream: CUstream,
+    stream: CUstream,
 ) -> CUresult {
     with(|g| {
         if !g.is_device(src as usize, bytes) || !g.is_pinned(dst as usize, bytes) {
             g.illegal(format!("copy {src:#x} -> {dst:?} ({bytes} bytes): not device to pinned host memory"));
             return CUDA_ERROR_INVALID_VALUE;
         }
-        g.enqueue(Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
+        g.enqueue(stream, Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
         CUDA_SUCCESS
     })
 }

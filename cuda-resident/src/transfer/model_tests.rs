@@ -1,8 +1,8 @@
 //! The whole transfer engine on the model driver (`fake_driver`): a `Device` opened on it
 //! plans, stages, packs, "DMAs" and "scatters" exactly as on a GPU, and the model carries
-//! the copies and kernels out only when the host waits, so staging reused too early shows
-//! as wrong bytes. No GPU needed: these run in CI. (The model runs every stream's work in
-//! one order, so it cannot catch a missing wait between the two lanes; the GPU tests do.)
+//! the copies and kernels out only when the host waits, stream by stream, following the
+//! waits between streams: staging reused too early, or a read not ordered after the writes
+//! of the other lane, shows as wrong bytes. No GPU needed: these run in CI.
 
 use crate::fake_driver;
 use crate::{Config, Device, Error, ResidentBuffer};
