@@ -572,6 +572,11 @@ impl Planner {
         result
     }
 
+    /// Whether `writes` are in order (see [`in_order`]): then none of them overlap.
+    pub(crate) fn is_in_order(&mut self, writes: &[WriteRequest]) -> bool {
+        in_order(writes, &mut self.ends)
+    }
+
     /// Checks an in-order batch and lists its non-empty requests when some are empty.
     fn in_order<'a, R: fuse::Request>(
         requests: &'a [R],

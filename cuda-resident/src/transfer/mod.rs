@@ -363,24 +363,11 @@ fn zeroed_vec(len: u64) -> Result<Vec<u8>> {
 }
 
 /// The buffers a batch names, each resolved once: key (index) -> handle, address, length.
-/// It also notices, at no extra pass, whether the batch's ranges are in order: each one
-/// starting at or after the end of the previous one of its buffer. Ranges in order are
-/// disjoint, so a batch of them needs no sorting to know that none overlap.
+#[derive(Default)]
 pub(crate) struct BufferTable {
     pub(crate) entries: Vec<Resolved>,
-    /// Per entry, the end of the last non-empty range checked in it.
-    ends: Vec<u64>,
     /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two.
     slots: Vec<u32>,
-    /// Whether every non-empty range so far started at or after the end of the previous
-    /// one of its buffer.
-    pub(crate) in_order: bool,
-}
-
-impl Default for BufferTable {
-    fn default() -> Self {
-        BufferTable { entries: Vec::new(), ends: Vec::new(), slots: Vec::new(), in_order: true }
-    }
 }
 
 /// A buffer as the batch saw it when it was named.
@@ -411,7 +398,6 @@ impl BufferTable {
         let (ptr, len) = device.core().alloc.resolve(buffer)?;
         let resolved = Resolved { buffer, ptr, len };
         self.entries.push(resolved);
-        self.ends.push(0);
         self.slots[at] = self.entries.len() as u32;
         Ok((self.entries.len() as u32 - 1, resolved))
     }
@@ -428,14 +414,7 @@ impl BufferTable {
         first_error: &mut Option<Error>,
     ) -> Result<(u32, u64)> {
         let checked = self.key(device, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
-            Some(end) if end <= resolved.len => {
-                if len > 0 {
-                    let last_end = &mut self.ends[key as usize];
-                    self.in_order &= offset >= *last_end;
-                    *last_end = end;
-                }
-                Ok((key, resolved.len))
-            }
+            Some(end) if end <= resolved.len => Ok((key, resolved.len)),
             _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
         });
         if let Err(e) = &checked

@@ -228,7 +228,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     let requested: u64 = batch.writes.iter().map(|w| w.len).sum();
     // Writes in order are disjoint: no planning needed to know that none fuse. Otherwise the
     // planner tells (writes out of order may still be disjoint).
-    if !batch.table.in_order {
+    if !scratch.planner.is_in_order(&batch.writes) {
         scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
         if scratch.upload_plan.intervals != non_empty {
             return Ok(None);
