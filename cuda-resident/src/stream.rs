@@ -279,77 +279,72 @@ impl Lane {
     ) -> Result<u64> {
         let raw = &self.ctx.raw;
         let mut state = lock(&self.state);
-        // The event exists before any work is enqueued, so enqueued work always gets one.
-        let event = match state.spare_events.pop() {
-            Some(event) => event,
-            // Creating an event needs the context current on this thread, which nothing
-            // else on the submission path does (copies, launches and records name their
-            // stream).
-            None => self.ctx.bind()?.event_create()?,
-        };
-        let enqueued = enqueue(raw, self.stream, state.next_seq);
-        if let Err(e) = raw.event_record(event, self.stream) {
-            state.spare_events.push(event);
-            drop(state);
-            // Recording failed: wait for the stream so that `keep` is safe to release. If even
-            // that fails, the context is lost; what was enqueued may or may not run, so its
-            // staging is never lent again (kept until the lane goes away).
-            if raw.stream_synchronize(self.stream).is_err() {
-                lock(&self.state).stranded.push(keep);
-            }
-            return Err(e);
-        }
         let seq = state.next_seq;
-        state.next_seq += 1;
-        state.inflight.push_back(InFlight { seq, event, keep });
-        drop(state);
-        enqueued.map(|()| seq)
-    }
-}
-
-impl Lane {
-    /// Makes every sequence number up to `last` that was reserved but never submitted complete
-    /// once the work enqueued before it has: one event recorded as submission `last`. If the
-    /// stream cannot take it, waits for the stream instead and retires what was in flight.
-    fn skip_to(&self, last: u64) {
-        let raw = &self.ctx.raw;
-        let mut state = lock(&self.state);
-        if state.next_seq > last {
-            return;
-        }
+        // The event exists before any work is enqueued, so enqueued work always gets one.
+        // Creating one needs the context current on this thread, which nothing else on the
+        // submission path does (copies, launches and records name their stream).
         let event = match state.spare_events.pop() {
             Some(event) => Ok(event),
             None => self.ctx.bind().and_then(Raw::event_create),
         };
-        match event.and_then(|event| match raw.event_record(event, self.stream) {
-            Ok(()) => Ok(event),
-            Err(e) => {
-                state.spare_events.push(event);
-                Err(e)
-            }
-        }) {
-            Ok(event) => {
-                state.inflight.push_back(InFlight { seq: last, event, keep: Vec::new() });
-                state.next_seq = last + 1;
-            }
-            Err(_) => {
-                state.next_seq = last + 1;
-                drop(state);
-                // The stream takes no event: wait for all it holds. When that succeeds every
-                // submission so far is done; when it fails too, the context is lost and
-                // nothing will run again, and the work in flight keeps its staging.
-                if raw.stream_synchronize(self.stream).is_ok() {
-                    let retired: Vec<InFlight> = {
-                        let mut state = lock(&self.state);
-                        let retired: Vec<InFlight> = state.inflight.drain(..).collect();
-                        state.spare_events.extend(retired.iter().map(|f| f.event));
-                        retired
-                    };
-                    self.completed.fetch_max(last, Ordering::AcqRel);
-                    drop(retired);
+        let recorded = event.and_then(|event| {
+            let enqueued = enqueue(raw, self.stream, seq);
+            match raw.event_record(event, self.stream) {
+                Ok(()) => Ok((event, enqueued)),
+                Err(e) => {
+                    state.spare_events.push(event);
+                    Err(e)
                 }
             }
+        });
+        state.next_seq = seq + 1;
+        match recorded {
+            Ok((event, enqueued)) => {
+                state.inflight.push_back(InFlight { seq, event, keep });
+                drop(state);
+                enqueued.map(|()| seq)
+            }
+            Err(e) => {
+                drop(state);
+                self.retire_without_event(seq, keep);
+                Err(e)
+            }
         }
+    }
+
+    /// After submission `seq` got no event: waits for the stream instead, after which
+    /// everything up to `seq` is done and retires. If even that fails, the context is lost;
+    /// what was enqueued may or may not run, so `keep` is never lent again (held until the
+    /// lane goes away).
+    fn retire_without_event(&self, seq: u64, keep: KeepAlive) {
+        if self.ctx.raw.stream_synchronize(self.stream).is_err() {
+            lock(&self.state).stranded.push(keep);
+            return;
+        }
+        let retired: Vec<InFlight> = {
+            let mut state = lock(&self.state);
+            let retired: Vec<InFlight> = state.inflight.drain(..).collect();
+            state.spare_events.extend(retired.iter().map(|f| f.event));
+            retired
+        };
+        self.completed.fetch_max(seq, Ordering::AcqRel);
+        // Released staging goes back to its pool outside the lane's lock.
+        drop((retired, keep));
+    }
+
+    /// Makes every sequence number up to `last` that was reserved but never submitted complete
+    /// once the work enqueued before it has: an empty submission numbered `last`.
+    fn skip_to(&self, last: u64) {
+        {
+            let mut state = lock(&self.state);
+            if state.next_seq > last {
+                return;
+            }
+            state.next_seq = last;
+        }
+        // A failure is handled inside (the stream is waited for instead); there is no caller
+        // to report it to.
+        let _ = self.submit_locked(Vec::new(), |_, _, _| Ok(()));
     }
 }
 
