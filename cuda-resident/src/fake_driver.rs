@@ -53,7 +53,7 @@ pub(crate) struct FakeGpu {
     /// Per live event, the stream and position of its last record (`None`: never recorded).
     events: HashMap<usize, Option<(usize, u64)>>,
     /// Pinned allocations: address -> length.
-    pinned: HashMap<usize, usize>,
+    pinned: std::collections::BTreeMap<usize, usize>,
     /// Events the host waited on with `cuEventSynchronize`, in order.
     pub(crate) event_waits: Vec<usize>,
     /// `cuStreamSynchronize` calls that succeeded.
@@ -90,24 +90,28 @@ pub(crate) fn complete_all() {
     });
 }
 
-/// Whether `[at, at + len)` lies inside one of `ranges` (address -> length).
-fn inside(ranges: &std::collections::BTreeMap<usize, usize>, at: usize, len: usize) -> bool {
-    ranges.range(..=at).next_back().is_some_and(|(&base, &n)| at + len <= base + n)
+/// The range of `ranges` (address -> length) that holds address `at`.
+fn range_of(ranges: &std::collections::BTreeMap<usize, usize>, at: usize) -> Option<(usize, usize)> {
+    ranges.range(..=at).next_back().filter(|(base, n)| at < *base + *n).map(|(&base, &n)| (base, n))
+}
+
+/// Whether `[at, at + len)` lies inside one range (address, length).
+fn inside(range: Option<(usize, usize)>, at: usize, len: usize) -> bool {
+    range.is_some_and(|(base, n)| at + len <= base + n)
 }
 
 impl FakeGpu {
     fn is_device(&self, at: usize, len: usize) -> bool {
-        inside(&self.device, at, len)
+        inside(range_of(&self.device, at), at, len)
+    }
+
+    /// The pinned range (allocated or registered) that holds `at`.
+    fn pinned_range(&self, at: usize) -> Option<(usize, usize)> {
+        range_of(&self.pinned, at).or_else(|| range_of(&self.registered, at))
     }
 
     fn is_pinned(&self, at: usize, len: usize) -> bool {
-        let pinned: std::collections::BTreeMap<usize, usize> = self
-            .pinned
-            .iter()
-            .map(|(&a, &n)| (a, n))
-            .chain(self.registered.iter().map(|(&a, &n)| (a, n)))
-            .collect();
-        inside(&pinned, at, len)
+        inside(self.pinned_range(at), at, len)
     }
 
     fn next_position(&mut self) -> u64 {
@@ -512,15 +516,7 @@ unsafe extern "C" fn pointer_get_attributes(
     ptr: CUdeviceptr,
 ) -> CUresult {
     let at = ptr as usize;
-    let range = with(|g| {
-        let pinned: std::collections::BTreeMap<usize, usize> = g
-            .pinned
-            .iter()
-            .map(|(&a, &n)| (a, n))
-            .chain(g.registered.iter().map(|(&a, &n)| (a, n)))
-            .collect();
-        pinned.range(..=at).next_back().filter(|(base, len)| at < *base + *len).map(|(&b, &n)| (b, n))
-    });
+    let range = with(|g| g.pinned_range(at));
     for i in 0..n as usize {
         // SAFETY: `n` attributes and as many outputs, each of its attribute's type.
         unsafe {

@@ -5,29 +5,20 @@
 //! the device is gone every acquisition must have its release. `tests/gpu_faults.rs` runs
 //! the same checks, with more, on a real GPU.
 
-use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use cuda_sys::{
-    CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_OUT_OF_MEMORY, CUresult, CallCount,
-    Driver, Fault,
+    CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_OUT_OF_MEMORY, CUresult, Driver, Fault,
 };
 
 use crate::fake_driver;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 use crate::{Config, Device, Error, ResidentBuffer};
 
 const CODES: [CUresult; 3] = [CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_ILLEGAL_ADDRESS];
-
-/// Acquire / release pairs that must balance once the device is gone.
-const PAIRS: [(&str, &str); 6] = [
-    ("cuMemAlloc_v2", "cuMemFree_v2"),
-    ("cuMemHostAlloc", "cuMemFreeHost"),
-    ("cuStreamCreate", "cuStreamDestroy_v2"),
-    ("cuEventCreate", "cuEventDestroy_v2"),
-    ("cuModuleLoadData", "cuModuleUnload"),
-    ("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2"),
-];
 
 /// Slabs of 8 MiB, so that a buffer past the slab (a dedicated allocation) stays small.
 fn config() -> Config {
@@ -125,20 +116,6 @@ fn settled(d: &Device) -> Result<[u64; 5], Error> {
     ])
 }
 
-fn balanced(counts: &BTreeMap<&str, CallCount>) -> Result<(), String> {
-    let ok = |e: &str| counts.get(e).map_or(0, |c| c.succeeded);
-    for (acquire, release) in PAIRS {
-        if ok(acquire) != ok(release) {
-            return Err(format!(
-                "{acquire} succeeded {} times, {release} {}: a leak",
-                ok(acquire),
-                ok(release)
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// One case: the fault during open and the sequence, then the sequence again without it.
 fn case(driver: &Arc<Driver>, fault: Fault, reference: [u64; 5]) -> Result<bool, String> {
     let faults = driver.faults();
@@ -170,7 +147,7 @@ fn case(driver: &Arc<Driver>, fault: Fault, reference: [u64; 5]) -> Result<bool,
         return Err(format!("accounting {state:?}, a run without faults leaves {reference:?}"));
     }
     drop(device);
-    balanced(&faults.counts())?;
+    common::balanced(&faults.counts())?;
     Ok(fired)
 }
 

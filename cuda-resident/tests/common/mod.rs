@@ -1,8 +1,9 @@
-//! Helpers shared by the GPU tests that count driver calls.
+//! Helpers shared by the tests that count driver calls: the GPU tests here, and the crate's
+//! own tests on the model driver (`src/model_faults.rs` includes this file).
 
 use std::collections::BTreeMap;
 
-use cuda_resident::cuda_sys::CallCount;
+use cuda_sys::CallCount;
 
 /// Acquire / release pairs whose successful calls must balance once every `Device`, fence,
 /// readback and pinned buffer is gone.
