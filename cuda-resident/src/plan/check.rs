@@ -88,6 +88,27 @@ impl Fused {
     }
 }
 
+/// The checks both directions share: the chunks, and the totals the plan stores against
+/// those of its copies. Returns the bytes moved.
+fn check_plan<R: super::fuse::Request>(
+    (chunks, chunk_capacity, stored, requested): (&[Chunk], u64, super::layout::Layout, u64),
+    requests: &[R],
+    cfg: &PlanConfig,
+) -> u64 {
+    let fused = Fused::of(requests);
+    let spans: Vec<_> = requests.iter().map(|r| (r.buffer(), r.offset(), r.len())).collect();
+    let (moved, intervals, packed_bytes, packed_intervals) =
+        check_chunks(chunks, cfg, chunk_capacity, stored.total_staging, &spans, fused);
+    assert_eq!(stored.moved_bytes, moved);
+    if fused == Fused::All {
+        assert_eq!(stored.intervals, intervals);
+    }
+    assert_eq!(stored.packed_bytes, packed_bytes);
+    assert_eq!(stored.packed_intervals, packed_intervals);
+    assert_eq!(requested, spans.iter().map(|s| s.2).sum::<u64>());
+    moved
+}
+
 /// Everything a plan promises about its chunks and copies, whatever the direction.
 /// `requests` are `(buffer, offset, len)`.
 fn check_chunks(
@@ -193,17 +214,7 @@ pub fn execute_upload(
     buffers: &mut Buffers,
     owners: &HashMap<BufferKey, Vec<Option<u32>>>,
 ) {
-    let fused = Fused::of(writes);
-    let requests: Vec<_> = writes.iter().map(|w| (w.buffer, w.offset, w.len)).collect();
-    let (moved, intervals, packed_bytes, packed_intervals) =
-        check_chunks(&plan.chunks, cfg, plan.chunk_capacity, plan.total_staging, &requests, fused);
-    assert_eq!(plan.moved_bytes, moved);
-    if fused == Fused::All {
-        assert_eq!(plan.intervals, intervals);
-    }
-    assert_eq!(plan.packed_bytes, packed_bytes);
-    assert_eq!(plan.packed_intervals, packed_intervals);
-    assert_eq!(plan.requested_bytes, writes.iter().map(|w| w.len).sum::<u64>());
+    let moved = check_plan(plan.totals(), writes, cfg);
     assert_eq!(plan.is_empty(), moved == 0);
 
     // Fill: each staged byte remembers (write, source offset) and how often it was filled.
@@ -275,17 +286,7 @@ pub fn execute_upload(
 /// gather into "device staging" and one DMA of the packed region, direct pieces straight
 /// from the buffers. Then every view must show exactly its read's bytes.
 pub fn execute_readback(plan: &ReadbackPlan, reads: &[ReadRequest], cfg: &PlanConfig, buffers: &Buffers) {
-    let fused = Fused::of(reads);
-    let requests: Vec<_> = reads.iter().map(|r| (r.buffer, r.offset, r.len)).collect();
-    let (moved, intervals, packed_bytes, packed_intervals) =
-        check_chunks(&plan.chunks, cfg, plan.chunk_capacity, plan.total_staging, &requests, fused);
-    assert_eq!(plan.moved_bytes, moved);
-    if fused == Fused::All {
-        assert_eq!(plan.intervals, intervals);
-    }
-    assert_eq!(plan.packed_bytes, packed_bytes);
-    assert_eq!(plan.packed_intervals, packed_intervals);
-    assert_eq!(plan.requested_bytes, reads.iter().map(|r| r.len).sum::<u64>());
+    check_plan(plan.totals(), reads, cfg);
     assert_eq!(plan.views.len(), reads.len());
 
     let mut staging = vec![0x5Au8; plan.total_staging as usize];

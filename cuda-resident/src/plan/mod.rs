@@ -681,6 +681,20 @@ macro_rules! impl_store {
                 self.intervals = layout.intervals;
                 self.packed_intervals = layout.packed_intervals;
             }
+
+            /// The chunks, the chunk capacity, the stored layout totals and the requested
+            /// bytes: what the byte model checks in either direction.
+            #[cfg(any(test, feature = "fuzzing"))]
+            fn totals(&self) -> (&[Chunk], u64, layout::Layout, u64) {
+                let layout = layout::Layout {
+                    total_staging: self.total_staging,
+                    moved_bytes: self.moved_bytes,
+                    packed_bytes: self.packed_bytes,
+                    intervals: self.intervals,
+                    packed_intervals: self.packed_intervals,
+                };
+                (&self.chunks, self.chunk_capacity, layout, self.requested_bytes)
+            }
         }
     };
 }
