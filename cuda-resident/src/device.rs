@@ -166,6 +166,10 @@ pub(crate) struct Core {
     pub(crate) staging: [Mutex<DeviceStaging>; 2],
     kernels: OnceLock<Kernels>,
     packers: OnceLock<rayon::ThreadPool>,
+    /// The devices whose memory this context was given access to (`cuCtxEnablePeerAccess`).
+    /// The contexts of the devices whose memory this context was given access to
+    /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
+    pub(crate) peers: Mutex<Vec<Arc<Context>>>,
 }
 
 impl Core {
@@ -249,7 +253,7 @@ impl fmt::Debug for Device {
 }
 
 /// The process-wide driver, loaded on first use.
-fn shared_driver() -> Result<Arc<Driver>> {
+pub(crate) fn shared_driver() -> Result<Arc<Driver>> {
     static DRIVER: OnceLock<Result<Arc<Driver>, cuda_sys::LoadError>> = OnceLock::new();
     DRIVER.get_or_init(|| Driver::load().map(Arc::new)).clone().map_err(Error::from)
 }
@@ -308,6 +312,7 @@ impl Device {
             staging: Default::default(),
             kernels: OnceLock::new(),
             packers: OnceLock::new(),
+            peers: Mutex::new(Vec::new()),
         };
         Ok(Device { core: Arc::new(core) })
     }

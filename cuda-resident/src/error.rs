@@ -102,6 +102,31 @@ pub enum Error {
         device: usize,
     },
 
+    /// Two GPUs that cannot access each other's memory (no NVLink or PCIe peer path).
+    #[error(
+        "device {device} cannot access the memory of device {peer}: the driver reports no peer path between them. \
+         Fix: copies between them still work without it (Device::peer_copies stages them through host memory, \
+         slower); `nvidia-smi topo -m` shows how the GPUs are linked."
+    )]
+    PeerUnsupported {
+        /// The ordinal of the device that would read or write.
+        device: usize,
+        /// The ordinal of the device whose memory it would access.
+        peer: usize,
+    },
+
+    /// A device index past the end of a [`DeviceSet`](crate::DeviceSet).
+    #[error(
+        "device index {index} is not in this set of {len} device(s). Fix: pass an index below {len} \
+         (DeviceSet::len tells)."
+    )]
+    NotInSet {
+        /// The index asked for.
+        index: usize,
+        /// Devices in the set.
+        len: usize,
+    },
+
     /// A batch could not be planned (too large, or a request out of range).
     #[error(transparent)]
     Plan(#[from] crate::plan::PlanError),
@@ -291,6 +316,8 @@ mod tests {
             },
             Error::FreedBuffer { buffer },
             Error::ForeignBuffer { buffer, device: 0 },
+            Error::PeerUnsupported { device: 0, peer: 1 },
+            Error::NotInSet { index: 2, len: 2 },
             Error::OutOfRange { buffer, offset: u64::MAX, len: 2, buffer_len: 10 },
             Error::PinnedCapExceeded { requested: 2, cap: 1 },
             Error::PinnedExhausted { requested: 2, cap: 4, lent: 3 },

@@ -60,6 +60,16 @@ pub(crate) struct FakeGpu {
     pub(crate) stream_syncs: u64,
     /// What the model found wrong (illegal accesses), in order.
     pub(crate) errors: Vec<String>,
+    /// The model has two GPUs in one address space (as with unified addressing): the
+    /// device of the calling thread's current context, of each stream and of each device
+    /// allocation (by base address).
+    current: usize,
+    stream_device: HashMap<usize, usize>,
+    owner: HashMap<usize, usize>,
+    /// Pairs (device, peer) where `device` was given access to `peer`'s memory.
+    peer_access: std::collections::HashSet<(usize, usize)>,
+    /// Whether the GPUs lack a peer path (`cuDeviceCanAccessPeer` answers 0).
+    pub(crate) no_peer_path: bool,
 }
 
 thread_local! {
@@ -152,6 +162,14 @@ impl FakeGpu {
                         let [src, dst, len] =
                             unsafe { std::ptr::read_unaligned((table as *const [u64; 3]).add(i)) };
                         let (src, dst, len) = (src as usize, dst as usize, len as usize);
+                        let device = self.stream_device.get(&stream).copied().unwrap_or(0);
+                        if let Some(other) = [src, dst].into_iter().find(|&at| !self.may_access(device, at)) {
+                            self.illegal(format!(
+                                "descriptor {i}: device {device} reads or writes {other:#x} of another device \
+                                 without peer access"
+                            ));
+                            break;
+                        }
                         if self.is_device(src, len) && self.is_device(dst, len) {
                             self.copy(dst, src, len);
                         } else {
@@ -163,6 +181,16 @@ impl FakeGpu {
                     }
                 }
             }
+        }
+    }
+
+    /// Whether kernels of `device` may touch device address `at`: its own memory, or a
+    /// peer's after `cuCtxEnablePeerAccess`. Addresses outside device memory answer `true`
+    /// (the range checks report them).
+    fn may_access(&self, device: usize, at: usize) -> bool {
+        match range_of(&self.device, at).and_then(|(base, _)| self.owner.get(&base)) {
+            Some(&owner) => owner == device || self.peer_access.contains(&(device, owner)),
+            None => true,
         }
     }
 
@@ -197,14 +225,62 @@ fn handle(g: &mut FakeGpu) -> usize {
     g.next_handle << 4
 }
 
-unsafe extern "C" fn ctx_set_current(_ctx: CUcontext) -> CUresult {
+/// The model's primary context of `device`, and back.
+fn context_of(device: CUdevice) -> CUcontext {
+    (0x1000 + 0x100 * device as usize) as CUcontext
+}
+
+fn device_of(ctx: CUcontext) -> usize {
+    (ctx as usize - 0x1000) / 0x100
+}
+
+unsafe extern "C" fn ctx_set_current(ctx: CUcontext) -> CUresult {
+    with(|g| g.current = device_of(ctx));
     CUDA_SUCCESS
 }
 
-unsafe extern "C" fn primary_ctx_retain(pctx: *mut CUcontext, _dev: CUdevice) -> CUresult {
+unsafe extern "C" fn primary_ctx_retain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
     // SAFETY: the caller passes a valid pointer, as the driver requires.
-    unsafe { *pctx = 0x1000 as CUcontext };
+    unsafe { *pctx = context_of(dev) };
     CUDA_SUCCESS
+}
+
+unsafe extern "C" fn device_can_access_peer(can: *mut c_int, dev: CUdevice, peer: CUdevice) -> CUresult {
+    let yes = with(|g| !g.no_peer_path) && dev != peer;
+    // SAFETY: as above.
+    unsafe { *can = c_int::from(yes) };
+    CUDA_SUCCESS
+}
+
+unsafe extern "C" fn ctx_enable_peer_access(peer: CUcontext, _flags: c_uint) -> CUresult {
+    with(|g| {
+        let pair = (g.current, device_of(peer));
+        if g.no_peer_path || pair.0 == pair.1 {
+            CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
+        } else if g.peer_access.insert(pair) {
+            CUDA_SUCCESS
+        } else {
+            CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+        }
+    })
+}
+
+unsafe extern "C" fn memcpy_peer(
+    dst: CUdeviceptr,
+    _dst_ctx: CUcontext,
+    src: CUdeviceptr,
+    _src_ctx: CUcontext,
+    bytes: usize,
+    stream: CUstream,
+) -> CUresult {
+    with(|g| {
+        if !g.is_device(dst as usize, bytes) || !g.is_device(src as usize, bytes) {
+            g.illegal(format!("peer copy {src:#x} -> {dst:#x} ({bytes} bytes): not device memory"));
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        g.enqueue(stream, Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
+        CUDA_SUCCESS
+    })
 }
 
 unsafe extern "C" fn primary_ctx_release(_dev: CUdevice) -> CUresult {
@@ -212,7 +288,11 @@ unsafe extern "C" fn primary_ctx_release(_dev: CUdevice) -> CUresult {
 }
 
 unsafe extern "C" fn stream_create(stream: *mut CUstream, _flags: c_uint) -> CUresult {
-    let h = with(handle);
+    let h = with(|g| {
+        let h = handle(g);
+        g.stream_device.insert(h, g.current);
+        h
+    });
     // SAFETY: as above.
     unsafe { *stream = h as CUstream };
     CUDA_SUCCESS
@@ -318,16 +398,16 @@ unsafe extern "C" fn init(_flags: c_uint) -> CUresult {
 
 unsafe extern "C" fn device_get_count(count: *mut c_int) -> CUresult {
     // SAFETY: as above.
-    unsafe { *count = 1 };
+    unsafe { *count = 2 };
     CUDA_SUCCESS
 }
 
 unsafe extern "C" fn device_get(device: *mut CUdevice, ordinal: c_int) -> CUresult {
-    if ordinal != 0 {
+    if !(0..2).contains(&ordinal) {
         return CUDA_ERROR_INVALID_DEVICE;
     }
     // SAFETY: as above.
-    unsafe { *device = 0 };
+    unsafe { *device = ordinal };
     CUDA_SUCCESS
 }
 
@@ -395,14 +475,20 @@ unsafe extern "C" fn mem_alloc(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult
     if at.is_null() {
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    with(|g| g.device.insert(at as usize, bytes));
+    with(|g| {
+        g.device.insert(at as usize, bytes);
+        g.owner.insert(at as usize, g.current);
+    });
     // SAFETY: as above.
     unsafe { *dptr = at as CUdeviceptr };
     CUDA_SUCCESS
 }
 
 unsafe extern "C" fn mem_free(dptr: CUdeviceptr) -> CUresult {
-    match with(|g| g.device.remove(&(dptr as usize))) {
+    match with(|g| {
+        g.owner.remove(&(dptr as usize));
+        g.device.remove(&(dptr as usize))
+    }) {
         Some(bytes) => {
             let layout = std::alloc::Layout::from_size_align(bytes, DEVICE_ALIGN).expect("a valid layout");
             // SAFETY: allocated above with this layout, freed once (removed from the table).
@@ -575,6 +661,9 @@ pub(crate) fn driver() -> Arc<Driver> {
     api.cuMemHostRegister_v2 = Ok(host_register);
     api.cuMemHostUnregister = Ok(host_unregister);
     api.cuPointerGetAttributes = Ok(pointer_get_attributes);
+    api.cuDeviceCanAccessPeer = Ok(device_can_access_peer);
+    api.cuCtxEnablePeerAccess = Ok(ctx_enable_peer_access);
+    api.cuMemcpyPeerAsync = Ok(memcpy_peer);
     Arc::new(driver)
 }
 

@@ -51,6 +51,7 @@ mod host_pool;
 mod kernels;
 #[cfg(test)]
 mod model_faults;
+mod peer;
 pub mod plan;
 mod raw;
 mod stream;
@@ -63,6 +64,7 @@ pub use alloc::{AllocatorStats, ResidentBuffer};
 pub use device::{Config, Device, DeviceInfo};
 pub use error::{Error, Result};
 pub use host_pool::{PinnedBuffer, PinnedStats};
+pub use peer::{DeviceSet, FanOutPath, PeerBatch};
 pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;
 pub use transfer::{PendingReadback, Readback, ReadbackBatch, Slot, UploadBatch};

@@ -271,6 +271,37 @@ impl Raw {
         unsafe { cu!(self, cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream)) }
     }
 
+    /// # Safety
+    /// `src` (memory of `src_ctx`) and `dst` (memory of `dst_ctx`) hold at least `len` bytes
+    /// each, valid until the stream reaches this copy.
+    pub(crate) unsafe fn memcpy_peer_async(
+        &self,
+        dst: (CUdeviceptr, CUcontext),
+        src: (CUdeviceptr, CUcontext),
+        len: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { cu!(self, cuMemcpyPeerAsync(dst.0, dst.1, src.0, src.1, len, stream)) }
+    }
+
+    /// Whether kernels on `device` can access memory of `peer` once peer access is enabled.
+    pub(crate) fn device_can_access_peer(&self, device: CUdevice, peer: CUdevice) -> Result<bool> {
+        let mut can: c_int = 0;
+        // SAFETY: writes one int.
+        unsafe { cu!(self, cuDeviceCanAccessPeer(&mut can, device, peer)) }?;
+        Ok(can != 0)
+    }
+
+    /// Lets the current context access memory of `peer`. Enabling twice is not an error.
+    pub(crate) fn ctx_enable_peer_access(&self, peer: CUcontext) -> Result<()> {
+        // SAFETY: peer is a live context; needs a current context.
+        match unsafe { cuda_sys::call!(self.driver, cuCtxEnablePeerAccess(peer, 0)) }? {
+            CUDA_SUCCESS | CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            code => Err(driver_error(&self.driver, "cuCtxEnablePeerAccess", code)),
+        }
+    }
+
     /// Loads a module from NUL-terminated PTX (JIT-compiled by the driver for this GPU).
     pub(crate) fn module_load_data(&self, ptx: &CStr) -> Result<CUmodule> {
         let mut module: CUmodule = std::ptr::null_mut();

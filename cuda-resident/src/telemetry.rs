@@ -28,6 +28,8 @@ pub(crate) struct Telemetry {
     pub(crate) kernel_launches: AtomicU64,
     /// Bytes of device memory the lanes hold as staging (descriptor tables, packed bytes).
     pub(crate) staging_bytes: AtomicU64,
+    /// Bytes copied into this device from device memory (peer copies, copies inside it).
+    pub(crate) peer_bytes: AtomicU64,
 }
 
 impl Telemetry {
@@ -86,6 +88,11 @@ pub struct TelemetrySnapshot {
     /// store (counted in `memory`) that no caller owns. With every caller buffer freed,
     /// `memory.allocated_bytes` equals this.
     pub staging_bytes: u64,
+    /// Bytes copied into this device from device memory: peer copies from other GPUs and
+    /// copies inside this one ([`Device::peer_copies`](crate::Device::peer_copies)). They
+    /// are also counted in `bytes_requested`, and in `bytes_moved` as far as they crossed a
+    /// link.
+    pub peer_bytes: u64,
 }
 
 impl TelemetrySnapshot {
@@ -102,6 +109,7 @@ impl TelemetrySnapshot {
             dma_copies: get(&t.dma_copies),
             kernel_launches: get(&t.kernel_launches),
             staging_bytes: get(&t.staging_bytes),
+            peer_bytes: get(&t.peer_bytes),
         }
     }
 }

@@ -10,6 +10,7 @@
 //! Without a usable driver or GPU it exits with status 2 and one line that says what is
 //! missing and how to fix it; so does a bad flag.
 
+mod peer;
 mod plot;
 
 use std::path::PathBuf;
@@ -42,8 +43,13 @@ enum Suite {
     /// Allocation: device memory and pinned staging against cuMemAlloc, cuMemAllocAsync (in
     /// the "batch API" column) and cuMemHostAlloc.
     Alloc,
-    /// Everything: the grid, `--large` single copies, sweep, latency and allocation (about 2 to
-    /// 3 minutes on an H200).
+    /// Copies between two GPUs, --device and the next ordinal: one `--large` copy, many small
+    /// copies (--counts, default 8192, x --sizes; the 4 KiB ones also before peer access is
+    /// enabled, staged through the host), both directions at once, and a `--large` fan-out
+    /// from pageable memory to both GPUs by each path. Needs two GPUs.
+    Peer,
+    /// Everything: the grid, `--large` single copies, sweep, latency, allocation and, where
+    /// there are two GPUs, peer (about 2 to 3 minutes on an H200, without peer).
     All,
 }
 
@@ -671,6 +677,13 @@ impl Scatter {
     }
 }
 
+/// Repetitions of the baselines of a many-small case of `count` copies: one raw call costs
+/// about 7 µs, so past `BASELINE_REPS_COUNT` copies they run the minimum of 5 (the same as
+/// `--reps` unless it asks for more).
+fn baseline_reps(args: &Args, count: usize) -> usize {
+    if count > BASELINE_REPS_COUNT { args.reps.min(5) } else { args.reps }
+}
+
 /// One many-small case: `count` copies of `size` bytes, each way, by each method.
 fn many_small(
     d: &Device,
@@ -680,9 +693,7 @@ fn many_small(
     rows: &mut Vec<Row>,
 ) -> BenchResult<()> {
     let first = rows.len();
-    // One raw call costs about 7 µs: past `BASELINE_REPS_COUNT` copies the baselines run
-    // the minimum of 5 repetitions (the same as `--reps` unless it asks for more).
-    let base_reps = if count > BASELINE_REPS_COUNT { args.reps.min(5) } else { args.reps };
+    let base_reps = baseline_reps(args, count);
     many_small_rows(d, raw, args, (count, size), base_reps, rows)?;
     for r in &mut rows[first..] {
         (r.count, r.size) = (Some(count), Some(size));
@@ -1176,6 +1187,8 @@ struct Plan {
     latency: Option<(Vec<usize>, bool)>,
     sweep: bool,
     alloc: bool,
+    /// The peer suite's many-small cases, `(count, size)`, when it runs.
+    peer: Option<Vec<(usize, usize)>>,
 }
 
 impl Plan {
@@ -1185,7 +1198,7 @@ impl Plan {
         let counts = match (&args.counts, s) {
             (_, Sweep | Latency | Alloc) => Vec::new(),
             (Some(counts), _) => counts.clone(),
-            (None, Default) => vec![DEFAULT_COUNT],
+            (None, Default | Peer) => vec![DEFAULT_COUNT],
             (None, _) => GRID_COUNTS.to_vec(),
         };
         let limit = args.max_case_mib.saturating_mul(1 << 20);
@@ -1207,13 +1220,15 @@ impl Plan {
             Latency | All => Some((args.latency_sizes.clone(), false)),
             _ => None,
         };
+        let peer = matches!(s, Peer | All).then(|| many_small.clone());
         Plan {
-            many_small,
+            many_small: if s == Peer { Vec::new() } else { many_small },
             skipped,
             large: matches!(s, Default | All),
             latency,
             sweep: matches!(s, Sweep | All),
             alloc: matches!(s, Alloc | All),
+            peer,
         }
     }
 
@@ -1224,7 +1239,8 @@ impl Plan {
             + usize::from(self.large)
             + self.latency.as_ref().map_or(0, |(sizes, _)| sizes.len())
             + sweep
-            + usize::from(self.alloc)) as u64
+            + usize::from(self.alloc)
+            + self.peer.as_deref().map_or(0, peer::steps)) as u64
     }
 }
 
@@ -1245,7 +1261,7 @@ fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
 
 fn run(
     args: &Args,
-    plan: &Plan,
+    plan: &mut Plan,
     config: cuda_resident::Config,
 ) -> BenchResult<(Vec<Row>, serde_json::Value)> {
     let driver =
@@ -1253,6 +1269,15 @@ fn run(
     let d = Device::open_with(driver, args.device, config).map_err(error)?;
     d.make_current().map_err(error)?;
     let raw = Raw::new(&d)?;
+    // Counted only where the peer suite runs, which needs two.
+    let gpus = if plan.peer.is_some() { Device::count().map_err(error)? } else { 0 };
+    if plan.peer.is_some() && gpus < 2 {
+        if args.suite == Suite::Peer {
+            return Err(format!("{}. {}", peer::too_few(gpus), peer::FEW_FIX));
+        }
+        plan.peer = None;
+        plan.skipped.push(format!("peer: {}", peer::too_few(gpus)));
+    }
     println!("xfer-bench | {PROVENANCE}");
     let info = d.info();
     let c = d.config();
@@ -1320,6 +1345,9 @@ fn run(
         println!("size-class waste on 4000 buffers of uniform 1 B..4 MiB: {:.2} %", r.waste_percent);
         progress.inc(1);
     }
+    if let Some(cases) = &plan.peer {
+        peer::run(&d, &raw, args, gpus, cases, &mut rows, &progress)?;
+    }
     progress.finish_and_clear();
     drop(raw);
     Ok((rows, device_json(&d)))
@@ -1335,8 +1363,8 @@ fn main() -> ExitCode {
         }
     };
     args.reps = args.reps.max(5);
-    let plan = Plan::new(&args);
-    let outcome = config(&args).and_then(|config| run(&args, &plan, config));
+    let mut plan = Plan::new(&args);
+    let outcome = config(&args).and_then(|config| run(&args, &mut plan, config));
     let (rows, device) = match outcome {
         Ok(done) => done,
         Err(message) => {
@@ -1489,6 +1517,12 @@ mod tests {
         assert_eq!(counts.many_small, [(100, 8)]);
         let latency = Plan::new(&parse(&["--suite", "latency", "--counts", "5"]).unwrap());
         assert!(latency.many_small.is_empty() && latency.latency.is_some());
+
+        let peer = Plan::new(&parse(&["--suite", "peer"]).unwrap());
+        assert_eq!(peer.peer.as_deref(), Some(&default.many_small[..]));
+        assert!(peer.many_small.is_empty() && !peer.large && peer.latency.is_none() && !peer.alloc);
+        assert_eq!(all.peer.as_ref().map(Vec::len), Some(9), "the grid's cases");
+        assert!(default.peer.is_none() && grid.peer.is_none());
     }
 
     #[test]

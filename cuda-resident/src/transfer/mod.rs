@@ -8,6 +8,7 @@ mod readback;
 mod upload;
 
 pub use readback::{PendingReadback, Readback, ReadbackBatch, Slot};
+pub(crate) use upload::RING;
 pub use upload::UploadBatch;
 
 use std::sync::Arc;

@@ -1,0 +1,268 @@
+//! Several GPUs in one host: a set of devices, peer access, fused peer copies and fan-out.
+//!
+//! Each [`Device`] of a [`DeviceSet`] keeps its own budget, allocator, staging and lanes;
+//! pinned staging is allocated portable, so any device can copy from any pool's memory.
+
+mod copy;
+
+pub use copy::PeerBatch;
+
+use std::sync::Arc;
+
+use crate::alloc::ResidentBuffer;
+use crate::device::{Config, Device, shared_driver};
+use crate::error::{Error, Result};
+use crate::stream::{Fence, LaneBatch, LaneKind};
+use crate::sync::lock;
+use crate::telemetry::Moves;
+use crate::transfer::{Piece, RING};
+
+/// How [`DeviceSet::fan_out_with`] reaches its devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FanOutPath {
+    /// Pack the bytes once into portable pinned staging, chunk by chunk, and copy each
+    /// chunk to every device over that GPU's own link, all devices at once.
+    EachLink,
+    /// Upload to the first target, then copy from it to the others over the peer links
+    /// ([`Device::peer_copies`]).
+    FirstThenPeers,
+}
+
+/// The GPUs of one host (all of them, or those chosen), each a [`Device`] with its own
+/// budget, resident store, staging and lanes.
+#[derive(Clone, Debug)]
+pub struct DeviceSet {
+    devices: Vec<Device>,
+}
+
+impl DeviceSet {
+    /// Opens every device the driver sees, each with the default [`Config`].
+    pub fn open_all() -> Result<DeviceSet> {
+        DeviceSet::open_all_with(Config::default())
+    }
+
+    /// Opens every device the driver sees, each with `config` (each gets its own budget:
+    /// `budget_fraction` applies per device).
+    pub fn open_all_with(config: Config) -> Result<DeviceSet> {
+        let count = Device::count()?;
+        let driver = shared_driver()?;
+        let devices = (0..count).map(|i| Device::open_with(Arc::clone(&driver), i, config.clone()));
+        Ok(DeviceSet { devices: devices.collect::<Result<_>>()? })
+    }
+
+    /// A set of devices opened by the caller (with configs of their own), in that order.
+    pub fn from_devices(devices: Vec<Device>) -> DeviceSet {
+        DeviceSet { devices }
+    }
+
+    /// Number of devices.
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Whether the set holds no device.
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// Device `index` of the set.
+    pub fn get(&self, index: usize) -> Result<&Device> {
+        self.devices.get(index).ok_or(Error::NotInSet { index, len: self.devices.len() })
+    }
+
+    /// The devices, in set order.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// Enables peer access between every pair of devices that can have it
+    /// ([`Device::enable_peer`]); pairs without a peer path are left as they are (their
+    /// copies stage through host memory). Returns the number of pairs with access.
+    pub fn enable_all_peers(&self) -> Result<usize> {
+        let mut enabled = 0;
+        for (i, a) in self.devices.iter().enumerate() {
+            for b in &self.devices[i + 1..] {
+                match a.enable_peer(b) {
+                    Ok(()) => enabled += 1,
+                    Err(Error::PeerUnsupported { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(enabled)
+    }
+
+    /// Writes `data` at `offset` into every target (a device index of this set and a buffer
+    /// of that device), choosing the path: [`FanOutPath::EachLink`], which measured at
+    /// least as fast as the alternative on two H200s (docs/multi-gpu.md). Returns one fence
+    /// per target, in target order.
+    pub fn fan_out(
+        &self,
+        data: &[u8],
+        targets: &[(usize, ResidentBuffer)],
+        offset: u64,
+    ) -> Result<Vec<Fence>> {
+        self.fan_out_with(FanOutPath::EachLink, data, targets, offset)
+    }
+
+    /// [`DeviceSet::fan_out`] by the path given. Every target is checked before anything
+    /// moves.
+    pub fn fan_out_with(
+        &self,
+        path: FanOutPath,
+        data: &[u8],
+        targets: &[(usize, ResidentBuffer)],
+        offset: u64,
+    ) -> Result<Vec<Fence>> {
+        let len = data.len() as u64;
+        let mut places = Vec::with_capacity(targets.len());
+        for &(index, buffer) in targets {
+            let device = self.get(index)?;
+            places.push((device, buffer, device.checked_range(buffer, offset, len)?));
+        }
+        if data.is_empty() || places.is_empty() {
+            return Ok(vec![Fence::completed(); places.len()]);
+        }
+        match path {
+            FanOutPath::EachLink => fan_out_each_link(data, &places),
+            FanOutPath::FirstThenPeers => {
+                let (first, first_buffer, _) = places[0];
+                let mut uploads = first.uploads();
+                uploads.write(first_buffer, offset, data)?;
+                let mut fences = vec![uploads.submit()?];
+                for &(device, buffer, _) in &places[1..] {
+                    let mut copies = device.peer_copies(first);
+                    copies.copy(first_buffer, offset, buffer, offset, len)?;
+                    fences.push(copies.submit()?);
+                }
+                Ok(fences)
+            }
+        }
+    }
+}
+
+/// The fan-out over every GPU's own link: chunk `k` is packed (by the first target's
+/// packing threads) into pinned staging while the devices copy chunk `k - 1`; each device's
+/// upload lane moves every chunk to each of its targets. At most [`RING`] chunks are in
+/// flight.
+fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> Result<Vec<Fence>> {
+    let stager = places[0].0;
+    // One lane batch per distinct device, taken in one global order (by core address) so
+    // that concurrent fan-outs cannot deadlock.
+    let mut devices: Vec<&Device> = places.iter().map(|p| p.0).collect();
+    devices.sort_by_key(|d| std::ptr::from_ref(d.core()) as usize);
+    devices.dedup_by_key(|d| std::ptr::from_ref(d.core()) as usize);
+    let batches: Vec<LaneBatch<'_>> =
+        devices.iter().map(|d| d.core().lane(LaneKind::Upload).batch()).collect();
+    let chunk = stager.config().chunk_bytes as usize;
+    let chunks = data.len().div_ceil(chunk) as u64;
+    let mut finals = Vec::with_capacity(devices.len());
+    for (device, batch) in devices.iter().zip(&batches) {
+        let mine = places.iter().filter(|p| std::ptr::eq(p.0.core(), device.core())).map(|p| p.1);
+        finals.push(device.claim(batch, LaneKind::Upload, mine, chunks)?);
+    }
+    // Per chunk, per device: the submission.
+    let mut seqs: Vec<Vec<u64>> = Vec::with_capacity(chunks as usize);
+    let mut pieces = Vec::new();
+    for (k, part) in data.chunks(chunk).enumerate() {
+        if k >= RING {
+            for (device, &seq) in devices.iter().zip(&seqs[k - RING]) {
+                device.core().lane(LaneKind::Upload).wait(seq)?;
+            }
+        }
+        let lease = Arc::new(stager.acquire_staging(part.len())?);
+        let base = lease.as_ptr();
+        pieces.clear();
+        Piece::push_split(&mut pieces, Piece { dst: base, src: part.as_ptr(), len: part.len() });
+        // SAFETY: the pieces cover the fresh lease's first part.len() bytes from the live slice.
+        unsafe { Piece::copy_all(stager, &pieces) };
+        let at = (k * chunk) as u64;
+        let mut row = Vec::with_capacity(devices.len());
+        for (device, batch) in devices.iter().zip(&batches) {
+            let mine: Vec<u64> =
+                places.iter().filter(|p| std::ptr::eq(p.0.core(), device.core())).map(|p| p.2 + at).collect();
+            row.push(batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+                for &dst in &mine {
+                    // SAFETY: the portable pinned chunk is kept alive by this submission;
+                    // the destination range was checked and its buffer is marked.
+                    unsafe { raw.memcpy_htod_async(dst, base, part.len(), stream) }?;
+                }
+                Ok(())
+            })?);
+            let copies = mine.len() as u64;
+            let bytes = part.len() as u64 * copies;
+            device.core().telemetry.record(
+                LaneKind::Upload,
+                Moves { submissions: 1, requested: bytes, moved: bytes, dmas: copies, launches: 0 },
+            );
+        }
+        seqs.push(row);
+    }
+    drop(batches);
+    Ok(places
+        .iter()
+        .map(|p| {
+            let i = devices.iter().position(|d| std::ptr::eq(d.core(), p.0.core())).expect("listed above");
+            Fence::new(p.0.clone(), LaneKind::Upload, finals[i])
+        })
+        .collect())
+}
+
+impl Device {
+    /// Whether this device can be given access to `peer`'s memory (and the other way
+    /// round): both directions must have a peer path. A device can always access its own.
+    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
+        let (a, b) = (self.core().ctx.device, peer.core().ctx.device);
+        if a == b {
+            return Ok(true);
+        }
+        let raw = &self.core().ctx.raw;
+        Ok(raw.device_can_access_peer(a, b)? && raw.device_can_access_peer(b, a)?)
+    }
+
+    /// Lets this device and `peer` access each other's memory (`cuCtxEnablePeerAccess` in
+    /// both directions), so that [`Device::peer_copies`] between them move over the peer
+    /// link. Calling it again is harmless. Fails with [`Error::PeerUnsupported`] where the
+    /// pair has no peer path; copies between them still work, staged through host memory.
+    ///
+    /// Access lasts while both devices are open: each keeps the other's context alive. The
+    /// calling thread's current context changes.
+    pub fn enable_peer(&self, peer: &Device) -> Result<()> {
+        let (a, b) = (self.core(), peer.core());
+        if a.ctx.device == b.ctx.device {
+            return Ok(());
+        }
+        let ordinal = |d: &Device| d.info().ordinal;
+        let raw = &a.ctx.raw;
+        if !raw.device_can_access_peer(a.ctx.device, b.ctx.device)? {
+            return Err(Error::PeerUnsupported { device: ordinal(self), peer: ordinal(peer) });
+        }
+        if !raw.device_can_access_peer(b.ctx.device, a.ctx.device)? {
+            return Err(Error::PeerUnsupported { device: ordinal(peer), peer: ordinal(self) });
+        }
+        for (from, to) in [(a, b), (b, a)] {
+            let mut peers = lock(&from.peers);
+            if peers.iter().any(|c| c.device == to.ctx.device) {
+                continue;
+            }
+            from.ctx.bind()?.ctx_enable_peer_access(to.ctx.ctx)?;
+            peers.push(Arc::clone(&to.ctx));
+        }
+        Ok(())
+    }
+
+    /// Whether this device may access `peer`'s memory: the same GPU, or peer access enabled
+    /// through this device or `peer` ([`Device::enable_peer`]).
+    pub fn is_peer_enabled(&self, peer: &Device) -> bool {
+        self.can_read_directly(peer)
+    }
+
+    /// Whether kernels of this device may read `src`'s memory.
+    pub(crate) fn can_read_directly(&self, src: &Device) -> bool {
+        let (a, b) = (self.core(), src.core());
+        a.ctx.device == b.ctx.device || lock(&a.peers).iter().any(|c| c.device == b.ctx.device)
+    }
+}
+
+#[cfg(test)]
+mod model_tests;

@@ -1,0 +1,322 @@
+//! Peer copies and fan-out on the two-GPU model driver (`fake_driver`): the model carries
+//! work out only when the host waits, stream by stream, following cross-stream waits, and a
+//! kernel of one device touching another's memory without peer access is an illegal
+//! access. So a missing wait between the devices shows as wrong bytes, and a direct path
+//! taken without access as an error. No GPU needed: these run in CI.
+
+use super::PeerBatch;
+use crate::fake_driver::{self, with};
+use crate::{Config, Device, DeviceSet, Error, FanOutPath, ResidentBuffer};
+
+fn config() -> Config {
+    Config {
+        chunk_bytes: 64 << 10,
+        direct_threshold: 8 << 10,
+        pinned_cap_bytes: 64 << 20,
+        ..Config::default()
+    }
+}
+
+/// Devices 0 and 1 of one model driver.
+fn pair() -> (Device, Device) {
+    let driver = fake_driver::driver();
+    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
+    let d1 = Device::open_with(driver, 1, config()).unwrap();
+    (d0, d1)
+}
+
+fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v);
+    v
+}
+
+/// A device's buffers and the bytes they must hold.
+struct Side {
+    buffers: Vec<ResidentBuffer>,
+    expect: Vec<Vec<u8>>,
+}
+
+impl Side {
+    fn new(d: &Device, rng: &mut fastrand::Rng, sizes: &[usize]) -> Side {
+        let buffers: Vec<_> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
+        let expect: Vec<_> = sizes.iter().map(|&n| random_vec(rng, n)).collect();
+        let writes: Vec<_> = buffers.iter().zip(&expect).map(|(&b, v)| (b, v.as_slice())).collect();
+        d.upload_many(&writes).unwrap();
+        Side { buffers, expect }
+    }
+
+    fn check(&self, d: &Device, what: &str) {
+        assert!(with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
+        for (i, got) in d.download_many(&self.buffers).unwrap().iter().enumerate() {
+            assert!(
+                got == &self.expect[i],
+                "{what}: buffer {i} differs at {:?}",
+                got.iter().zip(&self.expect[i]).position(|(a, b)| a != b)
+            );
+        }
+    }
+
+    /// A random range of a random buffer: mostly small, sometimes the whole buffer.
+    fn range(&self, rng: &mut fastrand::Rng, max: usize) -> (usize, usize, usize) {
+        let i = rng.usize(..self.buffers.len());
+        let n = self.expect[i].len();
+        let len = match rng.u8(0..10) {
+            0 => rng.usize(1..=n),
+            1..=5 => rng.usize(1..=n.min(64)),
+            _ => rng.usize(1..=n.min(max)),
+        };
+        (i, rng.usize(0..=n - len), len)
+    }
+}
+
+/// Random batches of copies from `src` into `dst` (overlapping, touching, in any order, a
+/// few large enough for their own DMA), checked against the byte model after each.
+fn ragged(src: &Device, dst: &Device, from: &Side, to: &mut Side, rng: &mut fastrand::Rng, what: &str) {
+    for round in 0..6 {
+        let mut batch: PeerBatch<'_> = dst.peer_copies(src);
+        for _ in 0..rng.usize(1..200) {
+            let (si, so, len) = from.range(rng, 5000);
+            let (di, doff, dlen) = to.range(rng, len);
+            let len = len.min(dlen).min(to.expect[di].len() - doff);
+            batch.copy(from.buffers[si], so as u64, to.buffers[di], doff as u64, len as u64).unwrap();
+            let bytes = from.expect[si][so..so + len].to_vec();
+            to.expect[di][doff..doff + len].copy_from_slice(&bytes);
+        }
+        if round % 2 == 0 {
+            // Whole large buffers: one DMA each.
+            let big = from.expect.iter().position(|v| v.len() >= super::copy::PEER_DMA_MIN as usize).unwrap();
+            let dbig = to.expect.iter().position(|v| v.len() >= from.expect[big].len()).unwrap();
+            let n = from.expect[big].len();
+            batch.copy(from.buffers[big], 0, to.buffers[dbig], 0, n as u64).unwrap();
+            let bytes = from.expect[big].clone();
+            to.expect[dbig][..n].copy_from_slice(&bytes);
+        }
+        batch.submit().unwrap().wait().unwrap();
+        to.check(dst, &format!("{what}, round {round}"));
+    }
+}
+
+const SIZES: [usize; 5] = [1, 300, 4096, 70_000, 5 << 20];
+
+#[test]
+fn ragged_peer_batches_match_the_byte_model_with_peer_access() {
+    let (d0, d1) = pair();
+    d0.enable_peer(&d1).unwrap();
+    assert!(d0.is_peer_enabled(&d1) && d1.is_peer_enabled(&d0));
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut a = Side::new(&d0, &mut rng, &SIZES);
+    let mut b = Side::new(&d1, &mut rng, &SIZES);
+    let before = d1.telemetry();
+    ragged(&d0, &d1, &a, &mut b, &mut rng, "0 -> 1");
+    let after = d1.telemetry();
+    assert!(after.kernel_launches > before.kernel_launches, "small copies by the kernel");
+    assert!(after.peer_bytes > before.peer_bytes);
+    ragged(&d1, &d0, &b, &mut a, &mut rng, "1 -> 0");
+    a.check(&d0, "device 0 at the end");
+}
+
+#[test]
+fn copies_inside_one_device_match_the_byte_model() {
+    let (d0, _d1) = pair();
+    let mut rng = fastrand::Rng::with_seed(8);
+    let a = Side::new(&d0, &mut rng, &SIZES);
+    let mut b = Side::new(&d0, &mut rng, &SIZES);
+    ragged(&d0, &d0, &a, &mut b, &mut rng, "inside device 0");
+    a.check(&d0, "sources unchanged");
+}
+
+#[test]
+fn without_peer_access_copies_stage_through_the_host_and_match() {
+    let (d0, d1) = pair();
+    assert!(!d1.is_peer_enabled(&d0));
+    let mut rng = fastrand::Rng::with_seed(9);
+    let a = Side::new(&d0, &mut rng, &SIZES);
+    let mut b = Side::new(&d1, &mut rng, &SIZES);
+    let launches = d1.telemetry().kernel_launches;
+    ragged(&d0, &d1, &a, &mut b, &mut rng, "staged 0 -> 1");
+    // The kernel never read device 0's memory (the model would have flagged it); the copies
+    // went through readbacks on device 0 and uploads on device 1.
+    assert_eq!(d1.telemetry().peer_bytes, 0);
+    assert!(d1.telemetry().kernel_launches >= launches);
+}
+
+#[test]
+fn a_pair_without_a_peer_path_says_so_and_still_copies() {
+    let (d0, d1) = pair();
+    with(|g| g.no_peer_path = true);
+    assert!(!d0.can_access_peer(&d1).unwrap());
+    let err = d0.enable_peer(&d1).unwrap_err();
+    assert!(matches!(err, Error::PeerUnsupported { device: 0, peer: 1 }), "{err}");
+    assert!(err.to_string().contains("Fix: "));
+    let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
+    assert_eq!(set.enable_all_peers().unwrap(), 0);
+    let mut rng = fastrand::Rng::with_seed(10);
+    let a = Side::new(&d0, &mut rng, &[4096]);
+    let mut b = Side::new(&d1, &mut rng, &[4096]);
+    let mut batch = d1.peer_copies(&d0);
+    batch.copy(a.buffers[0], 10, b.buffers[0], 20, 1000).unwrap();
+    batch.submit().unwrap().wait().unwrap();
+    b.expect[0][20..1020].copy_from_slice(&a.expect[0][10..1010]);
+    b.check(&d1, "staged");
+}
+
+#[test]
+fn enabling_peer_access_twice_is_harmless_and_a_device_is_its_own_peer() {
+    let (d0, d1) = pair();
+    assert!(d0.can_access_peer(&d1).unwrap() && d0.can_access_peer(&d0).unwrap());
+    d0.enable_peer(&d1).unwrap();
+    d1.enable_peer(&d0).unwrap();
+    d0.enable_peer(&d0).unwrap();
+    assert!(d0.is_peer_enabled(&d0));
+    let set = DeviceSet::from_devices(vec![d0, d1]);
+    assert_eq!(set.enable_all_peers().unwrap(), 1);
+}
+
+#[test]
+fn copies_order_after_uploads_into_the_source_and_before_later_ones_without_host_waits() {
+    let (d0, d1) = pair();
+    d0.enable_peer(&d1).unwrap();
+    let mut rng = fastrand::Rng::with_seed(11);
+    let src = d0.allocate(1 << 16).unwrap();
+    let dst = d1.allocate(1 << 16).unwrap();
+    let first = random_vec(&mut rng, 1 << 16);
+    let second = random_vec(&mut rng, 1 << 16);
+    // Upload (not waited for), copy, overwrite the source (not waited for): the copy sees
+    // exactly the first upload.
+    let mut up = d0.uploads();
+    up.write(src, 0, &first).unwrap();
+    let _pending = up.submit().unwrap();
+    let mut batch = d1.peer_copies(&d0);
+    for i in 0..64u64 {
+        batch.copy(src, i * 1024, dst, (63 - i) * 1024, 1024).unwrap();
+    }
+    let copied = batch.submit().unwrap();
+    let mut up = d0.uploads();
+    up.write(src, 0, &second).unwrap();
+    let overwritten = up.submit().unwrap();
+    // Freeing the source right away is deferred until the copy has read it.
+    d0.free(src).unwrap();
+    // The host waits for the overwrite first: the model then carries out the device 0 work
+    // it depends on, which must include the copy.
+    overwritten.wait().unwrap();
+    copied.wait().unwrap();
+    let got = d1.download(dst).unwrap();
+    for i in 0..64 {
+        let want = &first[i * 1024..(i + 1) * 1024];
+        assert!(&got[(63 - i) * 1024..(64 - i) * 1024] == want, "block {i}");
+    }
+    assert!(with(|g| g.errors.is_empty()));
+}
+
+#[test]
+fn a_copy_into_a_buffer_waits_for_readbacks_of_it_on_the_destination() {
+    let (d0, d1) = pair();
+    d0.enable_peer(&d1).unwrap();
+    let mut rng = fastrand::Rng::with_seed(12);
+    let (old, new) = (random_vec(&mut rng, 8192), random_vec(&mut rng, 8192));
+    let src = d0.allocate(8192).unwrap();
+    let dst = d1.allocate(8192).unwrap();
+    d0.upload(src, &new).unwrap();
+    d1.upload(dst, &old).unwrap();
+    let mut reads = d1.readbacks();
+    let slot = reads.read(dst, 0, 8192).unwrap();
+    let pending = reads.submit().unwrap();
+    let mut batch = d1.peer_copies(&d0);
+    batch.copy(src, 0, dst, 0, 8192).unwrap();
+    let fence = batch.submit().unwrap();
+    assert!(pending.wait().unwrap().get(slot) == &old[..], "the readback saw the bytes before the copy");
+    fence.wait().unwrap();
+    assert!(d1.download(dst).unwrap() == new);
+}
+
+#[test]
+fn bad_copies_fail_with_a_fix_and_move_nothing() {
+    let (d0, d1) = pair();
+    d0.enable_peer(&d1).unwrap();
+    let mut rng = fastrand::Rng::with_seed(13);
+    let a = Side::new(&d0, &mut rng, &[4096]);
+    let b = Side::new(&d1, &mut rng, &[4096]);
+    let freed = d0.allocate(4096).unwrap();
+    d0.free(freed).unwrap();
+    type Bad = fn(&mut PeerBatch<'_>, ResidentBuffer, ResidentBuffer, ResidentBuffer) -> crate::Result<()>;
+    let cases: [(&str, Bad); 6] = [
+        ("source of the destination device", |p, _, b, _| p.copy(b, 0, b, 0, 1).map(drop)),
+        ("destination of the source device", |p, a, _, _| p.copy(a, 0, a, 0, 1).map(drop)),
+        ("source out of range", |p, a, b, _| p.copy(a, 4000, b, 0, 100).map(drop)),
+        ("destination out of range", |p, a, b, _| p.copy(a, 0, b, 4096, 1).map(drop)),
+        ("overflowing offset", |p, a, b, _| p.copy(a, u64::MAX, b, 0, 2).map(drop)),
+        ("freed source", |p, _, b, f| p.copy(f, 0, b, 0, 1).map(drop)),
+    ];
+    for (what, bad) in cases {
+        let mut batch = d1.peer_copies(&d0);
+        batch.copy(a.buffers[0], 0, b.buffers[0], 0, 4096).unwrap();
+        let err = bad(&mut batch, a.buffers[0], b.buffers[0], freed).unwrap_err();
+        assert!(err.to_string().contains("Fix: "), "{what}: {err}");
+        let again = batch.submit().unwrap_err();
+        assert_eq!(again.to_string(), err.to_string(), "{what}: submit fails with the first error");
+        b.check(&d1, what);
+    }
+    // A buffer freed between adding and submitting: nothing moves.
+    let gone = d0.allocate(4096).unwrap();
+    let mut batch = d1.peer_copies(&d0);
+    batch.copy(a.buffers[0], 0, b.buffers[0], 0, 4096).unwrap();
+    batch.copy(gone, 0, b.buffers[0], 0, 10).unwrap();
+    d0.free(gone).unwrap();
+    assert!(matches!(batch.submit(), Err(Error::FreedBuffer { .. })));
+    b.check(&d1, "freed before submit");
+    assert!(d1.peer_copies(&d0).submit().unwrap().is_complete().unwrap(), "an empty batch");
+}
+
+#[test]
+fn fan_out_writes_every_target_by_either_path() {
+    let (d0, d1) = pair();
+    d0.enable_peer(&d1).unwrap();
+    let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
+    let mut rng = fastrand::Rng::with_seed(14);
+    // Larger than a staging chunk (64 KiB here) times the ring: pipelined.
+    for len in [1usize, 1000, 300_000, (1 << 20) + 3] {
+        for path in [FanOutPath::EachLink, FanOutPath::FirstThenPeers] {
+            let data = random_vec(&mut rng, len);
+            let n = (len + 100) as u64;
+            let targets =
+                [(1, d1.allocate(n).unwrap()), (0, d0.allocate(n).unwrap()), (0, d0.allocate(n).unwrap())];
+            for &(i, b) in &targets {
+                set.get(i).unwrap().upload(b, &vec![0xA5; n as usize]).unwrap();
+            }
+            let fences = set.fan_out_with(path, &data, &targets, 7).unwrap();
+            assert_eq!(fences.len(), 3);
+            for f in &fences {
+                f.wait().unwrap();
+            }
+            for &(i, b) in &targets {
+                let got = set.get(i).unwrap().download(b).unwrap();
+                assert!(got[7..7 + len] == data[..], "{path:?}, {len} bytes, device {i}");
+                assert!(
+                    got[..7].iter().chain(&got[7 + len..]).all(|&x| x == 0xA5),
+                    "{path:?}: outside untouched"
+                );
+            }
+        }
+    }
+    assert!(with(|g| g.errors.is_empty()));
+}
+
+#[test]
+fn fan_out_checks_every_target_before_moving_anything() {
+    let (d0, d1) = pair();
+    let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
+    let b0 = d0.allocate(100).unwrap();
+    let b1 = d1.allocate(100).unwrap();
+    d0.upload(b0, &[1; 100]).unwrap();
+    let data = [9u8; 50];
+    let err = set.fan_out(&data, &[(0, b0), (2, b1)], 0).unwrap_err();
+    assert!(matches!(err, Error::NotInSet { index: 2, len: 2 }), "{err}");
+    let err = set.fan_out(&data, &[(0, b0), (1, b1)], 60).unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
+    let err = set.fan_out(&data, &[(0, b0), (0, b1)], 0).unwrap_err();
+    assert!(matches!(err, Error::ForeignBuffer { .. }), "{err}");
+    assert_eq!(d0.download(b0).unwrap(), vec![1; 100], "nothing written");
+    assert!(set.get(5).unwrap_err().to_string().contains("Fix: "));
+    assert!(DeviceSet::from_devices(Vec::new()).is_empty());
+}
