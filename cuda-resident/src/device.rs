@@ -170,6 +170,8 @@ pub(crate) struct Core {
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,
+    /// The vectors of finished peer batches, for the next ones.
+    pub(crate) peer_parts: crate::recycle::Recycler<crate::peer::PeerParts>,
 }
 
 impl Core {
@@ -313,6 +315,7 @@ impl Device {
             kernels: OnceLock::new(),
             packers: OnceLock::new(),
             peers: Mutex::new(Vec::new()),
+            peer_parts: Default::default(),
         };
         Ok(Device { core: Arc::new(core) })
     }

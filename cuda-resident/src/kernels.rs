@@ -94,6 +94,7 @@ pub(crate) fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
 
 /// Appends descriptors for one copy of `len` bytes, split into pieces of at most
 /// [`SEGMENT`] bytes.
+#[inline]
 pub(crate) fn push_descriptors(out: &mut Vec<CopyDescriptor>, src: u64, dst: u64, len: u64) {
     let mut done = 0;
     while done < len {

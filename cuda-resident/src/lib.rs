@@ -54,6 +54,7 @@ mod model_faults;
 mod peer;
 pub mod plan;
 mod raw;
+mod recycle;
 mod stream;
 mod sync;
 mod telemetry;

@@ -254,6 +254,32 @@ fn many_small(
         let case =
             format!("peer {count} x {} {}{}", human(size), p.dir, if staged { ", staged" } else { "" });
         verify_scatter(dst, &to, &sources, size, &case)?;
+        if !staged {
+            // The same copies as a block table per buffer pair (as a paged cache keeps
+            // them), one copy_ranges call per pair; the tables are the caller's data,
+            // built before the clock starts.
+            let mut tables: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); from.buffers.len()];
+            let mut pairs = vec![usize::MAX; from.buffers.len()];
+            for (&(b, o), &(c, q)) in from.places.iter().zip(&to.places) {
+                tables[b].push((o, q, size as u64));
+                pairs[b] = c;
+            }
+            for &b in &to.buffers {
+                poison(dst, p.dst_stream, b, 0, len)?;
+            }
+            let ranges = median_secs(args.reps, || {
+                let mut batch = dst.peer_copies(src);
+                for (b, table) in tables.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
+                    batch.copy_ranges(from.buffers[b], to.buffers[pairs[b]], table).map_err(error)?;
+                }
+                batch.submit().map_err(error)?.wait().map_err(error)
+            })?;
+            let case = format!("{case}, copy_ranges");
+            verify_scatter(dst, &to, &sources, size, &case)?;
+            let mut row = Row::gbps(case, count * size, Some(raw), None, ranges);
+            (row.count, row.size) = (Some(count), Some(size));
+            rows.push(row);
+        }
         let mut row = Row::gbps(case, count * size, Some(raw), None, ours);
         (row.count, row.size) = (Some(count), Some(size));
         if base_reps < args.reps {

@@ -21,6 +21,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernels::{CopyDescriptor, push_descriptors};
 use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
+use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
 use crate::telemetry::{Moves, Telemetry};
@@ -50,13 +51,136 @@ pub(crate) struct Move {
 pub struct PeerBatch<'a> {
     dst: &'a Device,
     src: &'a Device,
+    parts: PeerParts,
+    error: Option<Error>,
+}
+
+/// A peer batch's vectors, reused by the destination device's next batches.
+///
+/// While the copies come in order (each starts at or after the end of the previous copy
+/// into the same buffer, so none overlap), their descriptors and DMAs are built as they
+/// are added; the first copy out of order switches to resolving overlaps at submit.
+#[derive(Default)]
+pub(crate) struct PeerParts {
     src_table: BufferTable,
     dst_table: BufferTable,
     /// The copies, as writes into the destination buffers (keys of `dst_table`).
     writes: Vec<WriteRequest>,
     /// Per copy: its source buffer's key in `src_table` and the offset there.
     sources: Vec<(u32, u64)>,
-    error: Option<Error>,
+    /// Per destination key: the end of its last copy so far.
+    ends: Vec<u64>,
+    out_of_order: bool,
+    /// The kernel's descriptors and the copies moved by DMA.
+    descriptors: Vec<CopyDescriptor>,
+    dmas: Vec<Move>,
+    /// Bytes the copies name (zero-length ones aside).
+    bytes: u64,
+}
+
+impl Reusable for PeerParts {
+    fn clear(&mut self) {
+        self.src_table.clear();
+        self.dst_table.clear();
+        self.writes.clear();
+        self.sources.clear();
+        self.ends.clear();
+        self.out_of_order = false;
+        self.descriptors.clear();
+        self.dmas.clear();
+        self.bytes = 0;
+    }
+}
+
+impl PeerParts {
+    /// Records a checked copy: `src_at` and `dst_at` are the device addresses of its first
+    /// byte.
+    #[allow(clippy::too_many_arguments)] // One call site per public method; all scalars.
+    #[inline]
+    fn add(
+        &mut self,
+        src_key: u32,
+        src_offset: u64,
+        src_at: u64,
+        dst_key: u32,
+        dst_len: u64,
+        dst_offset: u64,
+        dst_at: u64,
+        len: u64,
+    ) {
+        self.writes.push(WriteRequest {
+            buffer: u64::from(dst_key),
+            buffer_len: dst_len,
+            offset: dst_offset,
+            len,
+        });
+        self.sources.push((src_key, src_offset));
+        if len == 0 {
+            return;
+        }
+        self.bytes += len;
+        if self.out_of_order {
+            return;
+        }
+        let key = dst_key as usize;
+        if key >= self.ends.len() {
+            self.ends.resize(key + 1, 0);
+        }
+        if dst_offset < self.ends[key] {
+            self.out_of_order = true;
+            return;
+        }
+        self.ends[key] = dst_offset + len;
+        self.route(Move { src: src_at, dst: dst_at, len });
+    }
+
+    /// A copy of the final set goes to the kernel or to a DMA of its own.
+    #[inline]
+    fn route(&mut self, m: Move) {
+        if m.len >= PEER_DMA_MIN {
+            self.dmas.push(m);
+        } else {
+            push_descriptors(&mut self.descriptors, m.src, m.dst, m.len);
+        }
+    }
+
+    /// For copies out of order: the descriptors and DMAs with overlaps resolved (the later
+    /// copy wins), from an upload plan of the destinations (every interval direct, one
+    /// chunk), whose fills say which copy supplies each destination byte.
+    fn resolve(&mut self, planner: &mut Planner, plan: &mut UploadPlan) -> Result<()> {
+        self.descriptors.clear();
+        self.dmas.clear();
+        let config = PlanConfig { direct_threshold: 0, chunk_bytes: 1 << 62, align: 1 };
+        planner.plan_upload_into(&self.writes, &config, plan)?;
+        let dst_at = |key: u64, offset: u64| self.dst_table.entries[key as usize].ptr + offset;
+        let mut spans: Vec<(u64, u64)> = plan
+            .chunks
+            .iter()
+            .flat_map(|c| c.direct.iter().chain(&c.packed))
+            .map(|c| (c.stage_offset, dst_at(c.buffer, c.buffer_offset)))
+            .collect();
+        spans.sort_unstable_by_key(|s| s.0);
+        let moves: Vec<Move> = plan
+            .fills
+            .iter()
+            .map(|f| {
+                let (stage, dst) = spans[spans.partition_point(|s| s.0 <= f.stage_offset) - 1];
+                let (key, at) = self.sources[f.write as usize];
+                let src = self.src_table.entries[key as usize].ptr + at + f.src_offset;
+                Move { src, dst: dst + (f.stage_offset - stage), len: f.len }
+            })
+            .collect();
+        for m in moves {
+            self.route(m);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PeerBatch<'_> {
+    fn drop(&mut self) {
+        self.dst.core().peer_parts.give(std::mem::take(&mut self.parts));
+    }
 }
 
 impl fmt::Debug for PeerBatch<'_> {
@@ -64,7 +188,7 @@ impl fmt::Debug for PeerBatch<'_> {
         f.debug_struct("PeerBatch")
             .field("src", &self.src.info().ordinal)
             .field("dst", &self.dst.info().ordinal)
-            .field("copies", &self.writes.len())
+            .field("copies", &self.parts.writes.len())
             .finish_non_exhaustive()
     }
 }
@@ -78,15 +202,7 @@ impl Device {
     /// works between any two GPUs but blocks `submit` until the source bytes are on the
     /// host.
     pub fn peer_copies<'a>(&'a self, src: &'a Device) -> PeerBatch<'a> {
-        PeerBatch {
-            dst: self,
-            src,
-            src_table: BufferTable::default(),
-            dst_table: BufferTable::default(),
-            writes: Vec::new(),
-            sources: Vec::new(),
-            error: None,
-        }
+        PeerBatch { dst: self, src, parts: self.core().peer_parts.take(), error: None }
     }
 }
 
@@ -101,105 +217,134 @@ impl PeerBatch<'_> {
         dst_offset: u64,
         len: u64,
     ) -> Result<&mut Self> {
-        let (src_key, _) = self.src_table.check(self.src, src, src_offset, len, &mut self.error)?;
-        let (dst_key, dst_len) = self.dst_table.check(self.dst, dst, dst_offset, len, &mut self.error)?;
-        self.writes.push(WriteRequest {
-            buffer: u64::from(dst_key),
-            buffer_len: dst_len,
-            offset: dst_offset,
-            len,
-        });
-        self.sources.push((src_key, src_offset));
+        let parts = &mut self.parts;
+        let (src_key, _) = parts.src_table.check(self.src, src, src_offset, len, &mut self.error)?;
+        let (dst_key, dst_len) = parts.dst_table.check(self.dst, dst, dst_offset, len, &mut self.error)?;
+        let src_at = parts.src_table.entries[src_key as usize].ptr + src_offset;
+        let dst_at = parts.dst_table.entries[dst_key as usize].ptr + dst_offset;
+        parts.add(src_key, src_offset, src_at, dst_key, dst_len, dst_offset, dst_at, len);
         Ok(self)
+    }
+
+    /// Adds many copies between one pair of buffers: `(src_offset, dst_offset, len)` each,
+    /// from `src` (a buffer of the source device) into `dst` (a buffer of this batch's
+    /// device), in order. The same as calling [`PeerBatch::copy`] for each, with the two
+    /// buffers looked up once: for block tables (a paged cache moved block by block).
+    pub fn copy_ranges(
+        &mut self,
+        src: ResidentBuffer,
+        dst: ResidentBuffer,
+        ranges: &[(u64, u64, u64)],
+    ) -> Result<&mut Self> {
+        let parts = &mut self.parts;
+        let (src_key, _) = parts.src_table.check(self.src, src, 0, 0, &mut self.error)?;
+        let (dst_key, _) = parts.dst_table.check(self.dst, dst, 0, 0, &mut self.error)?;
+        let (s, d) = (parts.src_table.entries[src_key as usize], parts.dst_table.entries[dst_key as usize]);
+        let fits = |offset: u64, len: u64, buffer_len: u64| {
+            offset.checked_add(len).is_some_and(|end| end <= buffer_len)
+        };
+        for &(src_offset, dst_offset, len) in ranges {
+            let bad = if !fits(src_offset, len, s.len) {
+                Some(Error::OutOfRange { buffer: src, offset: src_offset, len, buffer_len: s.len })
+            } else if !fits(dst_offset, len, d.len) {
+                Some(Error::OutOfRange { buffer: dst, offset: dst_offset, len, buffer_len: d.len })
+            } else {
+                None
+            };
+            if let Some(e) = bad {
+                self.error.get_or_insert_with(|| e.clone());
+                return Err(e);
+            }
+            parts.add(
+                src_key,
+                src_offset,
+                s.ptr + src_offset,
+                dst_key,
+                d.len,
+                dst_offset,
+                d.ptr + dst_offset,
+                len,
+            );
+        }
+        Ok(self)
+    }
+
+    /// Whether every copy so far came in order (built as added, nothing to resolve).
+    #[cfg(test)]
+    pub(crate) fn is_in_order(&self) -> bool {
+        !self.parts.out_of_order
     }
 
     /// Number of copies added.
     pub fn len(&self) -> usize {
-        self.writes.len()
+        self.parts.writes.len()
     }
 
     /// Whether no copy was added.
     pub fn is_empty(&self) -> bool {
-        self.writes.is_empty()
+        self.parts.writes.is_empty()
     }
 
     /// Starts the copies and returns at once (after the source bytes reached the host, on
     /// the staged path); the fence, on the destination device, completes when every byte
     /// has landed. Fails (with nothing enqueued) if any copy was bad or a buffer was freed
     /// since it was added.
-    pub fn submit(self) -> Result<Fence> {
-        if let Some(e) = self.error {
+    pub fn submit(mut self) -> Result<Fence> {
+        if let Some(e) = self.error.take() {
             return Err(e);
         }
-        if self.writes.iter().all(|w| w.len == 0) {
+        if self.parts.bytes == 0 {
             return Ok(Fence::completed());
         }
         if self.dst.can_read_directly(self.src) { self.submit_direct() } else { self.submit_staged() }
     }
 
-    /// The copies with overlaps resolved (the later copy wins), as device addresses: the
-    /// copies themselves when their destinations are in order, else from an upload plan
-    /// of the destinations (every interval direct, one chunk), whose fills say which copy
-    /// supplies each destination byte.
-    fn moves(&self, planner: &mut Planner, plan: &mut UploadPlan, out: &mut Vec<Move>) -> Result<()> {
-        let src_at = |copy: usize, offset: u64| {
-            let (key, at) = self.sources[copy];
-            self.src_table.entries[key as usize].ptr + at + offset
-        };
-        let dst_at = |key: u64, offset: u64| self.dst_table.entries[key as usize].ptr + offset;
-        out.clear();
-        if planner.is_in_order(&self.writes) {
-            let copies = self.writes.iter().enumerate().filter(|(_, w)| w.len > 0);
-            out.extend(copies.map(|(i, w)| Move {
-                src: src_at(i, 0),
-                dst: dst_at(w.buffer, w.offset),
-                len: w.len,
-            }));
-            return Ok(());
-        }
-        let config = PlanConfig { direct_threshold: 0, chunk_bytes: 1 << 62, align: 1 };
-        planner.plan_upload_into(&self.writes, &config, plan)?;
-        let mut spans: Vec<(u64, u64)> = plan
-            .chunks
-            .iter()
-            .flat_map(|c| c.direct.iter().chain(&c.packed))
-            .map(|c| (c.stage_offset, dst_at(c.buffer, c.buffer_offset)))
-            .collect();
-        spans.sort_unstable_by_key(|s| s.0);
-        out.extend(plan.fills.iter().map(|f| {
-            let (stage, dst) = spans[spans.partition_point(|s| s.0 <= f.stage_offset) - 1];
-            Move {
-                src: src_at(f.write as usize, f.src_offset),
-                dst: dst + (f.stage_offset - stage),
-                len: f.len,
-            }
-        }));
-        Ok(())
-    }
-
     /// Peer access (or one device): one kernel for the small copies, a DMA per large one,
     /// on the destination's upload lane.
-    fn submit_direct(self) -> Result<Fence> {
+    fn submit_direct(&mut self) -> Result<Fence> {
         let (src, dst) = (self.src, self.dst);
         let (src_core, dst_core) = (src.core(), dst.core());
-        let same = std::ptr::eq(src_core, dst_core);
-        // Lock order, as everywhere: a readback lane before an upload lane, a lane before
-        // its staging.
-        let proxy = (!same).then(|| src_core.lane(LaneKind::Readback).batch());
         let lane = dst_core.lane(LaneKind::Upload);
         let lane_batch = lane.batch();
         let mut scratch = lock(&dst_core.staging[LaneKind::Upload.index()]);
         let scratch = &mut *scratch;
+        if self.parts.out_of_order {
+            self.parts.resolve(&mut scratch.planner, &mut scratch.upload_plan)?;
+        }
+        let parts = &self.parts;
 
-        let mut moves = Vec::new();
-        self.moves(&mut scratch.planner, &mut scratch.upload_plan, &mut moves)?;
-        let requested: u64 = self.writes.iter().map(|w| w.len).sum();
+        // What needs no sequence number first, so that the source device's lane (taken
+        // below) is held only while the copy is numbered and enqueued.
+        let count = parts.descriptors.len() as u64;
+        let table_bytes = parts.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
         let first_seq = lane_batch.next_seq();
+        let mut keep = Vec::new();
+        let mut kernel = None;
+        if count > 0 {
+            // Rounded as descriptor tables are everywhere.
+            let area = (table_bytes as u64).next_multiple_of(256);
+            let dev = scratch.region.ensure(dst, LaneKind::Upload, area, first_seq - 1)?;
+            let table = Arc::new(dst.acquire_staging(table_bytes)?);
+            // SAFETY: the lease holds table_bytes bytes and is this batch's own.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    parts.descriptors.as_ptr().cast::<u8>(),
+                    table.as_ptr(),
+                    table_bytes,
+                )
+            };
+            kernel = Some((dst_core.kernels()?, dev, table.as_ptr()));
+            keep.push(table);
+        }
+
+        // Lock order: an upload lane (and its staging) before a readback lane. Nothing
+        // takes them the other way round.
+        let proxy = (!std::ptr::eq(src_core, dst_core)).then(|| src_core.lane(LaneKind::Readback).batch());
         let final_seq = match &proxy {
             None => dst.claim(
                 &lane_batch,
                 LaneKind::Upload,
-                self.src_table.buffers().chain(self.dst_table.buffers()),
+                parts.src_table.buffers().chain(parts.dst_table.buffers()),
                 1,
             )?,
             Some(proxy) => {
@@ -208,114 +353,91 @@ impl PeerBatch<'_> {
                 let proxy_seq = proxy.next_seq();
                 proxy.reserve(proxy_seq);
                 let uploads = src_core.alloc.mark_used_many(
-                    self.src_table.buffers(),
+                    parts.src_table.buffers(),
                     LaneKind::Readback.index(),
                     proxy_seq,
                 )?;
-                let seq = dst.claim(&lane_batch, LaneKind::Upload, self.dst_table.buffers(), 1)?;
+                let seq = dst.claim(&lane_batch, LaneKind::Upload, parts.dst_table.buffers(), 1)?;
                 src_core.lane(LaneKind::Upload).make_stream_wait(uploads, lane.stream())?;
                 seq
             }
         };
-
-        scratch.descriptors.clear();
-        let mut dmas = Vec::new();
-        for m in &moves {
-            if m.len >= PEER_DMA_MIN {
-                dmas.push(*m);
-            } else {
-                push_descriptors(&mut scratch.descriptors, m.src, m.dst, m.len);
+        let contexts = (dst_core.ctx.ctx, src_core.ctx.ctx);
+        let enqueued = lane_batch.submit(keep, |raw, stream, _| {
+            if let Some((kernels, dev, table)) = kernel {
+                // SAFETY: the pinned table is kept alive by this submission; device staging
+                // holds at least table_bytes bytes.
+                unsafe { raw.memcpy_htod_async(dev, table, table_bytes, stream) }?;
+                // SAFETY: the table is in device staging by stream order; sources are live,
+                // marked buffers this device may read; destinations are disjoint ranges of
+                // live, marked buffers (a destination overlapping a source of the same batch,
+                // inside one device, reads unspecified bytes but stays in bounds).
+                unsafe { kernels.copy(raw, stream, dev, count) }?;
             }
-        }
-        let count = scratch.descriptors.len() as u64;
-        let table_bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
-        // Rounded as descriptor tables are everywhere.
-        let area = (table_bytes as u64).next_multiple_of(256);
-        let enqueued = (|| {
-            let mut keep = Vec::new();
-            let mut kernel = None;
-            if count > 0 {
-                let dev = scratch.region.ensure(dst, LaneKind::Upload, area, first_seq - 1)?;
-                let table = Arc::new(dst.acquire_staging(table_bytes)?);
-                // SAFETY: the lease holds table_bytes bytes and is this batch's own.
+            for m in &parts.dmas {
+                // SAFETY: as above, by one DMA.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        scratch.descriptors.as_ptr().cast::<u8>(),
-                        table.as_ptr(),
-                        table_bytes,
-                    )
-                };
-                kernel = Some((dst_core.kernels()?, dev, table.as_ptr()));
-                keep.push(table);
+                    raw.memcpy_peer_async((m.dst, contexts.0), (m.src, contexts.1), m.len as usize, stream)
+                }?;
             }
-            let contexts = (dst_core.ctx.ctx, src_core.ctx.ctx);
-            lane_batch.submit(keep, |raw, stream, _| {
-                if let Some((kernels, dev, table)) = kernel {
-                    // SAFETY: the pinned table is kept alive by this submission; device
-                    // staging holds `area >= table_bytes` bytes.
-                    unsafe { raw.memcpy_htod_async(dev, table, table_bytes, stream) }?;
-                    // SAFETY: the table is in device staging by stream order; sources are
-                    // live, marked buffers this device may read; destinations are disjoint
-                    // ranges of live, marked buffers.
-                    unsafe { kernels.copy(raw, stream, dev, count) }?;
-                }
-                for m in &dmas {
-                    // SAFETY: as above, by one DMA.
-                    unsafe {
-                        raw.memcpy_peer_async(
-                            (m.dst, contexts.0),
-                            (m.src, contexts.1),
-                            m.len as usize,
-                            stream,
-                        )
-                    }?;
-                }
-                Ok(())
-            })
-        })();
+            Ok(())
+        });
         if let Some(proxy) = proxy {
             // The source's readback lane waits for the copy, on the device; if that cannot be
             // enqueued, the host waits for it instead.
+            let src_stream = src_core.lane(LaneKind::Readback).stream();
             let ordered = src_core
                 .ctx
                 .bind()
-                .and_then(|_| lane.make_stream_wait(final_seq, src_core.lane(LaneKind::Readback).stream()));
-            if ordered.is_err() {
-                let _ = lane.wait(final_seq);
+                .and_then(|_| lane.make_stream_wait(final_seq, src_stream))
+                .or_else(|_| lane.wait(final_seq).map(drop))
+                .or_else(|_| dst_core.ctx.bind().and_then(|raw| raw.stream_synchronize(lane.stream())));
+            if let Err(e) = ordered {
+                // Nothing can order later uses of the sources after the copy, which may still
+                // run: their memory is never reused (freeing them defers forever).
+                let _ = src_core.alloc.mark_used_many(
+                    parts.src_table.buffers(),
+                    LaneKind::Readback.index(),
+                    u64::MAX,
+                );
+                return Err(e);
             }
             proxy.submit(Vec::new(), |_, _, _| Ok(()))?;
             src_core.telemetry.record(LaneKind::Readback, Moves { submissions: 1, ..Moves::default() });
         }
         let seq = enqueued?;
         debug_assert_eq!(seq, final_seq);
-        let copied: u64 = moves.iter().map(|m| m.len).sum();
         let table_moved = if count > 0 { table_bytes as u64 } else { 0 };
         dst_core.telemetry.record(
             LaneKind::Upload,
             Moves {
                 submissions: 1,
-                requested,
-                moved: copied + table_moved,
-                dmas: dmas.len() as u64 + u64::from(count > 0),
+                requested: parts.bytes,
+                moved: parts.bytes + table_moved,
+                dmas: parts.dmas.len() as u64 + u64::from(count > 0),
                 launches: u64::from(count > 0),
             },
         );
-        Telemetry::add(&dst_core.telemetry.peer_bytes, copied);
+        Telemetry::add(&dst_core.telemetry.peer_bytes, parts.bytes);
         drop(lane_batch);
         Ok(Fence::new(dst.clone(), LaneKind::Upload, final_seq))
     }
 
     /// No peer access: groups of copies read back from the source into pinned staging and
     /// uploaded from there, in order (so later copies still win). Every buffer is checked
-    /// before anything moves.
-    fn submit_staged(self) -> Result<Fence> {
-        for entry in &self.src_table.entries {
+    /// before anything moves; a driver failure part-way leaves the groups before it applied.
+    fn submit_staged(&mut self) -> Result<Fence> {
+        let PeerParts { src_table, dst_table, writes, sources, .. } = &self.parts;
+        for entry in &src_table.entries {
             self.src.core().alloc.resolve(entry.buffer)?;
         }
-        for entry in &self.dst_table.entries {
+        for entry in &dst_table.entries {
             self.dst.core().alloc.resolve(entry.buffer)?;
         }
-        let group = self.dst.config().chunk_bytes.max(1 << 20) * crate::transfer::RING as u64;
+        // Each group is one readback into the source's pinned pool, whole: at most half its cap.
+        let group = (self.dst.config().chunk_bytes.max(1 << 20) * crate::transfer::RING as u64)
+            .min(self.src.config().pinned_cap_bytes / 2)
+            .max(1);
         let mut fence = Fence::completed();
         let mut pieces: Vec<(ResidentBuffer, u64, ResidentBuffer, u64, u64)> = Vec::new();
         let mut bytes = 0;
@@ -331,9 +453,9 @@ impl PeerBatch<'_> {
             pieces.clear();
             uploads.submit()
         };
-        for (w, &(src_key, src_offset)) in self.writes.iter().zip(&self.sources) {
-            let src = self.src_table.entries[src_key as usize].buffer;
-            let dst = self.dst_table.entries[w.buffer as usize].buffer;
+        for (w, &(src_key, src_offset)) in writes.iter().zip(sources) {
+            let src = src_table.entries[src_key as usize].buffer;
+            let dst = dst_table.entries[w.buffer as usize].buffer;
             let mut done = 0;
             while done < w.len {
                 let len = (w.len - done).min(group);

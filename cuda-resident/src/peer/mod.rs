@@ -2,10 +2,16 @@
 //!
 //! Each [`Device`] of a [`DeviceSet`] keeps its own budget, allocator, staging and lanes;
 //! pinned staging is allocated portable, so any device can copy from any pool's memory.
+//!
+//! Calls that involve two devices (peer batches, fan-out, [`Device::enable_peer`]) make
+//! each device's context current on the calling thread as they need it and leave the last
+//! one current: a caller that mixes in driver calls of its own makes its context current
+//! again first ([`Device::make_current`]).
 
 mod copy;
 
 pub use copy::PeerBatch;
+pub(crate) use copy::PeerParts;
 
 use std::sync::Arc;
 
@@ -129,8 +135,14 @@ impl DeviceSet {
                 let (first, first_buffer, _) = places[0];
                 let mut uploads = first.uploads();
                 uploads.write(first_buffer, offset, data)?;
-                let mut fences = vec![uploads.submit()?];
+                let first_fence = uploads.submit()?;
+                let mut fences = vec![first_fence.clone()];
                 for &(device, buffer, _) in &places[1..] {
+                    if buffer == first_buffer && std::ptr::eq(device.core(), first.core()) {
+                        // The first target named again: already written.
+                        fences.push(first_fence.clone());
+                        continue;
+                    }
                     let mut copies = device.peer_copies(first);
                     copies.copy(first_buffer, offset, buffer, offset, len)?;
                     fences.push(copies.submit()?);
@@ -144,7 +156,8 @@ impl DeviceSet {
 /// The fan-out over every GPU's own link: chunk `k` is packed (by the first target's
 /// packing threads) into pinned staging while the devices copy chunk `k - 1`; each device's
 /// upload lane moves every chunk to each of its targets. At most [`RING`] chunks are in
-/// flight.
+/// flight, fewer when the first target's pinned pool holds fewer (its leases are released
+/// by the other devices' lanes, which its own waits do not poll).
 fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> Result<Vec<Fence>> {
     let stager = places[0].0;
     // One lane batch per distinct device, taken in one global order (by core address) so
@@ -155,6 +168,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
     let batches: Vec<LaneBatch<'_>> =
         devices.iter().map(|d| d.core().lane(LaneKind::Upload).batch()).collect();
     let chunk = stager.config().chunk_bytes as usize;
+    let ring = (stager.config().pinned_cap_bytes as usize / chunk).clamp(1, RING);
     let chunks = data.len().div_ceil(chunk) as u64;
     let mut finals = Vec::with_capacity(devices.len());
     for (device, batch) in devices.iter().zip(&batches) {
@@ -165,10 +179,16 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
     let mut seqs: Vec<Vec<u64>> = Vec::with_capacity(chunks as usize);
     let mut pieces = Vec::new();
     for (k, part) in data.chunks(chunk).enumerate() {
-        if k >= RING {
-            for (device, &seq) in devices.iter().zip(&seqs[k - RING]) {
-                device.core().lane(LaneKind::Upload).wait(seq)?;
+        if k >= ring {
+            for (device, &seq) in devices.iter().zip(&seqs[k - ring]) {
+                if device.core().lane(LaneKind::Upload).wait(seq)? {
+                    crate::telemetry::Telemetry::add(&device.core().telemetry.host_waits, 1);
+                }
             }
+        }
+        // Leases of finished chunks held by the other devices' lanes go back to the pool.
+        for device in &devices {
+            device.core().lane(LaneKind::Upload).poll()?;
         }
         let lease = Arc::new(stager.acquire_staging(part.len())?);
         let base = lease.as_ptr();

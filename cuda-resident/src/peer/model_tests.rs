@@ -79,7 +79,12 @@ fn ragged(src: &Device, dst: &Device, from: &Side, to: &mut Side, rng: &mut fast
             let (si, so, len) = from.range(rng, 5000);
             let (di, doff, dlen) = to.range(rng, len);
             let len = len.min(dlen).min(to.expect[di].len() - doff);
-            batch.copy(from.buffers[si], so as u64, to.buffers[di], doff as u64, len as u64).unwrap();
+            let (s, d) = (from.buffers[si], to.buffers[di]);
+            if round % 3 == 1 {
+                batch.copy_ranges(s, d, &[(so as u64, doff as u64, len as u64)]).unwrap();
+            } else {
+                batch.copy(s, so as u64, d, doff as u64, len as u64).unwrap();
+            }
             let bytes = from.expect[si][so..so + len].to_vec();
             to.expect[di][doff..doff + len].copy_from_slice(&bytes);
         }
@@ -319,4 +324,73 @@ fn fan_out_checks_every_target_before_moving_anything() {
     assert_eq!(d0.download(b0).unwrap(), vec![1; 100], "nothing written");
     assert!(set.get(5).unwrap_err().to_string().contains("Fix: "));
     assert!(DeviceSet::from_devices(Vec::new()).is_empty());
+}
+
+#[test]
+fn block_tables_in_order_take_the_fast_path_and_match() {
+    let (d0, d1) = pair();
+    d0.enable_peer(&d1).unwrap();
+    let mut rng = fastrand::Rng::with_seed(15);
+    let a = Side::new(&d0, &mut rng, &[1 << 20, 1 << 20]);
+    let mut b = Side::new(&d1, &mut rng, &[1 << 20, 1 << 20]);
+    // Blocks of 4 KiB in a shuffled source order into ascending destination slots, two
+    // buffer pairs interleaved: in order per destination, so built as they are added.
+    let mut batch = d1.peer_copies(&d0);
+    for pair in 0..2 {
+        let mut blocks: Vec<u64> = (0..256).collect();
+        rng.shuffle(&mut blocks);
+        let ranges: Vec<(u64, u64, u64)> =
+            blocks.iter().enumerate().map(|(slot, &blk)| (blk * 4096, slot as u64 * 4096, 4096)).collect();
+        batch.copy_ranges(a.buffers[pair], b.buffers[pair], &ranges).unwrap();
+        for &(so, doff, len) in &ranges {
+            let (so, doff, len) = (so as usize, doff as usize, len as usize);
+            b.expect[pair][doff..doff + len].copy_from_slice(&a.expect[pair][so..so + len]);
+        }
+    }
+    assert!(batch.is_in_order());
+    assert_eq!(batch.len(), 512);
+    batch.submit().unwrap().wait().unwrap();
+    b.check(&d1, "block tables");
+    // A bad range in a table fails it, and the batch.
+    let mut batch = d1.peer_copies(&d0);
+    let err =
+        batch.copy_ranges(a.buffers[0], b.buffers[0], &[(0, 0, 16), ((1 << 20) - 8, 0, 16)]).unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { offset, .. } if offset == (1 << 20) - 8), "{err}");
+    assert!(batch.submit().is_err());
+    b.check(&d1, "after the bad table");
+}
+
+#[test]
+fn small_pinned_pools_still_serve_fan_out_and_staged_copies() {
+    let driver = fake_driver::driver();
+    // The smallest pool the config allows: two chunks.
+    let small = Config { chunk_bytes: 64 << 10, pinned_cap_bytes: 128 << 10, ..config() };
+    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, small).unwrap();
+    let d1 = Device::open_with(driver, 1, config()).unwrap();
+    let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
+    let mut rng = fastrand::Rng::with_seed(16);
+    let data = random_vec(&mut rng, 4 * (64 << 10) + 5);
+    let targets = [(0, d0.allocate(1 << 20).unwrap()), (1, d1.allocate(1 << 20).unwrap())];
+    for round in 0..3 {
+        for f in set.fan_out(&data, &targets, 3).unwrap() {
+            f.wait().unwrap();
+        }
+        for &(i, b) in &targets {
+            // Read back in pieces that fit device 0's small pool.
+            for (k, want) in data.chunks(32 << 10).enumerate() {
+                let at = 3 + (k * (32 << 10)) as u64;
+                let got = set.get(i).unwrap().download_range(b, at, want.len() as u64).unwrap();
+                assert!(got == want, "round {round}, device {i}, piece {k}");
+            }
+        }
+    }
+    // Staged copies out of the small pool (no peer access): groups fit in it.
+    let src = d0.allocate(1 << 20).unwrap();
+    let bytes = random_vec(&mut rng, 1 << 20);
+    d0.upload(src, &bytes).unwrap();
+    let dst = d1.allocate(1 << 20).unwrap();
+    let mut batch = d1.peer_copies(&d0);
+    batch.copy(src, 0, dst, 0, 1 << 20).unwrap();
+    batch.submit().unwrap().wait().unwrap();
+    assert!(d1.download(dst).unwrap() == bytes);
 }

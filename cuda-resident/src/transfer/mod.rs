@@ -379,23 +379,23 @@ pub(crate) struct Resolved {
     pub(crate) len: u64,
 }
 
+impl crate::recycle::Reusable for BufferTable {
+    fn clear(&mut self) {
+        self.entries.clear();
+        self.slots.fill(0);
+    }
+}
+
 impl BufferTable {
     /// The key of `buffer`, resolving it on first sight.
     pub(crate) fn key(&mut self, device: &Device, buffer: ResidentBuffer) -> Result<(u32, Resolved)> {
         if self.entries.len() * 2 >= self.slots.len() {
             self.grow();
         }
-        let mask = self.slots.len() - 1;
-        let mut at = (buffer.mix() >> 32) as usize & mask;
-        loop {
-            match self.slots[at] {
-                0 => break,
-                k if self.entries[k as usize - 1].buffer == buffer => {
-                    return Ok((k - 1, self.entries[k as usize - 1]));
-                }
-                _ => at = (at + 1) & mask,
-            }
-        }
+        let at = match self.probe(buffer) {
+            Ok(key) => return Ok((key, self.entries[key as usize])),
+            Err(empty) => empty,
+        };
         let (ptr, len) = device.core().alloc.resolve(buffer)?;
         let resolved = Resolved { buffer, ptr, len };
         self.entries.push(resolved);
@@ -403,10 +403,52 @@ impl BufferTable {
         Ok((self.entries.len() as u32 - 1, resolved))
     }
 
+    /// The key of `buffer` if the table has it, else the empty slot where it would go. The
+    /// table must have a slot.
+    #[inline]
+    fn probe(&self, buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
+        let mask = self.slots.len() - 1;
+        let mut at = (buffer.mix() >> 32) as usize & mask;
+        loop {
+            match self.slots[at] {
+                0 => return Err(at),
+                k if self.entries[k as usize - 1].buffer == buffer => return Ok(k - 1),
+                _ => at = (at + 1) & mask,
+            }
+        }
+    }
+
+    /// The key of `buffer` if the table has it: the hot path of [`BufferTable::check`].
+    #[inline]
+    fn find(&self, buffer: ResidentBuffer) -> Option<u32> {
+        if self.slots.is_empty() { None } else { self.probe(buffer).ok() }
+    }
+
     /// The key and length of `buffer`, after checking that `[offset, offset + len)` lies in
     /// it. A failure is also kept in `first_error` (when it holds none yet): it fails the
     /// batch at submit.
+    #[inline]
     pub(crate) fn check(
+        &mut self,
+        device: &Device,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: u64,
+        first_error: &mut Option<Error>,
+    ) -> Result<(u32, u64)> {
+        // A buffer seen before and a range inside it: no error value is built or moved.
+        if let Some(key) = self.find(buffer) {
+            let buffer_len = self.entries[key as usize].len;
+            if offset.checked_add(len).is_some_and(|end| end <= buffer_len) {
+                return Ok((key, buffer_len));
+            }
+        }
+        self.check_slow(device, buffer, offset, len, first_error)
+    }
+
+    /// [`BufferTable::check`] for a buffer seen first or a bad range.
+    #[cold]
+    fn check_slow(
         &mut self,
         device: &Device,
         buffer: ResidentBuffer,
