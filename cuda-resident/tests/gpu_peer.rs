@@ -1140,3 +1140,63 @@ fn a_copy_batch_inside_one_gpu() {
     assert_bytes(&d0.download(b).unwrap(), &expect, "copies within one buffer");
     d0.free(b).unwrap();
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn block_tables_move_with_copy_ranges_both_ways() {
+    let set = two_gpus();
+    enable_peers(&set);
+    let (d0, d1) = pair(&set);
+    let mut rng = fastrand::Rng::with_seed(0xB10C);
+    for (src, dst) in [(d0, d1), (d1, d0)] {
+        // Two pools of 1024 blocks of 4 KiB each side; blocks move to shuffled slots, and
+        // a second table of odd-sized pieces at odd offsets.
+        let (pool, block) = (4u64 << 20, 4096u64);
+        let from: Vec<Vec<u8>> = (0..2).map(|_| random_vec(&mut rng, pool as usize)).collect();
+        let a: Vec<ResidentBuffer> = from
+            .iter()
+            .map(|v| {
+                let b = src.allocate(pool).unwrap();
+                src.upload(b, v).unwrap();
+                b
+            })
+            .collect();
+        let mut expect: Vec<Vec<u8>> = (0..2).map(|_| random_vec(&mut rng, pool as usize)).collect();
+        let b: Vec<ResidentBuffer> = expect
+            .iter()
+            .map(|v| {
+                let b = dst.allocate(pool).unwrap();
+                dst.upload(b, v).unwrap();
+                b
+            })
+            .collect();
+        let mut batch = dst.peer_copies(src);
+        for k in 0..2 {
+            let mut slots: Vec<u64> = (0..pool / block).collect();
+            rng.shuffle(&mut slots);
+            let mut table: Vec<(u64, u64, u64)> = slots
+                .iter()
+                .take(700)
+                .enumerate()
+                .map(|(i, &s)| (i as u64 * block, s * block, block))
+                .collect();
+            // Odd pieces too, some overlapping earlier blocks: later ranges win.
+            table.extend((0..300).map(|_| {
+                let len = rng.u64(1..3000);
+                (rng.u64(0..pool - len), rng.u64(0..pool - len), len)
+            }));
+            batch.copy_ranges(a[k], b[k], &table).unwrap();
+            for &(so, d, len) in &table {
+                let (so, d, len) = (so as usize, d as usize, len as usize);
+                expect[k][d..d + len].copy_from_slice(&from[k][so..so + len]);
+            }
+        }
+        batch.submit().unwrap().wait().unwrap();
+        for k in 0..2 {
+            assert_bytes(&dst.download(b[k]).unwrap(), &expect[k], "block table destination");
+            assert_bytes(&src.download(a[k]).unwrap(), &from[k], "block table source unchanged");
+            src.free(a[k]).unwrap();
+            dst.free(b[k]).unwrap();
+        }
+    }
+}
