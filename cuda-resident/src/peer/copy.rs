@@ -58,15 +58,19 @@ pub struct PeerBatch<'a> {
 /// A peer batch's vectors, reused by the destination device's next batches.
 ///
 /// While the copies come in order (each starts at or after the end of the previous copy
-/// into the same buffer, so none overlap), their descriptors and DMAs are built as they
-/// are added; the first copy out of order switches to resolving overlaps at submit.
+/// into the same buffer, so none overlap), only their descriptors and DMAs are built, as
+/// they are added: the least work per copy. The first copy out of order turns those back
+/// into a list of copies, and overlaps are resolved at submit.
 #[derive(Default)]
 pub(crate) struct PeerParts {
     src_table: BufferTable,
     dst_table: BufferTable,
-    /// The copies, as writes into the destination buffers (keys of `dst_table`).
+    /// Copies added, zero-length ones included.
+    copies: usize,
+    /// Once out of order: the non-empty copies, as writes into the destination buffers
+    /// (keys of `dst_table`), and per copy its source buffer's key in `src_table` and the
+    /// offset there.
     writes: Vec<WriteRequest>,
-    /// Per copy: its source buffer's key in `src_table` and the offset there.
     sources: Vec<(u32, u64)>,
     /// Per destination key: the end of its last copy so far.
     ends: Vec<u64>,
@@ -82,6 +86,7 @@ impl Reusable for PeerParts {
     fn clear(&mut self) {
         self.src_table.clear();
         self.dst_table.clear();
+        self.copies = 0;
         self.writes.clear();
         self.sources.clear();
         self.ends.clear();
@@ -108,6 +113,23 @@ impl PeerParts {
         dst_at: u64,
         len: u64,
     ) {
+        self.copies += 1;
+        if len == 0 {
+            return;
+        }
+        self.bytes += len;
+        if !self.out_of_order {
+            let key = dst_key as usize;
+            if key >= self.ends.len() {
+                self.ends.resize(key + 1, 0);
+            }
+            if dst_offset >= self.ends[key] {
+                self.ends[key] = dst_offset + len;
+                self.route(Move { src: src_at, dst: dst_at, len });
+                return;
+            }
+            self.list_copies();
+        }
         self.writes.push(WriteRequest {
             buffer: u64::from(dst_key),
             buffer_len: dst_len,
@@ -115,23 +137,37 @@ impl PeerParts {
             len,
         });
         self.sources.push((src_key, src_offset));
-        if len == 0 {
-            return;
-        }
-        self.bytes += len;
+    }
+
+    /// Leaves the in-order path: the copies so far, listed from their descriptors and DMAs
+    /// (a copy split into several descriptors becomes as many adjacent copies; in order,
+    /// none overlap, so their order among themselves does not matter). Each address lies
+    /// in exactly one buffer of its table.
+    fn list_copies(&mut self) {
         if self.out_of_order {
             return;
         }
-        let key = dst_key as usize;
-        if key >= self.ends.len() {
-            self.ends.resize(key + 1, 0);
+        self.out_of_order = true;
+        let index = |table: &BufferTable| {
+            let mut by_address: Vec<(u64, u32)> =
+                (0u32..).zip(&table.entries).map(|(k, e)| (e.ptr, k)).collect();
+            by_address.sort_unstable();
+            by_address
+        };
+        let (src_index, dst_index) = (index(&self.src_table), index(&self.dst_table));
+        let find = |index: &[(u64, u32)], at: u64| index[index.partition_point(|&(ptr, _)| ptr <= at) - 1].1;
+        let descriptors = self.descriptors.iter().map(|d| Move { src: d.src, dst: d.dst, len: d.len });
+        for m in descriptors.chain(self.dmas.iter().copied()) {
+            let (dk, sk) = (find(&dst_index, m.dst), find(&src_index, m.src));
+            let (d, s) = (self.dst_table.entries[dk as usize], self.src_table.entries[sk as usize]);
+            self.writes.push(WriteRequest {
+                buffer: u64::from(dk),
+                buffer_len: d.len,
+                offset: m.dst - d.ptr,
+                len: m.len,
+            });
+            self.sources.push((sk, m.src - s.ptr));
         }
-        if dst_offset < self.ends[key] {
-            self.out_of_order = true;
-            return;
-        }
-        self.ends[key] = dst_offset + len;
-        self.route(Move { src: src_at, dst: dst_at, len });
     }
 
     /// A copy of the final set goes to the kernel or to a DMA of its own.
@@ -188,7 +224,7 @@ impl fmt::Debug for PeerBatch<'_> {
         f.debug_struct("PeerBatch")
             .field("src", &self.src.info().ordinal)
             .field("dst", &self.dst.info().ordinal)
-            .field("copies", &self.parts.writes.len())
+            .field("copies", &self.parts.copies)
             .finish_non_exhaustive()
     }
 }
@@ -277,12 +313,12 @@ impl PeerBatch<'_> {
 
     /// Number of copies added.
     pub fn len(&self) -> usize {
-        self.parts.writes.len()
+        self.parts.copies
     }
 
     /// Whether no copy was added.
     pub fn is_empty(&self) -> bool {
-        self.parts.writes.is_empty()
+        self.parts.copies == 0
     }
 
     /// Starts the copies and returns at once (after the source bytes reached the host, on
@@ -427,6 +463,7 @@ impl PeerBatch<'_> {
     /// uploaded from there, in order (so later copies still win). Every buffer is checked
     /// before anything moves; a driver failure part-way leaves the groups before it applied.
     fn submit_staged(&mut self) -> Result<Fence> {
+        self.parts.list_copies();
         let PeerParts { src_table, dst_table, writes, sources, .. } = &self.parts;
         for entry in &src_table.entries {
             self.src.core().alloc.resolve(entry.buffer)?;

@@ -394,3 +394,38 @@ fn small_pinned_pools_still_serve_fan_out_and_staged_copies() {
     batch.submit().unwrap().wait().unwrap();
     assert!(d1.download(dst).unwrap() == bytes);
 }
+
+#[test]
+fn a_batch_that_turns_out_of_order_keeps_the_copies_before_it() {
+    // Large copies (by DMA) and small ones in order, then one overlapping them: the copies
+    // built on the in-order path are listed again and resolved with the rest. With and
+    // without peer access.
+    for peer in [true, false] {
+        let (d0, d1) = pair();
+        if peer {
+            d0.enable_peer(&d1).unwrap();
+        }
+        let mut rng = fastrand::Rng::with_seed(17);
+        let a = Side::new(&d0, &mut rng, &[6 << 20, 4096]);
+        let mut b = Side::new(&d1, &mut rng, &[6 << 20, 4096]);
+        let mut batch = d1.peer_copies(&d0);
+        let copy = |batch: &mut PeerBatch<'_>,
+                    b: &mut Side,
+                    (si, so): (usize, usize),
+                    (di, doff): (usize, usize),
+                    len| {
+            batch.copy(a.buffers[si], so as u64, b.buffers[di], doff as u64, len as u64).unwrap();
+            b.expect[di][doff..doff + len].copy_from_slice(&a.expect[si][so..so + len]);
+        };
+        copy(&mut batch, &mut b, (0, 1), (0, 0), 5 << 20); // one DMA
+        copy(&mut batch, &mut b, (1, 0), (1, 0), 100); // small, other buffer
+        copy(&mut batch, &mut b, (1, 7), (0, (5 << 20) + 10), 3000); // small, after the DMA's range
+        assert!(batch.is_in_order());
+        copy(&mut batch, &mut b, (1, 100), (0, 12345), 2000); // inside the DMA's range: later wins
+        copy(&mut batch, &mut b, (0, 9), (1, 50), 60); // overlaps the second copy
+        assert!(!batch.is_in_order());
+        assert_eq!(batch.len(), 5);
+        batch.submit().unwrap().wait().unwrap();
+        b.check(&d1, if peer { "with peer access" } else { "staged" });
+    }
+}
