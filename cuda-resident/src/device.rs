@@ -350,6 +350,37 @@ impl Device {
         self.core.ctx.bind().map(|_| ())
     }
 
+    /// Makes the copies this device runs, submitted from now on, wait on the GPU for the
+    /// work enqueued so far on `stream`, one of the caller's (a compute or NCCL stream):
+    /// uploads into the device, readbacks from it and peer batches into it start after that
+    /// work, with no host wait. The other direction is [`Fence::make_stream_wait`].
+    ///
+    /// Copies already submitted are not affected, nor are peer batches *out of* this device
+    /// (they run on their destination): call it on the destination, with a stream of its
+    /// own, or wait on the host. Deferred frees do not know about the caller's work either:
+    /// wait on the host before freeing a buffer the stream uses.
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of this device's primary context (or null, the legacy
+    /// default stream).
+    ///
+    /// [`Fence::make_stream_wait`]: crate::Fence::make_stream_wait
+    pub unsafe fn wait_for_stream(&self, stream: cuda_sys::CUstream) -> Result<()> {
+        let raw = self.core.ctx.bind()?;
+        let event = raw.event_create()?;
+        let waited = raw.event_record(event, stream).and_then(|()| {
+            self.core.lanes.iter().try_for_each(|lane| {
+                // Between batches, not inside one.
+                let _batch = lane.batch();
+                raw.stream_wait_event(lane.stream(), event)
+            })
+        });
+        // A wait already enqueued keeps what it waits for: the event can go at once.
+        let _ = release_retrying(|| raw.event_destroy(event));
+        waited
+    }
+
     /// Allocates `bytes` of device memory under the budget. Buffers are 256-byte aligned.
     ///
     /// Fails for zero bytes, and when the budget (or the driver, after cached memory was
