@@ -317,29 +317,31 @@ fn a_fence_makes_a_callers_stream_wait() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn copies_wait_for_a_callers_stream() {
-    // The caller's stream is held by a flag in device memory (cuStreamWaitValue32) and then
-    // writes the buffer: a readback submitted after wait_for_stream may only run once the
-    // flag is set, and then sees the stream's bytes.
+    // The caller's stream is held by a flag in pinned host memory (cuStreamWaitValue32; with
+    // unified addressing the host address is the device address) and then writes the buffer:
+    // a readback submitted after wait_for_stream may only run once the host sets the flag,
+    // and then sees the stream's bytes. The host sets it with a plain store, no driver call
+    // (which a tool serializing streams could hold behind the blocked stream).
     let d = device();
     const LEN: usize = 1 << 20;
     let buffer = d.allocate(LEN as u64).unwrap();
     raw_write(&d, buffer, &vec![0x11; LEN]);
-    let flag = d.allocate(4).unwrap();
-    raw_write(&d, flag, &[0; 4]);
-    let (ptr, flag_ptr) = (d.device_ptr(buffer).unwrap(), d.device_ptr(flag).unwrap());
+    let mut flag = d.pinned(4).unwrap();
+    flag.fill(0);
+    let flag_word = flag.as_mut_ptr().cast::<u32>();
+    let ptr = d.device_ptr(buffer).unwrap();
     d.make_current().unwrap();
     let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
-    // SAFETY: a stream of the device's context; the wait and the memset name live device
-    // memory; the stream is synchronized and destroyed below.
+    // SAFETY: a stream of the device's context; the wait names pinned memory that outlives
+    // the stream's work (synchronized below), the memset a live buffer.
     unsafe {
         assert_eq!(
             call!(d.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)).unwrap(),
             0
         );
-        let wait = call!(
-            d.driver(),
-            cuStreamWaitValue32_v2(stream, flag_ptr, 1, cuda_sys::CU_STREAM_WAIT_VALUE_GEQ)
-        );
+        let at = flag_word as cuda_sys::CUdeviceptr;
+        let wait =
+            call!(d.driver(), cuStreamWaitValue32_v2(stream, at, 1, cuda_sys::CU_STREAM_WAIT_VALUE_GEQ));
         assert_eq!(wait.unwrap(), 0);
         assert_eq!(call!(d.driver(), cuMemsetD8Async(ptr, 0x5A, LEN, stream)).unwrap(), 0);
         d.wait_for_stream(stream).unwrap();
@@ -349,9 +351,9 @@ fn copies_wait_for_a_callers_stream() {
     let pending = reads.submit().unwrap();
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert!(!pending.fence().is_complete().unwrap(), "the readback ran before the caller's stream");
-    d.make_current().unwrap();
-    // SAFETY: writes the 4-byte flag synchronously.
-    assert_eq!(unsafe { call!(d.driver(), cuMemsetD32_v2(flag_ptr, 1, 1)) }.unwrap(), 0);
+    // SAFETY: the flag is 4 aligned, pinned bytes that this thread owns; the GPU only reads it.
+    unsafe { std::ptr::write_volatile(flag_word, 1) };
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     let done = pending.wait().unwrap();
     assert!(done.get(slot).iter().all(|&b| b == 0x5A), "the readback did not see the stream's bytes");
     // SAFETY: the stream is live; nothing is enqueued on it after this.
@@ -360,5 +362,4 @@ fn copies_wait_for_a_callers_stream() {
         assert_eq!(call!(d.driver(), cuStreamDestroy_v2(stream)).unwrap(), 0);
     }
     d.free(buffer).unwrap();
-    d.free(flag).unwrap();
 }
