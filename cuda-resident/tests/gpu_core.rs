@@ -346,15 +346,30 @@ fn copies_wait_for_a_callers_stream() {
         assert_eq!(call!(d.driver(), cuMemsetD8Async(ptr, 0x5A, LEN, stream)).unwrap(), 0);
         d.wait_for_stream(stream).unwrap();
     }
+    // Another thread releases the stream after a while, so that nothing here can wait for it
+    // forever (a tool that serializes work may block a submission behind the stream).
+    let released = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let releaser = {
+        let (released, word) = (std::sync::Arc::clone(&released), flag_word as usize);
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            released.store(true, std::sync::atomic::Ordering::SeqCst);
+            // SAFETY: 4 aligned bytes of pinned memory that the test keeps alive until this
+            // thread is joined; the GPU only reads them.
+            unsafe { std::ptr::write_volatile(word as *mut u32, 1) };
+        })
+    };
     let mut reads = d.readbacks();
     let slot = reads.read(buffer, 0, LEN as u64).unwrap();
     let pending = reads.submit().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(50));
-    assert!(!pending.fence().is_complete().unwrap(), "the readback ran before the caller's stream");
-    // SAFETY: the flag is 4 aligned, pinned bytes that this thread owns; the GPU only reads it.
-    unsafe { std::ptr::write_volatile(flag_word, 1) };
-    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let complete = pending.fence().is_complete().unwrap();
+    assert!(
+        !complete || released.load(std::sync::atomic::Ordering::SeqCst),
+        "the readback ran before the caller's stream"
+    );
     let done = pending.wait().unwrap();
+    releaser.join().unwrap();
     assert!(done.get(slot).iter().all(|&b| b == 0x5A), "the readback did not see the stream's bytes");
     // SAFETY: the stream is live; nothing is enqueued on it after this.
     unsafe {
