@@ -10,7 +10,10 @@
 //!   overlap; submitted work completes into a [`Fence`];
 //! - **fused copies**: an [`UploadBatch`] or [`ReadbackBatch`] of thousands of small copies
 //!   costs one DMA and one scatter or gather kernel launch per staging chunk; large copies
-//!   from ordinary memory are pipelined through pinned staging by several threads.
+//!   from ordinary memory are pipelined through pinned staging by several threads;
+//! - **several GPUs** ([`DeviceSet`]): peer access, [`PeerBatch`]es of device-to-device copies
+//!   fused into one kernel launch on the destination, and fan-out of one host buffer to
+//!   every GPU.
 //!
 //! Every error says what happened and ends with `Fix: …`.
 //!
