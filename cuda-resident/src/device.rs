@@ -172,6 +172,11 @@ pub(crate) struct Core {
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,
     /// The vectors of finished peer batches, for the next ones.
     pub(crate) peer_parts: crate::recycle::Recycler<crate::peer::PeerParts>,
+    /// The same for upload and readback batches, and the views of readbacks dropped.
+    pub(crate) upload_parts: crate::recycle::Recycler<crate::transfer::UploadParts>,
+    pub(crate) readback_parts:
+        crate::recycle::Recycler<(crate::transfer::BufferTable, Vec<crate::plan::ReadRequest>)>,
+    pub(crate) readback_views: crate::recycle::Recycler<Vec<crate::plan::ReadView>>,
 }
 
 impl Core {
@@ -316,6 +321,9 @@ impl Device {
             packers: OnceLock::new(),
             peers: Mutex::new(Vec::new()),
             peer_parts: Default::default(),
+            upload_parts: Default::default(),
+            readback_parts: Default::default(),
+            readback_views: Default::default(),
         };
         Ok(Device { core: Arc::new(core) })
     }

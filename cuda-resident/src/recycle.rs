@@ -38,15 +38,32 @@ impl<T: Reusable> Recycler<T> {
     }
 }
 
+/// An emptied `Vec` of one element type as a `Vec` of another of the same layout, keeping
+/// its allocation: for the vectors of batches that borrow the caller's data (`Source<'a>`),
+/// kept between batches as `Source<'static>`. Only an empty vector is converted, so no
+/// reference outlives its lifetime.
+pub(crate) fn relabel<T, U>(mut v: Vec<T>) -> Vec<U> {
+    v.clear();
+    // In-place collection reuses the allocation when `T` and `U` have the same layout.
+    v.into_iter().map(|_| unreachable!("the vector is empty")).collect()
+}
+
+impl<T> Reusable for Vec<T> {
+    fn clear(&mut self) {
+        Vec::clear(self);
+    }
+}
+
+impl<A: Reusable, B: Reusable> Reusable for (A, B) {
+    fn clear(&mut self) {
+        self.0.clear();
+        self.1.clear();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    impl Reusable for Vec<u64> {
-        fn clear(&mut self) {
-            Vec::clear(self);
-        }
-    }
 
     #[test]
     fn a_returned_vector_comes_back_empty_with_its_capacity() {
@@ -67,5 +84,15 @@ mod tests {
             r.give(Vec::with_capacity(8));
         }
         assert_eq!(lock(&r.spare).len(), KEEP);
+    }
+
+    #[test]
+    fn relabelling_keeps_the_allocation() {
+        let data = [1u8, 2, 3];
+        let mut v: Vec<&[u8]> = Vec::with_capacity(100);
+        v.push(&data);
+        let ptr = v.as_ptr() as usize;
+        let w: Vec<(usize, usize)> = relabel(v);
+        assert!(w.is_empty() && w.capacity() == 100 && w.as_ptr() as usize == ptr);
     }
 }

@@ -8,8 +8,8 @@ mod readback;
 mod upload;
 
 pub use readback::{PendingReadback, Readback, ReadbackBatch, Slot};
-pub(crate) use upload::RING;
 pub use upload::UploadBatch;
+pub(crate) use upload::{RING, UploadParts};
 
 use std::sync::Arc;
 

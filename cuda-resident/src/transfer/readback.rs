@@ -58,6 +58,21 @@ pub struct Readback {
     views: Vec<ReadView>,
 }
 
+impl Drop for ReadbackBatch<'_> {
+    fn drop(&mut self) {
+        use std::mem::take;
+        self.device.core().readback_parts.give((take(&mut self.table), take(&mut self.reads)));
+    }
+}
+
+impl Drop for Readback {
+    fn drop(&mut self) {
+        if let Some(device) = &self.device {
+            device.core().readback_views.give(std::mem::take(&mut self.views));
+        }
+    }
+}
+
 impl fmt::Debug for Readback {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Readback").field("reads", &self.views.len()).finish_non_exhaustive()
@@ -67,7 +82,8 @@ impl fmt::Debug for Readback {
 impl Device {
     /// Starts a batch of readbacks.
     pub fn readbacks(&self) -> ReadbackBatch<'_> {
-        ReadbackBatch { device: self, table: BufferTable::default(), reads: Vec::new(), error: None }
+        let (table, reads) = self.core().readback_parts.take();
+        ReadbackBatch { device: self, table, reads, error: None }
     }
 }
 
@@ -359,7 +375,8 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
             launches,
         },
     );
-    let views = plan.views.clone();
+    let mut views = core.readback_views.take();
+    views.extend_from_slice(&plan.views);
     drop(lane_batch);
     Ok(PendingReadback {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),

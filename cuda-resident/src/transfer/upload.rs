@@ -27,7 +27,7 @@ const CLOSED: usize = usize::MAX;
 
 /// Where a write's bytes come from.
 #[derive(Clone, Copy)]
-enum Source<'a> {
+pub(crate) enum Source<'a> {
     /// The caller's slice.
     Slice(&'a [u8]),
     /// Written in place by `write_with`, into the batch's own pinned arena.
@@ -48,6 +48,39 @@ pub struct UploadBatch<'a> {
     /// Bytes used in each arena lease.
     arena_used: Vec<usize>,
     error: Option<Error>,
+    spare: Spare,
+}
+
+/// An upload batch's vectors, reused by the device's next batches.
+#[derive(Default)]
+pub(crate) struct UploadParts {
+    table: BufferTable,
+    writes: Vec<WriteRequest>,
+    sources: Vec<Source<'static>>,
+    arena_used: Vec<usize>,
+}
+
+impl crate::recycle::Reusable for UploadParts {
+    fn clear(&mut self) {
+        self.table.clear();
+        self.writes.clear();
+        self.sources.clear();
+        self.arena_used.clear();
+    }
+}
+
+/// Hands a submitted batch's vectors back to its device when the batch goes. A field of its
+/// own, without the batch's lifetime: the batch itself has no `Drop`, so it may borrow data
+/// declared after it, as any struct of references.
+struct Spare {
+    device: Device,
+    parts: UploadParts,
+}
+
+impl Drop for Spare {
+    fn drop(&mut self) {
+        self.device.core().upload_parts.give(std::mem::take(&mut self.parts));
+    }
 }
 
 impl fmt::Debug for UploadBatch<'_> {
@@ -59,14 +92,16 @@ impl fmt::Debug for UploadBatch<'_> {
 impl Device {
     /// Starts a batch of uploads.
     pub fn uploads(&self) -> UploadBatch<'_> {
+        let parts = self.core().upload_parts.take();
         UploadBatch {
             device: self,
-            table: BufferTable::default(),
-            writes: Vec::new(),
-            sources: Vec::new(),
+            table: parts.table,
+            writes: parts.writes,
+            sources: parts.sources,
             arena: Vec::new(),
-            arena_used: Vec::new(),
+            arena_used: parts.arena_used,
             error: None,
+            spare: Spare { device: self.clone(), parts: UploadParts::default() },
         }
     }
 }
@@ -148,6 +183,19 @@ impl<'a> UploadBatch<'a> {
     /// byte has landed. Fails (with nothing enqueued) if any write was bad or a buffer was
     /// freed since it was added.
     pub fn submit(mut self) -> Result<Fence> {
+        let submitted = self.submit_inner();
+        // The vectors go back for the next batch (emptied: no borrowed slice outlives this).
+        use std::mem::take;
+        self.spare.parts = UploadParts {
+            table: take(&mut self.table),
+            writes: take(&mut self.writes),
+            sources: crate::recycle::relabel(take(&mut self.sources)),
+            arena_used: take(&mut self.arena_used),
+        };
+        submitted
+    }
+
+    fn submit_inner(&mut self) -> Result<Fence> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
@@ -160,11 +208,11 @@ impl<'a> UploadBatch<'a> {
         let all_in_place = self.sources.iter().all(|s| matches!(s, Source::Arena { .. }));
         if !self.arena.is_empty()
             && all_in_place
-            && let Some(fence) = execute_in_place(&mut self)?
+            && let Some(fence) = execute_in_place(self)?
         {
             return Ok(fence);
         }
-        execute(&self)
+        execute(self)
     }
 }
 
