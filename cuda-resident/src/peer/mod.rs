@@ -99,9 +99,9 @@ impl DeviceSet {
     }
 
     /// Writes `data` at `offset` into every target (a device index of this set and a buffer
-    /// of that device), choosing the path: [`FanOutPath::EachLink`], which measured at
-    /// least as fast as the alternative on two H200s (docs/multi-gpu.md). Returns one fence
-    /// per target, in target order.
+    /// of that device), by [`FanOutPath::EachLink`], which was the faster path in three runs
+    /// of four on two H200s (docs/multi-gpu.md; [`DeviceSet::fan_out_with`] picks the other).
+    /// Returns one fence per target, in target order.
     pub fn fan_out(
         &self,
         data: &[u8],
