@@ -157,6 +157,21 @@ impl FakeGpu {
                         self.illegal(format!("descriptor table {table:#x} x {count} outside device memory"));
                         continue;
                     }
+                    // The kernel's warps run in any order: destinations must not overlap.
+                    let mut spans: Vec<(u64, u64)> = (0..count as usize)
+                        .map(|i| {
+                            // SAFETY: inside the table, checked above.
+                            let [_, dst, len] =
+                                unsafe { std::ptr::read_unaligned((table as *const [u64; 3]).add(i)) };
+                            (dst, dst + len)
+                        })
+                        .filter(|&(a, b)| b > a)
+                        .collect();
+                    spans.sort_unstable();
+                    if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+                        self.illegal(format!("kernel destinations overlap: {:#x?} and {:#x?}", w[0], w[1]));
+                        continue;
+                    }
                     for i in 0..count as usize {
                         // SAFETY: the table lies in a live device allocation (checked above).
                         let [src, dst, len] =

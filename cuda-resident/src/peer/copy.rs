@@ -19,7 +19,7 @@ use std::sync::Arc;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernels::{CopyDescriptor, push_descriptors};
+use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors};
 use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
 use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
@@ -170,6 +170,53 @@ impl PeerParts {
         }
     }
 
+    /// The common case of a block table, in one tight pass and one `extend`: every range
+    /// inside both buffers, non-empty and below the kernel's segment, and in order after
+    /// the copies into `dst_key` so far. Returns `false`, adding nothing, otherwise (the
+    /// caller then adds range by range).
+    fn extend_in_order(
+        &mut self,
+        dst_key: u32,
+        src_ptr: u64,
+        dst_ptr: u64,
+        (src_len, dst_len): (u64, u64),
+        ranges: &[(u64, u64, u64)],
+    ) -> bool {
+        let key = dst_key as usize;
+        if self.out_of_order {
+            return false;
+        }
+        if key >= self.ends.len() {
+            self.ends.resize(key + 1, 0);
+        }
+        let (mut end, mut bytes, mut ok) = (self.ends[key], 0u64, true);
+        for &(src_offset, dst_offset, len) in ranges {
+            // No overflow: each operand is below 2^63 once the comparisons pass.
+            ok &= len > 0
+                && len <= SEGMENT
+                && src_offset <= src_len
+                && dst_offset >= end
+                && dst_offset <= dst_len
+                && len <= src_len - src_offset
+                && len <= dst_len - dst_offset;
+            end = dst_offset.wrapping_add(len);
+            bytes = bytes.wrapping_add(len);
+        }
+        if !ok {
+            return false;
+        }
+        self.ends[key] = end;
+        self.copies += ranges.len();
+        self.bytes += bytes;
+        let descriptors = ranges.iter().map(|&(src_offset, dst_offset, len)| CopyDescriptor {
+            src: src_ptr + src_offset,
+            dst: dst_ptr + dst_offset,
+            len,
+        });
+        self.descriptors.extend(descriptors);
+        true
+    }
+
     /// A copy of the final set goes to the kernel or to a DMA of its own.
     #[inline]
     fn route(&mut self, m: Move) {
@@ -279,6 +326,9 @@ impl PeerBatch<'_> {
         let fits = |offset: u64, len: u64, buffer_len: u64| {
             offset.checked_add(len).is_some_and(|end| end <= buffer_len)
         };
+        if parts.extend_in_order(dst_key, s.ptr, d.ptr, (s.len, d.len), ranges) {
+            return Ok(self);
+        }
         for &(src_offset, dst_offset, len) in ranges {
             let bad = if !fits(src_offset, len, s.len) {
                 Some(Error::OutOfRange { buffer: src, offset: src_offset, len, buffer_len: s.len })

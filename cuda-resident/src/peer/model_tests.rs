@@ -353,11 +353,30 @@ fn block_tables_in_order_take_the_fast_path_and_match() {
     b.check(&d1, "block tables");
     // A bad range in a table fails it, and the batch.
     let mut batch = d1.peer_copies(&d0);
-    let err =
-        batch.copy_ranges(a.buffers[0], b.buffers[0], &[(0, 0, 16), ((1 << 20) - 8, 0, 16)]).unwrap_err();
+    // In order, so that only the bounds refuse it.
+    let table = [(0, 0, 16), ((1 << 20) - 8, 32, 16)];
+    let err = batch.copy_ranges(a.buffers[0], b.buffers[0], &table).unwrap_err();
     assert!(matches!(err, Error::OutOfRange { offset, .. } if offset == (1 << 20) - 8), "{err}");
     assert!(batch.submit().is_err());
     b.check(&d1, "after the bad table");
+    let mut batch = d1.peer_copies(&d0);
+    let table = [(0, 0, 16), (0, 16, 16), (100, (1 << 20) - 8, 16)];
+    let err = batch.copy_ranges(a.buffers[0], b.buffers[0], &table).unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { offset, .. } if offset == (1 << 20) - 8), "{err}");
+    let mut batch = d1.peer_copies(&d0);
+    let table = [(0, 0, 16), (64, (1 << 20) - 8, 16)];
+    let err = batch.copy_ranges(a.buffers[0], b.buffers[0], &table).unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { buffer, .. } if buffer == b.buffers[0]), "{err}");
+    // Overlapping ranges inside one table: later ones win.
+    let mut batch = d1.peer_copies(&d0);
+    let table = [(0, 100, 50), (1000, 120, 50), (5000, 4000, 20000), (30_000, 4000, 10)];
+    batch.copy_ranges(a.buffers[1], b.buffers[1], &table).unwrap();
+    for (so, d, len) in table {
+        let (so, d, len) = (so as usize, d as usize, len as usize);
+        b.expect[1][d..d + len].copy_from_slice(&a.expect[1][so..so + len]);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    b.check(&d1, "overlapping ranges in one table");
 }
 
 #[test]
