@@ -166,7 +166,6 @@ pub(crate) struct Core {
     pub(crate) staging: [Mutex<DeviceStaging>; 2],
     kernels: OnceLock<Kernels>,
     packers: OnceLock<rayon::ThreadPool>,
-    /// The devices whose memory this context was given access to (`cuCtxEnablePeerAccess`).
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,

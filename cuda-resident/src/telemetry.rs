@@ -88,10 +88,11 @@ pub struct TelemetrySnapshot {
     /// store (counted in `memory`) that no caller owns. With every caller buffer freed,
     /// `memory.allocated_bytes` equals this.
     pub staging_bytes: u64,
-    /// Bytes copied into this device from device memory: peer copies from other GPUs and
-    /// copies inside this one ([`Device::peer_copies`](crate::Device::peer_copies)). They
-    /// are also counted in `bytes_requested`, and in `bytes_moved` as far as they crossed a
-    /// link.
+    /// Bytes copied into this device from device memory by peer batches on the peer path
+    /// ([`Device::peer_copies`](crate::Device::peer_copies): from other GPUs, and inside this
+    /// one), overlaps resolved: what landed. Batches staged through host memory count as
+    /// readbacks and uploads instead. Peer-path batches also count in `bytes_requested` (what
+    /// they named) and `bytes_moved` (what landed, plus their descriptor tables).
     pub peer_bytes: u64,
 }
 

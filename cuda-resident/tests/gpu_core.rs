@@ -359,10 +359,16 @@ fn copies_wait_for_a_callers_stream() {
             unsafe { std::ptr::write_volatile(word as *mut u32, 1) };
         })
     };
+    // An upload submitted now lands after the stream's memset (the upload lane waits too),
+    // and the readback sees it over the memset's bytes.
+    let mut up = d.uploads();
+    up.write(buffer, 0, &[0x77; 4096]).unwrap();
+    let uploaded = up.submit().unwrap();
     let mut reads = d.readbacks();
     let slot = reads.read(buffer, 0, LEN as u64).unwrap();
     let pending = reads.submit().unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
+    assert!(!uploaded.is_complete().unwrap() || released.load(std::sync::atomic::Ordering::SeqCst));
     let complete = pending.fence().is_complete().unwrap();
     assert!(
         !complete || released.load(std::sync::atomic::Ordering::SeqCst),
@@ -370,7 +376,9 @@ fn copies_wait_for_a_callers_stream() {
     );
     let done = pending.wait().unwrap();
     releaser.join().unwrap();
-    assert!(done.get(slot).iter().all(|&b| b == 0x5A), "the readback did not see the stream's bytes");
+    let got = done.get(slot);
+    assert!(got[..4096].iter().all(|&b| b == 0x77), "the upload landed before the stream's memset");
+    assert!(got[4096..].iter().all(|&b| b == 0x5A), "the readback did not see the stream's bytes");
     // SAFETY: the stream is live; nothing is enqueued on it after this.
     unsafe {
         assert_eq!(call!(d.driver(), cuStreamSynchronize(stream)).unwrap(), 0);

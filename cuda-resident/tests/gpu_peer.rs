@@ -1192,6 +1192,32 @@ fn block_tables_move_with_copy_ranges_both_ways() {
             }
         }
         batch.submit().unwrap().wait().unwrap();
+        // A table in ascending slots, alone in its batch and into a third pair of pools:
+        // checked in one pass and built as it is added.
+        let third_src = random_vec(&mut rng, pool as usize);
+        let a3 = src.allocate(pool).unwrap();
+        src.upload(a3, &third_src).unwrap();
+        let mut third = random_vec(&mut rng, pool as usize);
+        let b3 = dst.allocate(pool).unwrap();
+        dst.upload(b3, &third).unwrap();
+        let mut blocks: Vec<u64> = (0..pool / block).collect();
+        rng.shuffle(&mut blocks);
+        let table: Vec<(u64, u64, u64)> = blocks
+            .iter()
+            .take(900)
+            .enumerate()
+            .map(|(slot, &blk)| (blk * block, slot as u64 * block, block))
+            .collect();
+        let mut ascending = dst.peer_copies(src);
+        ascending.copy_ranges(a3, b3, &table).unwrap();
+        for &(so, d, len) in &table {
+            let (so, d, len) = (so as usize, d as usize, len as usize);
+            third[d..d + len].copy_from_slice(&third_src[so..so + len]);
+        }
+        ascending.submit().unwrap().wait().unwrap();
+        assert_bytes(&dst.download(b3).unwrap(), &third, "ascending block table destination");
+        src.free(a3).unwrap();
+        dst.free(b3).unwrap();
         for k in 0..2 {
             assert_bytes(&dst.download(b[k]).unwrap(), &expect[k], "block table destination");
             assert_bytes(&src.download(a[k]).unwrap(), &from[k], "block table source unchanged");

@@ -117,7 +117,7 @@ impl PeerParts {
         if len == 0 {
             return;
         }
-        self.bytes += len;
+        self.bytes = self.bytes.saturating_add(len);
         if !self.out_of_order {
             let key = dst_key as usize;
             if key >= self.ends.len() {
@@ -171,7 +171,7 @@ impl PeerParts {
     }
 
     /// The common case of a block table, in one tight pass and one `extend`: every range
-    /// inside both buffers, non-empty and below the kernel's segment, and in order after
+    /// inside both buffers, non-empty and at most the kernel's segment, and in order after
     /// the copies into `dst_key` so far. Returns `false`, adding nothing, otherwise (the
     /// caller then adds range by range).
     fn extend_in_order(
@@ -207,7 +207,7 @@ impl PeerParts {
         }
         self.ends[key] = end;
         self.copies += ranges.len();
-        self.bytes += bytes;
+        self.bytes = self.bytes.saturating_add(bytes);
         let descriptors = ranges.iter().map(|&(src_offset, dst_offset, len)| CopyDescriptor {
             src: src_ptr + src_offset,
             dst: dst_ptr + dst_offset,
@@ -380,6 +380,12 @@ impl PeerBatch<'_> {
             return Err(e);
         }
         if self.parts.bytes == 0 {
+            // Nothing to move; a buffer freed since it was named still fails the batch.
+            let live = |d: &Device, t: &BufferTable| {
+                t.entries.iter().try_for_each(|e| d.core().alloc.resolve(e.buffer).map(drop))
+            };
+            live(self.src, &self.parts.src_table)?;
+            live(self.dst, &self.parts.dst_table)?;
             return Ok(Fence::completed());
         }
         if self.dst.can_read_directly(self.src) { self.submit_direct() } else { self.submit_staged() }
@@ -494,17 +500,23 @@ impl PeerBatch<'_> {
         let seq = enqueued?;
         debug_assert_eq!(seq, final_seq);
         let table_moved = if count > 0 { table_bytes as u64 } else { 0 };
+        // What lands, overlaps resolved (as many as the copies name when none overlap).
+        let landed = if parts.out_of_order {
+            parts.descriptors.iter().map(|d| d.len).chain(parts.dmas.iter().map(|m| m.len)).sum()
+        } else {
+            parts.bytes
+        };
         dst_core.telemetry.record(
             LaneKind::Upload,
             Moves {
                 submissions: 1,
                 requested: parts.bytes,
-                moved: parts.bytes + table_moved,
+                moved: landed + table_moved,
                 dmas: parts.dmas.len() as u64 + u64::from(count > 0),
                 launches: u64::from(count > 0),
             },
         );
-        Telemetry::add(&dst_core.telemetry.peer_bytes, parts.bytes);
+        Telemetry::add(&dst_core.telemetry.peer_bytes, landed);
         drop(lane_batch);
         Ok(Fence::new(dst.clone(), LaneKind::Upload, final_seq))
     }
@@ -521,7 +533,9 @@ impl PeerBatch<'_> {
         for entry in &dst_table.entries {
             self.dst.core().alloc.resolve(entry.buffer)?;
         }
-        // Each group is one readback into the source's pinned pool, whole: at most half its cap.
+        // Each group is one readback into the source's pinned pool, whole: at most half its
+        // cap, counting what a read takes there (its bytes, rounded for the gather, and its
+        // descriptors).
         let group = (self.dst.config().chunk_bytes.max(1 << 20) * crate::transfer::RING as u64)
             .min(self.src.config().pinned_cap_bytes / 2)
             .max(1);
@@ -545,13 +559,15 @@ impl PeerBatch<'_> {
             let dst = dst_table.entries[w.buffer as usize].buffer;
             let mut done = 0;
             while done < w.len {
-                let len = (w.len - done).min(group);
-                if bytes + len > group && !pieces.is_empty() {
+                // A piece's payload leaves room for its descriptors within the group.
+                let len = (w.len - done).min(group / 2);
+                let need = len.next_multiple_of(16) + 24 * len.div_ceil(SEGMENT);
+                if bytes + need > group && !pieces.is_empty() {
                     fence = flush(&mut pieces)?;
                     bytes = 0;
                 }
                 pieces.push((src, src_offset + done, dst, w.offset + done, len));
-                bytes += len;
+                bytes += need;
                 done += len;
             }
         }

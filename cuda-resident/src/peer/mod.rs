@@ -156,8 +156,11 @@ impl DeviceSet {
 /// The fan-out over every GPU's own link: chunk `k` is packed (by the first target's
 /// packing threads) into pinned staging while the devices copy chunk `k - 1`; each device's
 /// upload lane moves every chunk to each of its targets. At most [`RING`] chunks are in
-/// flight, fewer when the first target's pinned pool holds fewer (its leases are released
-/// by the other devices' lanes, which its own waits do not poll).
+/// flight, fewer when the first target's pinned pool holds fewer.
+///
+/// Only the first target's lane keeps a chunk's staging: after the other devices' copies of
+/// it, that lane gets a submission that waits for them on the GPU and holds the chunk, so
+/// the staging returns to its pool through the lanes that pool's own waits poll.
 fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> Result<Vec<Fence>> {
     let stager = places[0].0;
     // One lane batch per distinct device, taken in one global order (by core address) so
@@ -165,17 +168,22 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
     let mut devices: Vec<&Device> = places.iter().map(|p| p.0).collect();
     devices.sort_by_key(|d| std::ptr::from_ref(d.core()) as usize);
     devices.dedup_by_key(|d| std::ptr::from_ref(d.core()) as usize);
+    let home = devices.iter().position(|d| std::ptr::eq(d.core(), stager.core())).expect("a target");
+    let others = devices.len() > 1;
     let batches: Vec<LaneBatch<'_>> =
         devices.iter().map(|d| d.core().lane(LaneKind::Upload).batch()).collect();
     let chunk = stager.config().chunk_bytes as usize;
     let ring = (stager.config().pinned_cap_bytes as usize / chunk).clamp(1, RING);
     let chunks = data.len().div_ceil(chunk) as u64;
     let mut finals = Vec::with_capacity(devices.len());
-    for (device, batch) in devices.iter().zip(&batches) {
+    for (i, (device, batch)) in devices.iter().zip(&batches).enumerate() {
         let mine = places.iter().filter(|p| std::ptr::eq(p.0.core(), device.core())).map(|p| p.1);
-        finals.push(device.claim(batch, LaneKind::Upload, mine, chunks)?);
+        // The first target's lane has a holding submission per chunk when others copy too.
+        let submissions = if i == home && others { 2 * chunks } else { chunks };
+        finals.push(device.claim(batch, LaneKind::Upload, mine, submissions)?);
     }
-    // Per chunk, per device: the submission.
+    let home_lane = stager.core().lane(LaneKind::Upload);
+    // Per chunk, per device: the submission (for the first target, its holding one).
     let mut seqs: Vec<Vec<u64>> = Vec::with_capacity(chunks as usize);
     let mut pieces = Vec::new();
     for (k, part) in data.chunks(chunk).enumerate() {
@@ -186,10 +194,6 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
                 }
             }
         }
-        // Leases of finished chunks held by the other devices' lanes go back to the pool.
-        for device in &devices {
-            device.core().lane(LaneKind::Upload).poll()?;
-        }
         let lease = Arc::new(stager.acquire_staging(part.len())?);
         let base = lease.as_ptr();
         pieces.clear();
@@ -198,23 +202,46 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
         unsafe { Piece::copy_all(stager, &pieces) };
         let at = (k * chunk) as u64;
         let mut row = Vec::with_capacity(devices.len());
-        for (device, batch) in devices.iter().zip(&batches) {
+        for (i, (device, batch)) in devices.iter().zip(&batches).enumerate() {
             let mine: Vec<u64> =
                 places.iter().filter(|p| std::ptr::eq(p.0.core(), device.core())).map(|p| p.2 + at).collect();
-            row.push(batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+            let keep = if i == home && !others { vec![Arc::clone(&lease)] } else { Vec::new() };
+            let submitted = batch.submit(keep, |raw, stream, _| {
                 for &dst in &mine {
-                    // SAFETY: the portable pinned chunk is kept alive by this submission;
-                    // the destination range was checked and its buffer is marked.
+                    // SAFETY: the portable pinned chunk is kept alive until this copy is done
+                    // (by this submission, or by the first target's holding one, which waits
+                    // for it); the destination range was checked and its buffer is marked.
                     unsafe { raw.memcpy_htod_async(dst, base, part.len(), stream) }?;
                 }
                 Ok(())
-            })?);
+            });
+            match submitted {
+                Ok(seq) => row.push(seq),
+                Err(e) => {
+                    hold_until_done(&lease, &row, &devices);
+                    return Err(e);
+                }
+            }
             let copies = mine.len() as u64;
             let bytes = part.len() as u64 * copies;
             device.core().telemetry.record(
                 LaneKind::Upload,
                 Moves { submissions: 1, requested: bytes, moved: bytes, dmas: copies, launches: 0 },
             );
+        }
+        if others {
+            // The first target's lane waits for every device's copy of this chunk, on the
+            // GPU, then holds the chunk until then.
+            let ordered = stager.core().ctx.bind().and_then(|_| {
+                devices.iter().zip(&row).try_for_each(|(device, &seq)| {
+                    device.core().lane(LaneKind::Upload).make_stream_wait(seq, home_lane.stream())
+                })
+            });
+            if let Err(e) = ordered {
+                hold_until_done(&lease, &row, &devices);
+                return Err(e);
+            }
+            row[home] = batches[home].submit(vec![Arc::clone(&lease)], |_, _, _| Ok(()))?;
         }
         seqs.push(row);
     }
@@ -226,6 +253,16 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
             Fence::new(p.0.clone(), LaneKind::Upload, finals[i])
         })
         .collect())
+}
+
+/// After a failure part-way through a fan-out chunk: the copies already submitted (`row`,
+/// in device order) may still read the chunk's staging, which no submission keeps. Waits for
+/// them; if that fails too, the staging is never lent again (the context is lost).
+fn hold_until_done(lease: &Arc<crate::host_pool::HostLease>, row: &[u64], devices: &[&Device]) {
+    let waited = devices.iter().zip(row).all(|(d, &seq)| d.core().lane(LaneKind::Upload).wait(seq).is_ok());
+    if !waited {
+        std::mem::forget(Arc::clone(lease));
+    }
 }
 
 impl Device {

@@ -381,6 +381,11 @@ pub(crate) struct Resolved {
 
 impl crate::recycle::Reusable for BufferTable {
     fn clear(&mut self) {
+        // A table grown by a batch of very many buffers is not kept for small ones: zeroing
+        // it would cost each of them.
+        if self.slots.len() > 1 << 16 {
+            *self = BufferTable::default();
+        }
         self.entries.clear();
         self.slots.fill(0);
     }

@@ -79,7 +79,11 @@ struct Spare {
 
 impl Drop for Spare {
     fn drop(&mut self) {
-        self.device.core().upload_parts.give(std::mem::take(&mut self.parts));
+        // A batch dropped unsubmitted has nothing to hand back (and must not push out a
+        // spare that has capacity).
+        if self.parts.writes.capacity() > 0 {
+            self.device.core().upload_parts.give(std::mem::take(&mut self.parts));
+        }
     }
 }
 
