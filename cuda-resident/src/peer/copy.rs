@@ -31,14 +31,6 @@ use crate::transfer::BufferTable;
 /// share one kernel launch.
 pub(crate) const PEER_DMA_MIN: u64 = 4 << 20;
 
-/// One copy with overlaps resolved: device addresses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Move {
-    pub(crate) src: u64,
-    pub(crate) dst: u64,
-    pub(crate) len: u64,
-}
-
 /// A batch of copies from buffers of one device (the source) into buffers of the device
 /// that made it ([`Device::peer_copies`]). Copies apply in order: where two destinations
 /// overlap, the later copy wins. Nothing moves until [`PeerBatch::submit`].
@@ -77,7 +69,7 @@ pub(crate) struct PeerParts {
     out_of_order: bool,
     /// The kernel's descriptors and the copies moved by DMA.
     descriptors: Vec<CopyDescriptor>,
-    dmas: Vec<Move>,
+    dmas: Vec<CopyDescriptor>,
     /// Bytes the copies name (zero-length ones aside).
     bytes: u64,
 }
@@ -125,7 +117,7 @@ impl PeerParts {
             }
             if dst_offset >= self.ends[key] {
                 self.ends[key] = dst_offset + len;
-                self.route(Move { src: src_at, dst: dst_at, len });
+                self.route(CopyDescriptor { src: src_at, dst: dst_at, len });
                 return;
             }
             self.list_copies();
@@ -156,8 +148,7 @@ impl PeerParts {
         };
         let (src_index, dst_index) = (index(&self.src_table), index(&self.dst_table));
         let find = |index: &[(u64, u32)], at: u64| index[index.partition_point(|&(ptr, _)| ptr <= at) - 1].1;
-        let descriptors = self.descriptors.iter().map(|d| Move { src: d.src, dst: d.dst, len: d.len });
-        for m in descriptors.chain(self.dmas.iter().copied()) {
+        for m in self.descriptors.iter().chain(&self.dmas) {
             let (dk, sk) = (find(&dst_index, m.dst), find(&src_index, m.src));
             let (d, s) = (self.dst_table.entries[dk as usize], self.src_table.entries[sk as usize]);
             self.writes.push(WriteRequest {
@@ -219,7 +210,7 @@ impl PeerParts {
 
     /// A copy of the final set goes to the kernel or to a DMA of its own.
     #[inline]
-    fn route(&mut self, m: Move) {
+    fn route(&mut self, m: CopyDescriptor) {
         if m.len >= PEER_DMA_MIN {
             self.dmas.push(m);
         } else {
@@ -243,14 +234,14 @@ impl PeerParts {
             .map(|c| (c.stage_offset, dst_at(c.buffer, c.buffer_offset)))
             .collect();
         spans.sort_unstable_by_key(|s| s.0);
-        let moves: Vec<Move> = plan
+        let moves: Vec<CopyDescriptor> = plan
             .fills
             .iter()
             .map(|f| {
                 let (stage, dst) = spans[spans.partition_point(|s| s.0 <= f.stage_offset) - 1];
                 let (key, at) = self.sources[f.write as usize];
                 let src = self.src_table.entries[key as usize].ptr + at + f.src_offset;
-                Move { src, dst: dst + (f.stage_offset - stage), len: f.len }
+                CopyDescriptor { src, dst: dst + (f.stage_offset - stage), len: f.len }
             })
             .collect();
         for m in moves {
@@ -381,14 +372,19 @@ impl PeerBatch<'_> {
         }
         if self.parts.bytes == 0 {
             // Nothing to move; a buffer freed since it was named still fails the batch.
-            let live = |d: &Device, t: &BufferTable| {
-                t.entries.iter().try_for_each(|e| d.core().alloc.resolve(e.buffer).map(drop))
-            };
-            live(self.src, &self.parts.src_table)?;
-            live(self.dst, &self.parts.dst_table)?;
+            self.check_live()?;
             return Ok(Fence::completed());
         }
         if self.dst.can_read_directly(self.src) { self.submit_direct() } else { self.submit_staged() }
+    }
+
+    /// Fails if a buffer the batch names was freed since (for paths that claim none).
+    fn check_live(&self) -> Result<()> {
+        let live = |d: &Device, t: &BufferTable| {
+            t.entries.iter().try_for_each(|e| d.core().alloc.resolve(e.buffer).map(drop))
+        };
+        live(self.src, &self.parts.src_table)?;
+        live(self.dst, &self.parts.dst_table)
     }
 
     /// Peer access (or one device): one kernel for the small copies, a DMA per large one,
@@ -526,13 +522,8 @@ impl PeerBatch<'_> {
     /// before anything moves; a driver failure part-way leaves the groups before it applied.
     fn submit_staged(&mut self) -> Result<Fence> {
         self.parts.list_copies();
+        self.check_live()?;
         let PeerParts { src_table, dst_table, writes, sources, .. } = &self.parts;
-        for entry in &src_table.entries {
-            self.src.core().alloc.resolve(entry.buffer)?;
-        }
-        for entry in &dst_table.entries {
-            self.dst.core().alloc.resolve(entry.buffer)?;
-        }
         // Each group is one readback into the source's pinned pool, whole: at most half its
         // cap, counting what a read takes there (its bytes, rounded for the gather, and its
         // descriptors).

@@ -183,6 +183,11 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
         finals.push(device.claim(batch, LaneKind::Upload, mine, submissions)?);
     }
     let home_lane = stager.core().lane(LaneKind::Upload);
+    // Per device, its targets' addresses (at the start of the data).
+    let dsts: Vec<Vec<u64>> = devices
+        .iter()
+        .map(|d| places.iter().filter(|p| std::ptr::eq(p.0.core(), d.core())).map(|p| p.2).collect())
+        .collect();
     // Per chunk, per device: the submission (for the first target, its holding one).
     let mut seqs: Vec<Vec<u64>> = Vec::with_capacity(chunks as usize);
     let mut pieces = Vec::new();
@@ -203,15 +208,14 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
         let at = (k * chunk) as u64;
         let mut row = Vec::with_capacity(devices.len());
         for (i, (device, batch)) in devices.iter().zip(&batches).enumerate() {
-            let mine: Vec<u64> =
-                places.iter().filter(|p| std::ptr::eq(p.0.core(), device.core())).map(|p| p.2 + at).collect();
+            let mine = &dsts[i];
             let keep = if i == home && !others { vec![Arc::clone(&lease)] } else { Vec::new() };
             let submitted = batch.submit(keep, |raw, stream, _| {
-                for &dst in &mine {
+                for &dst in mine {
                     // SAFETY: the portable pinned chunk is kept alive until this copy is done
                     // (by this submission, or by the first target's holding one, which waits
                     // for it); the destination range was checked and its buffer is marked.
-                    unsafe { raw.memcpy_htod_async(dst, base, part.len(), stream) }?;
+                    unsafe { raw.memcpy_htod_async(dst + at, base, part.len(), stream) }?;
                 }
                 Ok(())
             });
