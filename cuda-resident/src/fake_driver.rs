@@ -129,6 +129,23 @@ impl FakeGpu {
         self.position
     }
 
+    /// Queues a copy `(dst, src, len)` whose ranges passed their checks (`ok`), or refuses it
+    /// as not `what` (a copy between which kinds of memory).
+    fn enqueue_copy(
+        &mut self,
+        stream: CUstream,
+        (dst, src, len): (usize, usize, usize),
+        ok: bool,
+        what: &str,
+    ) -> CUresult {
+        if !ok {
+            self.illegal(format!("copy {src:#x} -> {dst:#x} ({len} bytes): not {what}"));
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        self.enqueue(stream, Op::Copy { dst, src, len });
+        CUDA_SUCCESS
+    }
+
     fn enqueue(&mut self, stream: CUstream, op: Op) {
         let at = self.next_position();
         self.streams.entry(stream as usize).or_default().queue.push_back((at, op));
@@ -288,13 +305,10 @@ unsafe extern "C" fn memcpy_peer(
     bytes: usize,
     stream: CUstream,
 ) -> CUresult {
+    let (dst, src) = (dst as usize, src as usize);
     with(|g| {
-        if !g.is_device(dst as usize, bytes) || !g.is_device(src as usize, bytes) {
-            g.illegal(format!("peer copy {src:#x} -> {dst:#x} ({bytes} bytes): not device memory"));
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        g.enqueue(stream, Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
-        CUDA_SUCCESS
+        let ok = g.is_device(dst, bytes) && g.is_device(src, bytes);
+        g.enqueue_copy(stream, (dst, src, bytes), ok, "device to device memory")
     })
 }
 
@@ -572,13 +586,10 @@ unsafe extern "C" fn memcpy_htod(
     bytes: usize,
     stream: CUstream,
 ) -> CUresult {
+    let (dst, src) = (dst as usize, src as usize);
     with(|g| {
-        if !g.is_device(dst as usize, bytes) || !g.is_pinned(src as usize, bytes) {
-            g.illegal(format!("copy {src:?} -> {dst:#x} ({bytes} bytes): not pinned host to device memory"));
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        g.enqueue(stream, Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
-        CUDA_SUCCESS
+        let ok = g.is_device(dst, bytes) && g.is_pinned(src, bytes);
+        g.enqueue_copy(stream, (dst, src, bytes), ok, "pinned host to device memory")
     })
 }
 
@@ -588,13 +599,10 @@ unsafe extern "C" fn memcpy_dtoh(
     bytes: usize,
     stream: CUstream,
 ) -> CUresult {
+    let (dst, src) = (dst as usize, src as usize);
     with(|g| {
-        if !g.is_device(src as usize, bytes) || !g.is_pinned(dst as usize, bytes) {
-            g.illegal(format!("copy {src:#x} -> {dst:?} ({bytes} bytes): not device to pinned host memory"));
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        g.enqueue(stream, Op::Copy { dst: dst as usize, src: src as usize, len: bytes });
-        CUDA_SUCCESS
+        let ok = g.is_device(src, bytes) && g.is_pinned(dst, bytes);
+        g.enqueue_copy(stream, (dst, src, bytes), ok, "device to pinned host memory")
     })
 }
 

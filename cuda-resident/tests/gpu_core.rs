@@ -37,6 +37,26 @@ fn raw_read(device: &Device, buffer: ResidentBuffer) -> Vec<u8> {
     out
 }
 
+/// A non-blocking stream of the caller's on the device's context (current afterwards).
+fn caller_stream(device: &Device) -> cuda_sys::CUstream {
+    device.make_current().unwrap();
+    let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
+    // SAFETY: writes one handle; the device's context is current.
+    let code =
+        unsafe { call!(device.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)) };
+    assert_eq!(code.unwrap(), CUDA_SUCCESS);
+    stream
+}
+
+/// Waits for a stream from `caller_stream` and destroys it.
+fn finish_stream(device: &Device, stream: cuda_sys::CUstream) {
+    // SAFETY: a live stream of the device's context, destroyed once.
+    unsafe {
+        assert_eq!(call!(device.driver(), cuStreamSynchronize(stream)).unwrap(), CUDA_SUCCESS);
+        assert_eq!(call!(device.driver(), cuStreamDestroy_v2(stream)).unwrap(), CUDA_SUCCESS);
+    }
+}
+
 fn driver_free_memory(device: &Device) -> u64 {
     device.make_current().unwrap();
     let (mut free, mut total) = (0usize, 0usize);
@@ -294,22 +314,16 @@ fn a_fence_makes_a_callers_stream_wait() {
     dst.fill(0);
     let buffer = d.allocate(LEN as u64).unwrap();
     let ptr = d.device_ptr(buffer).unwrap();
-    d.make_current().unwrap();
-    let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
-    // SAFETY: creates a stream on the current (device's) context; the copies use pinned
+    let stream = caller_stream(&d);
+    // SAFETY: the stream belongs to the device's context; the copies use pinned
     // regions of LEN bytes that outlive the synchronize below.
     unsafe {
-        assert_eq!(
-            call!(d.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)).unwrap(),
-            0
-        );
         let fence = d.upload_async_at(buffer, 0, src.as_ptr(), LEN).unwrap();
         fence.make_stream_wait(stream).unwrap();
         let copy = call!(d.driver(), cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), ptr, LEN, stream));
         assert_eq!(copy.unwrap(), 0);
-        assert_eq!(call!(d.driver(), cuStreamSynchronize(stream)).unwrap(), 0);
-        assert_eq!(call!(d.driver(), cuStreamDestroy_v2(stream)).unwrap(), 0);
     }
+    finish_stream(&d, stream);
     assert!(dst[..] == src[..], "the caller's stream did not wait for the upload");
     d.free(buffer).unwrap();
 }
@@ -330,15 +344,10 @@ fn copies_wait_for_a_callers_stream() {
     flag.fill(0);
     let flag_word = flag.as_mut_ptr().cast::<u32>();
     let ptr = d.device_ptr(buffer).unwrap();
-    d.make_current().unwrap();
-    let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
+    let stream = caller_stream(&d);
     // SAFETY: a stream of the device's context; the wait names pinned memory that outlives
     // the stream's work (synchronized below), the memset a live buffer.
     unsafe {
-        assert_eq!(
-            call!(d.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)).unwrap(),
-            0
-        );
         let at = flag_word as cuda_sys::CUdeviceptr;
         let wait =
             call!(d.driver(), cuStreamWaitValue32_v2(stream, at, 1, cuda_sys::CU_STREAM_WAIT_VALUE_GEQ));
@@ -379,10 +388,6 @@ fn copies_wait_for_a_callers_stream() {
     let got = done.get(slot);
     assert!(got[..4096].iter().all(|&b| b == 0x77), "the upload landed before the stream's memset");
     assert!(got[4096..].iter().all(|&b| b == 0x5A), "the readback did not see the stream's bytes");
-    // SAFETY: the stream is live; nothing is enqueued on it after this.
-    unsafe {
-        assert_eq!(call!(d.driver(), cuStreamSynchronize(stream)).unwrap(), 0);
-        assert_eq!(call!(d.driver(), cuStreamDestroy_v2(stream)).unwrap(), 0);
-    }
+    finish_stream(&d, stream);
     d.free(buffer).unwrap();
 }

@@ -6,6 +6,7 @@
 
 use super::PeerBatch;
 use crate::fake_driver::{self, with};
+use crate::transfer::model_tests::{Model, random_vec};
 use crate::{Config, Device, DeviceSet, Error, FanOutPath, ResidentBuffer};
 
 fn config() -> Config {
@@ -25,54 +26,9 @@ fn pair() -> (Device, Device) {
     (d0, d1)
 }
 
-fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rng.fill(&mut v);
-    v
-}
-
-/// A device's buffers and the bytes they must hold.
-struct Side {
-    buffers: Vec<ResidentBuffer>,
-    expect: Vec<Vec<u8>>,
-}
-
-impl Side {
-    fn new(d: &Device, rng: &mut fastrand::Rng, sizes: &[usize]) -> Side {
-        let buffers: Vec<_> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
-        let expect: Vec<_> = sizes.iter().map(|&n| random_vec(rng, n)).collect();
-        let writes: Vec<_> = buffers.iter().zip(&expect).map(|(&b, v)| (b, v.as_slice())).collect();
-        d.upload_many(&writes).unwrap();
-        Side { buffers, expect }
-    }
-
-    fn check(&self, d: &Device, what: &str) {
-        assert!(with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
-        for (i, got) in d.download_many(&self.buffers).unwrap().iter().enumerate() {
-            assert!(
-                got == &self.expect[i],
-                "{what}: buffer {i} differs at {:?}",
-                got.iter().zip(&self.expect[i]).position(|(a, b)| a != b)
-            );
-        }
-    }
-
-    /// A random range of a random buffer: mostly small, sometimes the whole buffer.
-    fn range(&self, rng: &mut fastrand::Rng, max: usize) -> (usize, usize, usize) {
-        let i = rng.usize(..self.buffers.len());
-        let n = self.expect[i].len();
-        let len = match rng.u8(0..10) {
-            0 => rng.usize(1..=n),
-            1..=5 => rng.usize(1..=n.min(64)),
-            _ => rng.usize(1..=n.min(max)),
-        };
-        (i, rng.usize(0..=n - len), len)
-    }
-}
-
 /// Random batches of copies from `src` into `dst` (overlapping, touching, in any order, a
 /// few large enough for their own DMA), checked against the byte model after each.
-fn ragged(src: &Device, dst: &Device, from: &Side, to: &mut Side, rng: &mut fastrand::Rng, what: &str) {
+fn ragged(src: &Device, dst: &Device, from: &Model, to: &mut Model, rng: &mut fastrand::Rng, what: &str) {
     for round in 0..6 {
         let mut batch: PeerBatch<'_> = dst.peer_copies(src);
         for _ in 0..rng.usize(1..200) {
@@ -110,8 +66,8 @@ fn ragged_peer_batches_match_the_byte_model_with_peer_access() {
     d0.enable_peer(&d1).unwrap();
     assert!(d0.is_peer_enabled(&d1) && d1.is_peer_enabled(&d0));
     let mut rng = fastrand::Rng::with_seed(7);
-    let mut a = Side::new(&d0, &mut rng, &SIZES);
-    let mut b = Side::new(&d1, &mut rng, &SIZES);
+    let mut a = Model::new(&d0, &mut rng, &SIZES);
+    let mut b = Model::new(&d1, &mut rng, &SIZES);
     let before = d1.telemetry();
     ragged(&d0, &d1, &a, &mut b, &mut rng, "0 -> 1");
     let after = d1.telemetry();
@@ -125,8 +81,8 @@ fn ragged_peer_batches_match_the_byte_model_with_peer_access() {
 fn copies_inside_one_device_match_the_byte_model() {
     let (d0, _d1) = pair();
     let mut rng = fastrand::Rng::with_seed(8);
-    let a = Side::new(&d0, &mut rng, &SIZES);
-    let mut b = Side::new(&d0, &mut rng, &SIZES);
+    let a = Model::new(&d0, &mut rng, &SIZES);
+    let mut b = Model::new(&d0, &mut rng, &SIZES);
     ragged(&d0, &d0, &a, &mut b, &mut rng, "inside device 0");
     a.check(&d0, "sources unchanged");
 }
@@ -136,8 +92,8 @@ fn without_peer_access_copies_stage_through_the_host_and_match() {
     let (d0, d1) = pair();
     assert!(!d1.is_peer_enabled(&d0));
     let mut rng = fastrand::Rng::with_seed(9);
-    let a = Side::new(&d0, &mut rng, &SIZES);
-    let mut b = Side::new(&d1, &mut rng, &SIZES);
+    let a = Model::new(&d0, &mut rng, &SIZES);
+    let mut b = Model::new(&d1, &mut rng, &SIZES);
     let readbacks = d0.telemetry().readback_submissions;
     ragged(&d0, &d1, &a, &mut b, &mut rng, "staged 0 -> 1");
     // The kernel never read device 0's memory (the model would have flagged it); the copies
@@ -157,8 +113,8 @@ fn a_pair_without_a_peer_path_says_so_and_still_copies() {
     let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
     assert_eq!(set.enable_all_peers().unwrap(), 0);
     let mut rng = fastrand::Rng::with_seed(10);
-    let a = Side::new(&d0, &mut rng, &[4096]);
-    let mut b = Side::new(&d1, &mut rng, &[4096]);
+    let a = Model::new(&d0, &mut rng, &[4096]);
+    let mut b = Model::new(&d1, &mut rng, &[4096]);
     let mut batch = d1.peer_copies(&d0);
     batch.copy(a.buffers[0], 10, b.buffers[0], 20, 1000).unwrap();
     batch.submit().unwrap().wait().unwrap();
@@ -240,8 +196,8 @@ fn bad_copies_fail_with_a_fix_and_move_nothing() {
     let (d0, d1) = pair();
     d0.enable_peer(&d1).unwrap();
     let mut rng = fastrand::Rng::with_seed(13);
-    let a = Side::new(&d0, &mut rng, &[4096]);
-    let b = Side::new(&d1, &mut rng, &[4096]);
+    let a = Model::new(&d0, &mut rng, &[4096]);
+    let b = Model::new(&d1, &mut rng, &[4096]);
     let freed = d0.allocate(4096).unwrap();
     d0.free(freed).unwrap();
     type Bad = fn(&mut PeerBatch<'_>, ResidentBuffer, ResidentBuffer, ResidentBuffer) -> crate::Result<()>;
@@ -331,8 +287,8 @@ fn block_tables_in_order_take_the_fast_path_and_match() {
     let (d0, d1) = pair();
     d0.enable_peer(&d1).unwrap();
     let mut rng = fastrand::Rng::with_seed(15);
-    let a = Side::new(&d0, &mut rng, &[1 << 20, 1 << 20]);
-    let mut b = Side::new(&d1, &mut rng, &[1 << 20, 1 << 20]);
+    let a = Model::new(&d0, &mut rng, &[1 << 20, 1 << 20]);
+    let mut b = Model::new(&d1, &mut rng, &[1 << 20, 1 << 20]);
     // Blocks of 4 KiB in a shuffled source order into ascending destination slots, two
     // buffer pairs interleaved: in order per destination, so built as they are added.
     let mut batch = d1.peer_copies(&d0);
@@ -445,11 +401,11 @@ fn a_batch_that_turns_out_of_order_keeps_the_copies_before_it() {
             d0.enable_peer(&d1).unwrap();
         }
         let mut rng = fastrand::Rng::with_seed(17);
-        let a = Side::new(&d0, &mut rng, &[6 << 20, 4096]);
-        let mut b = Side::new(&d1, &mut rng, &[6 << 20, 4096]);
+        let a = Model::new(&d0, &mut rng, &[6 << 20, 4096]);
+        let mut b = Model::new(&d1, &mut rng, &[6 << 20, 4096]);
         let mut batch = d1.peer_copies(&d0);
         let copy = |batch: &mut PeerBatch<'_>,
-                    b: &mut Side,
+                    b: &mut Model,
                     (si, so): (usize, usize),
                     (di, doff): (usize, usize),
                     len| {

@@ -608,7 +608,7 @@ impl DeviceRegion {
 }
 
 #[cfg(test)]
-mod model_tests;
+pub(crate) mod model_tests;
 
 #[cfg(test)]
 mod tests {

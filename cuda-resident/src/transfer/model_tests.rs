@@ -21,20 +21,20 @@ fn small_chunks() -> Config {
     }
 }
 
-fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
+pub(crate) fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     rng.fill(&mut v);
     v
 }
 
-/// Buffers and what they must hold.
-struct Model {
-    buffers: Vec<ResidentBuffer>,
-    expect: Vec<Vec<u8>>,
+/// Buffers of one device and what they must hold (also for the peer tests).
+pub(crate) struct Model {
+    pub(crate) buffers: Vec<ResidentBuffer>,
+    pub(crate) expect: Vec<Vec<u8>>,
 }
 
 impl Model {
-    fn new(d: &Device, rng: &mut fastrand::Rng, sizes: &[usize]) -> Model {
+    pub(crate) fn new(d: &Device, rng: &mut fastrand::Rng, sizes: &[usize]) -> Model {
         let buffers: Vec<_> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
         let expect: Vec<_> = sizes.iter().map(|&n| random_vec(rng, n)).collect();
         let writes: Vec<_> = buffers.iter().zip(&expect).map(|(&b, v)| (b, v.as_slice())).collect();
@@ -42,7 +42,8 @@ impl Model {
         Model { buffers, expect }
     }
 
-    fn check(&self, d: &Device, what: &str) {
+    pub(crate) fn check(&self, d: &Device, what: &str) {
+        assert!(fake_driver::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
         for (i, got) in d.download_many(&self.buffers).unwrap().iter().enumerate() {
             assert!(
                 got == &self.expect[i],
@@ -52,14 +53,14 @@ impl Model {
         }
     }
 
-    /// A random range: 1 byte to the whole buffer, mostly small.
-    fn range(&self, rng: &mut fastrand::Rng) -> (usize, usize, usize) {
+    /// A random range: 1 byte to the whole buffer, mostly small (at most `max` bytes).
+    pub(crate) fn range(&self, rng: &mut fastrand::Rng, max: usize) -> (usize, usize, usize) {
         let i = rng.usize(..self.buffers.len());
         let n = self.expect[i].len();
         let len = match rng.u8(0..10) {
             0 => rng.usize(1..=n),
             1..=4 => rng.usize(1..=n.min(64)),
-            _ => rng.usize(1..=n.min(5000)),
+            _ => rng.usize(1..=n.min(max)),
         };
         (i, rng.usize(0..=n - len), len)
     }
@@ -78,7 +79,7 @@ fn ragged_rounds(config: Config, seed: u64) {
         let in_place = round % 3 == 1;
         let data: Vec<(usize, usize, Vec<u8>)> = (0..rng.usize(1..300))
             .map(|_| {
-                let (i, offset, len) = m.range(&mut rng);
+                let (i, offset, len) = m.range(&mut rng, 5000);
                 let len = if in_place { len.min(5000) } else { len };
                 (i, offset, random_vec(&mut rng, len))
             })
@@ -100,7 +101,7 @@ fn ragged_rounds(config: Config, seed: u64) {
         // Reads of random ranges, on the other lane, without waiting for the writes on the
         // host: as views, and into vectors.
         let mut reads = d.readbacks();
-        let ranges: Vec<_> = (0..rng.usize(1..200)).map(|_| m.range(&mut rng)).collect();
+        let ranges: Vec<_> = (0..rng.usize(1..200)).map(|_| m.range(&mut rng, 5000)).collect();
         let slots: Vec<_> = ranges
             .iter()
             .map(|&(i, offset, len)| reads.read(m.buffers[i], offset as u64, len as u64).unwrap())
@@ -119,7 +120,7 @@ fn ragged_rounds(config: Config, seed: u64) {
             }
         }
         // One range the slow way round.
-        let (i, offset, len) = m.range(&mut rng);
+        let (i, offset, len) = m.range(&mut rng, 5000);
         let mut slice = vec![0x5a; len];
         d.read_into_slice(m.buffers[i], offset as u64, &mut slice).unwrap();
         assert_eq!(slice, &m.expect[i][offset..offset + len]);
