@@ -168,6 +168,25 @@ fn median_secs(reps: usize, mut run: impl FnMut() -> BenchResult<()>) -> BenchRe
     })
 }
 
+/// Median microseconds of each of three phases over `reps` runs of `run`, which returns the
+/// instants that start the first phase, end each phase and start the next.
+fn phase_medians(reps: usize, mut run: impl FnMut() -> BenchResult<[Instant; 4]>) -> BenchResult<[f64; 3]> {
+    let mut phases = [Vec::new(), Vec::new(), Vec::new()];
+    for _ in 0..reps.max(1) {
+        let t = run()?;
+        for (i, p) in phases.iter_mut().enumerate() {
+            p.push(t[i + 1] - t[i]);
+        }
+    }
+    Ok(phases.map(|mut p| median_micros(&mut p)))
+}
+
+/// The median of `times`, in microseconds.
+fn median_micros(times: &mut [std::time::Duration]) -> f64 {
+    times.sort();
+    times[times.len() / 2].as_secs_f64() * 1e6
+}
+
 /// Median seconds of `reps` timed runs of `timed` on what `prepare` made (untimed), after
 /// one warm-up run.
 fn median_secs_prepared<T>(
@@ -747,8 +766,7 @@ fn many_small_rows(
     if args.breakdown {
         // Where the time of one batch goes, from the outside: adding writes, submit
         // (planning, packing, enqueueing), waiting.
-        let mut parts = [Vec::new(), Vec::new(), Vec::new()];
-        for _ in 0..args.reps {
+        let [write, submit, wait] = phase_medians(args.reps, || {
             let t = Instant::now();
             let mut batch = d.uploads();
             for (src, &(b, o)) in sources.iter().zip(&s.places) {
@@ -758,15 +776,8 @@ fn many_small_rows(
             let fence = batch.submit().map_err(e)?;
             let t2 = Instant::now();
             fence.wait().map_err(e)?;
-            let t3 = Instant::now();
-            parts[0].push(t1 - t);
-            parts[1].push(t2 - t1);
-            parts[2].push(t3 - t2);
-        }
-        let med = |v: &mut Vec<std::time::Duration>| {
-            v.sort();
-            v[v.len() / 2].as_secs_f64() * 1e6
-        };
+            Ok([t, t1, t2, Instant::now()])
+        })?;
         let len = d.buffer_len(s.buffers[0]).map_err(e)?;
         let requests: Vec<_> = s
             .places
@@ -790,10 +801,10 @@ fn many_small_rows(
         eprintln!(
             "breakdown H2D {count} x {}: write {:.0} µs, submit {:.0} µs (planning alone {:.0} µs), wait {:.0} µs",
             human(size),
-            med(&mut parts[0]),
-            med(&mut parts[1]),
-            med(&mut planning),
-            med(&mut parts[2])
+            write,
+            submit,
+            median_micros(&mut planning),
+            wait
         );
     }
     let ours_in_place = median_secs(args.reps, || {

@@ -11,14 +11,15 @@
 //! Every cuda-resident copy lands on poisoned memory and is verified byte for byte after.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use cuda_resident::cuda_sys::{CUstream, call};
 use cuda_resident::{Device, DeviceSet, FanOutPath, Fence, ResidentBuffer};
 use indicatif::ProgressBar;
 
 use super::{
-    Args, BenchResult, Raw, Row, Scatter, baseline_reps, check, error, human, median_secs, random_vec, sync,
-    verify_scatter,
+    Args, BenchResult, Raw, Row, Scatter, baseline_reps, check, error, human, median_secs, phase_medians,
+    random_vec, sync, verify_scatter,
 };
 
 /// Bytes per copy of the many-small cases also measured before peer access is enabled.
@@ -267,15 +268,29 @@ fn many_small(
             for &b in &to.buffers {
                 poison(dst, p.dst_stream, b, 0, len)?;
             }
-            let ranges = median_secs(args.reps, || {
+            let batch = || {
                 let mut batch = dst.peer_copies(src);
                 for (b, table) in tables.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
                     batch.copy_ranges(from.buffers[b], to.buffers[pairs[b]], table).map_err(error)?;
                 }
-                batch.submit().map_err(error)?.wait().map_err(error)
-            })?;
+                BenchResult::Ok(batch)
+            };
+            let ranges = median_secs(args.reps, || batch()?.submit().map_err(error)?.wait().map_err(error))?;
             let case = format!("{case}, copy_ranges");
             verify_scatter(dst, &to, &sources, size, &case)?;
+            if args.breakdown {
+                // Where one batch's time goes: adding the tables, submit, waiting.
+                let [add, submit, wait] = phase_medians(args.reps, || {
+                    let t = Instant::now();
+                    let batch = batch()?;
+                    let t1 = Instant::now();
+                    let fence = batch.submit().map_err(error)?;
+                    let t2 = Instant::now();
+                    fence.wait().map_err(error)?;
+                    Ok([t, t1, t2, Instant::now()])
+                })?;
+                eprintln!("breakdown {case}: add {add:.0} µs, submit {submit:.0} µs, wait {wait:.0} µs");
+            }
             let mut row = Row::gbps(case, count * size, Some(raw), None, ranges);
             (row.count, row.size) = (Some(count), Some(size));
             rows.push(row);
