@@ -165,7 +165,7 @@ pub(crate) struct Core {
     /// Device staging per lane, used under that lane's batch lock.
     pub(crate) staging: [Mutex<DeviceStaging>; 2],
     kernels: OnceLock<Kernels>,
-    packers: OnceLock<rayon::ThreadPool>,
+    packers: OnceLock<crate::packers::Packers>,
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,
@@ -197,18 +197,8 @@ impl Core {
     }
 
     /// The packing threads, started on first use and kept for the device's life.
-    pub(crate) fn packers(&self) -> &rayon::ThreadPool {
-        self.packers.get_or_init(|| {
-            let threads = self.config.resolved_pack_threads();
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .thread_name(|i| format!("cuda-resident-pack-{i}"))
-                .build()
-                // Spawning threads fails only when the system is out of resources; a pool
-                // of one thread (the caller) still packs correctly.
-                .or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).use_current_thread().build())
-                .expect("a one-thread pool on the current thread cannot fail")
-        })
+    pub(crate) fn packers(&self) -> &crate::packers::Packers {
+        self.packers.get_or_init(|| crate::packers::Packers::new(self.config.resolved_pack_threads()))
     }
 
     /// Whether no copy in flight uses a buffer whose last uses were `last`, asking the

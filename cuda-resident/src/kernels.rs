@@ -29,6 +29,12 @@ pub(crate) struct CopyDescriptor {
 /// Descriptors longer than this are split, so that one launch has a warp per piece.
 pub(crate) const SEGMENT: u64 = 16 << 10;
 
+/// The same for copies between GPUs. A warp pulls 64 KiB over NVLink as fast as four warps
+/// pull 16 KiB each (8192 x 64 KiB: 370 GB/s either way, kernel alone, on two H200s), and a
+/// quarter of the descriptors costs less to build and to move: with the descriptors' upload
+/// counted, 365 GB/s against 352.
+pub(crate) const PEER_SEGMENT: u64 = 64 << 10;
+
 /// Threads per block of the copy kernel (its `__launch_bounds__`).
 const BLOCK: u32 = 256;
 
@@ -96,9 +102,15 @@ pub(crate) fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
 /// [`SEGMENT`] bytes.
 #[inline]
 pub(crate) fn push_descriptors(out: &mut Vec<CopyDescriptor>, src: u64, dst: u64, len: u64) {
+    push_segments(out, src, dst, len, SEGMENT);
+}
+
+/// [`push_descriptors`] with pieces of at most `segment` bytes.
+#[inline]
+pub(crate) fn push_segments(out: &mut Vec<CopyDescriptor>, src: u64, dst: u64, len: u64, segment: u64) {
     let mut done = 0;
     while done < len {
-        let piece = (len - done).min(SEGMENT);
+        let piece = (len - done).min(segment);
         out.push(CopyDescriptor { src: src + done, dst: dst + done, len: piece });
         done += piece;
     }

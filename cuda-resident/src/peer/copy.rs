@@ -19,7 +19,7 @@ use std::sync::Arc;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors};
+use crate::kernels::{CopyDescriptor, PEER_SEGMENT, SEGMENT, push_segments};
 use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
 use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
@@ -184,7 +184,7 @@ impl PeerParts {
         for &(src_offset, dst_offset, len) in ranges {
             // No overflow: each operand is below 2^63 once the comparisons pass.
             ok &= len > 0
-                && len <= SEGMENT
+                && len <= PEER_SEGMENT
                 && src_offset <= src_len
                 && dst_offset >= end
                 && dst_offset <= dst_len
@@ -214,7 +214,7 @@ impl PeerParts {
         if m.len >= PEER_DMA_MIN {
             self.dmas.push(m);
         } else {
-            push_descriptors(&mut self.descriptors, m.src, m.dst, m.len);
+            push_segments(&mut self.descriptors, m.src, m.dst, m.len, PEER_SEGMENT);
         }
     }
 
