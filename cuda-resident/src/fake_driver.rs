@@ -170,8 +170,12 @@ impl FakeGpu {
                 Op::Wait { stream: other, at } => self.complete_to(other, at),
                 Op::Copy { dst, src, len } => self.copy(dst, src, len),
                 Op::Kernel { table, count } => {
-                    if !self.is_device(table, count as usize * 24) {
-                        self.illegal(format!("descriptor table {table:#x} x {count} outside device memory"));
+                    // Pinned host memory is mapped for every device (unified addressing).
+                    let bytes = count as usize * 24;
+                    if !self.is_device(table, bytes) && !self.is_pinned(table, bytes) {
+                        self.illegal(format!(
+                            "descriptor table {table:#x} x {count} outside device and pinned memory"
+                        ));
                         continue;
                     }
                     // The kernel's warps run in any order: destinations must not overlap.
@@ -190,7 +194,7 @@ impl FakeGpu {
                         continue;
                     }
                     for i in 0..count as usize {
-                        // SAFETY: the table lies in a live device allocation (checked above).
+                        // SAFETY: the table lies in a live device or pinned allocation (checked above).
                         let [src, dst, len] =
                             unsafe { std::ptr::read_unaligned((table as *const [u64; 3]).add(i)) };
                         let (src, dst, len) = (src as usize, dst as usize, len as usize);

@@ -4,7 +4,8 @@
 //! parallel copy, more than the copy itself for a batch of a few MiB. So a batch that is
 //! about to pack *warms* the pool first: every thread spins, for at most [`WARM_LIMIT`],
 //! until the copy is handed out; the batch plans (or its DMA runs) meanwhile, and the copy
-//! finds every thread awake.
+//! finds every thread awake. [`Config::warm_packers`](crate::Config::warm_packers) turns
+//! this off.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,19 +20,21 @@ pub(crate) struct Packers {
     /// work (or a spinner's time limit) makes it even again. A count, not a flag, so that a
     /// late spinner of one warm-up can never end the next.
     spinning: Arc<AtomicU64>,
+    /// [`Config::warm_packers`](crate::Config::warm_packers).
+    warm: bool,
 }
 
 impl Packers {
     /// A pool of `threads` threads; a pool of the calling thread alone if the system cannot
     /// start them (it still packs correctly).
-    pub(crate) fn new(threads: usize) -> Packers {
+    pub(crate) fn new(threads: usize, warm: bool) -> Packers {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("cuda-resident-pack-{i}"))
             .build()
             .or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).use_current_thread().build())
             .expect("a one-thread pool on the current thread cannot fail");
-        Packers { pool, spinning: Arc::new(AtomicU64::new(0)) }
+        Packers { pool, spinning: Arc::new(AtomicU64::new(0)), warm }
     }
 
     pub(crate) fn threads(&self) -> usize {
@@ -42,7 +45,7 @@ impl Packers {
     /// call it a little before a parallel copy, with other work to do meanwhile. Cheap when
     /// the threads already spin.
     pub(crate) fn warm(&self) {
-        if self.threads() < 2 {
+        if !self.warm || self.threads() < 2 {
             return;
         }
         let Ok(idle) = self
@@ -94,7 +97,7 @@ mod tests {
 
     #[test]
     fn warmed_pools_run_everything_and_stop_spinning() {
-        let packers = Packers::new(3);
+        let packers = Packers::new(3, true);
         let done = AtomicUsize::new(0);
         for round in 0..50 {
             if round % 2 == 0 {
@@ -112,7 +115,7 @@ mod tests {
 
     #[test]
     fn a_warm_up_without_work_ends_by_itself() {
-        let packers = Packers::new(2);
+        let packers = Packers::new(2, true);
         packers.warm();
         let start = Instant::now();
         while packers.is_spinning() {
@@ -128,8 +131,11 @@ mod tests {
     }
 
     #[test]
-    fn one_thread_pools_never_spin() {
-        let packers = Packers::new(1);
+    fn one_thread_pools_and_pools_told_not_to_never_spin() {
+        let cold = Packers::new(2, false);
+        cold.warm();
+        assert!(!cold.is_spinning());
+        let packers = Packers::new(1, true);
         packers.warm();
         assert!(!packers.is_spinning());
         let done = AtomicUsize::new(0);

@@ -409,9 +409,6 @@ impl PeerBatch<'_> {
         let mut keep = Vec::new();
         let mut kernel = None;
         if count > 0 {
-            // Rounded as descriptor tables are everywhere.
-            let area = (table_bytes as u64).next_multiple_of(256);
-            let dev = scratch.region.ensure(dst, LaneKind::Upload, area, first_seq - 1)?;
             let table = Arc::new(dst.acquire_staging(table_bytes)?);
             // SAFETY: the lease holds table_bytes bytes and is this batch's own.
             unsafe {
@@ -420,6 +417,17 @@ impl PeerBatch<'_> {
                     table.as_ptr(),
                     table_bytes,
                 )
+            };
+            // With unified addressing the kernel reads the table where it is, in pinned
+            // memory (mapped for every device): no upload of the table first, whose DMA and
+            // wait cost more than the warps' reads over the bus (8192 x 256 B peer copies:
+            // 37 µs against 45 on two H200s). Otherwise it is uploaded to device staging.
+            let dev = if dst.info().unified_addressing {
+                None
+            } else {
+                // Rounded as descriptor tables are everywhere.
+                let area = (table_bytes as u64).next_multiple_of(256);
+                Some(scratch.region.ensure(dst, LaneKind::Upload, area, first_seq - 1)?)
             };
             kernel = Some((dst_core.kernels()?, dev, table.as_ptr()));
             keep.push(table);
@@ -453,14 +461,21 @@ impl PeerBatch<'_> {
         let contexts = (dst_core.ctx.ctx, src_core.ctx.ctx);
         let enqueued = lane_batch.submit(keep, |raw, stream, _| {
             if let Some((kernels, dev, table)) = kernel {
-                // SAFETY: the pinned table is kept alive by this submission; device staging
-                // holds at least table_bytes bytes.
-                unsafe { raw.memcpy_htod_async(dev, table, table_bytes, stream) }?;
-                // SAFETY: the table is in device staging by stream order; sources are live,
+                let at = match dev {
+                    Some(dev) => {
+                        // SAFETY: the pinned table is kept alive by this submission; device
+                        // staging holds at least table_bytes bytes.
+                        unsafe { raw.memcpy_htod_async(dev, table, table_bytes, stream) }?;
+                        dev
+                    }
+                    None => table as u64,
+                };
+                // SAFETY: the table is in device staging by stream order, or in pinned
+                // memory that this submission keeps alive; sources are live,
                 // marked buffers this device may read; destinations are disjoint ranges of
                 // live, marked buffers (a destination overlapping a source of the same batch,
                 // inside one device, reads unspecified bytes but stays in bounds).
-                unsafe { kernels.copy(raw, stream, dev, count) }?;
+                unsafe { kernels.copy(raw, stream, at, count) }?;
             }
             for m in &parts.dmas {
                 // SAFETY: as above, by one DMA.
@@ -495,6 +510,8 @@ impl PeerBatch<'_> {
         }
         let seq = enqueued?;
         debug_assert_eq!(seq, final_seq);
+        let table_uploaded = kernel.is_some_and(|k| k.1.is_some());
+        // The table crosses the bus whether uploaded or read in place.
         let table_moved = if count > 0 { table_bytes as u64 } else { 0 };
         // What lands, overlaps resolved (as many as the copies name when none overlap).
         let landed = if parts.out_of_order {
@@ -508,7 +525,7 @@ impl PeerBatch<'_> {
                 submissions: 1,
                 requested: parts.bytes,
                 moved: landed + table_moved,
-                dmas: parts.dmas.len() as u64 + u64::from(count > 0),
+                dmas: parts.dmas.len() as u64 + u64::from(table_uploaded),
                 launches: u64::from(count > 0),
             },
         );
