@@ -41,12 +41,6 @@ pub struct Config {
     pub direct_threshold: u64,
     /// Threads that pack staging for large batches; 0 picks one per core, up to 16.
     pub pack_threads: usize,
-    /// Wake the packing threads a little before they are needed (while a batch plans, or
-    /// while its previous chunk is on the wire), to spin until their work comes, for at
-    /// most 1.5 ms. Waking sleeping threads cost about 100 µs per parallel copy on the
-    /// H200's hosts. Turn it off where cores are scarce or shared and spinning costs more
-    /// than it saves. Default on.
-    pub warm_packers: bool,
 }
 
 impl Default for Config {
@@ -59,7 +53,6 @@ impl Default for Config {
             chunk_bytes: 16 << 20,
             direct_threshold: 256 << 10,
             pack_threads: 0,
-            warm_packers: true,
         }
     }
 }
@@ -172,7 +165,7 @@ pub(crate) struct Core {
     /// Device staging per lane, used under that lane's batch lock.
     pub(crate) staging: [Mutex<DeviceStaging>; 2],
     kernels: OnceLock<Kernels>,
-    packers: OnceLock<crate::packers::Packers>,
+    packers: OnceLock<rayon::ThreadPool>,
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,
@@ -204,9 +197,17 @@ impl Core {
     }
 
     /// The packing threads, started on first use and kept for the device's life.
-    pub(crate) fn packers(&self) -> &crate::packers::Packers {
+    pub(crate) fn packers(&self) -> &rayon::ThreadPool {
         self.packers.get_or_init(|| {
-            crate::packers::Packers::new(self.config.resolved_pack_threads(), self.config.warm_packers)
+            let threads = self.config.resolved_pack_threads();
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("cuda-resident-pack-{i}"))
+                .build()
+                // Spawning threads fails only when the system is out of resources; a pool
+                // of one thread (the caller) still packs correctly.
+                .or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).use_current_thread().build())
+                .expect("a one-thread pool on the current thread cannot fail")
         })
     }
 

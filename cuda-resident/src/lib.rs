@@ -54,7 +54,6 @@ mod host_pool;
 mod kernels;
 #[cfg(test)]
 mod model_faults;
-mod packers;
 mod peer;
 pub mod plan;
 mod raw;

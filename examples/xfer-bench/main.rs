@@ -105,10 +105,6 @@ struct Args {
     /// cuda-resident's packing threads (Config::pack_threads; 0 = one per core, up to 16).
     #[arg(long)]
     pack_threads: Option<usize>,
-    /// Let cuda-resident's packing threads sleep until their work comes (Config::warm_packers
-    /// off).
-    #[arg(long)]
-    cold_packers: bool,
     /// Also print where the time of an upload batch goes (adding writes, submit, wait).
     #[arg(long)]
     breakdown: bool,
@@ -1267,7 +1263,6 @@ fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
     if let Some(kib) = args.direct_kib {
         config.direct_threshold = kib << 10;
     }
-    config.warm_packers = !args.cold_packers;
     if let Some(threads) = args.pack_threads {
         config.pack_threads = threads;
     }
@@ -1298,11 +1293,10 @@ fn run(
     let info = d.info();
     let c = d.config();
     println!(
-        "cuda-resident config: chunk {} KiB, direct threshold {} KiB, {} packing threads ({})",
+        "cuda-resident config: chunk {} KiB, direct threshold {} KiB, {} packing threads",
         c.chunk_bytes >> 10,
         c.direct_threshold >> 10,
-        c.resolved_pack_threads(),
-        if c.warm_packers { "warmed ahead of work" } else { "cold" }
+        c.resolved_pack_threads()
     );
     println!(
         "device {}: {} | {} | {} | driver CUDA {} | {} copy engines",

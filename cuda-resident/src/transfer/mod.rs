@@ -224,13 +224,11 @@ impl Device {
         let mut seqs = Vec::with_capacity(chunks);
         let mut pieces = Vec::new();
         let mut unpack = |k: usize, seqs: &[u64], out: &mut [u8]| -> Result<()> {
-            let start = k as u64 * chunk;
-            let n = (len - start).min(chunk) as usize;
-            // The packing threads wake while the chunk is still on the wire.
-            Piece::warm(self, n as u64);
             if lane.wait(seqs[k])? {
                 Telemetry::add(&core.telemetry.host_waits, 1);
             }
+            let start = k as u64 * chunk;
+            let n = (len - start).min(chunk) as usize;
             pieces.clear();
             let dst = out[start as usize..][..n].as_mut_ptr();
             Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
@@ -524,15 +522,6 @@ impl Piece {
         }
     }
 
-    /// Wakes the device's packing threads ahead of a [`Piece::copy_all`] of `bytes` bytes in
-    /// all, if that copy will use them; call it before other work (planning, waiting for a
-    /// DMA), so that the wake-up overlaps it.
-    pub(crate) fn warm(device: &Device, bytes: u64) {
-        if bytes >= PARALLEL_MIN as u64 {
-            device.core().packers().warm();
-        }
-    }
-
     /// Performs every piece, in parallel on the device's packing threads when there is
     /// enough to do.
     ///
@@ -553,7 +542,7 @@ impl Piece {
         // Contiguous groups of about equal bytes, a few per thread: one task per group, not
         // per piece (thousands of tiny tasks cost more than the copies).
         let pool = device.core().packers();
-        let target = (total / (pool.threads() * 4)).max(64 << 10);
+        let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
         let mut groups: Vec<&[Piece]> = Vec::new();
         let (mut start, mut bytes) = (0, 0);
         for (i, p) in pieces.iter().enumerate() {
@@ -566,7 +555,8 @@ impl Piece {
         if start < pieces.len() {
             groups.push(&pieces[start..]);
         }
-        pool.run(&groups, |g| run(g));
+        use rayon::prelude::*;
+        pool.install(|| groups.par_iter().for_each(|g| run(g)));
     }
 }
 

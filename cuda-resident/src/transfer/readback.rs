@@ -161,9 +161,6 @@ impl PendingReadback {
             let end = start
                 + order[start..]
                     .partition_point(|&i| self.readback.views[slots[i].0 as usize].last_chunk == chunk);
-            let bytes = order[start..end].iter().map(|&i| self.readback.views[slots[i].0 as usize].len).sum();
-            // The packing threads wake while the chunk is still on the wire.
-            Piece::warm(&device, bytes);
             lane.wait(self.first_seq + u64::from(chunk))?;
             self.readback.copy_some_into(&device, slots, out, &order[start..end]);
             start = end;

@@ -385,16 +385,6 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
         PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
     let lane = core.lane(LaneKind::Upload);
     let lane_batch = lane.batch();
-    // The packing threads wake while the batch is planned (an estimate: writes that
-    // overlap pack fewer bytes).
-    let copied: u64 = batch
-        .writes
-        .iter()
-        .zip(&batch.sources)
-        .filter(|(_, s)| matches!(s, Source::Slice(_)))
-        .map(|(w, _)| w.len)
-        .sum();
-    Piece::warm(device, copied.min(config.chunk_bytes));
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
     scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
@@ -458,11 +448,6 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
         // SAFETY: fills cover disjoint staging ranges inside the lease, sources are live
         // slices or the batch's arena.
         unsafe { Piece::copy_all(device, &scratch.pieces) };
-        if let Some(next) = plan.chunks.get(k + 1) {
-            // Awake for the next chunk's packing while this one is enqueued and the ring
-            // waits.
-            Piece::warm(device, next.staging_len);
-        }
 
         let descriptor_count = scratch.descriptors.len() as u64;
         let seq = lane_batch.submit(vec![lease], |raw, stream, _| {
