@@ -3,7 +3,9 @@
 //! Copies run on the destination device's upload lane. Small ones are moved by one launch
 //! of the copy kernel on the destination GPU, which reads the source GPU's memory directly
 //! (peer access over NVLink or PCIe); large ones by one `cuMemcpyPeerAsync` each. The
-//! descriptor table goes up with one DMA from pinned staging. Without peer access the copies
+//! kernel's descriptors are written straight into pinned staging as the copies are added,
+//! and the kernel reads them there (one DMA takes them to the device where the GPU has no
+//! unified addressing): no copy of the table on the host. Without peer access the copies
 //! are staged through host memory instead: a readback on the source, an upload on the
 //! destination.
 //!
@@ -19,7 +21,8 @@ use std::sync::Arc;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernels::{CopyDescriptor, PEER_SEGMENT, SEGMENT, push_segments};
+use crate::host_pool::HostLease;
+use crate::kernels::{CopyDescriptor, PEER_SEGMENT, SEGMENT};
 use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
 use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
@@ -67,8 +70,9 @@ pub(crate) struct PeerParts {
     /// Per destination key: the end of its last copy so far.
     ends: Vec<u64>,
     out_of_order: bool,
-    /// The kernel's descriptors and the copies moved by DMA.
-    descriptors: Vec<CopyDescriptor>,
+    /// The kernel's descriptors, in pinned staging of the destination device, and the
+    /// copies moved by DMA.
+    descriptors: PinnedDescriptors,
     dmas: Vec<CopyDescriptor>,
     /// Bytes the copies name (zero-length ones aside).
     bytes: u64,
@@ -89,13 +93,114 @@ impl Reusable for PeerParts {
     }
 }
 
+/// Descriptors built straight into pinned staging, where the kernel reads them (or one DMA
+/// takes them to the device): no copy of the table on the host. Grows by doubling; holds
+/// no staging once cleared.
+#[derive(Default)]
+pub(crate) struct PinnedDescriptors {
+    lease: Option<HostLease>,
+    len: usize,
+    /// The most descriptors a batch needed so far: the next batch starts with room for
+    /// them.
+    high: usize,
+}
+
+const DESCRIPTOR: usize = std::mem::size_of::<CopyDescriptor>();
+
+impl PinnedDescriptors {
+    fn capacity(&self) -> usize {
+        self.lease.as_ref().map_or(0, |l| l.len() / DESCRIPTOR)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[CopyDescriptor] {
+        match &self.lease {
+            // SAFETY: the lease is page-aligned pinned memory of this table's own, holding
+            // `len` written descriptors.
+            Some(lease) => unsafe { std::slice::from_raw_parts(lease.as_ptr().cast(), self.len) },
+            None => &[],
+        }
+    }
+
+    /// Makes room for `extra` more, from `device`'s pinned pool.
+    fn reserve(&mut self, device: &Device, extra: usize) -> Result<()> {
+        let need = self.len.saturating_add(extra);
+        if need <= self.capacity() {
+            return Ok(());
+        }
+        let room = need.max(2 * self.capacity()).max(self.high).max(1024);
+        let bytes = room
+            .checked_mul(DESCRIPTOR)
+            .ok_or(Error::PinnedCapExceeded { requested: u64::MAX, cap: device.config().pinned_cap_bytes })?;
+        let lease = device.acquire_staging(bytes)?;
+        if let Some(old) = &self.lease {
+            // SAFETY: both are pinned regions of this table's own, the new one larger.
+            unsafe { std::ptr::copy_nonoverlapping(old.as_ptr(), lease.as_ptr(), self.len * DESCRIPTOR) };
+        }
+        self.lease = Some(lease);
+        Ok(())
+    }
+
+    /// Appends one; room must have been reserved.
+    #[inline]
+    fn push(&mut self, d: CopyDescriptor) {
+        assert!(self.len < self.capacity(), "descriptor room reserved");
+        // SAFETY: inside the lease (checked above), which is aligned for descriptors.
+        unsafe { self.end().write(d) };
+        self.len += 1;
+    }
+
+    /// Where the next descriptor goes (room must have been reserved for what is written).
+    fn end(&self) -> *mut CopyDescriptor {
+        match &self.lease {
+            // SAFETY: `len` is within the lease.
+            Some(lease) => unsafe { lease.as_ptr().cast::<CopyDescriptor>().add(self.len) },
+            None => std::ptr::NonNull::dangling().as_ptr(),
+        }
+    }
+
+    /// Appends `len` descriptors of a copy, in pieces of at most [`PEER_SEGMENT`] bytes;
+    /// room must have been reserved ([`segments`]).
+    fn push_copy(&mut self, src: u64, dst: u64, len: u64) {
+        let mut done = 0;
+        while done < len {
+            let piece = (len - done).min(PEER_SEGMENT);
+            self.push(CopyDescriptor { src: src + done, dst: dst + done, len: piece });
+            done += piece;
+        }
+    }
+
+    /// Hands the table over (to the submission that runs the kernel); the next batch
+    /// starts a new one.
+    fn take(&mut self) -> Option<HostLease> {
+        self.high = self.high.max(self.len);
+        self.len = 0;
+        self.lease.take()
+    }
+
+    fn clear(&mut self) {
+        self.high = self.high.max(self.len);
+        self.len = 0;
+        self.lease = None;
+    }
+}
+
+/// Descriptors of a copy of `len` bytes.
+fn segments(len: u64) -> usize {
+    len.div_ceil(PEER_SEGMENT) as usize
+}
+
 impl PeerParts {
     /// Records a checked copy: `src_at` and `dst_at` are the device addresses of its first
-    /// byte.
+    /// byte. Fails only when pinned staging for its descriptors cannot be had.
     #[allow(clippy::too_many_arguments)] // One call site per public method; all scalars.
     #[inline]
     fn add(
         &mut self,
+        dst_device: &Device,
         src_key: u32,
         src_offset: u64,
         src_at: u64,
@@ -104,10 +209,13 @@ impl PeerParts {
         dst_offset: u64,
         dst_at: u64,
         len: u64,
-    ) {
+    ) -> Result<()> {
+        if len > 0 && !self.out_of_order && len < PEER_DMA_MIN {
+            self.descriptors.reserve(dst_device, segments(len))?;
+        }
         self.copies += 1;
         if len == 0 {
-            return;
+            return Ok(());
         }
         self.bytes = self.bytes.saturating_add(len);
         if !self.out_of_order {
@@ -118,7 +226,7 @@ impl PeerParts {
             if dst_offset >= self.ends[key] {
                 self.ends[key] = dst_offset + len;
                 self.route(CopyDescriptor { src: src_at, dst: dst_at, len });
-                return;
+                return Ok(());
             }
             self.list_copies();
         }
@@ -129,6 +237,7 @@ impl PeerParts {
             len,
         });
         self.sources.push((src_key, src_offset));
+        Ok(())
     }
 
     /// Leaves the in-order path: the copies so far, listed from their descriptors and DMAs
@@ -148,7 +257,7 @@ impl PeerParts {
         };
         let (src_index, dst_index) = (index(&self.src_table), index(&self.dst_table));
         let find = |index: &[(u64, u32)], at: u64| index[index.partition_point(|&(ptr, _)| ptr <= at) - 1].1;
-        for m in self.descriptors.iter().chain(&self.dmas) {
+        for m in self.descriptors.as_slice().iter().chain(&self.dmas) {
             let (dk, sk) = (find(&dst_index, m.dst), find(&src_index, m.src));
             let (d, s) = (self.dst_table.entries[dk as usize], self.src_table.entries[sk as usize]);
             self.writes.push(WriteRequest {
@@ -159,6 +268,9 @@ impl PeerParts {
             });
             self.sources.push((sk, m.src - s.ptr));
         }
+        // Rebuilt at submit if the copies run by kernel; no pinned staging held meanwhile.
+        self.descriptors.clear();
+        self.dmas.clear();
     }
 
     /// The common case of a block table, in one tight pass and one `extend`: every range
@@ -167,21 +279,26 @@ impl PeerParts {
     /// caller then adds range by range).
     fn extend_in_order(
         &mut self,
+        dst_device: &Device,
         dst_key: u32,
         src_ptr: u64,
         dst_ptr: u64,
         (src_len, dst_len): (u64, u64),
         ranges: &[(u64, u64, u64)],
-    ) -> bool {
+    ) -> Result<bool> {
         let key = dst_key as usize;
         if self.out_of_order {
-            return false;
+            return Ok(false);
         }
+        self.descriptors.reserve(dst_device, ranges.len())?;
         if key >= self.ends.len() {
             self.ends.resize(key + 1, 0);
         }
+        // One pass: each range is checked and its descriptor written past the table's end;
+        // they count only if every range passed.
+        let out = self.descriptors.end();
         let (mut end, mut bytes, mut ok) = (self.ends[key], 0u64, true);
-        for &(src_offset, dst_offset, len) in ranges {
+        for (i, &(src_offset, dst_offset, len)) in ranges.iter().enumerate() {
             // No overflow: each operand is below 2^63 once the comparisons pass.
             ok &= len > 0
                 && len <= PEER_SEGMENT
@@ -192,20 +309,22 @@ impl PeerParts {
                 && len <= dst_len - dst_offset;
             end = dst_offset.wrapping_add(len);
             bytes = bytes.wrapping_add(len);
+            let d = CopyDescriptor {
+                src: src_ptr.wrapping_add(src_offset),
+                dst: dst_ptr.wrapping_add(dst_offset),
+                len,
+            };
+            // SAFETY: room for ranges.len() descriptors past the end was reserved above.
+            unsafe { out.add(i).write(d) };
         }
         if !ok {
-            return false;
+            return Ok(false);
         }
+        self.descriptors.len += ranges.len();
         self.ends[key] = end;
         self.copies += ranges.len();
         self.bytes = self.bytes.saturating_add(bytes);
-        let descriptors = ranges.iter().map(|&(src_offset, dst_offset, len)| CopyDescriptor {
-            src: src_ptr + src_offset,
-            dst: dst_ptr + dst_offset,
-            len,
-        });
-        self.descriptors.extend(descriptors);
-        true
+        Ok(true)
     }
 
     /// A copy of the final set goes to the kernel or to a DMA of its own.
@@ -214,14 +333,14 @@ impl PeerParts {
         if m.len >= PEER_DMA_MIN {
             self.dmas.push(m);
         } else {
-            push_segments(&mut self.descriptors, m.src, m.dst, m.len, PEER_SEGMENT);
+            self.descriptors.push_copy(m.src, m.dst, m.len);
         }
     }
 
     /// For copies out of order: the descriptors and DMAs with overlaps resolved (the later
     /// copy wins), from an upload plan of the destinations (every interval direct, one
     /// chunk), whose fills say which copy supplies each destination byte.
-    fn resolve(&mut self, planner: &mut Planner, plan: &mut UploadPlan) -> Result<()> {
+    fn resolve(&mut self, dst_device: &Device, planner: &mut Planner, plan: &mut UploadPlan) -> Result<()> {
         self.descriptors.clear();
         self.dmas.clear();
         let config = PlanConfig { direct_threshold: 0, chunk_bytes: 1 << 62, align: 1 };
@@ -244,6 +363,8 @@ impl PeerParts {
                 CopyDescriptor { src, dst: dst + (f.stage_offset - stage), len: f.len }
             })
             .collect();
+        let kernel_copies = moves.iter().filter(|m| m.len < PEER_DMA_MIN).map(|m| segments(m.len)).sum();
+        self.descriptors.reserve(dst_device, kernel_copies)?;
         for m in moves {
             self.route(m);
         }
@@ -296,7 +417,9 @@ impl PeerBatch<'_> {
         let (dst_key, dst_len) = parts.dst_table.check(self.dst, dst, dst_offset, len, &mut self.error)?;
         let src_at = parts.src_table.entries[src_key as usize].ptr + src_offset;
         let dst_at = parts.dst_table.entries[dst_key as usize].ptr + dst_offset;
-        parts.add(src_key, src_offset, src_at, dst_key, dst_len, dst_offset, dst_at, len);
+        let added =
+            parts.add(self.dst, src_key, src_offset, src_at, dst_key, dst_len, dst_offset, dst_at, len);
+        self.poison_on(added)?;
         Ok(self)
     }
 
@@ -317,7 +440,8 @@ impl PeerBatch<'_> {
         let fits = |offset: u64, len: u64, buffer_len: u64| {
             offset.checked_add(len).is_some_and(|end| end <= buffer_len)
         };
-        if parts.extend_in_order(dst_key, s.ptr, d.ptr, (s.len, d.len), ranges) {
+        let fast = parts.extend_in_order(self.dst, dst_key, s.ptr, d.ptr, (s.len, d.len), ranges);
+        if self.poison_on(fast)? {
             return Ok(self);
         }
         for &(src_offset, dst_offset, len) in ranges {
@@ -332,7 +456,8 @@ impl PeerBatch<'_> {
                 self.error.get_or_insert_with(|| e.clone());
                 return Err(e);
             }
-            parts.add(
+            let added = self.parts.add(
+                self.dst,
                 src_key,
                 src_offset,
                 s.ptr + src_offset,
@@ -342,8 +467,18 @@ impl PeerBatch<'_> {
                 d.ptr + dst_offset,
                 len,
             );
+            self.poison_on(added)?;
         }
         Ok(self)
+    }
+
+    /// Passes `result` on; an error (no pinned staging for the descriptors) also fails the
+    /// batch, which may hold some of the copies of the call that failed.
+    fn poison_on<T>(&mut self, result: Result<T>) -> Result<T> {
+        if let Err(e) = &result {
+            self.error.get_or_insert_with(|| e.clone());
+        }
+        result
     }
 
     /// Whether every copy so far came in order (built as added, nothing to resolve).
@@ -397,27 +532,27 @@ impl PeerBatch<'_> {
         let mut scratch = lock(&dst_core.staging[LaneKind::Upload.index()]);
         let scratch = &mut *scratch;
         if self.parts.out_of_order {
-            self.parts.resolve(&mut scratch.planner, &mut scratch.upload_plan)?;
+            self.parts.resolve(self.dst, &mut scratch.planner, &mut scratch.upload_plan)?;
         }
-        let parts = &self.parts;
-
         // What needs no sequence number first, so that the source device's lane (taken
         // below) is held only while the copy is numbered and enqueued.
-        let count = parts.descriptors.len() as u64;
-        let table_bytes = parts.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
+        let count = self.parts.descriptors.len() as u64;
+        let table_bytes = self.parts.descriptors.len() * DESCRIPTOR;
+        // What lands, overlaps resolved (as many as the copies name when none overlap).
+        let landed = if self.parts.out_of_order {
+            let kernel: u64 = self.parts.descriptors.as_slice().iter().map(|d| d.len).sum();
+            kernel + self.parts.dmas.iter().map(|m| m.len).sum::<u64>()
+        } else {
+            self.parts.bytes
+        };
+        let table = self.parts.descriptors.take();
+        let parts = &self.parts;
         let first_seq = lane_batch.next_seq();
         let mut keep = Vec::new();
         let mut kernel = None;
-        if count > 0 {
-            let table = Arc::new(dst.acquire_staging(table_bytes)?);
-            // SAFETY: the lease holds table_bytes bytes and is this batch's own.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    parts.descriptors.as_ptr().cast::<u8>(),
-                    table.as_ptr(),
-                    table_bytes,
-                )
-            };
+        if let Some(table) = table.filter(|_| count > 0) {
+            // The descriptors were built in this pinned table as the copies were added.
+            let table = Arc::new(table);
             // With unified addressing the kernel reads the table where it is, in pinned
             // memory (mapped for every device): no upload of the table first, whose DMA and
             // wait cost more than the warps' reads over the bus (8192 x 256 B peer copies:
@@ -513,12 +648,6 @@ impl PeerBatch<'_> {
         let table_uploaded = kernel.is_some_and(|k| k.1.is_some());
         // The table crosses the bus whether uploaded or read in place.
         let table_moved = if count > 0 { table_bytes as u64 } else { 0 };
-        // What lands, overlaps resolved (as many as the copies name when none overlap).
-        let landed = if parts.out_of_order {
-            parts.descriptors.iter().map(|d| d.len).chain(parts.dmas.iter().map(|m| m.len)).sum()
-        } else {
-            parts.bytes
-        };
         dst_core.telemetry.record(
             LaneKind::Upload,
             Moves {

@@ -451,3 +451,51 @@ fn telemetry_counts_what_landed_and_empty_batches_still_check_their_buffers() {
     batch.copy(src, 4096, dst, 4096, 0).unwrap().copy_ranges(src, dst, &[]).unwrap();
     assert!(batch.submit().unwrap().is_complete().unwrap());
 }
+
+#[test]
+fn descriptor_tables_live_in_pinned_staging_only_while_a_batch_needs_them() {
+    let driver = fake_driver::driver();
+    let small = Config { chunk_bytes: 64 << 10, pinned_cap_bytes: 1 << 20, ..config() };
+    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, small.clone()).unwrap();
+    let d1 = Device::open_with(driver, 1, small).unwrap();
+    d0.enable_peer(&d1).unwrap();
+    let mut rng = fastrand::Rng::with_seed(21);
+    let a = Model::new(&d0, &mut rng, &[1 << 20]);
+    let mut b = Model::new(&d1, &mut rng, &[1 << 20]);
+    let lent = |d: &Device| d.telemetry().pinned.lent_bytes;
+    // Descriptors are written into the destination's pinned pool as copies are added, and
+    // the table goes with the submission: nothing stays lent once the copies are done.
+    let mut batch = d1.peer_copies(&d0);
+    let ranges: Vec<(u64, u64, u64)> = (0..2000u64).map(|i| ((1999 - i) * 500, i * 500, 300)).collect();
+    batch.copy_ranges(a.buffers[0], b.buffers[0], &ranges).unwrap();
+    for i in 0..10u64 {
+        batch.copy(a.buffers[0], i, b.buffers[0], (1 << 20) - 100 + i * 10, 10).unwrap();
+    }
+    assert!(lent(&d1) >= 2010 * 24, "the table is in pinned staging");
+    for &(so, doff, len) in &ranges {
+        let (so, doff, len) = (so as usize, doff as usize, len as usize);
+        b.expect[0][doff..doff + len].copy_from_slice(&a.expect[0][so..so + len]);
+    }
+    for i in 0..10usize {
+        let doff = (1 << 20) - 100 + i * 10;
+        b.expect[0][doff..doff + 10].copy_from_slice(&a.expect[0][i..i + 10]);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    b.check(&d1, "a table built in pinned staging");
+    d1.synchronize().unwrap();
+    assert_eq!(lent(&d1), 0, "the table went back to the pool");
+    // A batch dropped unsubmitted gives its table back too.
+    let mut batch = d1.peer_copies(&d0);
+    batch.copy_ranges(a.buffers[0], b.buffers[0], &ranges).unwrap();
+    drop(batch);
+    assert_eq!(lent(&d1), 0, "a dropped batch's table went back");
+    // A table larger than the pool's cap fails the call and the batch; nothing moves.
+    let mut batch = d1.peer_copies(&d0);
+    let many: Vec<(u64, u64, u64)> = (0..60_000u64).map(|i| (i * 16, i * 16, 8)).collect();
+    let err = batch.copy_ranges(a.buffers[0], b.buffers[0], &many).unwrap_err();
+    assert!(matches!(err, Error::PinnedCapExceeded { .. }), "{err}");
+    assert!(err.to_string().contains("Fix:"), "{err}");
+    assert!(batch.submit().is_err());
+    b.check(&d1, "after a table over the cap");
+    assert_eq!(lent(&d1), 0);
+}
