@@ -32,7 +32,7 @@ fn config() -> Config {
 }
 
 /// The sequence: three buffers (size class, slab range, past the slab), a ragged batch across
-/// chunks, an in-place batch, a single small write, readbacks as views and into a slice,
+/// chunks, an in-place batch, small writes and reads in order, a single small write, readbacks as views and into a slice,
 /// pinned staging, frees. Buffers are freed whatever happens. Any wrong byte panics.
 fn sequence(d: &Device, seed: u64) -> Result<(), Error> {
     let mut held: Vec<ResidentBuffer> = Vec::new();
@@ -84,6 +84,33 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         model[1][(k * 4000 + 7) as usize..][..1000].fill(value);
     }
     batch.submit()?.wait()?;
+    // Many small writes in order, then reads of them in order: both laid out without the
+    // planner, over more chunks than the ring holds.
+    let mut order = Vec::new();
+    let mut at = 0usize;
+    while order.len() < 400 {
+        let len = rng.usize(1..1500);
+        let mut bytes = vec![0u8; len];
+        rng.fill(&mut bytes);
+        order.push((at, bytes));
+        at += len + rng.usize(0..64);
+    }
+    let mut batch = d.uploads();
+    for (at, bytes) in &order {
+        batch.write(held[1], *at as u64, bytes)?;
+        model[1][*at..at + bytes.len()].copy_from_slice(bytes);
+    }
+    batch.submit()?.wait()?;
+    let mut reads = d.readbacks();
+    let slots = order
+        .iter()
+        .map(|(at, bytes)| reads.read(held[1], *at as u64, bytes.len() as u64))
+        .collect::<Result<Vec<_>, _>>()?;
+    let got = reads.submit()?.wait()?;
+    for ((at, bytes), &slot) in order.iter().zip(&slots) {
+        assert!(got.get(slot) == &model[1][*at..at + bytes.len()], "an in-order read differs after success");
+    }
+    drop(got);
     let one: Vec<u8> = (0..100).map(|_| rng.u8(..)).collect();
     d.upload_at(held[0], 50, &one)?;
     model[0][50..150].copy_from_slice(&one);

@@ -147,6 +147,37 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         model[1][*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
     }
 
+    // Many small writes in order, then reads of the same ranges in order: both laid out
+    // without the planner, over several chunks.
+    let mut order = Vec::new();
+    let mut at = 0u64;
+    while order.len() < 400 {
+        let len = rng.usize(1..=4000);
+        order.push((at, random_vec(&mut rng, len)));
+        at += len as u64 + rng.u64(0..64);
+    }
+    let mut batch = d.uploads();
+    for (offset, bytes) in &order {
+        batch.write(mid, *offset, bytes)?;
+    }
+    batch.submit()?.wait()?;
+    ops += 1;
+    for (offset, bytes) in &order {
+        model[1][*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
+    }
+    let mut reads = d.readbacks();
+    let slots = order
+        .iter()
+        .map(|(offset, bytes)| reads.read(mid, *offset, bytes.len() as u64))
+        .collect::<Result<Vec<_>, _>>()?;
+    let got = reads.submit()?.wait()?;
+    ops += 1;
+    for ((offset, bytes), &slot) in order.iter().zip(&slots) {
+        same("in-order range", got.get(slot), &model[1][*offset as usize..*offset as usize + bytes.len()])?;
+        checked += bytes.len() as u64;
+    }
+    drop(got);
+
     // One small write: the latency path.
     let one = random_vec(&mut rng, 100);
     d.upload_at(small, 999, &one)?;

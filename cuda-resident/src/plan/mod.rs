@@ -577,6 +577,11 @@ impl Planner {
         in_order(writes, &mut self.ends)
     }
 
+    /// The same for reads.
+    pub(crate) fn are_reads_in_order(&mut self, reads: &[ReadRequest]) -> bool {
+        in_order(reads, &mut self.ends)
+    }
+
     /// Checks an in-order batch and lists its non-empty requests when some are empty.
     fn in_order<'a, R: fuse::Request>(
         requests: &'a [R],

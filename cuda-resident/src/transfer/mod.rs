@@ -530,34 +530,51 @@ impl Piece {
     /// and no destination may overlap another piece's source or destination.
     pub(crate) unsafe fn copy_all(device: &Device, pieces: &[Piece]) {
         let total: usize = pieces.iter().map(|p| p.len).sum();
-        let run = |group: &[Piece]| {
-            for p in group {
-                // SAFETY: as the caller promises.
-                unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) }
-            }
-        };
-        if total < PARALLEL_MIN || pieces.len() < 2 {
-            return run(pieces);
-        }
-        // Contiguous groups of about equal bytes, a few per thread: one task per group, not
-        // per piece (thousands of tiny tasks cost more than the copies).
-        let pool = device.core().packers();
-        let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
-        let mut groups: Vec<&[Piece]> = Vec::new();
-        let (mut start, mut bytes) = (0, 0);
-        for (i, p) in pieces.iter().enumerate() {
-            bytes += p.len;
-            if bytes >= target {
-                groups.push(&pieces[start..=i]);
-                (start, bytes) = (i + 1, 0);
-            }
-        }
-        if start < pieces.len() {
-            groups.push(&pieces[start..]);
-        }
-        use rayon::prelude::*;
-        pool.install(|| groups.par_iter().for_each(|g| run(g)));
+        in_groups(
+            device,
+            pieces.len(),
+            total,
+            |i| pieces[i].len,
+            |range| {
+                for p in &pieces[range] {
+                    // SAFETY: as the caller promises.
+                    unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) }
+                }
+            },
+        );
     }
+}
+
+/// Runs `work` over `0..count` split into contiguous ranges of about equal bytes (item `i`
+/// has `bytes(i)`, `total` in all), a few per packing thread, in parallel when there is
+/// enough to do: one task per range, not per item (thousands of tiny tasks cost more than
+/// the copies). Returns when every range is done.
+pub(crate) fn in_groups(
+    device: &Device,
+    count: usize,
+    total: usize,
+    bytes: impl Fn(usize) -> usize,
+    work: impl Fn(std::ops::Range<usize>) + Sync + Send,
+) {
+    if total < PARALLEL_MIN || count < 2 {
+        return work(0..count);
+    }
+    let pool = device.core().packers();
+    let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
+    let mut groups = Vec::new();
+    let (mut start, mut sum) = (0, 0);
+    for i in 0..count {
+        sum += bytes(i);
+        if sum >= target {
+            groups.push(start..i + 1);
+            (start, sum) = (i + 1, 0);
+        }
+    }
+    if start < count {
+        groups.push(start..count);
+    }
+    use rayon::prelude::*;
+    pool.install(|| groups.into_par_iter().for_each(work));
 }
 
 /// What a lane's batches reuse, used only under the lane's batch lock: the planner and its
@@ -572,6 +589,10 @@ pub(crate) struct DeviceStaging {
     pub(crate) readback_plan: crate::plan::ReadbackPlan,
     pub(crate) descriptors: Vec<crate::kernels::CopyDescriptor>,
     pub(crate) pieces: Vec<Piece>,
+    /// In-order uploads: each write's offset in its chunk's packed bytes, and per chunk
+    /// its writes and packed length.
+    pub(crate) offsets: Vec<u64>,
+    pub(crate) spans: Vec<(std::ops::Range<usize>, u64)>,
 }
 
 /// A lane's device staging buffer.

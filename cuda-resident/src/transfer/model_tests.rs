@@ -218,3 +218,113 @@ fn a_device_dropped_with_work_in_flight_carries_it_out_first() {
     let got = pending.wait().unwrap();
     assert!(got.get(slot) == &data[..]);
 }
+
+#[test]
+fn in_order_batches_of_small_writes_skip_planning_and_match() {
+    // Chunks of 64 KiB: a batch spans more chunks than the ring holds.
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(33);
+    let mut m = Model::new(&d, &mut rng, &[300_000, 70_000, 1 << 20, 4099]);
+    let taken = || super::upload::IN_ORDER_BATCHES.with(|n| n.get());
+    for round in 0..8 {
+        let before = taken();
+        // Per buffer, writes at rising offsets (touching, gapped, odd), interleaved across
+        // buffers: in order, so laid out without the planner.
+        let mut next = vec![0usize; m.buffers.len()];
+        let mut data = Vec::new();
+        for _ in 0..rng.usize(64..600) {
+            let i = rng.usize(..m.buffers.len());
+            let len = match rng.u8(..4) {
+                0 => rng.usize(1..16),
+                1 => rng.usize(1..=4096),
+                _ => rng.usize(1..=(8 << 10) - 1),
+            };
+            let at = next[i] + if rng.bool() { 0 } else { rng.usize(0..100) };
+            if at + len > m.expect[i].len() {
+                continue;
+            }
+            next[i] = at + len;
+            data.push((i, at, random_vec(&mut rng, len)));
+        }
+        if data.len() < 64 {
+            continue;
+        }
+        let mut batch = d.uploads();
+        for (i, at, bytes) in &data {
+            batch.write(m.buffers[*i], *at as u64, bytes).unwrap();
+            m.expect[*i][*at..at + bytes.len()].copy_from_slice(bytes);
+        }
+        let fence = batch.submit().unwrap();
+        assert_eq!(taken(), before + 1, "round {round}: the in-order path");
+        if round % 2 == 0 {
+            fence.wait().unwrap();
+        }
+        m.check(&d, &format!("in-order round {round}"));
+    }
+    // One write out of order sends the batch to the planner, with the same result.
+    let before = taken();
+    let mut batch = d.uploads();
+    let bytes: Vec<Vec<u8>> = (0..100).map(|_| random_vec(&mut rng, 100)).collect();
+    for (k, b) in bytes.iter().enumerate() {
+        let at = if k == 50 { 0 } else { 200 + k * 100 };
+        batch.write(m.buffers[0], at as u64, b).unwrap();
+        m.expect[0][at..at + 100].copy_from_slice(b);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    assert_eq!(taken(), before, "out of order: planned");
+    m.check(&d, "a batch out of order");
+    d.synchronize().unwrap();
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0);
+}
+
+#[test]
+fn in_order_batches_of_small_reads_skip_planning_and_match() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(34);
+    let m = Model::new(&d, &mut rng, &[300_000, 70_000, 1 << 20, 4099]);
+    let taken = || super::readback::IN_ORDER_BATCHES.with(|n| n.get());
+    for round in 0..8 {
+        let before = taken();
+        let mut next = vec![0usize; m.buffers.len()];
+        let mut ranges = Vec::new();
+        for _ in 0..rng.usize(64..800) {
+            let i = rng.usize(..m.buffers.len());
+            let len = match rng.u8(..4) {
+                0 => rng.usize(1..16),
+                1 => rng.usize(1..=4096),
+                _ => rng.usize(1..=(8 << 10) - 1),
+            };
+            let at = next[i] + if rng.bool() { 0 } else { rng.usize(0..100) };
+            if at + len > m.expect[i].len() {
+                continue;
+            }
+            next[i] = at + len;
+            ranges.push((i, at, len));
+        }
+        if ranges.len() < 64 {
+            continue;
+        }
+        let mut reads = d.readbacks();
+        let slots: Vec<_> = ranges
+            .iter()
+            .map(|&(i, at, len)| reads.read(m.buffers[i], at as u64, len as u64).unwrap())
+            .collect();
+        let pending = reads.submit().unwrap();
+        assert_eq!(taken(), before + 1, "round {round}: the in-order path");
+        let got = if round % 2 == 0 {
+            pending.wait().unwrap()
+        } else {
+            let mut out = vec![vec![0x5a; 3]; slots.len()];
+            let got = pending.wait_into(&slots, &mut out).unwrap();
+            for (&(i, at, len), v) in ranges.iter().zip(&out) {
+                assert_eq!(v, &m.expect[i][at..at + len], "round {round}: a copy");
+            }
+            got
+        };
+        for (&(i, at, len), &slot) in ranges.iter().zip(&slots) {
+            assert_eq!(got.get(slot), &m.expect[i][at..at + len], "round {round}: a view");
+        }
+    }
+    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+    d.synchronize().unwrap();
+}

@@ -5,12 +5,12 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::{BufferTable, Piece};
+use super::{BufferTable, DeviceStaging, Piece};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
+use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors};
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
@@ -18,6 +18,10 @@ use crate::telemetry::Moves;
 
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
+
+/// Batches of at least this many reads, all small and in order, skip planning
+/// ([`execute_in_order`]).
+const IN_ORDER_MIN: usize = 64;
 
 /// Names one read of a [`ReadbackBatch`]; redeem it with [`Readback::get`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -263,6 +267,12 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let lane_batch = lane.batch();
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
+    if batch.reads.len() >= IN_ORDER_MIN
+        && batch.reads.iter().all(|r| r.len > 0 && r.len <= SEGMENT && r.len < plan_config.direct_threshold)
+        && scratch.planner.are_reads_in_order(&batch.reads)
+    {
+        return execute_in_order(batch, chunk_bytes, &lane_batch, scratch);
+    }
     scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
     let plan = &scratch.readback_plan;
     if plan.is_empty() {
@@ -382,5 +392,108 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
         readback: Readback { device: Some(device.clone()), lease: Some(lease), base: tables as usize, views },
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
+    })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Batches this thread moved by [`execute_in_order`].
+    pub(crate) static IN_ORDER_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Reads in order (each at or past the end of the earlier reads of its buffer, so none
+/// overlap), none longer than a kernel segment: the common batch of many small reads, laid
+/// out without the planner. One pass places each read in the packed bytes of a chunk of
+/// `chunk_bytes`, at the residue of its source modulo 16, and notes its view; then, per
+/// chunk, the descriptors are written straight into the chunk's table in the pinned lease,
+/// and one table upload, one gather launch and one DMA move it. Reads that touch are not
+/// fused: each is a descriptor of its own.
+fn execute_in_order(
+    batch: &ReadbackBatch<'_>,
+    chunk_bytes: u64,
+    lane_batch: &crate::stream::LaneBatch<'_>,
+    scratch: &mut DeviceStaging,
+) -> Result<PendingReadback> {
+    #[cfg(test)]
+    IN_ORDER_BATCHES.with(|n| n.set(n.get() + 1));
+    let device = batch.device;
+    let core = device.core();
+    let ptr_of = |r: &ReadRequest| batch.table.entries[r.buffer as usize].ptr + r.offset;
+    let DeviceStaging { offsets, spans, region, .. } = scratch;
+    offsets.clear();
+    spans.clear();
+    let mut views = core.readback_views.take();
+    // Flat staging offsets; chunk k's packed bytes start at `start`.
+    let (mut first, mut start, mut cursor) = (0, 0u64, 0u64);
+    for (i, r) in batch.reads.iter().enumerate() {
+        let residue = ptr_of(r) % 16;
+        let mut at = cursor.next_multiple_of(16) + residue;
+        if at + r.len - start > chunk_bytes && i > first {
+            spans.push((first..i, cursor - start));
+            (first, start) = (i, cursor.next_multiple_of(16));
+            at = start + residue;
+        }
+        offsets.push(at);
+        let chunk = spans.len() as u32;
+        views.push(ReadView { chunk, last_chunk: chunk, stage_offset: at, len: r.len });
+        cursor = at + r.len;
+    }
+    spans.push((first..batch.reads.len(), cursor - start));
+    let area = |n: usize| (n as u64 * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256);
+    let tables: u64 = spans.iter().map(|(r, _)| area(r.len())).sum();
+    let lease = Arc::new(device.acquire_staging((tables + cursor) as usize)?);
+    let base = lease.as_ptr();
+    let first_seq = lane_batch.next_seq();
+    let final_seq =
+        device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), spans.len() as u64)?;
+    let kernels = core.kernels()?;
+    let device_need = spans.iter().map(|(r, packed)| area(r.len()) + packed).max().unwrap_or(0);
+    let dev = region.ensure(device, LaneKind::Readback, device_need, first_seq - 1)?;
+    let (mut table_at, mut moved) = (0u64, 0u64);
+    for (range, packed) in spans.iter() {
+        let (table, area, packed) = (table_at, area(range.len()), *packed);
+        table_at += area;
+        // The chunk's packed bytes start at the flat offset of its first read, less that
+        // read's residue.
+        let start = offsets[range.start] & !15;
+        let descriptors = base.wrapping_add(table as usize).cast::<CopyDescriptor>();
+        for (j, i) in range.clone().enumerate() {
+            let r = &batch.reads[i];
+            let d = CopyDescriptor { src: ptr_of(r), dst: dev + area + (offsets[i] - start), len: r.len };
+            // SAFETY: the chunk's table in the lease has a slot per read (8-byte aligned:
+            // tables are multiples of 256 bytes from the page-aligned start); nothing
+            // reads it yet.
+            unsafe { descriptors.add(j).write(d) };
+        }
+        let count = range.len() as u64;
+        lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+            // SAFETY: the table is pinned and stays alive (kept by this submission); device
+            // staging holds area + packed bytes.
+            unsafe { raw.memcpy_htod_async(dev, descriptors.cast(), area as usize, stream) }?;
+            // SAFETY: sources are disjoint ranges of live, marked buffers; destinations are
+            // disjoint ranges of device staging.
+            unsafe { kernels.copy(raw, stream, dev, count) }?;
+            // SAFETY: the chunk's packed bytes lie inside the lease, after the tables.
+            unsafe {
+                raw.memcpy_dtoh_async(
+                    base.add((tables + start) as usize),
+                    dev + area,
+                    packed as usize,
+                    stream,
+                )
+            }
+        })?;
+        moved += area + packed;
+    }
+    let chunks = spans.len() as u64;
+    let requested = batch.reads.iter().map(|r| r.len).sum();
+    core.telemetry.record(
+        LaneKind::Readback,
+        Moves { submissions: chunks, requested, moved, dmas: 2 * chunks, launches: chunks },
+    );
+    Ok(PendingReadback {
+        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        readback: Readback { device: Some(device.clone()), lease: Some(lease), base: tables as usize, views },
+        first_seq: final_seq + 1 - chunks,
     })
 }

@@ -4,12 +4,12 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::{BufferTable, Piece};
+use super::{BufferTable, DeviceStaging, Piece, in_groups};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
+use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors};
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
@@ -21,6 +21,10 @@ pub(crate) const RING: usize = 4;
 /// A chunk with at most this many packed copies moves them by one DMA each, without the
 /// kernel: for a handful of copies, DMAs cost less than a launch.
 const KERNEL_MIN_COPIES: usize = 3;
+
+/// Batches of at least this many writes, all small and in order, skip planning
+/// ([`execute_in_order`]).
+const IN_ORDER_MIN: usize = 64;
 
 /// `arena_used` of a lease that holds one large write and takes no more.
 const CLOSED: usize = usize::MAX;
@@ -387,6 +391,13 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     let lane_batch = lane.batch();
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
+    if batch.writes.len() >= IN_ORDER_MIN
+        && batch.writes.iter().all(|w| w.len > 0 && w.len <= SEGMENT && w.len < config.direct_threshold)
+        && batch.sources.iter().all(|s| matches!(s, Source::Slice(_)))
+        && scratch.planner.is_in_order(&batch.writes)
+    {
+        return execute_in_order(batch, &lane_batch, scratch);
+    }
     scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
     let plan = &scratch.upload_plan;
     if plan.is_empty() {
@@ -495,5 +506,113 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     );
     debug_assert_eq!(seqs.last().copied(), Some(final_seq));
     drop(lane_batch);
+    Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq))
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Batches this thread moved by [`execute_in_order`].
+    pub(crate) static IN_ORDER_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Writes in order (each at or past the end of the earlier writes into its buffer, so none
+/// overlap), all from slices and none longer than a kernel segment: the common batch of
+/// many small writes, laid out without the planner. One pass places each write in the
+/// packed bytes of a chunk, at the residue of its destination modulo 16 (so the scatter
+/// uses 16-byte accesses); then, per chunk, the packing threads write each write's
+/// descriptor and copy its bytes straight into the pinned lease, and one DMA and one launch
+/// move it. Writes that touch are not fused: each is a descriptor of its own.
+fn execute_in_order(
+    batch: &UploadBatch<'_>,
+    lane_batch: &crate::stream::LaneBatch<'_>,
+    scratch: &mut DeviceStaging,
+) -> Result<Fence> {
+    #[cfg(test)]
+    IN_ORDER_BATCHES.with(|n| n.set(n.get() + 1));
+    let device = batch.device;
+    let core = device.core();
+    let lane = core.lane(LaneKind::Upload);
+    let cap = device.config().chunk_bytes;
+    let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
+    let DeviceStaging { offsets, spans, region, .. } = scratch;
+    offsets.clear();
+    spans.clear();
+    let (mut first, mut cursor) = (0, 0u64);
+    for (i, w) in batch.writes.iter().enumerate() {
+        let residue = ptr_of(w) % 16;
+        let mut at = cursor.next_multiple_of(16) + residue;
+        if at + w.len > cap && i > first {
+            spans.push((first..i, cursor));
+            first = i;
+            at = residue;
+        }
+        offsets.push(at);
+        cursor = at + w.len;
+    }
+    spans.push((first..batch.writes.len(), cursor));
+    let area = |n: usize| (n as u64 * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256);
+    let device_need = spans.iter().map(|(r, packed)| area(r.len()) + packed).max().unwrap_or(0);
+    let first_seq = lane_batch.next_seq();
+    let final_seq = device.claim(lane_batch, LaneKind::Upload, batch.table.buffers(), spans.len() as u64)?;
+    let kernels = core.kernels()?;
+    let dev = region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?;
+    let mut seqs = Vec::with_capacity(spans.len());
+    let (mut moved, mut requested) = (0u64, 0u64);
+    for (k, (range, packed)) in spans.iter().enumerate() {
+        if k >= RING && lane.wait(seqs[k - RING])? {
+            Telemetry::add(&core.telemetry.host_waits, 1);
+        }
+        let (area, packed) = (area(range.len()), *packed);
+        let lease = Arc::new(device.acquire_staging((area + packed) as usize)?);
+        // Addresses as integers, to share with the packing threads.
+        let base = lease.as_ptr() as usize;
+        let writes = &batch.writes[range.clone()];
+        let places = &offsets[range.clone()];
+        let sources = &batch.sources[range.clone()];
+        let bytes: u64 = writes.iter().map(|w| w.len).sum();
+        in_groups(
+            device,
+            writes.len(),
+            bytes as usize,
+            |i| writes[i].len as usize,
+            |group| {
+                for i in group {
+                    let (w, at) = (&writes[i], places[i]);
+                    let Source::Slice(data) = sources[i] else { unreachable!("only slices take this path") };
+                    let d = CopyDescriptor { src: dev + area + at, dst: ptr_of(w), len: w.len };
+                    // SAFETY: the lease holds `area` bytes of descriptors (one per write, 8-byte
+                    // aligned at its page-aligned start) and the packed bytes after them; each
+                    // write has a slot and a range of its own, inside the chunk (laid out above).
+                    unsafe {
+                        (base as *mut CopyDescriptor).add(i).write(d);
+                        std::ptr::copy_nonoverlapping(
+                            data.as_ptr(),
+                            (base + (area + at) as usize) as *mut u8,
+                            data.len(),
+                        );
+                    }
+                }
+            },
+        );
+        let count = writes.len() as u64;
+        let seq = lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+            // SAFETY: descriptors and packed bytes are contiguous at the lease's start, which
+            // this submission keeps alive, and device staging holds device_need >= area +
+            // packed bytes.
+            unsafe { raw.memcpy_htod_async(dev, base as *const u8, (area + packed) as usize, stream) }?;
+            // SAFETY: the table is in device staging by stream order; destinations are
+            // disjoint ranges (writes in order do not overlap) of live, marked buffers.
+            unsafe { kernels.copy(raw, stream, dev, count) }
+        })?;
+        seqs.push(seq);
+        moved += area + packed;
+        requested += bytes;
+    }
+    let chunks = spans.len() as u64;
+    core.telemetry.record(
+        LaneKind::Upload,
+        Moves { submissions: chunks, requested, moved, dmas: chunks, launches: chunks },
+    );
+    debug_assert_eq!(seqs.last().copied(), Some(final_seq));
     Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq))
 }
