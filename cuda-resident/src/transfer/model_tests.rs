@@ -53,6 +53,27 @@ impl Model {
         }
     }
 
+    /// Up to `most` random ranges `(buffer, offset, len)` of 1 byte to 8 KiB, at rising
+    /// offsets per buffer (touching, gapped, odd) and interleaved across buffers: in order.
+    pub(crate) fn in_order_ranges(&self, rng: &mut fastrand::Rng, most: usize) -> Vec<(usize, usize, usize)> {
+        let mut next = vec![0usize; self.buffers.len()];
+        let mut ranges = Vec::new();
+        for _ in 0..rng.usize(64..most) {
+            let i = rng.usize(..self.buffers.len());
+            let len = match rng.u8(..4) {
+                0 => rng.usize(1..16),
+                1 => rng.usize(1..=4096),
+                _ => rng.usize(1..=(8 << 10) - 1),
+            };
+            let at = next[i] + if rng.bool() { 0 } else { rng.usize(0..100) };
+            if at + len <= self.expect[i].len() {
+                next[i] = at + len;
+                ranges.push((i, at, len));
+            }
+        }
+        ranges
+    }
+
     /// A random range: 1 byte to the whole buffer, mostly small (at most `max` bytes).
     pub(crate) fn range(&self, rng: &mut fastrand::Rng, max: usize) -> (usize, usize, usize) {
         let i = rng.usize(..self.buffers.len());
@@ -228,27 +249,11 @@ fn in_order_batches_of_small_writes_skip_planning_and_match() {
     let taken = || super::upload::IN_ORDER_BATCHES.with(|n| n.get());
     for round in 0..8 {
         let before = taken();
-        // Per buffer, writes at rising offsets (touching, gapped, odd), interleaved across
-        // buffers: in order, so laid out without the planner.
-        let mut next = vec![0usize; m.buffers.len()];
-        let mut data = Vec::new();
-        for _ in 0..rng.usize(64..600) {
-            let i = rng.usize(..m.buffers.len());
-            let len = match rng.u8(..4) {
-                0 => rng.usize(1..16),
-                1 => rng.usize(1..=4096),
-                _ => rng.usize(1..=(8 << 10) - 1),
-            };
-            let at = next[i] + if rng.bool() { 0 } else { rng.usize(0..100) };
-            if at + len > m.expect[i].len() {
-                continue;
-            }
-            next[i] = at + len;
-            data.push((i, at, random_vec(&mut rng, len)));
-        }
-        if data.len() < 64 {
+        let ranges = m.in_order_ranges(&mut rng, 600);
+        if ranges.len() < 64 {
             continue;
         }
+        let data: Vec<_> = ranges.iter().map(|&(i, at, len)| (i, at, random_vec(&mut rng, len))).collect();
         let mut batch = d.uploads();
         for (i, at, bytes) in &data {
             batch.write(m.buffers[*i], *at as u64, bytes).unwrap();
@@ -285,22 +290,7 @@ fn in_order_batches_of_small_reads_skip_planning_and_match() {
     let taken = || super::readback::IN_ORDER_BATCHES.with(|n| n.get());
     for round in 0..8 {
         let before = taken();
-        let mut next = vec![0usize; m.buffers.len()];
-        let mut ranges = Vec::new();
-        for _ in 0..rng.usize(64..800) {
-            let i = rng.usize(..m.buffers.len());
-            let len = match rng.u8(..4) {
-                0 => rng.usize(1..16),
-                1 => rng.usize(1..=4096),
-                _ => rng.usize(1..=(8 << 10) - 1),
-            };
-            let at = next[i] + if rng.bool() { 0 } else { rng.usize(0..100) };
-            if at + len > m.expect[i].len() {
-                continue;
-            }
-            next[i] = at + len;
-            ranges.push((i, at, len));
-        }
+        let ranges = m.in_order_ranges(&mut rng, 800);
         if ranges.len() < 64 {
             continue;
         }
