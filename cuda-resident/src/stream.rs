@@ -71,8 +71,8 @@ impl LaneState {
     /// flight at or after it; failing that (`seq` was reserved but never got an event of its
     /// own, after a failure), the newest in flight, which is never too early. `None` when
     /// nothing is in flight.
-    fn event_for(&self, seq: u64) -> Option<CUevent> {
-        self.inflight.iter().find(|f| f.seq >= seq).or(self.inflight.back()).map(|f| f.event)
+    fn event_for(&self, seq: u64) -> Option<(u64, CUevent)> {
+        self.inflight.iter().find(|f| f.seq >= seq).or(self.inflight.back()).map(|f| (f.seq, f.event))
     }
 }
 
@@ -161,12 +161,18 @@ impl Lane {
     /// Retires every completed submission at the head of the timeline, releasing what it
     /// kept alive.
     pub(crate) fn poll(&self) -> Result<()> {
+        self.retire_while(|front| self.ctx.raw.event_query(front.event))
+    }
+
+    /// Retires submissions from the head of the timeline while `done` says they have
+    /// completed, releasing what they kept alive.
+    fn retire_while(&self, mut done: impl FnMut(&InFlight) -> Result<bool>) -> Result<()> {
         let mut released: Vec<KeepAlive> = Vec::new();
         let result = {
             let mut state = lock(&self.state);
             let mut result = Ok(());
             while let Some(front) = state.inflight.front() {
-                match self.ctx.raw.event_query(front.event) {
+                match done(front) {
                     Ok(true) => {
                         let done = state.inflight.pop_front().expect("front exists");
                         state.spare_events.push(done.event);
@@ -195,7 +201,7 @@ impl Lane {
         if self.is_known_done(seq) {
             return Ok(false);
         }
-        let Some(event) = lock(&self.state).event_for(seq) else {
+        let Some((through, event)) = lock(&self.state).event_for(seq) else {
             // Nothing in flight: retired between the check and the lock.
             return Ok(false);
         };
@@ -203,7 +209,10 @@ impl Lane {
         // wait; then we wait for that later work too, which is later in stream order: longer,
         // never too short.
         self.ctx.bind()?.event_synchronize(event)?;
-        self.poll()?;
+        // Everything up to the submission waited for is done, in stream order: retired
+        // without asking the driver about each one (a query per submission cost the
+        // latency path a driver call).
+        self.retire_while(|front| Ok(front.seq <= through))?;
         Ok(true)
     }
 
@@ -220,7 +229,7 @@ impl Lane {
         // The lock keeps the event from being recycled while the wait is enqueued.
         let state = lock(&self.state);
         match state.event_for(seq) {
-            Some(event) => self.ctx.raw.stream_wait_event(stream, event),
+            Some((_, event)) => self.ctx.raw.stream_wait_event(stream, event),
             None => Ok(()),
         }
     }
@@ -507,6 +516,28 @@ mod tests {
         assert!(pool.stats().lent_bytes > 0, "what the copy may still use is not back in the pool");
         drop(lane);
         assert_eq!(pool.stats().lent_bytes, 0, "returned once the lane is gone");
+    }
+
+    #[test]
+    fn a_wait_retires_everything_up_to_its_submission_without_querying_each() {
+        let (driver, lane) = lane();
+        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20));
+        let leases: Vec<_> = (0..3).map(|_| Arc::new(pool.try_acquire(4096).unwrap().unwrap())).collect();
+        let seqs: Vec<u64> = leases
+            .iter()
+            .map(|l| lane.batch().submit(vec![Arc::clone(l)], |_, _, _| Ok(())).unwrap())
+            .collect();
+        let later = lane.batch().submit(Vec::new(), |_, _, _| Ok(())).unwrap();
+        drop(leases);
+        complete_all();
+        driver.faults().record();
+        assert!(lane.wait(seqs[2]).unwrap());
+        let counts = driver.faults().counts();
+        assert_eq!(counts.get("cuEventQuery").map_or(0, |c| c.calls), 0, "{counts:?}");
+        assert!(lane.is_known_done(seqs[2]), "the three are retired");
+        assert_eq!(pool.stats().lent_bytes, 0, "and their staging is back");
+        assert!(!lane.is_known_done(later), "a later one is left for a poll");
+        assert!(lane.is_done(later).unwrap());
     }
 
     #[test]
