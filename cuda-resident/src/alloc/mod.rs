@@ -356,8 +356,18 @@ impl<M: DeviceMemory> Allocator<M> {
     fn with_slot<T>(&self, buffer: ResidentBuffer, f: impl FnOnce(&mut Slot) -> T) -> Result<T> {
         let (shard_index, slot_index) = self.locate(buffer)?;
         let mut shard = lock(&self.shards[shard_index].state);
-        match shard.slots.get_mut(slot_index) {
-            Some(slot) if slot.live && slot.generation == buffer.generation => Ok(f(slot)),
+        self.live_slot(&mut shard.slots, buffer, slot_index).map(f)
+    }
+
+    /// The slot of `buffer` (at `slot_index` of its shard's `slots`), if the handle is live.
+    fn live_slot<'s>(
+        &self,
+        slots: &'s mut [Slot],
+        buffer: ResidentBuffer,
+        slot_index: usize,
+    ) -> Result<&'s mut Slot> {
+        match slots.get_mut(slot_index) {
+            Some(slot) if slot.live && slot.generation == buffer.generation => Ok(slot),
             Some(_) => Err(Error::FreedBuffer { buffer }),
             None => Err(self.foreign(buffer)),
         }
@@ -396,11 +406,21 @@ impl<M: DeviceMemory> Allocator<M> {
     ) -> Result<u64> {
         let other = 1 - lane;
         let mut latest_other = 0;
+        // Buffers of one shard in a row (those one thread allocated) take its lock once; one
+        // lock is held at a time.
+        let mut held = None;
         for buffer in buffers {
-            latest_other = latest_other.max(self.with_slot(buffer, |slot| {
-                slot.last_use[lane] = slot.last_use[lane].max(seq);
-                slot.last_use[other]
-            })?);
+            let (shard_index, slot_index) = self.locate(buffer)?;
+            let shard = match &mut held {
+                Some((index, shard)) if *index == shard_index => shard,
+                _ => {
+                    held = None;
+                    &mut held.insert((shard_index, lock(&self.shards[shard_index].state))).1
+                }
+            };
+            let slot = self.live_slot(&mut shard.slots, buffer, slot_index)?;
+            slot.last_use[lane] = slot.last_use[lane].max(seq);
+            latest_other = latest_other.max(slot.last_use[other]);
         }
         Ok(latest_other)
     }

@@ -378,3 +378,29 @@ fn a_failed_free_at_teardown_is_retried_there() {
     a.release_all().unwrap();
     assert_eq!(model.live_bytes(), 0);
 }
+
+#[test]
+fn marking_many_buffers_across_shards_checks_and_marks_each() {
+    let a = Arc::new(allocator(GIB, 0.9).1);
+    // Buffers of two threads land in two shards; interleave them.
+    let mine: Vec<_> = (0..4).map(|_| a.allocate(4096, IDLE).unwrap()).collect();
+    let theirs: Vec<_> = {
+        let a = Arc::clone(&a);
+        std::thread::spawn(move || (0..4).map(|_| a.allocate(4096, IDLE).unwrap()).collect()).join().unwrap()
+    };
+    let all: Vec<_> = mine.iter().zip(&theirs).flat_map(|(&m, &t)| [m, t]).collect();
+    // Readback lane (1) used one of them at 7: an upload (lane 0) marking all learns it.
+    a.mark_used(theirs[2], 1, 7).unwrap();
+    assert_eq!(a.mark_used_many(all.iter().copied(), 0, 5).unwrap(), 7);
+    // Every one is marked: the other lane now learns 5 from any of them.
+    for &b in &all {
+        assert_eq!(a.mark_used_many(std::iter::once(b), 1, 1).unwrap(), 5);
+    }
+    // A freed or foreign handle anywhere in the list fails the call.
+    a.free(mine[3], &|_| true).unwrap();
+    assert!(matches!(a.mark_used_many(all.iter().copied(), 0, 9), Err(Error::FreedBuffer { .. })));
+    let (_, other) = allocator(GIB, 0.9);
+    let foreign = other.allocate(4096, IDLE).unwrap();
+    let err = a.mark_used_many([theirs[0], foreign].into_iter(), 0, 9).unwrap_err();
+    assert!(matches!(err, Error::ForeignBuffer { .. }), "{err}");
+}
