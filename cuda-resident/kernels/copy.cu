@@ -6,10 +6,7 @@
 // both.
 //
 // One warp per descriptor (grid-stride over descriptors). The host splits long copies into
-// descriptors of a few KiB so that every launch has enough warps in flight. Eight blocks of
-// 256 threads per multiprocessor (a full one): the launch bound holds the kernel to 32
-// registers (it takes 46 unbounded, which fits five blocks), so that a launch of up to eight
-// warps per multiprocessor's worth of descriptors runs as one wave. Each warp copies
+// descriptors of a few KiB so that every launch has enough warps in flight. Each warp copies
 // byte-wise until dst is 16-byte aligned, then with 16-byte (or 4-byte) accesses when src is
 // aligned alike, then the tail byte-wise: correct for any length and alignment.
 //
@@ -65,7 +62,7 @@ static __device__ __forceinline__ void warp_copy(unsigned char* dst, const unsig
     for (u64 j = body + lane; j < len; j += 32) dst[j] = src[j];
 }
 
-extern "C" __global__ void __launch_bounds__(256, 8) copy_descriptors(const CopyDescriptor* __restrict__ descriptors,
+extern "C" __global__ void __launch_bounds__(256) copy_descriptors(const CopyDescriptor* __restrict__ descriptors,
                                                                    u64 count) {
     const unsigned lane = threadIdx.x & 31;
     const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;

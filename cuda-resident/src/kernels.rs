@@ -55,8 +55,6 @@ impl Kernels {
     pub(crate) fn load(raw: &Raw, multiprocessors: u32) -> Result<Kernels> {
         let module = raw.module_load_data(COPY_PTX)?;
         match raw.module_get_function(module, c"copy_descriptors") {
-            // Eight blocks per multiprocessor: as many as the kernel's launch bounds keep
-            // resident at once.
             Ok(copy) => Ok(Kernels { module, copy, max_blocks: multiprocessors.max(1) * 8 }),
             Err(e) => {
                 let _ = crate::error::release_retrying(|| raw.module_unload(module));
@@ -127,9 +125,6 @@ mod tests {
         let text = COPY_PTX.to_str().unwrap();
         assert!(text.contains(".entry copy_descriptors("), "kernel entry missing");
         assert!(text.contains(".target sm_75"));
-        // `__launch_bounds__(256, 8)`: every block of a launch of up to eight per
-        // multiprocessor (the grid's limit below) resident at once.
-        assert!(text.contains(".maxntid 256, 1, 1\n.minnctapersm 8"), "launch bounds missing");
     }
 
     #[test]
