@@ -256,6 +256,9 @@ impl DeviceMemory for Arc<Context> {
 /// The resident store of one device.
 pub(crate) struct Allocator<M: DeviceMemory> {
     id: u32,
+    /// Counts frees: a batch may reuse what it resolved for a handle in an earlier batch
+    /// while no buffer has been freed since ([`Allocator::validity`]).
+    frees: AtomicU64,
     ordinal: usize,
     memory: M,
     config: AllocatorConfig,
@@ -288,6 +291,7 @@ impl<M: DeviceMemory> Allocator<M> {
             .collect();
         Allocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+            frees: AtomicU64::new(0),
             ordinal,
             memory,
             config,
@@ -384,6 +388,12 @@ impl<M: DeviceMemory> Allocator<M> {
         Error::ForeignBuffer { buffer, device: self.ordinal }
     }
 
+    /// This allocator and its count of frees: while it is unchanged, every handle that
+    /// resolved since it was read still resolves to the same memory.
+    pub(crate) fn validity(&self) -> (u32, u64) {
+        (self.id, self.frees.load(Ordering::Acquire))
+    }
+
     /// `(device pointer, length)` of a live buffer.
     pub(crate) fn resolve(&self, buffer: ResidentBuffer) -> Result<(u64, u64)> {
         self.with_slot(buffer, |slot| (slot.block.ptr, slot.len))
@@ -438,6 +448,9 @@ impl<M: DeviceMemory> Allocator<M> {
             None => return Err(self.foreign(buffer)),
         };
         slot.live = false;
+        // Under the shard lock, so that a resolution taken after this count was read cannot
+        // predate the free.
+        self.frees.fetch_add(1, Ordering::AcqRel);
         slot.generation = slot.generation.wrapping_add(1);
         let (block, len, last_use, retire) =
             (slot.block, slot.len, slot.last_use, slot.generation == u32::MAX);

@@ -364,11 +364,25 @@ fn zeroed_vec(len: u64) -> Result<Vec<u8>> {
 }
 
 /// The buffers a batch names, each resolved once: key (index) -> handle, address, length.
+///
+/// A table is reused by the device's next batches, and keeps what the last batch resolved:
+/// the next batch takes a handle's address and length from there, without the allocator's
+/// lock, as long as the allocator has freed nothing since ([`Allocator::validity`]). A
+/// handle freed while a batch is built fails the batch at submit, where every buffer is
+/// checked again (`Device::claim`).
+///
+/// [`Allocator::validity`]: crate::alloc::Allocator::validity
 #[derive(Default)]
 pub(crate) struct BufferTable {
     pub(crate) entries: Vec<Resolved>,
     /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two.
     slots: Vec<u32>,
+    /// The allocator's validity when this batch resolved its first buffer.
+    validity: Option<(u32, u64)>,
+    /// The last batch's entries and slots, and the validity they were resolved under.
+    kept: Vec<Resolved>,
+    kept_slots: Vec<u32>,
+    kept_validity: Option<(u32, u64)>,
 }
 
 /// A buffer as the batch saw it when it was named.
@@ -385,9 +399,36 @@ impl crate::recycle::Reusable for BufferTable {
         // it would cost each of them.
         if self.slots.len() > 1 << 16 {
             *self = BufferTable::default();
+            return;
         }
+        // This batch's buffers become the ones kept; the vectors kept before are emptied for
+        // the next batch.
+        std::mem::swap(&mut self.entries, &mut self.kept);
+        std::mem::swap(&mut self.slots, &mut self.kept_slots);
+        self.kept_validity = self.validity.take();
         self.entries.clear();
         self.slots.fill(0);
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Buffers this thread's batches took from what an earlier batch resolved.
+    pub(crate) static KEPT_HITS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The key of `buffer` in a table's `entries` and `slots`, or the empty slot where it would
+/// go. `slots` must have an empty slot.
+#[inline]
+fn probe_in(entries: &[Resolved], slots: &[u32], buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
+    let mask = slots.len() - 1;
+    let mut at = (buffer.mix() >> 32) as usize & mask;
+    loop {
+        match slots[at] {
+            0 => return Err(at),
+            k if entries[k as usize - 1].buffer == buffer => return Ok(k - 1),
+            _ => at = (at + 1) & mask,
+        }
     }
 }
 
@@ -401,8 +442,24 @@ impl BufferTable {
             Ok(key) => return Ok((key, self.entries[key as usize])),
             Err(empty) => empty,
         };
-        let (ptr, len) = device.core().alloc.resolve(buffer)?;
-        let resolved = Resolved { buffer, ptr, len };
+        let alloc = &device.core().alloc;
+        let now = alloc.validity();
+        // Read before anything this batch resolves: a free after it invalidates them all.
+        let since = *self.validity.get_or_insert(now);
+        let kept = (self.kept_validity == Some(now) && since == now && !self.kept_slots.is_empty())
+            .then(|| probe_in(&self.kept, &self.kept_slots, buffer).ok())
+            .flatten();
+        let resolved = match kept {
+            Some(k) => {
+                #[cfg(test)]
+                KEPT_HITS.with(|n| n.set(n.get() + 1));
+                self.kept[k as usize]
+            }
+            None => {
+                let (ptr, len) = alloc.resolve(buffer)?;
+                Resolved { buffer, ptr, len }
+            }
+        };
         self.entries.push(resolved);
         self.slots[at] = self.entries.len() as u32;
         Ok((self.entries.len() as u32 - 1, resolved))
@@ -412,15 +469,7 @@ impl BufferTable {
     /// table must have a slot.
     #[inline]
     fn probe(&self, buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
-        let mask = self.slots.len() - 1;
-        let mut at = (buffer.mix() >> 32) as usize & mask;
-        loop {
-            match self.slots[at] {
-                0 => return Err(at),
-                k if self.entries[k as usize - 1].buffer == buffer => return Ok(k - 1),
-                _ => at = (at + 1) & mask,
-            }
-        }
+        probe_in(&self.entries, &self.slots, buffer)
     }
 
     /// The key of `buffer` if the table has it: the hot path of [`BufferTable::check`].

@@ -318,3 +318,41 @@ fn in_order_batches_of_small_reads_skip_planning_and_match() {
     assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
     d.synchronize().unwrap();
 }
+
+#[test]
+fn later_batches_reuse_what_earlier_ones_resolved_until_a_buffer_is_freed() {
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(35);
+    let mut m = Model::new(&d, &mut rng, &[5000, 6000, 7000]);
+    let hits = || super::KEPT_HITS.with(|n| n.get());
+    let round = |m: &mut Model, rng: &mut fastrand::Rng, which: &[usize]| {
+        let mut batch = d.uploads();
+        let data: Vec<_> = which.iter().map(|&i| (i, random_vec(rng, 100))).collect();
+        for (i, bytes) in &data {
+            batch.write(m.buffers[*i], 10, bytes).unwrap();
+            m.expect[*i][10..110].copy_from_slice(bytes);
+        }
+        batch.submit().unwrap().wait().unwrap();
+    };
+    round(&mut m, &mut rng, &[0, 1, 2]);
+    let before = hits();
+    round(&mut m, &mut rng, &[2, 0, 1]);
+    assert_eq!(hits(), before + 3, "the second batch resolved nothing again");
+    m.check(&d, "batches from kept resolutions");
+    // A free, of any buffer, invalidates what was kept: the next batch resolves afresh, and a
+    // freed handle fails where it is named.
+    let extra = d.allocate(64).unwrap();
+    round(&mut m, &mut rng, &[0, 1, 2]);
+    d.free(extra).unwrap();
+    let gone = m.buffers.remove(1);
+    m.expect.remove(1);
+    d.free(gone).unwrap();
+    let before = hits();
+    let mut batch = d.uploads();
+    let err = batch.write(gone, 0, &[1, 2, 3]).unwrap_err();
+    assert!(matches!(err, Error::FreedBuffer { .. }), "{err}");
+    drop(batch);
+    round(&mut m, &mut rng, &[0, 1]);
+    assert_eq!(hits(), before, "nothing was taken from before the frees");
+    m.check(&d, "after frees");
+}
