@@ -70,6 +70,9 @@ pub(crate) struct FakeGpu {
     peer_access: std::collections::HashSet<(usize, usize)>,
     /// Whether the GPUs lack a peer path (`cuDeviceCanAccessPeer` answers 0).
     pub(crate) no_peer_path: bool,
+    /// Whether the GPUs lack unified addressing: then kernels cannot read pinned host
+    /// memory (a descriptor table there is an illegal access).
+    pub(crate) no_unified_addressing: bool,
 }
 
 thread_local! {
@@ -170,9 +173,10 @@ impl FakeGpu {
                 Op::Wait { stream: other, at } => self.complete_to(other, at),
                 Op::Copy { dst, src, len } => self.copy(dst, src, len),
                 Op::Kernel { table, count } => {
-                    // Pinned host memory is mapped for every device (unified addressing).
+                    // Pinned host memory is mapped for every device with unified addressing.
                     let bytes = count as usize * 24;
-                    if !self.is_device(table, bytes) && !self.is_pinned(table, bytes) {
+                    let mapped = !self.no_unified_addressing && self.is_pinned(table, bytes);
+                    if !self.is_device(table, bytes) && !mapped {
                         self.illegal(format!(
                             "descriptor table {table:#x} x {count} outside device and pinned memory"
                         ));
@@ -486,7 +490,8 @@ unsafe extern "C" fn device_get_attribute(
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
         CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => 4,
         CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT => 2,
-        CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED | CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => 1,
+        CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED => 1,
+        CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => i32::from(!with(|g| g.no_unified_addressing)),
         _ => 0,
     };
     // SAFETY: as above.

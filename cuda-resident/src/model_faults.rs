@@ -84,7 +84,7 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         model[1][(k * 4000 + 7) as usize..][..1000].fill(value);
     }
     batch.submit()?.wait()?;
-    // Many small writes in order, then reads of them in order: both laid out without the
+    // Many small writes in order with gaps, then reads of them: both laid out without the
     // planner, over more chunks than the ring holds.
     let mut order = Vec::new();
     let mut at = 0usize;
@@ -93,7 +93,7 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         let mut bytes = vec![0u8; len];
         rng.fill(&mut bytes);
         order.push((at, bytes));
-        at += len + rng.usize(0..64);
+        at += len + rng.usize(1..64);
     }
     let mut batch = d.uploads();
     for (at, bytes) in &order {

@@ -147,14 +147,14 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         model[1][*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
     }
 
-    // Many small writes in order, then reads of the same ranges in order: both laid out
+    // Many small writes in order with gaps, then reads of the same ranges: both laid out
     // without the planner, over several chunks.
     let mut order = Vec::new();
     let mut at = 0u64;
     while order.len() < 400 {
         let len = rng.usize(1..=4000);
         order.push((at, random_vec(&mut rng, len)));
-        at += len as u64 + rng.u64(0..64);
+        at += len as u64 + rng.u64(1..64);
     }
     let mut batch = d.uploads();
     for (offset, bytes) in &order {

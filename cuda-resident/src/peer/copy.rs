@@ -96,9 +96,17 @@ impl Reusable for PeerParts {
 /// Descriptors built straight into pinned staging, where the kernel reads them (or one DMA
 /// takes them to the device): no copy of the table on the host. Grows by doubling; holds
 /// no staging once cleared.
+///
+/// A table that would take more than an eighth of the pinned pool (or for which the pool has
+/// no room) is built on the heap instead and copied into one lease at submit: it would hold
+/// that much staging while the batch is built, and growing it holds the old lease and the
+/// new one at once.
 #[derive(Default)]
 pub(crate) struct PinnedDescriptors {
     lease: Option<HostLease>,
+    /// The table when on the heap (then `heap.len() == len`).
+    heap: Vec<CopyDescriptor>,
+    on_heap: bool,
     len: usize,
     /// The most descriptors a batch needed so far: the next batch starts with room for
     /// them.
@@ -109,7 +117,11 @@ const DESCRIPTOR: usize = std::mem::size_of::<CopyDescriptor>();
 
 impl PinnedDescriptors {
     fn capacity(&self) -> usize {
-        self.lease.as_ref().map_or(0, |l| l.len() / DESCRIPTOR)
+        if self.on_heap {
+            self.heap.capacity()
+        } else {
+            self.lease.as_ref().map_or(0, |l| l.len() / DESCRIPTOR)
+        }
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -118,6 +130,7 @@ impl PinnedDescriptors {
 
     pub(crate) fn as_slice(&self) -> &[CopyDescriptor] {
         match &self.lease {
+            _ if self.on_heap => &self.heap,
             // SAFETY: the lease is page-aligned pinned memory of this table's own, holding
             // `len` written descriptors.
             Some(lease) => unsafe { std::slice::from_raw_parts(lease.as_ptr().cast(), self.len) },
@@ -125,40 +138,64 @@ impl PinnedDescriptors {
         }
     }
 
-    /// Makes room for `extra` more, from `device`'s pinned pool.
+    /// Makes room for `extra` more, from `device`'s pinned pool (or on the heap).
     fn reserve(&mut self, device: &Device, extra: usize) -> Result<()> {
         let need = self.len.saturating_add(extra);
         if need <= self.capacity() {
             return Ok(());
         }
         let room = need.max(2 * self.capacity()).max(self.high).max(1024);
-        let bytes = room
-            .checked_mul(DESCRIPTOR)
-            .ok_or(Error::PinnedCapExceeded { requested: u64::MAX, cap: device.config().pinned_cap_bytes })?;
-        let lease = device.acquire_staging(bytes)?;
-        if let Some(old) = &self.lease {
-            // SAFETY: both are pinned regions of this table's own, the new one larger.
-            unsafe { std::ptr::copy_nonoverlapping(old.as_ptr(), lease.as_ptr(), self.len * DESCRIPTOR) };
+        let oom = |n: usize| Error::HostOutOfMemory { bytes: (n as u64).saturating_mul(DESCRIPTOR as u64) };
+        if !self.on_heap {
+            let bytes = room.saturating_mul(DESCRIPTOR);
+            if (bytes as u64) <= device.config().pinned_cap_bytes / 8
+                && let Ok(lease) = device.acquire_staging(bytes)
+            {
+                if let Some(old) = &self.lease {
+                    // SAFETY: both are pinned regions of this table's own, the new one larger.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(old.as_ptr(), lease.as_ptr(), self.len * DESCRIPTOR)
+                    };
+                }
+                self.lease = Some(lease);
+                return Ok(());
+            }
+            let mut heap = std::mem::take(&mut self.heap);
+            heap.clear();
+            heap.try_reserve(room).map_err(|_| oom(room))?;
+            heap.extend_from_slice(self.as_slice());
+            (self.heap, self.lease, self.on_heap) = (heap, None, true);
         }
-        self.lease = Some(lease);
-        Ok(())
+        self.heap.try_reserve(need - self.len).map_err(|_| oom(need))
     }
 
     /// Appends one; room must have been reserved.
     #[inline]
     fn push(&mut self, d: CopyDescriptor) {
         assert!(self.len < self.capacity(), "descriptor room reserved");
-        // SAFETY: inside the lease (checked above), which is aligned for descriptors.
+        // SAFETY: inside the room (checked above), aligned for descriptors.
         unsafe { self.end().write(d) };
-        self.len += 1;
+        self.commit(1);
     }
 
-    /// Where the next descriptor goes (room must have been reserved for what is written).
-    fn end(&self) -> *mut CopyDescriptor {
+    /// Where the next descriptor goes (room must have been reserved for what is written;
+    /// [`PinnedDescriptors::commit`] counts it).
+    fn end(&mut self) -> *mut CopyDescriptor {
         match &self.lease {
+            // SAFETY: `len` is within the vector's capacity.
+            _ if self.on_heap => unsafe { self.heap.as_mut_ptr().add(self.len) },
             // SAFETY: `len` is within the lease.
             Some(lease) => unsafe { lease.as_ptr().cast::<CopyDescriptor>().add(self.len) },
             None => std::ptr::NonNull::dangling().as_ptr(),
+        }
+    }
+
+    /// Counts `n` descriptors written at [`PinnedDescriptors::end`].
+    fn commit(&mut self, n: usize) {
+        self.len += n;
+        if self.on_heap {
+            // SAFETY: the caller wrote these descriptors within the reserved capacity.
+            unsafe { self.heap.set_len(self.len) };
         }
     }
 
@@ -173,18 +210,34 @@ impl PinnedDescriptors {
         }
     }
 
-    /// Hands the table over (to the submission that runs the kernel); the next batch
-    /// starts a new one.
-    fn take(&mut self) -> Option<HostLease> {
+    /// Hands the table over, in pinned staging of `device` (to the submission that runs the
+    /// kernel); the next batch starts a new one.
+    fn take(&mut self, device: &Device) -> Result<Option<HostLease>> {
+        if self.on_heap && self.len > 0 {
+            let lease = device.acquire_staging(self.len * DESCRIPTOR)?;
+            // SAFETY: the lease holds the table's bytes and is fresh.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.heap.as_ptr().cast(),
+                    lease.as_ptr(),
+                    self.len * DESCRIPTOR,
+                )
+            };
+            self.lease = Some(lease);
+        }
         self.high = self.high.max(self.len);
         self.len = 0;
-        self.lease.take()
+        self.heap.clear();
+        self.on_heap = false;
+        Ok(self.lease.take())
     }
 
     fn clear(&mut self) {
         self.high = self.high.max(self.len);
         self.len = 0;
         self.lease = None;
+        self.heap.clear();
+        self.on_heap = false;
     }
 }
 
@@ -320,7 +373,7 @@ impl PeerParts {
         if !ok {
             return Ok(false);
         }
-        self.descriptors.len += ranges.len();
+        self.descriptors.commit(ranges.len());
         self.ends[key] = end;
         self.copies += ranges.len();
         self.bytes = self.bytes.saturating_add(bytes);
@@ -545,7 +598,7 @@ impl PeerBatch<'_> {
         } else {
             self.parts.bytes
         };
-        let table = self.parts.descriptors.take();
+        let table = self.parts.descriptors.take(dst)?;
         let parts = &self.parts;
         let first_seq = lane_batch.next_seq();
         let mut keep = Vec::new();

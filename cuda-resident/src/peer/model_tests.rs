@@ -78,6 +78,26 @@ fn ragged_peer_batches_match_the_byte_model_with_peer_access() {
 }
 
 #[test]
+fn without_unified_addressing_the_descriptor_table_is_uploaded_before_the_kernel() {
+    let driver = fake_driver::driver();
+    with(|g| g.no_unified_addressing = true);
+    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
+    let d1 = Device::open_with(driver, 1, config()).unwrap();
+    assert!(!d1.info().unified_addressing);
+    d0.enable_peer(&d1).unwrap();
+    let mut rng = fastrand::Rng::with_seed(8);
+    let a = Model::new(&d0, &mut rng, &SIZES);
+    let mut b = Model::new(&d1, &mut rng, &SIZES);
+    let before = d1.telemetry();
+    // The model refuses a kernel reading its table in pinned memory here (`check` fails
+    // on illegal accesses).
+    ragged(&d0, &d1, &a, &mut b, &mut rng, "0 -> 1, no unified addressing");
+    let after = d1.telemetry();
+    assert!(after.kernel_launches > before.kernel_launches, "small copies by the kernel");
+    with(|g| g.no_unified_addressing = false);
+}
+
+#[test]
 fn copies_inside_one_device_match_the_byte_model() {
     let (d0, _d1) = pair();
     let mut rng = fastrand::Rng::with_seed(8);
@@ -453,7 +473,7 @@ fn telemetry_counts_what_landed_and_empty_batches_still_check_their_buffers() {
 }
 
 #[test]
-fn descriptor_tables_live_in_pinned_staging_only_while_a_batch_needs_them() {
+fn descriptor_tables_live_in_pinned_staging_or_on_the_heap_only_while_a_batch_needs_them() {
     let driver = fake_driver::driver();
     let small = Config { chunk_bytes: 64 << 10, pinned_cap_bytes: 1 << 20, ..config() };
     let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, small.clone()).unwrap();
@@ -489,13 +509,36 @@ fn descriptor_tables_live_in_pinned_staging_only_while_a_batch_needs_them() {
     batch.copy_ranges(a.buffers[0], b.buffers[0], &ranges).unwrap();
     drop(batch);
     assert_eq!(lent(&d1), 0, "a dropped batch's table went back");
-    // A table larger than the pool's cap fails the call and the batch; nothing moves.
+    // A table of more than an eighth of the pool is built on the heap, holding no pinned
+    // staging meanwhile, and copied into one lease at submit.
+    let mut batch = d1.peer_copies(&d0);
+    let ranges: Vec<(u64, u64, u64)> = (0..20_000u64).map(|i| (i * 50, i * 50 + 7, 20)).collect();
+    for chunk in ranges.chunks(5000) {
+        batch.copy_ranges(a.buffers[0], b.buffers[0], chunk).unwrap();
+    }
+    for i in 0..3000u64 {
+        batch.copy(a.buffers[0], i * 7, b.buffers[0], 1_000_100 + i * 9, 5).unwrap();
+    }
+    assert!(lent(&d1) < (1 << 20) / 8, "no large table in the pool while building");
+    for &(so, doff, len) in &ranges {
+        let (so, doff, len) = (so as usize, doff as usize, len as usize);
+        b.expect[0][doff..doff + len].copy_from_slice(&a.expect[0][so..so + len]);
+    }
+    for i in 0..3000usize {
+        let doff = 1_000_100 + i * 9;
+        b.expect[0][doff..doff + 5].copy_from_slice(&a.expect[0][i * 7..i * 7 + 5]);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    b.check(&d1, "a table built on the heap");
+    d1.synchronize().unwrap();
+    assert_eq!(lent(&d1), 0);
+    // A table larger than the pool's cap fails the batch at submit; nothing moves.
     let mut batch = d1.peer_copies(&d0);
     let many: Vec<(u64, u64, u64)> = (0..60_000u64).map(|i| (i * 16, i * 16, 8)).collect();
-    let err = batch.copy_ranges(a.buffers[0], b.buffers[0], &many).unwrap_err();
+    batch.copy_ranges(a.buffers[0], b.buffers[0], &many).unwrap();
+    let err = batch.submit().unwrap_err();
     assert!(matches!(err, Error::PinnedCapExceeded { .. }), "{err}");
     assert!(err.to_string().contains("Fix:"), "{err}");
-    assert!(batch.submit().is_err());
     b.check(&d1, "after a table over the cap");
     assert_eq!(lent(&d1), 0);
 }

@@ -488,6 +488,12 @@ pub struct Planner {
 /// `ends`; other keys, and requests that overflow, answer `false` (the general path then
 /// plans or reports them).
 fn in_order<R: fuse::Request>(requests: &[R], ends: &mut Vec<u64>) -> bool {
+    in_order_by(requests, ends, 0)
+}
+
+/// [`in_order`] with at least `gap` bytes between a request and the previous one of its
+/// buffer (with a gap of 1, no two touch). `ends` holds each buffer's last end plus `gap`.
+fn in_order_by<R: fuse::Request>(requests: &[R], ends: &mut Vec<u64>, gap: u64) -> bool {
     let bound = requests.len() as u64 + 64;
     ends.clear();
     for r in requests {
@@ -502,8 +508,8 @@ fn in_order<R: fuse::Request>(requests: &[R], ends: &mut Vec<u64>) -> bool {
         if key >= ends.len() {
             ends.resize(key + 1, 0);
         }
-        match r.offset().checked_add(r.len()) {
-            Some(end) if r.offset() >= ends[key] => ends[key] = end,
+        match r.offset().checked_add(r.len()).and_then(|end| end.checked_add(gap)) {
+            Some(next) if r.offset() >= ends[key] => ends[key] = next,
             _ => return false,
         }
     }
@@ -577,9 +583,15 @@ impl Planner {
         in_order(writes, &mut self.ends)
     }
 
+    /// Whether `writes` are in order with a gap between each and the previous one of its
+    /// buffer: none overlap and none touch, so the planner would fuse none of them.
+    pub(crate) fn are_writes_apart(&mut self, writes: &[WriteRequest]) -> bool {
+        in_order_by(writes, &mut self.ends, 1)
+    }
+
     /// The same for reads.
-    pub(crate) fn are_reads_in_order(&mut self, reads: &[ReadRequest]) -> bool {
-        in_order(reads, &mut self.ends)
+    pub(crate) fn are_reads_apart(&mut self, reads: &[ReadRequest]) -> bool {
+        in_order_by(reads, &mut self.ends, 1)
     }
 
     /// Checks an in-order batch and lists its non-empty requests when some are empty.

@@ -54,7 +54,8 @@ impl Model {
     }
 
     /// Up to `most` random ranges `(buffer, offset, len)` of 1 byte to 8 KiB, at rising
-    /// offsets per buffer (touching, gapped, odd) and interleaved across buffers: in order.
+    /// offsets per buffer with gaps of 1 to 99 bytes (odd ones too), interleaved across
+    /// buffers: in order and apart.
     pub(crate) fn in_order_ranges(&self, rng: &mut fastrand::Rng, most: usize) -> Vec<(usize, usize, usize)> {
         let mut next = vec![0usize; self.buffers.len()];
         let mut ranges = Vec::new();
@@ -65,7 +66,7 @@ impl Model {
                 1 => rng.usize(1..=4096),
                 _ => rng.usize(1..=(8 << 10) - 1),
             };
-            let at = next[i] + if rng.bool() { 0 } else { rng.usize(0..100) };
+            let at = next[i] + rng.usize(1..100);
             if at + len <= self.expect[i].len() {
                 next[i] = at + len;
                 ranges.push((i, at, len));
@@ -355,4 +356,40 @@ fn later_batches_reuse_what_earlier_ones_resolved_until_a_buffer_is_freed() {
     round(&mut m, &mut rng, &[0, 1]);
     assert_eq!(hits(), before, "nothing was taken from before the frees");
     m.check(&d, "after frees");
+}
+
+#[test]
+fn tiny_touching_requests_in_order_are_fused_by_the_planner_within_a_small_pinned_pool() {
+    // The smallest pool the configuration allows: two chunks.
+    let d = device(Config {
+        chunk_bytes: 64 << 10,
+        direct_threshold: 8 << 10,
+        pinned_cap_bytes: 128 << 10,
+        ..Config::default()
+    });
+    let mut rng = fastrand::Rng::with_seed(36);
+    let mut m = Model::new(&d, &mut rng, &[64 << 10]);
+    let (uploads, reads) = (
+        || super::upload::IN_ORDER_BATCHES.with(|n| n.get()),
+        || super::readback::IN_ORDER_BATCHES.with(|n| n.get()),
+    );
+    let (u0, r0) = (uploads(), reads());
+    // 16384 writes of 4 bytes, each touching the last: one descriptor and a padded slot
+    // each would need far more staging than the pool holds; fused, they are 64 KiB.
+    let data = random_vec(&mut rng, 64 << 10);
+    let mut batch = d.uploads();
+    for (k, word) in data.chunks(4).enumerate() {
+        batch.write(m.buffers[0], k as u64 * 4, word).unwrap();
+    }
+    batch.submit().unwrap().wait().unwrap();
+    m.expect[0].copy_from_slice(&data);
+    let mut batch = d.readbacks();
+    let slots: Vec<_> = (0..16384u64).map(|k| batch.read(m.buffers[0], k * 4, 4).unwrap()).collect();
+    let got = batch.submit().unwrap().wait().unwrap();
+    for (k, &slot) in slots.iter().enumerate() {
+        assert_eq!(got.get(slot), &data[k * 4..k * 4 + 4]);
+    }
+    drop(got);
+    assert_eq!((uploads(), reads()), (u0, r0), "both batches were planned");
+    m.check(&d, "tiny touching requests");
 }

@@ -269,7 +269,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let scratch = &mut *scratch;
     if batch.reads.len() >= IN_ORDER_MIN
         && batch.reads.iter().all(|r| r.len > 0 && r.len <= SEGMENT && r.len < plan_config.direct_threshold)
-        && scratch.planner.are_reads_in_order(&batch.reads)
+        && scratch.planner.are_reads_apart(&batch.reads)
     {
         return execute_in_order(batch, chunk_bytes, &lane_batch, scratch);
     }
@@ -401,13 +401,13 @@ thread_local! {
     pub(crate) static IN_ORDER_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Reads in order (each at or past the end of the earlier reads of its buffer, so none
-/// overlap), none longer than a kernel segment: the common batch of many small reads, laid
-/// out without the planner. One pass places each read in the packed bytes of a chunk of
-/// `chunk_bytes`, at the residue of its source modulo 16, and notes its view; then, per
+/// Reads in order and apart (each past the end of the earlier reads of its buffer, with a
+/// gap: none overlap and none touch, so the planner would fuse none), none longer than a
+/// kernel segment: the common batch of many small reads, laid out without the planner. One
+/// pass places each read in a chunk (its descriptor table and packed bytes within
+/// `chunk_bytes`), at the residue of its source modulo 16, and notes its view; then, per
 /// chunk, the descriptors are written straight into the chunk's table in the pinned lease,
-/// and one table upload, one gather launch and one DMA move it. Reads that touch are not
-/// fused: each is a descriptor of its own.
+/// and one table upload, one gather launch and one DMA move it.
 fn execute_in_order(
     batch: &ReadbackBatch<'_>,
     chunk_bytes: u64,
@@ -424,11 +424,14 @@ fn execute_in_order(
     spans.clear();
     let mut views = core.readback_views.take();
     // Flat staging offsets; chunk k's packed bytes start at `start`.
+    let area = |n: usize| (n as u64 * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256);
     let (mut first, mut start, mut cursor) = (0, 0u64, 0u64);
     for (i, r) in batch.reads.iter().enumerate() {
         let residue = ptr_of(r) % 16;
         let mut at = cursor.next_multiple_of(16) + residue;
-        if at + r.len - start > chunk_bytes && i > first {
+        // The chunk's descriptors and packed bytes fit `chunk_bytes` (one read alone always
+        // does: it is at most a segment, and a chunk at least 64 KiB).
+        if area(i + 1 - first) + at + r.len - start > chunk_bytes && i > first {
             spans.push((first..i, cursor - start));
             (first, start) = (i, cursor.next_multiple_of(16));
             at = start + residue;
@@ -439,7 +442,6 @@ fn execute_in_order(
         cursor = at + r.len;
     }
     spans.push((first..batch.reads.len(), cursor - start));
-    let area = |n: usize| (n as u64 * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256);
     let tables: u64 = spans.iter().map(|(r, _)| area(r.len())).sum();
     let lease = Arc::new(device.acquire_staging((tables + cursor) as usize)?);
     let base = lease.as_ptr();

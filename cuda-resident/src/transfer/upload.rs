@@ -394,7 +394,7 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     if batch.writes.len() >= IN_ORDER_MIN
         && batch.writes.iter().all(|w| w.len > 0 && w.len <= SEGMENT && w.len < config.direct_threshold)
         && batch.sources.iter().all(|s| matches!(s, Source::Slice(_)))
-        && scratch.planner.is_in_order(&batch.writes)
+        && scratch.planner.are_writes_apart(&batch.writes)
     {
         return execute_in_order(batch, &lane_batch, scratch);
     }
@@ -515,13 +515,15 @@ thread_local! {
     pub(crate) static IN_ORDER_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Writes in order (each at or past the end of the earlier writes into its buffer, so none
-/// overlap), all from slices and none longer than a kernel segment: the common batch of
-/// many small writes, laid out without the planner. One pass places each write in the
-/// packed bytes of a chunk, at the residue of its destination modulo 16 (so the scatter
-/// uses 16-byte accesses); then, per chunk, the packing threads write each write's
+/// Writes in order and apart (each past the end of the earlier writes into its buffer, with
+/// a gap: none overlap and none touch, so the planner would fuse none), all from slices and
+/// none longer than a kernel segment: the common batch of many small writes, laid out
+/// without the planner. One pass places each write in a chunk (its descriptor table and
+/// packed bytes within `chunk_bytes`), at the residue of its destination modulo 16 (so the
+/// scatter uses 16-byte accesses); then, per chunk, the packing threads write each write's
 /// descriptor and copy its bytes straight into the pinned lease, and one DMA and one launch
-/// move it. Writes that touch are not fused: each is a descriptor of its own.
+/// move it. (Touching writes go to the planner, which fuses them: one descriptor and one
+/// padded slot each would take far more staging for tiny writes.)
 fn execute_in_order(
     batch: &UploadBatch<'_>,
     lane_batch: &crate::stream::LaneBatch<'_>,
@@ -537,11 +539,14 @@ fn execute_in_order(
     let DeviceStaging { offsets, spans, region, .. } = scratch;
     offsets.clear();
     spans.clear();
+    let area = |n: usize| (n as u64 * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256);
     let (mut first, mut cursor) = (0, 0u64);
     for (i, w) in batch.writes.iter().enumerate() {
         let residue = ptr_of(w) % 16;
         let mut at = cursor.next_multiple_of(16) + residue;
-        if at + w.len > cap && i > first {
+        // The chunk's descriptors and packed bytes fit `chunk_bytes` (one write alone
+        // always does: it is at most a segment, and a chunk at least 64 KiB).
+        if area(i + 1 - first) + at + w.len > cap && i > first {
             spans.push((first..i, cursor));
             first = i;
             at = residue;
@@ -550,7 +555,6 @@ fn execute_in_order(
         cursor = at + w.len;
     }
     spans.push((first..batch.writes.len(), cursor));
-    let area = |n: usize| (n as u64 * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256);
     let device_need = spans.iter().map(|(r, packed)| area(r.len()) + packed).max().unwrap_or(0);
     let first_seq = lane_batch.next_seq();
     let final_seq = device.claim(lane_batch, LaneKind::Upload, batch.table.buffers(), spans.len() as u64)?;
