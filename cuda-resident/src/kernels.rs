@@ -94,7 +94,11 @@ impl Kernels {
 /// The bytes of a descriptor table for copies of these lengths, rounded to 256 so that what
 /// follows it in staging stays aligned.
 pub(crate) fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
-    let count: u64 = copies.map(|len| len.div_ceil(SEGMENT)).sum();
+    table_bytes(copies.map(|len| len.div_ceil(SEGMENT)).sum())
+}
+
+/// The bytes of a table of `count` descriptors, rounded as [`descriptor_area`] rounds.
+pub(crate) fn table_bytes(count: u64) -> u64 {
     (count * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256)
 }
 
@@ -102,18 +106,17 @@ pub(crate) fn descriptor_area(copies: impl Iterator<Item = u64>) -> u64 {
 /// [`SEGMENT`] bytes.
 #[inline]
 pub(crate) fn push_descriptors(out: &mut Vec<CopyDescriptor>, src: u64, dst: u64, len: u64) {
-    push_segments(out, src, dst, len, SEGMENT);
+    out.extend(segments(src, dst, len, SEGMENT));
 }
 
-/// [`push_descriptors`] with pieces of at most `segment` bytes.
+/// The descriptors of one copy of `len` bytes, in pieces of at most `segment` bytes.
 #[inline]
-pub(crate) fn push_segments(out: &mut Vec<CopyDescriptor>, src: u64, dst: u64, len: u64, segment: u64) {
-    let mut done = 0;
-    while done < len {
-        let piece = (len - done).min(segment);
-        out.push(CopyDescriptor { src: src + done, dst: dst + done, len: piece });
-        done += piece;
-    }
+pub(crate) fn segments(src: u64, dst: u64, len: u64, segment: u64) -> impl Iterator<Item = CopyDescriptor> {
+    (0..len).step_by(segment as usize).map(move |done| CopyDescriptor {
+        src: src + done,
+        dst: dst + done,
+        len: (len - done).min(segment),
+    })
 }
 
 #[cfg(test)]

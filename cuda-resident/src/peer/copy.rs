@@ -22,7 +22,7 @@ use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, PEER_SEGMENT, SEGMENT};
+use crate::kernels::{self, CopyDescriptor, PEER_SEGMENT, SEGMENT, segments};
 use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
 use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
@@ -200,13 +200,10 @@ impl PinnedDescriptors {
     }
 
     /// Appends `len` descriptors of a copy, in pieces of at most [`PEER_SEGMENT`] bytes;
-    /// room must have been reserved ([`segments`]).
+    /// room must have been reserved ([`pieces`]).
     fn push_copy(&mut self, src: u64, dst: u64, len: u64) {
-        let mut done = 0;
-        while done < len {
-            let piece = (len - done).min(PEER_SEGMENT);
-            self.push(CopyDescriptor { src: src + done, dst: dst + done, len: piece });
-            done += piece;
+        for d in segments(src, dst, len, PEER_SEGMENT) {
+            self.push(d);
         }
     }
 
@@ -241,8 +238,8 @@ impl PinnedDescriptors {
     }
 }
 
-/// Descriptors of a copy of `len` bytes.
-fn segments(len: u64) -> usize {
+/// Descriptors of a peer copy of `len` bytes.
+fn pieces(len: u64) -> usize {
     len.div_ceil(PEER_SEGMENT) as usize
 }
 
@@ -264,7 +261,7 @@ impl PeerParts {
         len: u64,
     ) -> Result<()> {
         if len > 0 && !self.out_of_order && len < PEER_DMA_MIN {
-            self.descriptors.reserve(dst_device, segments(len))?;
+            self.descriptors.reserve(dst_device, pieces(len))?;
         }
         self.copies += 1;
         if len == 0 {
@@ -416,7 +413,7 @@ impl PeerParts {
                 CopyDescriptor { src, dst: dst + (f.stage_offset - stage), len: f.len }
             })
             .collect();
-        let kernel_copies = moves.iter().filter(|m| m.len < PEER_DMA_MIN).map(|m| segments(m.len)).sum();
+        let kernel_copies = moves.iter().filter(|m| m.len < PEER_DMA_MIN).map(|m| pieces(m.len)).sum();
         self.descriptors.reserve(dst_device, kernel_copies)?;
         for m in moves {
             self.route(m);
@@ -613,8 +610,7 @@ impl PeerBatch<'_> {
             let dev = if dst.info().unified_addressing {
                 None
             } else {
-                // Rounded as descriptor tables are everywhere.
-                let area = (table_bytes as u64).next_multiple_of(256);
+                let area = kernels::table_bytes(count);
                 Some(scratch.region.ensure(dst, LaneKind::Upload, area, first_seq - 1)?)
             };
             kernel = Some((dst_core.kernels()?, dev, table.as_ptr()));

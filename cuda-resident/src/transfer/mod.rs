@@ -638,10 +638,47 @@ pub(crate) struct DeviceStaging {
     pub(crate) readback_plan: crate::plan::ReadbackPlan,
     pub(crate) descriptors: Vec<crate::kernels::CopyDescriptor>,
     pub(crate) pieces: Vec<Piece>,
-    /// In-order uploads: each write's offset in its chunk's packed bytes, and per chunk
-    /// its writes and packed length.
+    /// Batches laid out by [`lay_out_apart`]: each request's flat staging offset, and the
+    /// chunks.
     pub(crate) offsets: Vec<u64>,
-    pub(crate) spans: Vec<(std::ops::Range<usize>, u64)>,
+    pub(crate) spans: Vec<Span>,
+}
+
+/// A chunk of [`lay_out_apart`]: its requests, and its packed bytes' flat start and length.
+pub(crate) struct Span {
+    pub(crate) requests: std::ops::Range<usize>,
+    pub(crate) start: u64,
+    pub(crate) len: u64,
+}
+
+/// Lays out requests that are in order and apart (none fuses), `(device address, length)`
+/// each, none longer than a kernel segment, for the paths that skip the planner: each at the
+/// next 16-byte boundary plus its address's residue modulo 16 (so the kernel uses 16-byte
+/// accesses), in chunks whose descriptor table (one descriptor a request) and packed bytes
+/// fit `chunk_bytes`. A chunk starts at a 16-byte boundary. Fills `offsets` (flat) and
+/// `spans`.
+pub(crate) fn lay_out_apart(
+    requests: impl Iterator<Item = (u64, u64)>,
+    chunk_bytes: u64,
+    offsets: &mut Vec<u64>,
+    spans: &mut Vec<Span>,
+) {
+    offsets.clear();
+    spans.clear();
+    let (mut first, mut start, mut cursor) = (0, 0u64, 0u64);
+    for (i, (address, len)) in requests.enumerate() {
+        let residue = address % 16;
+        let mut at = cursor.next_multiple_of(16) + residue;
+        // One request alone always fits: it is at most a segment, a chunk at least 64 KiB.
+        if crate::kernels::table_bytes((i + 1 - first) as u64) + at + len - start > chunk_bytes && i > first {
+            spans.push(Span { requests: first..i, start, len: cursor - start });
+            (first, start) = (i, cursor.next_multiple_of(16));
+            at = start + residue;
+        }
+        offsets.push(at);
+        cursor = at + len;
+    }
+    spans.push(Span { requests: first..offsets.len(), start, len: cursor - start });
 }
 
 /// A lane's device staging buffer.

@@ -5,12 +5,12 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::{BufferTable, DeviceStaging, Piece};
+use super::{BufferTable, DeviceStaging, Piece, Span, lay_out_apart};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors};
+use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
@@ -420,44 +420,31 @@ fn execute_in_order(
     let core = device.core();
     let ptr_of = |r: &ReadRequest| batch.table.entries[r.buffer as usize].ptr + r.offset;
     let DeviceStaging { offsets, spans, region, .. } = scratch;
-    offsets.clear();
-    spans.clear();
+    lay_out_apart(batch.reads.iter().map(|r| (ptr_of(r), r.len)), chunk_bytes, offsets, spans);
     let mut views = core.readback_views.take();
-    // Flat staging offsets; chunk k's packed bytes start at `start`.
-    let area = |n: usize| (n as u64 * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256);
-    let (mut first, mut start, mut cursor) = (0, 0u64, 0u64);
-    for (i, r) in batch.reads.iter().enumerate() {
-        let residue = ptr_of(r) % 16;
-        let mut at = cursor.next_multiple_of(16) + residue;
-        // The chunk's descriptors and packed bytes fit `chunk_bytes` (one read alone always
-        // does: it is at most a segment, and a chunk at least 64 KiB).
-        if area(i + 1 - first) + at + r.len - start > chunk_bytes && i > first {
-            spans.push((first..i, cursor - start));
-            (first, start) = (i, cursor.next_multiple_of(16));
-            at = start + residue;
+    for (chunk, span) in (0u32..).zip(spans.iter()) {
+        for i in span.requests.clone() {
+            let len = batch.reads[i].len;
+            views.push(ReadView { chunk, last_chunk: chunk, stage_offset: offsets[i], len });
         }
-        offsets.push(at);
-        let chunk = spans.len() as u32;
-        views.push(ReadView { chunk, last_chunk: chunk, stage_offset: at, len: r.len });
-        cursor = at + r.len;
     }
-    spans.push((first..batch.reads.len(), cursor - start));
-    let tables: u64 = spans.iter().map(|(r, _)| area(r.len())).sum();
-    let lease = Arc::new(device.acquire_staging((tables + cursor) as usize)?);
+    let area = |span: &Span| table_bytes(span.requests.len() as u64);
+    let tables: u64 = spans.iter().map(area).sum();
+    let staged = spans.last().map_or(0, |span| span.start + span.len);
+    let lease = Arc::new(device.acquire_staging((tables + staged) as usize)?);
     let base = lease.as_ptr();
     let first_seq = lane_batch.next_seq();
     let final_seq =
         device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), spans.len() as u64)?;
     let kernels = core.kernels()?;
-    let device_need = spans.iter().map(|(r, packed)| area(r.len()) + packed).max().unwrap_or(0);
+    let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
     let dev = region.ensure(device, LaneKind::Readback, device_need, first_seq - 1)?;
     let (mut table_at, mut moved) = (0u64, 0u64);
-    for (range, packed) in spans.iter() {
-        let (table, area, packed) = (table_at, area(range.len()), *packed);
+    for span in spans.iter() {
+        // The lease holds every chunk's table, then the flat packed bytes.
+        let (table, area, packed, start, range) =
+            (table_at, area(span), span.len, span.start, span.requests.clone());
         table_at += area;
-        // The chunk's packed bytes start at the flat offset of its first read, less that
-        // read's residue.
-        let start = offsets[range.start] & !15;
         let descriptors = base.wrapping_add(table as usize).cast::<CopyDescriptor>();
         for (j, i) in range.clone().enumerate() {
             let r = &batch.reads[i];

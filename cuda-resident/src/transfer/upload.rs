@@ -4,12 +4,12 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::{BufferTable, DeviceStaging, Piece, in_groups};
+use super::{BufferTable, DeviceStaging, Piece, Span, in_groups, lay_out_apart};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors};
+use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
@@ -534,39 +534,24 @@ fn execute_in_order(
     let device = batch.device;
     let core = device.core();
     let lane = core.lane(LaneKind::Upload);
-    let cap = device.config().chunk_bytes;
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
     let DeviceStaging { offsets, spans, region, .. } = scratch;
-    offsets.clear();
-    spans.clear();
-    let area = |n: usize| (n as u64 * std::mem::size_of::<CopyDescriptor>() as u64).next_multiple_of(256);
-    let (mut first, mut cursor) = (0, 0u64);
-    for (i, w) in batch.writes.iter().enumerate() {
-        let residue = ptr_of(w) % 16;
-        let mut at = cursor.next_multiple_of(16) + residue;
-        // The chunk's descriptors and packed bytes fit `chunk_bytes` (one write alone
-        // always does: it is at most a segment, and a chunk at least 64 KiB).
-        if area(i + 1 - first) + at + w.len > cap && i > first {
-            spans.push((first..i, cursor));
-            first = i;
-            at = residue;
-        }
-        offsets.push(at);
-        cursor = at + w.len;
-    }
-    spans.push((first..batch.writes.len(), cursor));
-    let device_need = spans.iter().map(|(r, packed)| area(r.len()) + packed).max().unwrap_or(0);
+    let requests = batch.writes.iter().map(|w| (ptr_of(w), w.len));
+    lay_out_apart(requests, device.config().chunk_bytes, offsets, spans);
+    let area = |span: &Span| table_bytes(span.requests.len() as u64);
+    let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
     let first_seq = lane_batch.next_seq();
     let final_seq = device.claim(lane_batch, LaneKind::Upload, batch.table.buffers(), spans.len() as u64)?;
     let kernels = core.kernels()?;
     let dev = region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?;
     let mut seqs = Vec::with_capacity(spans.len());
     let (mut moved, mut requested) = (0u64, 0u64);
-    for (k, (range, packed)) in spans.iter().enumerate() {
+    for (k, span) in spans.iter().enumerate() {
         if k >= RING && lane.wait(seqs[k - RING])? {
             Telemetry::add(&core.telemetry.host_waits, 1);
         }
-        let (area, packed) = (area(range.len()), *packed);
+        // The lease holds the table, then the chunk's packed bytes.
+        let (area, packed, range) = (area(span), span.len, span.requests.clone());
         let lease = Arc::new(device.acquire_staging((area + packed) as usize)?);
         // Addresses as integers, to share with the packing threads.
         let base = lease.as_ptr() as usize;
@@ -581,7 +566,7 @@ fn execute_in_order(
             |i| writes[i].len as usize,
             |group| {
                 for i in group {
-                    let (w, at) = (&writes[i], places[i]);
+                    let (w, at) = (&writes[i], places[i] - span.start);
                     let Source::Slice(data) = sources[i] else { unreachable!("only slices take this path") };
                     let d = CopyDescriptor { src: dev + area + at, dst: ptr_of(w), len: w.len };
                     // SAFETY: the lease holds `area` bytes of descriptors (one per write, 8-byte
