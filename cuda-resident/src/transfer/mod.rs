@@ -445,8 +445,10 @@ impl BufferTable {
         let alloc = &device.core().alloc;
         let now = alloc.validity();
         // Read before anything this batch resolves: a free after it invalidates them all.
-        let since = *self.validity.get_or_insert(now);
-        let kept = (self.kept_validity == Some(now) && since == now && !self.kept_slots.is_empty())
+        self.validity.get_or_insert(now);
+        // Frees only count up: unchanged since the last batch began, unchanged since this
+        // one did.
+        let kept = (self.kept_validity == Some(now) && !self.kept_slots.is_empty())
             .then(|| probe_in(&self.kept, &self.kept_slots, buffer).ok())
             .flatten();
         let resolved = match kept {
