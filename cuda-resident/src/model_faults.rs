@@ -84,16 +84,18 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         model[1][(k * 4000 + 7) as usize..][..1000].fill(value);
     }
     batch.submit()?.wait()?;
-    // Many small writes in order with gaps, then reads of them: both laid out without the
-    // planner, over more chunks than the ring holds.
+    // Many small writes in order with gaps, then reads of them into vectors: both laid out
+    // without the planner, over more chunks than the ring holds, and over a megabyte, so
+    // that the packing threads pack and copy out while chunks move.
     let mut order = Vec::new();
-    let mut at = 0usize;
-    while order.len() < 400 {
-        let len = rng.usize(1..1500);
+    let (mut at, mut total) = (0usize, 0usize);
+    while total < (1 << 20) + (64 << 10) {
+        let len = rng.usize(1..3000);
         let mut bytes = vec![0u8; len];
         rng.fill(&mut bytes);
         order.push((at, bytes));
         at += len + rng.usize(1..64);
+        total += len;
     }
     let mut batch = d.uploads();
     for (at, bytes) in &order {
@@ -106,9 +108,12 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         .iter()
         .map(|(at, bytes)| reads.read(held[1], *at as u64, bytes.len() as u64))
         .collect::<Result<Vec<_>, _>>()?;
-    let got = reads.submit()?.wait()?;
-    for ((at, bytes), &slot) in order.iter().zip(&slots) {
-        assert!(got.get(slot) == &model[1][*at..at + bytes.len()], "an in-order read differs after success");
+    let mut outs = vec![vec![0x5a_u8; 7]; slots.len()];
+    let got = reads.submit()?.wait_into(&slots, &mut outs)?;
+    for (((at, bytes), &slot), out) in order.iter().zip(&slots).zip(&outs) {
+        let expected = &model[1][*at..at + bytes.len()];
+        assert!(got.get(slot) == expected, "an in-order read differs after success");
+        assert!(out[..] == *expected, "an in-order read copied out differs after success");
     }
     drop(got);
     let one: Vec<u8> = (0..100).map(|_| rng.u8(..)).collect();

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, CUdeviceptr, CUresult, CUstream, MissingSymbol, call};
-use cuda_resident::{Device, Readback, ResidentBuffer, Slot};
+use cuda_resident::{Device, Readback, ReadbackBatch, ResidentBuffer, Slot};
 use cuda_resident_suite::PROVENANCE;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -678,14 +678,20 @@ impl Scatter {
         Ok(Scatter { buffers, places, ptrs })
     }
 
-    /// Reads every copy's range back as one batch.
-    fn read_all(&self, d: &Device, size: usize) -> cuda_resident::Result<(Vec<Slot>, Readback)> {
+    /// A readback batch of every copy's range, not yet submitted, and its slots.
+    fn reads<'d>(&self, d: &'d Device, size: usize) -> cuda_resident::Result<(ReadbackBatch<'d>, Vec<Slot>)> {
         let mut reads = d.readbacks();
         let slots = self
             .places
             .iter()
             .map(|&(b, o)| reads.read(self.buffers[b], o, size as u64))
             .collect::<Result<_, _>>()?;
+        Ok((reads, slots))
+    }
+
+    /// Reads every copy's range back as one batch.
+    fn read_all(&self, d: &Device, size: usize) -> cuda_resident::Result<(Vec<Slot>, Readback)> {
+        let (reads, slots) = self.reads(d, size)?;
         Ok((slots, reads.submit()?.wait()?))
     }
 
@@ -857,17 +863,28 @@ fn many_small_rows(
         o.fill(0xA5);
     }
     let ours_d2h = median_secs(args.reps, || {
-        let mut reads = d.readbacks();
-        let slots = s
-            .places
-            .iter()
-            .map(|&(b, o)| reads.read(s.buffers[b], o, size as u64))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(e)?;
+        let (reads, slots) = s.reads(d, size).map_err(e)?;
         reads.submit().map_err(e)?.wait_into(&slots, &mut outs).map(drop).map_err(e)
     })?;
     if outs != sources {
         return Err(format!("D2H {count} x {size} into Vecs: bytes differ"));
+    }
+    if args.breakdown {
+        // Where the time of one readback into Vecs goes: adding reads, submit (laying out,
+        // enqueueing), waiting and copying out chunk by chunk.
+        let [read, submit, wait] = phase_medians(args.reps, || {
+            let t = Instant::now();
+            let (reads, slots) = s.reads(d, size).map_err(e)?;
+            let t1 = Instant::now();
+            let pending = reads.submit().map_err(e)?;
+            let t2 = Instant::now();
+            pending.wait_into(&slots, &mut outs).map_err(e)?;
+            Ok([t, t1, t2, Instant::now()])
+        })?;
+        eprintln!(
+            "breakdown D2H {count} x {} into Vecs: read {read:.0} µs, submit {submit:.0} µs, wait and copy out {wait:.0} µs",
+            human(size)
+        );
     }
     let mut seen = 0usize;
     let ours_views = median_secs(args.reps, || {

@@ -393,3 +393,89 @@ fn tiny_touching_requests_in_order_are_fused_by_the_planner_within_a_small_pinne
     assert_eq!((uploads(), reads()), (u0, r0), "both batches were planned");
     m.check(&d, "tiny touching requests");
 }
+
+/// 4 KiB writes in order with gaps into one 4 MiB buffer, `count` of them: more than a
+/// megabyte, so they are packed and copied out on the packing threads.
+fn pipelined_ranges(count: usize) -> Vec<(usize, usize, usize)> {
+    (0..count).map(|k| (0, k * 4200 + 3 + k % 5, 4096 - k % 7)).collect()
+}
+
+#[test]
+fn large_batches_in_order_pack_and_copy_out_while_chunks_move() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(36);
+    let mut m = Model::new(&d, &mut rng, &[4 << 20]);
+    let runs = || super::pipeline::PARALLEL_RUNS.with(|n| n.get());
+    let ranges = pipelined_ranges(900);
+    let data: Vec<_> = ranges.iter().map(|&(_, _, len)| random_vec(&mut rng, len)).collect();
+    let before = runs();
+    let mut batch = d.uploads();
+    for (&(i, at, _), bytes) in ranges.iter().zip(&data) {
+        batch.write(m.buffers[i], at as u64, bytes).unwrap();
+        m.expect[i][at..at + bytes.len()].copy_from_slice(bytes);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    assert_eq!(runs(), before + 1, "the upload ran on the packing threads");
+    m.check(&d, "a pipelined upload");
+    let mut reads = d.readbacks();
+    let slots: Vec<_> =
+        ranges.iter().map(|&(i, at, len)| reads.read(m.buffers[i], at as u64, len as u64).unwrap()).collect();
+    let mut out = vec![vec![0x5a; 5]; slots.len()];
+    let got = reads.submit().unwrap().wait_into(&slots, &mut out).unwrap();
+    assert_eq!(runs(), before + 2, "the copy-out ran on the packing threads");
+    for ((&(i, at, len), v), &slot) in ranges.iter().zip(&out).zip(&slots) {
+        assert_eq!(v, &m.expect[i][at..at + len]);
+        assert_eq!(got.get(slot), &m.expect[i][at..at + len]);
+    }
+    drop(got);
+    d.synchronize().unwrap();
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0);
+}
+
+#[test]
+fn a_fault_in_the_middle_of_a_pipelined_batch_fails_it_and_the_next_batch_works() {
+    use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Fault};
+    let driver = fake_driver::driver();
+    let d = Device::open_with(driver.clone(), 0, small_chunks()).expect("the model opens");
+    let mut rng = fastrand::Rng::with_seed(37);
+    let mut m = Model::new(&d, &mut rng, &[4 << 20]);
+    let ranges = pipelined_ranges(900);
+    let data: Vec<_> = ranges.iter().map(|&(_, _, len)| random_vec(&mut rng, len)).collect();
+    let upload = |m: &mut Model| {
+        let mut batch = d.uploads();
+        for (&(i, at, _), bytes) in ranges.iter().zip(&data) {
+            batch.write(m.buffers[i], at as u64, bytes).unwrap();
+        }
+        batch.submit().and_then(|f| f.wait())
+    };
+    let fail = |entry: &'static str, nth: u64| {
+        let faults = driver.faults();
+        faults.clear();
+        faults.inject(Fault { entry, nth, code: CUDA_ERROR_LAUNCH_FAILED, times: 1 }).unwrap();
+    };
+    // The tenth chunk's DMA, while the packing threads are still at work.
+    fail("cuMemcpyHtoDAsync_v2", 10);
+    let e = upload(&mut m).unwrap_err().to_string();
+    assert!(e.contains("cuMemcpyHtoDAsync"), "{e}");
+    driver.faults().clear();
+    d.synchronize().unwrap();
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0, "the failed batch returned its staging");
+    upload(&mut m).unwrap();
+    for (&(i, at, _), bytes) in ranges.iter().zip(&data) {
+        m.expect[i][at..at + bytes.len()].copy_from_slice(bytes);
+    }
+    m.check(&d, "after a failed pipelined upload");
+    // A wait that fails in the middle of the copy-out.
+    let mut reads = d.readbacks();
+    let slots: Vec<_> =
+        ranges.iter().map(|&(i, at, len)| reads.read(m.buffers[i], at as u64, len as u64).unwrap()).collect();
+    let pending = reads.submit().unwrap();
+    fail("cuEventSynchronize", 3);
+    let mut out = vec![Vec::new(); slots.len()];
+    let e = pending.wait_into(&slots, &mut out).unwrap_err().to_string();
+    assert!(e.contains("cuEventSynchronize"), "{e}");
+    driver.faults().clear();
+    d.synchronize().unwrap();
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0, "the failed readback returned its staging");
+    m.check(&d, "after a failed copy-out");
+}

@@ -5,6 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use super::pipeline::{self, Groups, Step};
 use super::{BufferTable, DeviceStaging, Piece, Span, lay_out_apart};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
@@ -155,19 +156,57 @@ impl PendingReadback {
             self.readback.copy_all_into(slots, out)?;
             return Ok(self.readback);
         };
-        // Reads grouped by the chunk that completes them.
+        // Reads grouped by the chunk that completes them, split into pieces for the packing
+        // threads, which copy a chunk's reads out as soon as it has landed.
+        let views = &self.readback.views;
         let mut order: Vec<usize> = (0..slots.len()).collect();
-        order.sort_unstable_by_key(|&i| self.readback.views[slots[i].0 as usize].last_chunk);
+        order.sort_unstable_by_key(|&i| views[slots[i].0 as usize].last_chunk);
+        let chunks = order.last().map_or(0, |&i| views[slots[i].0 as usize].last_chunk as usize + 1);
+        let mut pieces = Vec::with_capacity(order.len());
+        let mut spans = Vec::new();
+        let mut total = 0;
+        for same in order
+            .chunk_by(|&a, &b| views[slots[a].0 as usize].last_chunk == views[slots[b].0 as usize].last_chunk)
+        {
+            let first = pieces.len();
+            for &i in same {
+                // Addresses only: the bytes have not landed yet.
+                let (src, len) = self.readback.address_of(slots[i]);
+                let vec = &mut out[i];
+                vec.clear();
+                vec.reserve(len);
+                total += len;
+                Piece::push_split(&mut pieces, Piece { dst: vec.as_mut_ptr(), src, len });
+            }
+            spans.push((views[slots[same[0]].0 as usize].last_chunk as usize, first..pieces.len()));
+        }
+        let threads = device.core().packers().current_num_threads();
+        let chunk_bytes = (total / chunks.max(1)) as u64;
+        let groups =
+            Groups::new(chunks, spans.into_iter(), |p| pieces[p].len, Groups::target(chunk_bytes, threads));
         let lane = device.core().lane(LaneKind::Readback);
-        let mut start = 0;
-        while start < order.len() {
-            let chunk = self.readback.views[slots[order[start]].0 as usize].last_chunk;
-            let end = start
-                + order[start..]
-                    .partition_point(|&i| self.readback.views[slots[i].0 as usize].last_chunk == chunk);
-            lane.wait(self.first_seq + u64::from(chunk))?;
-            self.readback.copy_some_into(&device, slots, out, &order[start..end]);
-            start = end;
+        let first_seq = self.first_seq;
+        pipeline::run(
+            &device,
+            &groups,
+            total,
+            chunks,
+            |step| match step {
+                Step::Open(k) => lane.wait(first_seq + k as u64).map(drop),
+                Step::Done(_) => Ok(()),
+            },
+            |_, items| {
+                for p in &pieces[items] {
+                    // SAFETY: each destination is a distinct vector's spare capacity of at
+                    // least its source's length (reserved above); the source is a view of a
+                    // read whose chunk has landed (the chunk is opened after its wait).
+                    unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) }
+                }
+            },
+        )?;
+        for (i, &slot) in slots.iter().enumerate() {
+            // SAFETY: the copies above initialised exactly this many bytes.
+            unsafe { out[i].set_len(views[slot.0 as usize].len as usize) };
         }
         // Everything has landed; this also reports any error of the last submissions.
         self.fence.wait()?;
@@ -194,6 +233,20 @@ impl Readback {
                 &lease.as_slice()[self.base + view.stage_offset as usize..][..view.len as usize]
             },
             None => &[],
+        }
+    }
+
+    /// Where a read's bytes will be in pinned staging, and their length; no reference is
+    /// made, so this may be asked before they land.
+    fn address_of(&self, slot: Slot) -> (*const u8, usize) {
+        let view = self.views[slot.0 as usize];
+        match &self.lease {
+            Some(lease) => {
+                // SAFETY: the view lies inside the lease's flat staging.
+                let at = unsafe { lease.as_ptr().add(self.base + view.stage_offset as usize) };
+                (at, view.len as usize)
+            }
+            None => (std::ptr::null(), 0),
         }
     }
 
@@ -260,7 +313,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let core = device.core();
     let config = device.config();
     let total: u64 = batch.reads.iter().map(|r| r.len).sum();
-    let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total);
+    let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total, super::PIPELINE_DEPTH);
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
     let lane = core.lane(LaneKind::Readback);

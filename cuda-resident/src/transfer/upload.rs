@@ -4,7 +4,10 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::{BufferTable, DeviceStaging, Piece, Span, in_groups, lay_out_apart};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::pipeline::{self, Groups, Step};
+use super::{BufferTable, DeviceStaging, PIPELINE_DEPTH, Piece, Span, lay_out_apart, pipeline_chunk};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -537,66 +540,87 @@ fn execute_in_order(
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
     let DeviceStaging { offsets, spans, region, .. } = scratch;
     let requests = batch.writes.iter().map(|w| (ptr_of(w), w.len));
-    lay_out_apart(requests, device.config().chunk_bytes, offsets, spans);
+    let requested: u64 = batch.writes.iter().map(|w| w.len).sum();
+    let chunk_bytes = pipeline_chunk(device.config().chunk_bytes, requested, PIPELINE_DEPTH);
+    lay_out_apart(requests, chunk_bytes, offsets, spans);
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
     let first_seq = lane_batch.next_seq();
     let final_seq = device.claim(lane_batch, LaneKind::Upload, batch.table.buffers(), spans.len() as u64)?;
     let kernels = core.kernels()?;
     let dev = region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?;
+    let (spans, offsets) = (&*spans, &*offsets);
+    let threads = core.packers().current_num_threads();
+    let groups = Groups::new(
+        spans.len(),
+        spans.iter().enumerate().map(|(k, span)| (k, span.requests.clone())),
+        |i| batch.writes[i].len as usize,
+        Groups::target(chunk_bytes, threads),
+    );
+    // Each chunk's lease (the caller's) and its address (the packing threads').
+    let mut leases: Vec<Option<Arc<HostLease>>> = vec![None; spans.len()];
+    let bases: Vec<AtomicUsize> = spans.iter().map(|_| AtomicUsize::new(0)).collect();
     let mut seqs = Vec::with_capacity(spans.len());
-    let (mut moved, mut requested) = (0u64, 0u64);
-    for (k, span) in spans.iter().enumerate() {
-        if k >= RING && lane.wait(seqs[k - RING])? {
-            Telemetry::add(&core.telemetry.host_waits, 1);
-        }
-        // The lease holds the table, then the chunk's packed bytes.
-        let (area, packed, range) = (area(span), span.len, span.requests.clone());
-        let lease = Arc::new(device.acquire_staging((area + packed) as usize)?);
-        // Addresses as integers, to share with the packing threads.
-        let base = lease.as_ptr() as usize;
-        let writes = &batch.writes[range.clone()];
-        let places = &offsets[range.clone()];
-        let sources = &batch.sources[range.clone()];
-        let bytes: u64 = writes.iter().map(|w| w.len).sum();
-        in_groups(
-            device,
-            writes.len(),
-            bytes as usize,
-            |i| writes[i].len as usize,
-            |group| {
-                for i in group {
-                    let (w, at) = (&writes[i], places[i] - span.start);
-                    let Source::Slice(data) = sources[i] else { unreachable!("only slices take this path") };
-                    let d = CopyDescriptor { src: dev + area + at, dst: ptr_of(w), len: w.len };
-                    // SAFETY: the lease holds `area` bytes of descriptors (one per write, 8-byte
-                    // aligned at its page-aligned start) and the packed bytes after them; each
-                    // write has a slot and a range of its own, inside the chunk (laid out above).
-                    unsafe {
-                        (base as *mut CopyDescriptor).add(i).write(d);
-                        std::ptr::copy_nonoverlapping(
-                            data.as_ptr(),
-                            (base + (area + at) as usize) as *mut u8,
-                            data.len(),
-                        );
-                    }
+    let mut moved = 0u64;
+    pipeline::run(
+        device,
+        &groups,
+        requested as usize,
+        RING,
+        |step| match step {
+            Step::Open(k) => {
+                if k >= RING && lane.wait(seqs[k - RING])? {
+                    Telemetry::add(&core.telemetry.host_waits, 1);
                 }
-            },
-        );
-        let count = writes.len() as u64;
-        let seq = lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
-            // SAFETY: descriptors and packed bytes are contiguous at the lease's start, which
-            // this submission keeps alive, and device staging holds device_need >= area +
-            // packed bytes.
-            unsafe { raw.memcpy_htod_async(dev, base as *const u8, (area + packed) as usize, stream) }?;
-            // SAFETY: the table is in device staging by stream order; destinations are
-            // disjoint ranges (writes in order do not overlap) of live, marked buffers.
-            unsafe { kernels.copy(raw, stream, dev, count) }
-        })?;
-        seqs.push(seq);
-        moved += area + packed;
-        requested += bytes;
-    }
+                // The lease holds the table, then the chunk's packed bytes.
+                let lease = device.acquire_staging((area(&spans[k]) + spans[k].len) as usize)?;
+                bases[k].store(lease.as_ptr() as usize, Ordering::Relaxed);
+                leases[k] = Some(Arc::new(lease));
+                Ok(())
+            }
+            Step::Done(k) => {
+                let span = &spans[k];
+                let lease = leases[k].take().expect("opened before it is done");
+                let (base, bytes) = (lease.as_ptr(), area(span) + span.len);
+                let count = span.requests.len() as u64;
+                let seq = lane_batch.submit(vec![lease], |raw, stream, _| {
+                    // SAFETY: descriptors and packed bytes are contiguous at the lease's start,
+                    // which this submission keeps alive, and device staging holds
+                    // device_need >= area + packed bytes.
+                    unsafe { raw.memcpy_htod_async(dev, base, bytes as usize, stream) }?;
+                    // SAFETY: the table is in device staging by stream order; destinations are
+                    // disjoint ranges (writes in order do not overlap) of live, marked buffers.
+                    unsafe { kernels.copy(raw, stream, dev, count) }
+                })?;
+                seqs.push(seq);
+                moved += bytes;
+                Ok(())
+            }
+        },
+        |k, items| {
+            let span = &spans[k];
+            let (base, area) = (bases[k].load(Ordering::Relaxed), area(span));
+            for i in items {
+                let (w, at) = (&batch.writes[i], offsets[i] - span.start);
+                let Source::Slice(data) = batch.sources[i] else {
+                    unreachable!("only slices take this path")
+                };
+                let d = CopyDescriptor { src: dev + area + at, dst: ptr_of(w), len: w.len };
+                // SAFETY: the chunk's lease (opened before its groups start, alive until its
+                // submission) holds `area` bytes of descriptors (one per write, 8-byte aligned
+                // at its page-aligned start) and the packed bytes after them; each write has a
+                // slot and a range of its own inside the chunk (laid out above).
+                unsafe {
+                    (base as *mut CopyDescriptor).add(i - span.requests.start).write(d);
+                    std::ptr::copy_nonoverlapping(
+                        data.as_ptr(),
+                        (base + (area + at) as usize) as *mut u8,
+                        data.len(),
+                    );
+                }
+            }
+        },
+    )?;
     let chunks = spans.len() as u64;
     core.telemetry.record(
         LaneKind::Upload,

@@ -1,0 +1,202 @@
+//! Host work on the packing threads that overlaps the device's: uploads pack chunk `k + 1`
+//! while chunk `k` is on the wire, readbacks copy chunk `k` out while chunk `k + 1` lands.
+//! One parallel region serves the whole batch, not one per chunk: on the H200 hosts waking
+//! the pool for a chunk cost about 100 µs, as much as packing a megabyte.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use super::PARALLEL_MIN;
+use crate::device::Device;
+use crate::error::Result;
+
+/// A batch's items cut into groups for the packing threads: contiguous ranges of items in
+/// chunk order, none across two chunks.
+#[derive(Debug, Default)]
+pub(crate) struct Groups {
+    /// Each group's items and chunk.
+    groups: Vec<(Range<usize>, usize)>,
+    /// Groups per chunk.
+    per_chunk: Vec<usize>,
+}
+
+impl Groups {
+    /// Cuts the items of `chunks` chunks into groups of about `target` bytes (item `i` has
+    /// `bytes(i)`). `spans` gives each chunk's items, as `(chunk, items)` in increasing chunk
+    /// order; a chunk without a span has no items.
+    pub(crate) fn new(
+        chunks: usize,
+        spans: impl Iterator<Item = (usize, Range<usize>)>,
+        bytes: impl Fn(usize) -> usize,
+        target: usize,
+    ) -> Groups {
+        let mut groups = Vec::new();
+        let mut per_chunk = vec![0; chunks];
+        for (chunk, items) in spans {
+            let mut start = items.start;
+            let mut sum = 0;
+            for i in items.clone() {
+                sum += bytes(i);
+                if sum >= target {
+                    groups.push((start..i + 1, chunk));
+                    (start, sum) = (i + 1, 0);
+                }
+            }
+            if start < items.end {
+                groups.push((start..items.end, chunk));
+            }
+            per_chunk[chunk] = groups.iter().rev().take_while(|(_, c)| *c == chunk).count();
+        }
+        Groups { groups, per_chunk }
+    }
+
+    /// The group size that spreads a chunk of `chunk_bytes` over `threads` packing threads:
+    /// not below 32 KiB (smaller groups cost more to hand out than to copy), not above 256 KiB.
+    pub(crate) fn target(chunk_bytes: u64, threads: usize) -> usize {
+        (chunk_bytes as usize / threads.max(1)).clamp(32 << 10, 256 << 10)
+    }
+}
+
+/// What the calling thread does for a chunk during [`run`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Before any group of the chunk starts (acquire its staging; wait for it to land).
+    Open(usize),
+    /// Once every group of the chunk is done (move it).
+    Done(usize),
+}
+
+/// Runs `work(chunk, items)` over every group on the packing threads, while the calling
+/// thread runs `step`: `Open(k)` before any group of chunk `k` starts, at most `ahead`
+/// chunks past the last chunk whose `Done` has run, and `Done(k)` once chunk `k`'s groups
+/// are all done, in chunk order. Small batches (`total_bytes` below a megabyte) run on the
+/// calling thread alone, in the same order. The first error of `step` stops the work (groups
+/// already started finish) and is returned; nothing runs after it.
+pub(crate) fn run(
+    device: &Device,
+    groups: &Groups,
+    total_bytes: usize,
+    ahead: usize,
+    mut step: impl FnMut(Step) -> Result<()>,
+    work: impl Fn(usize, Range<usize>) + Sync,
+) -> Result<()> {
+    let chunks = groups.per_chunk.len();
+    let ahead = ahead.max(1);
+    if total_bytes < PARALLEL_MIN || groups.groups.len() < 2 {
+        let (mut opened, mut next) = (0, 0);
+        for k in 0..chunks {
+            while opened < chunks && opened < k + ahead {
+                step(Step::Open(opened))?;
+                opened += 1;
+            }
+            for (items, chunk) in &groups.groups[next..next + groups.per_chunk[k]] {
+                work(*chunk, items.clone());
+            }
+            next += groups.per_chunk[k];
+            step(Step::Done(k))?;
+        }
+        return Ok(());
+    }
+    #[cfg(test)]
+    PARALLEL_RUNS.with(|n| n.set(n.get() + 1));
+    let opened = AtomicUsize::new(0);
+    let finished: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let pool = device.core().packers();
+    pool.in_place_scope(|scope| {
+        for _ in 0..pool.current_num_threads().min(groups.groups.len()) {
+            scope.spawn(|_| {
+                let _stop = StopOnPanic(&stop);
+                // Groups are taken in order, so the earliest chunk finishes first.
+                while let Some((items, chunk)) = groups.groups.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    if !wait_until(&stop, || opened.load(Ordering::Acquire) > *chunk) {
+                        return;
+                    }
+                    work(*chunk, items.clone());
+                    finished[*chunk].fetch_add(1, Ordering::Release);
+                }
+            });
+        }
+        let mut steps = || {
+            let mut open = 0;
+            for (k, (finished, &count)) in finished.iter().zip(&groups.per_chunk).enumerate() {
+                while open < chunks && open < k + ahead {
+                    step(Step::Open(open))?;
+                    open += 1;
+                    opened.store(open, Ordering::Release);
+                }
+                // False only when a worker panicked: the scope rethrows that panic.
+                if !wait_until(&stop, || finished.load(Ordering::Acquire) == count) {
+                    return Ok(());
+                }
+                step(Step::Done(k))?;
+            }
+            Ok(())
+        };
+        let result = steps();
+        if result.is_err() {
+            stop.store(true, Ordering::Relaxed);
+        }
+        result
+    })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Runs this thread made on the packing threads.
+    pub(crate) static PARALLEL_RUNS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Waits until `ready`, spinning briefly, then yielding the core; false if `stop` is set
+/// first.
+fn wait_until(stop: &AtomicBool, ready: impl Fn() -> bool) -> bool {
+    let mut spins = 0u32;
+    while !ready() {
+        if stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        if spins < 100 {
+            std::hint::spin_loop();
+            spins += 1;
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    true
+}
+
+/// Sets the stop flag if its thread unwinds, so that no one waits for a group that will
+/// never finish.
+struct StopOnPanic<'a>(&'a AtomicBool);
+
+impl Drop for StopOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Groups;
+
+    #[test]
+    fn groups_stay_inside_their_chunk_and_cover_every_item_once() {
+        // Chunk 0 holds items 0..10 (100 bytes each), chunk 1 none, chunk 2 items 10..13.
+        let g = Groups::new(3, [(0, 0..10), (2, 10..13)].into_iter(), |_| 100, 250);
+        assert_eq!(g.per_chunk, vec![4, 0, 1]);
+        let items: Vec<_> = g.groups.iter().map(|(r, c)| (r.clone(), *c)).collect();
+        assert_eq!(items, vec![(0..3, 0), (3..6, 0), (6..9, 0), (9..10, 0), (10..13, 2)]);
+    }
+
+    #[test]
+    fn group_target_spreads_a_chunk_over_the_threads_within_bounds() {
+        assert_eq!(Groups::target(4 << 20, 16), 256 << 10);
+        assert_eq!(Groups::target(1 << 20, 16), 64 << 10);
+        assert_eq!(Groups::target(1 << 20, 64), 32 << 10, "never below 32 KiB");
+        assert_eq!(Groups::target(1 << 30, 1), 256 << 10, "never above 256 KiB");
+        assert_eq!(Groups::target(1 << 20, 0), 256 << 10, "no threads counts as one");
+    }
+}
