@@ -340,6 +340,14 @@ pub(crate) fn pipeline_chunk(configured: u64, total: u64, depth: u64) -> u64 {
     configured.min(share.max(MIN_PIPELINE_CHUNK))
 }
 
+/// The staging chunk for `total` bytes of small requests in order and apart (the paths that
+/// skip the planner): as [`pipeline_chunk`], but not below 4 MiB, so that a few thousand
+/// small requests (a megabyte or two) stay one chunk, one DMA and one launch (cutting 2 MiB
+/// of 256-byte writes into 1 MiB chunks measured no faster on the H200).
+pub(crate) fn in_order_chunk(configured: u64, total: u64) -> u64 {
+    pipeline_chunk(configured, total, PIPELINE_DEPTH).max(configured.min(4 << 20))
+}
+
 /// Chunks a batch is cut into at least, when it is large enough. On the H200 (8192 reads or
 /// writes of 4 KiB and 64 KiB, one run each) 8 and 16 chunks measured no better than 4 both
 /// ways, 32 worse.
@@ -725,7 +733,7 @@ pub(crate) mod model_tests;
 
 #[cfg(test)]
 mod tests {
-    use super::pipeline_chunk;
+    use super::{in_order_chunk, pipeline_chunk};
 
     const MIB: u64 = 1 << 20;
 
@@ -736,5 +744,8 @@ mod tests {
         assert_eq!(pipeline_chunk(16 * MIB, 1 << 30, 4), 16 * MIB, "large batches: the configured chunk");
         assert_eq!(pipeline_chunk(16 * MIB, 6 * MIB + 1, 4) % (64 << 10), 0);
         assert_eq!(pipeline_chunk(512 << 10, 16 * MIB, 4), 512 << 10, "never above the configured chunk");
+        assert_eq!(in_order_chunk(16 * MIB, 2 * MIB), 4 * MIB, "a few thousand small requests: one chunk");
+        assert_eq!(in_order_chunk(16 * MIB, 32 * MIB), 8 * MIB);
+        assert_eq!(in_order_chunk(64 << 10, 32 * MIB), 64 << 10, "never above the configured chunk");
     }
 }

@@ -479,3 +479,39 @@ fn a_fault_in_the_middle_of_a_pipelined_batch_fails_it_and_the_next_batch_works(
     assert_eq!(d.telemetry().pinned.lent_bytes, 0, "the failed readback returned its staging");
     m.check(&d, "after a failed copy-out");
 }
+
+#[test]
+fn a_few_thousand_small_writes_or_reads_in_order_cost_one_dma_and_one_launch() {
+    // With the default configuration, 4096 writes of 256 bytes (a megabyte and their table)
+    // stay one chunk: pipelining does not cut them.
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(38);
+    let mut m = Model::new(&d, &mut rng, &[4096 * 512]);
+    let data: Vec<_> = (0..4096).map(|_| random_vec(&mut rng, 256)).collect();
+    let before = d.telemetry();
+    let mut batch = d.uploads();
+    for (k, bytes) in data.iter().enumerate() {
+        batch.write(m.buffers[0], k as u64 * 512 + 3, bytes).unwrap();
+        m.expect[0][k * 512 + 3..][..256].copy_from_slice(bytes);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    let after = d.telemetry();
+    assert_eq!(
+        (after.dma_copies - before.dma_copies, after.kernel_launches - before.kernel_launches),
+        (1, 1)
+    );
+    m.check(&d, "4096 small writes");
+    let mut reads = d.readbacks();
+    let slots: Vec<_> = (0..4096).map(|k| reads.read(m.buffers[0], k * 512 + 3, 256).unwrap()).collect();
+    let before = d.telemetry();
+    let got = reads.submit().unwrap().wait().unwrap();
+    let after = d.telemetry();
+    // A readback moves its table up, gathers, and moves the bytes down.
+    assert_eq!(
+        (after.dma_copies - before.dma_copies, after.kernel_launches - before.kernel_launches),
+        (2, 1)
+    );
+    for (k, &slot) in slots.iter().enumerate() {
+        assert_eq!(got.get(slot), &m.expect[0][k * 512 + 3..][..256]);
+    }
+}

@@ -324,7 +324,12 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         && batch.reads.iter().all(|r| r.len > 0 && r.len <= SEGMENT && r.len < plan_config.direct_threshold)
         && scratch.planner.are_reads_apart(&batch.reads)
     {
-        return execute_in_order(batch, chunk_bytes, &lane_batch, scratch);
+        return execute_in_order(
+            batch,
+            super::in_order_chunk(config.chunk_bytes, total),
+            &lane_batch,
+            scratch,
+        );
     }
     scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
     let plan = &scratch.readback_plan;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, PIPELINE_DEPTH, Piece, Span, lay_out_apart, pipeline_chunk};
+use super::{BufferTable, DeviceStaging, Piece, Span, in_order_chunk, lay_out_apart};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -541,7 +541,7 @@ fn execute_in_order(
     let DeviceStaging { offsets, spans, region, .. } = scratch;
     let requests = batch.writes.iter().map(|w| (ptr_of(w), w.len));
     let requested: u64 = batch.writes.iter().map(|w| w.len).sum();
-    let chunk_bytes = pipeline_chunk(device.config().chunk_bytes, requested, PIPELINE_DEPTH);
+    let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested);
     lay_out_apart(requests, chunk_bytes, offsets, spans);
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
