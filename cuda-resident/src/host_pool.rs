@@ -122,6 +122,12 @@ impl HostPool {
         }
     }
 
+    /// How many leases of `len` bytes the cap holds at once (at least 1: a single lease
+    /// within the cap is always servable).
+    pub(crate) fn leases_within_cap(&self, len: u64) -> usize {
+        (self.cap / arena_bytes(len, self.cap)).max(1) as usize
+    }
+
     /// Lends a region of `len` bytes (at least 1), or `None` when the cap is reached by
     /// arenas in use. Fails when `len` alone is over the cap, or the driver fails.
     pub(crate) fn try_acquire(self: &Arc<Self>, len: usize) -> Result<Option<HostLease>> {
@@ -398,6 +404,15 @@ mod tests {
     fn free_host_fails_once(driver: &cuda_sys::Driver) {
         assert!(!driver.faults().counts().contains_key("cuMemFreeHost"));
         driver.faults().inject(Fault::new("cuMemFreeHost", 1, CUDA_ERROR_INVALID_CONTEXT)).unwrap();
+    }
+
+    #[test]
+    fn leases_within_the_cap_count_whole_arenas() {
+        let (_driver, pool) = pool(3 * MIB);
+        assert_eq!(pool.leases_within_cap(MIB), 3);
+        assert_eq!(pool.leases_within_cap(MIB + 1), 1, "arenas of 2 MiB: one fits");
+        assert_eq!(pool.leases_within_cap(3 * MIB), 1);
+        assert_eq!(pool.leases_within_cap(64 << 10), 48);
     }
 
     #[test]

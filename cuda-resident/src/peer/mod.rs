@@ -173,7 +173,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
     let batches: Vec<LaneBatch<'_>> =
         devices.iter().map(|d| d.core().lane(LaneKind::Upload).batch()).collect();
     let chunk = stager.config().chunk_bytes as usize;
-    let ring = (stager.config().pinned_cap_bytes as usize / chunk).clamp(1, RING);
+    let ring = stager.core().pinned.leases_within_cap(chunk as u64).min(RING);
     let chunks = data.len().div_ceil(chunk) as u64;
     let mut finals = Vec::with_capacity(devices.len());
     for (i, (device, batch)) in devices.iter().zip(&batches).enumerate() {

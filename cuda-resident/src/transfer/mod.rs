@@ -218,7 +218,9 @@ impl Device {
         let lane = core.lane(LaneKind::Readback);
         let batch = lane.batch();
         self.claim(&batch, LaneKind::Readback, std::iter::once(buffer), chunks as u64)?;
-        let ring_len = chunks.min(upload::RING);
+        // As many chunks as the pool holds at once (its cap may be as small as two chunks):
+        // the ring's leases are all taken before any copy is in flight to wait for.
+        let ring_len = chunks.min(upload::RING).min(core.pinned.leases_within_cap(chunk));
         let ring = (0..ring_len)
             .map(|_| self.acquire_staging(chunk as usize).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;

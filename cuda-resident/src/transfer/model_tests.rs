@@ -515,3 +515,143 @@ fn a_few_thousand_small_writes_or_reads_in_order_cost_one_dma_and_one_launch() {
         assert_eq!(got.get(slot), &m.expect[0][k * 512 + 3..][..256]);
     }
 }
+
+#[test]
+fn large_downloads_and_pipelined_uploads_fit_a_pinned_pool_of_two_chunks() {
+    // Room for two chunks only: chunks opened ahead take what is free and wait their turn,
+    // never failing for staging that the batch itself holds.
+    let d = device(Config { chunk_bytes: 1 << 20, pinned_cap_bytes: 2 << 20, ..Config::default() });
+    let mut rng = fastrand::Rng::with_seed(39);
+    let mut m = Model::new(&d, &mut rng, &[6 << 20]);
+    let mut batch = d.uploads();
+    let data: Vec<_> = (0..1200).map(|_| random_vec(&mut rng, 4000)).collect();
+    for (k, bytes) in data.iter().enumerate() {
+        batch.write(m.buffers[0], k as u64 * 4100 + 1, bytes).unwrap();
+        m.expect[0][k * 4100 + 1..][..4000].copy_from_slice(bytes);
+    }
+    batch.submit().unwrap().wait().unwrap();
+    // A download past four chunks moves through the ring too (a readback batch would need
+    // the whole buffer in staging at once).
+    assert!(
+        d.download(m.buffers[0]).unwrap() == m.expect[0],
+        "a pipelined upload through two chunks of staging"
+    );
+}
+
+/// Groups over `chunks` chunks of 64 items of 32 KiB each (2 MiB a chunk: the parallel path).
+fn big_groups(chunks: usize) -> super::pipeline::Groups {
+    super::pipeline::Groups::new(
+        chunks,
+        (0..chunks).map(|k| (k, k * 64..(k + 1) * 64)),
+        |_| 32 << 10,
+        64 << 10,
+    )
+}
+
+#[test]
+fn a_panic_while_opening_a_chunk_reaches_the_caller_without_hanging() {
+    use super::pipeline::{Step, run};
+    let d = device(Config { pack_threads: 4, ..Config::default() });
+    let groups = big_groups(4);
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run(
+            &d,
+            &groups,
+            8 << 20,
+            2,
+            |step| {
+                assert!(step != Step::Open(1), "refused");
+                Ok(true)
+            },
+            |_, _| {},
+        )
+    }));
+    assert!(caught.is_err(), "the panic came back");
+    // The packing threads are free again.
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    run(
+        &d,
+        &groups,
+        8 << 20,
+        2,
+        |_| Ok(true),
+        |_, items| {
+            done.fetch_add(items.len(), std::sync::atomic::Ordering::Relaxed);
+        },
+    )
+    .unwrap();
+    assert_eq!(done.into_inner(), 4 * 64);
+}
+
+#[test]
+fn a_call_from_a_packing_thread_runs_on_it_alone_in_chunk_order() {
+    use super::pipeline::{Step, run};
+    let d = device(Config { pack_threads: 1, ..Config::default() });
+    let groups = big_groups(3);
+    let log = std::sync::Mutex::new(Vec::new());
+    let steps = std::sync::Mutex::new(Vec::new());
+    d.core()
+        .packers()
+        .install(|| {
+            run(
+                &d,
+                &groups,
+                6 << 20,
+                3,
+                |step| {
+                    steps.lock().unwrap().push(step);
+                    Ok(true)
+                },
+                |k, items| log.lock().unwrap().push((k, items)),
+            )
+        })
+        .unwrap();
+    let order: Vec<usize> = log.into_inner().unwrap().into_iter().map(|(k, _)| k).collect();
+    assert!(order.is_sorted() && order.len() == 3 * 32, "{order:?}");
+    use Step::{Done, Open};
+    assert_eq!(steps.into_inner().unwrap(), vec![Open(0), Done(0), Open(1), Done(1), Open(2), Done(2)]);
+}
+
+#[test]
+fn chunks_put_off_open_after_the_next_move_and_everything_runs_once() {
+    use super::pipeline::{Step, run};
+    let d = device(Config { pack_threads: 4, ..Config::default() });
+    let groups = big_groups(6);
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    // Each step with its answer.
+    let mut steps = Vec::new();
+    let mut moved = 0;
+    run(
+        &d,
+        &groups,
+        12 << 20,
+        4,
+        |step| {
+            let answer = match step {
+                // Only one chunk past the last moved may open, as with a full pool.
+                Step::Open(k) => k <= moved + 1,
+                Step::Done(k) => {
+                    moved = k + 1;
+                    true
+                }
+            };
+            steps.push((step, answer));
+            Ok(answer)
+        },
+        |_, items| {
+            done.fetch_add(items.len(), std::sync::atomic::Ordering::Relaxed);
+        },
+    )
+    .unwrap();
+    assert_eq!(done.into_inner(), 6 * 64, "every item once");
+    let at = |s: Step| steps.iter().position(|&x| x == (s, true));
+    for k in 0..6 {
+        let opened = steps.iter().filter(|&&x| x == (Step::Open(k), true)).count();
+        assert_eq!(opened, 1, "chunk {k} opened once: {steps:?}");
+        assert!(at(Step::Open(k)) < at(Step::Done(k)), "chunk {k} opened before it moved");
+        if k > 0 {
+            assert!(at(Step::Done(k - 1)) < at(Step::Done(k)), "moves in chunk order");
+        }
+    }
+    assert!(steps.iter().any(|x| !x.1), "some opens were put off");
+}

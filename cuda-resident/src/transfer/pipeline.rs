@@ -61,6 +61,9 @@ impl Groups {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Step {
     /// Before any group of the chunk starts (acquire its staging; wait for it to land).
+    /// Answers whether the chunk is open; `false` puts it off until after the next `Done`,
+    /// and is allowed only while an earlier chunk has not had its `Done` (staging held by
+    /// chunks not yet moved cannot be waited for).
     Open(usize),
     /// Once every group of the chunk is done (move it).
     Done(usize),
@@ -69,26 +72,28 @@ pub(crate) enum Step {
 /// Runs `work(chunk, items)` over every group on the packing threads, while the calling
 /// thread runs `step`: `Open(k)` before any group of chunk `k` starts, at most `ahead`
 /// chunks past the last chunk whose `Done` has run, and `Done(k)` once chunk `k`'s groups
-/// are all done, in chunk order. Small batches (`total_bytes` below a megabyte) run on the
-/// calling thread alone, in the same order. The first error of `step` stops the work (groups
-/// already started finish) and is returned; nothing runs after it.
+/// are all done, in chunk order. Small batches (`total_bytes` below a megabyte), and calls
+/// from a packing thread itself, run on the calling thread alone, chunk by chunk: open,
+/// work, done. The first error of `step` stops the work and is returned: no `step` runs
+/// after it, and the packing threads start no group of a chunk not yet open (groups of
+/// chunks already open may still run; they touch only this batch's staging).
 pub(crate) fn run(
     device: &Device,
     groups: &Groups,
     total_bytes: usize,
     ahead: usize,
-    mut step: impl FnMut(Step) -> Result<()>,
+    mut step: impl FnMut(Step) -> Result<bool>,
     work: impl Fn(usize, Range<usize>) + Sync,
 ) -> Result<()> {
     let chunks = groups.per_chunk.len();
-    let ahead = ahead.max(1);
-    if total_bytes < PARALLEL_MIN || groups.groups.len() < 2 {
-        let (mut opened, mut next) = (0, 0);
+    let pool = device.core().packers();
+    // On a packing thread (the one-thread pool on the caller's own thread, or a nested
+    // call), jobs spawned here would wait behind this very thread.
+    if total_bytes < PARALLEL_MIN || groups.groups.len() < 2 || pool.current_thread_index().is_some() {
+        let mut next = 0;
         for k in 0..chunks {
-            while opened < chunks && opened < k + ahead {
-                step(Step::Open(opened))?;
-                opened += 1;
-            }
+            let opened = step(Step::Open(k))?;
+            debug_assert!(opened, "the next chunk to move cannot be put off");
             for (items, chunk) in &groups.groups[next..next + groups.per_chunk[k]] {
                 work(*chunk, items.clone());
             }
@@ -99,11 +104,11 @@ pub(crate) fn run(
     }
     #[cfg(test)]
     PARALLEL_RUNS.with(|n| n.set(n.get() + 1));
+    let ahead = ahead.max(1);
     let opened = AtomicUsize::new(0);
     let finished: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
-    let pool = device.core().packers();
     pool.in_place_scope(|scope| {
         for _ in 0..pool.current_num_threads().min(groups.groups.len()) {
             scope.spawn(|_| {
@@ -118,16 +123,23 @@ pub(crate) fn run(
                 }
             });
         }
+        // A panic of `step` must release the packing threads too, or the scope would wait
+        // for them for ever.
+        let _stop = StopOnPanic(&stop);
         let mut steps = || {
             let mut open = 0;
             for (k, (finished, &count)) in finished.iter().zip(&groups.per_chunk).enumerate() {
                 while open < chunks && open < k + ahead {
-                    step(Step::Open(open))?;
+                    if !step(Step::Open(open))? {
+                        assert!(open > k, "the next chunk to move cannot be put off");
+                        break;
+                    }
                     open += 1;
                     opened.store(open, Ordering::Release);
                 }
-                // False only when a worker panicked: the scope rethrows that panic.
                 if !wait_until(&stop, || finished.load(Ordering::Acquire) == count) {
+                    // Only a panicking worker sets `stop` here, and the scope rethrows its
+                    // panic once every job has ended: this value is never seen.
                     return Ok(());
                 }
                 step(Step::Done(k))?;

@@ -142,8 +142,8 @@ impl PendingReadback {
 
     /// Waits for the reads chunk by chunk and copies each read into the caller's vector of
     /// the same index as soon as its chunk has landed, while later chunks are still on the
-    /// wire; replaces each vector's contents (capacity is reused). Returns the readback for
-    /// views as well.
+    /// wire, on the packing threads; replaces each vector's contents (capacity is reused).
+    /// Returns the readback for views as well. On error the vectors are left empty.
     pub fn wait_into(self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Readback> {
         if slots.len() != out.len() {
             return Err(Error::LengthMismatch {
@@ -192,8 +192,8 @@ impl PendingReadback {
             total,
             chunks,
             |step| match step {
-                Step::Open(k) => lane.wait(first_seq + k as u64).map(drop),
-                Step::Done(_) => Ok(()),
+                Step::Open(k) => lane.wait(first_seq + k as u64).map(|_| true),
+                Step::Done(_) => Ok(true),
             },
             |_, items| {
                 for p in &pieces[items] {

@@ -572,11 +572,21 @@ fn execute_in_order(
                 if k >= RING && lane.wait(seqs[k - RING])? {
                     Telemetry::add(&core.telemetry.host_waits, 1);
                 }
-                // The lease holds the table, then the chunk's packed bytes.
-                let lease = device.acquire_staging((area(&spans[k]) + spans[k].len) as usize)?;
+                // The lease holds the table, then the chunk's packed bytes. While earlier
+                // chunks hold leases not yet moved, the pool cannot make room by waiting for
+                // them: take only what is free, else open this chunk after the next move.
+                let len = (area(&spans[k]) + spans[k].len) as usize;
+                let lease = if k == seqs.len() {
+                    device.acquire_staging(len)?
+                } else {
+                    match core.pinned.try_acquire(len)? {
+                        Some(lease) => lease,
+                        None => return Ok(false),
+                    }
+                };
                 bases[k].store(lease.as_ptr() as usize, Ordering::Relaxed);
                 leases[k] = Some(Arc::new(lease));
-                Ok(())
+                Ok(true)
             }
             Step::Done(k) => {
                 let span = &spans[k];
@@ -594,7 +604,7 @@ fn execute_in_order(
                 })?;
                 seqs.push(seq);
                 moved += bytes;
-                Ok(())
+                Ok(true)
             }
         },
         |k, items| {
