@@ -147,14 +147,16 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         model[1][*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
     }
 
-    // Many small writes in order with gaps, then reads of the same ranges: both laid out
-    // without the planner, over several chunks.
+    // Many small writes in order with gaps, then reads of the same ranges into vectors: both
+    // laid out without the planner, over several chunks and over a megabyte, so that the
+    // packing threads pack and copy out while chunks move.
     let mut order = Vec::new();
-    let mut at = 0u64;
-    while order.len() < 400 {
+    let (mut at, mut total) = (0u64, 0usize);
+    while total < (1 << 20) + (64 << 10) {
         let len = rng.usize(1..=4000);
         order.push((at, random_vec(&mut rng, len)));
         at += len as u64 + rng.u64(1..64);
+        total += len;
     }
     let mut batch = d.uploads();
     for (offset, bytes) in &order {
@@ -170,11 +172,14 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
         .iter()
         .map(|(offset, bytes)| reads.read(mid, *offset, bytes.len() as u64))
         .collect::<Result<Vec<_>, _>>()?;
-    let got = reads.submit()?.wait()?;
+    let mut outs = vec![vec![0x5a_u8; 3]; slots.len()];
+    let got = reads.submit()?.wait_into(&slots, &mut outs)?;
     ops += 1;
-    for ((offset, bytes), &slot) in order.iter().zip(&slots) {
-        same("in-order range", got.get(slot), &model[1][*offset as usize..*offset as usize + bytes.len()])?;
-        checked += bytes.len() as u64;
+    for (((offset, bytes), &slot), out) in order.iter().zip(&slots).zip(&outs) {
+        let expected = &model[1][*offset as usize..*offset as usize + bytes.len()];
+        same("in-order range", got.get(slot), expected)?;
+        same("in-order range copied out", out, expected)?;
+        checked += 2 * bytes.len() as u64;
     }
     drop(got);
 
