@@ -312,12 +312,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         })
         .max()
         .unwrap_or(0);
-    // An own lease is one submission (its DMA); an arena lease two (its bytes, then its
-    // table and the scatter).
-    let submissions = (0..leases.len())
-        .filter(|&i| !per_lease[i].is_empty())
-        .map(|i| if own(i) { 1 } else { 2 })
-        .sum::<u64>();
+    let submissions = per_lease.iter().filter(|w| !w.is_empty()).count() as u64;
     let first_seq = lane_batch.next_seq();
     let final_seq = device.claim(&lane_batch, LaneKind::Upload, batch.table.buffers(), submissions)?;
     let dev = if packed_need > 0 {
@@ -351,15 +346,6 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
             continue;
         }
         let area = descriptor_area(writes.iter().map(|&w| batch.writes[w].len));
-        let table = Arc::new(device.acquire_staging(area as usize)?);
-        let (used, kernels) = (batch.arena_used[i], kernels.expect("loaded when there are packed writes"));
-        // The bytes move first, while the descriptors are built: nothing waits for the host
-        // but the table.
-        lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
-            // SAFETY: the arena lease is kept alive by this submission; device staging holds
-            // area + used bytes.
-            unsafe { raw.memcpy_htod_async(dev + area, base, used, stream) }
-        })?;
         scratch.descriptors.clear();
         for &w in writes {
             push_descriptors(
@@ -369,18 +355,21 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
                 batch.writes[w].len,
             );
         }
+        let table = Arc::new(device.acquire_staging(area as usize)?);
         let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
         // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
         unsafe {
             std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), table.as_ptr(), bytes)
         };
-        let count = scratch.descriptors.len() as u64;
-        lane_batch.submit(vec![Arc::clone(&table)], |raw, stream, _| {
-            // SAFETY: the table is kept alive by this submission and the bytes are in device
-            // staging by stream order; destinations are disjoint ranges of live, marked
+        let (count, used) = (scratch.descriptors.len() as u64, batch.arena_used[i]);
+        let kernels = kernels.expect("loaded when there are packed writes");
+        lane_batch.submit(vec![Arc::clone(lease), Arc::clone(&table)], |raw, stream, _| {
+            // SAFETY: both pinned regions are kept alive by this submission; device staging
+            // holds area + used bytes; destinations are disjoint ranges of live, marked
             // buffers (no two writes fuse).
             unsafe {
                 raw.memcpy_htod_async(dev, table.as_ptr(), area as usize, stream)?;
+                raw.memcpy_htod_async(dev + area, base, used, stream)?;
                 kernels.copy(raw, stream, dev, count)
             }
         })?;
