@@ -655,3 +655,32 @@ fn chunks_put_off_open_after_the_next_move_and_everything_runs_once() {
     }
     assert!(steps.iter().any(|x| !x.1), "some opens were put off");
 }
+
+#[test]
+fn packing_threads_sleep_through_a_long_wait_for_a_chunk_and_wake_to_finish() {
+    use super::pipeline::{SLEEPS, Step, run};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let d = device(Config { pack_threads: 4, ..Config::default() });
+    let groups = big_groups(3);
+    let before = SLEEPS.load(Ordering::Relaxed);
+    let done = AtomicUsize::new(0);
+    run(
+        &d,
+        &groups,
+        6 << 20,
+        3,
+        |step| {
+            // A chunk that takes long to land, as a readback's DMA can.
+            if step == Step::Open(1) {
+                std::thread::sleep(std::time::Duration::from_millis(30));
+            }
+            Ok(true)
+        },
+        |_, items| {
+            done.fetch_add(items.len(), Ordering::Relaxed);
+        },
+    )
+    .unwrap();
+    assert_eq!(done.into_inner(), 3 * 64, "every item once");
+    assert!(SLEEPS.load(Ordering::Relaxed) > before, "the packing threads slept instead of spinning");
+}

@@ -4,11 +4,14 @@
 //! the pool for a chunk cost about 100 µs, as much as packing a megabyte.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use super::PARALLEL_MIN;
 use crate::device::Device;
 use crate::error::Result;
+use crate::sync::lock;
 
 /// A batch's items cut into groups for the packing threads: contiguous ranges of items in
 /// chunk order, none across two chunks.
@@ -108,24 +111,25 @@ pub(crate) fn run(
     let opened = AtomicUsize::new(0);
     let finished: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
     let next = AtomicUsize::new(0);
-    let stop = AtomicBool::new(false);
+    let signal = Signal::default();
     pool.in_place_scope(|scope| {
         for _ in 0..pool.current_num_threads().min(groups.groups.len()) {
             scope.spawn(|_| {
-                let _stop = StopOnPanic(&stop);
+                let _stop = StopOnPanic(&signal);
                 // Groups are taken in order, so the earliest chunk finishes first.
                 while let Some((items, chunk)) = groups.groups.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    if !wait_until(&stop, || opened.load(Ordering::Acquire) > *chunk) {
+                    if !signal.wait_until(|| opened.load(Ordering::Acquire) > *chunk) {
                         return;
                     }
                     work(*chunk, items.clone());
                     finished[*chunk].fetch_add(1, Ordering::Release);
+                    signal.notify();
                 }
             });
         }
         // A panic of `step` must release the packing threads too, or the scope would wait
         // for them for ever.
-        let _stop = StopOnPanic(&stop);
+        let _stop = StopOnPanic(&signal);
         let mut steps = || {
             let mut open = 0;
             for (k, (finished, &count)) in finished.iter().zip(&groups.per_chunk).enumerate() {
@@ -136,8 +140,9 @@ pub(crate) fn run(
                     }
                     open += 1;
                     opened.store(open, Ordering::Release);
+                    signal.notify();
                 }
-                if !wait_until(&stop, || finished.load(Ordering::Acquire) == count) {
+                if !signal.wait_until(|| finished.load(Ordering::Acquire) == count) {
                     // Only a panicking worker sets `stop` here, and the scope rethrows its
                     // panic once every job has ended: this value is never seen.
                     return Ok(());
@@ -148,7 +153,7 @@ pub(crate) fn run(
         };
         let result = steps();
         if result.is_err() {
-            stop.store(true, Ordering::Relaxed);
+            signal.stop();
         }
         result
     })
@@ -160,32 +165,83 @@ thread_local! {
     pub(crate) static PARALLEL_RUNS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Waits until `ready`, spinning briefly, then yielding the core; false if `stop` is set
-/// first.
-fn wait_until(stop: &AtomicBool, ready: impl Fn() -> bool) -> bool {
-    let mut spins = 0u32;
-    while !ready() {
-        if stop.load(Ordering::Relaxed) {
-            return false;
-        }
-        if spins < 100 {
-            std::hint::spin_loop();
-            spins += 1;
-        } else {
-            std::thread::yield_now();
-        }
-    }
-    true
+/// How the threads of one [`run`] wait for each other: a stop flag, and a condition variable
+/// for waits that outlast a short spin (a packing thread waiting for a chunk to land may wait
+/// for milliseconds, and should not hold a core meanwhile).
+#[derive(Default)]
+struct Signal {
+    stop: AtomicBool,
+    lock: Mutex<()>,
+    changed: Condvar,
+    /// Waiters asleep or about to sleep: a notification with none costs no system call.
+    sleepers: AtomicUsize,
 }
 
-/// Sets the stop flag if its thread unwinds, so that no one waits for a group that will
-/// never finish.
-struct StopOnPanic<'a>(&'a AtomicBool);
+/// Waits that went to sleep, in every run of this process.
+#[cfg(test)]
+pub(crate) static SLEEPS: AtomicUsize = AtomicUsize::new(0);
+
+/// Waits shorter than this spin and yield; longer ones sleep until notified.
+const SPIN: Duration = Duration::from_micros(50);
+
+impl Signal {
+    /// Waits until `ready`: spinning briefly, then yielding the core, then (past [`SPIN`])
+    /// sleeping until a [`notify`](Signal::notify); false if the run stops first.
+    fn wait_until(&self, ready: impl Fn() -> bool) -> bool {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while !ready() {
+            if self.stop.load(Ordering::Relaxed) {
+                return false;
+            }
+            if spins < 100 {
+                std::hint::spin_loop();
+                spins += 1;
+            } else if start.elapsed() < SPIN {
+                std::thread::yield_now();
+            } else {
+                // Counted as a sleeper, then checked under the lock: a notifier that changed
+                // the state after that check sees the count (the fences order the two) and
+                // takes the lock, so no wake-up is lost. The timeout only bounds the cost of
+                // a missed one.
+                let guard = lock(&self.lock);
+                self.sleepers.fetch_add(1, Ordering::Relaxed);
+                fence(Ordering::SeqCst);
+                if !ready() && !self.stop.load(Ordering::Relaxed) {
+                    #[cfg(test)]
+                    SLEEPS.fetch_add(1, Ordering::Relaxed);
+                    drop(self.changed.wait_timeout(guard, Duration::from_millis(1)));
+                }
+                self.sleepers.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        true
+    }
+
+    /// Wakes the sleeping waiters after a change they may wait for.
+    fn notify(&self) {
+        fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
+            drop(lock(&self.lock));
+            self.changed.notify_all();
+        }
+    }
+
+    /// Stops the run: waiters return false.
+    fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.notify();
+    }
+}
+
+/// Stops the run if its thread unwinds, so that no one waits for a group that will never
+/// finish.
+struct StopOnPanic<'a>(&'a Signal);
 
 impl Drop for StopOnPanic<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.0.store(true, Ordering::Relaxed);
+            self.0.stop();
         }
     }
 }
