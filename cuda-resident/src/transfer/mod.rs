@@ -218,12 +218,18 @@ impl Device {
         let lane = core.lane(LaneKind::Readback);
         let batch = lane.batch();
         self.claim(&batch, LaneKind::Readback, std::iter::once(buffer), chunks as u64)?;
-        // As many chunks as the pool holds at once (its cap may be as small as two chunks):
-        // the ring's leases are all taken before any copy is in flight to wait for.
-        let ring_len = chunks.min(upload::RING).min(core.pinned.leases_within_cap(chunk));
-        let ring = (0..ring_len)
-            .map(|_| self.acquire_staging(chunk as usize).map(Arc::new))
-            .collect::<Result<Vec<_>>>()?;
+        // The ring's leases are all taken before any copy of this read is in flight to wait
+        // for: the first waits for room as any staging does, the others take only what is
+        // free (the cap may hold as few as two chunks, and the caller may hold staging too).
+        let most = chunks.min(upload::RING).min(core.pinned.leases_within_cap(chunk));
+        let mut ring = vec![Arc::new(self.acquire_staging(chunk as usize)?)];
+        while ring.len() < most {
+            match core.pinned.try_acquire(chunk as usize)? {
+                Some(lease) => ring.push(Arc::new(lease)),
+                None => break,
+            }
+        }
+        let ring_len = ring.len();
         let mut seqs = Vec::with_capacity(chunks);
         let mut pieces = Vec::new();
         let mut unpack = |k: usize, seqs: &[u64], out: &mut [u8]| -> Result<()> {

@@ -684,3 +684,40 @@ fn packing_threads_sleep_through_a_long_wait_for_a_chunk_and_wake_to_finish() {
     assert_eq!(done.into_inner(), 3 * 64, "every item once");
     assert!(SLEEPS.load(Ordering::Relaxed) > before, "the packing threads slept instead of spinning");
 }
+
+#[test]
+fn a_large_download_takes_the_staging_left_when_the_caller_holds_some() {
+    // Four chunks of room, one of them held by the caller's readback: the download's ring
+    // takes the three left instead of failing.
+    let d = device(Config { chunk_bytes: 1 << 20, pinned_cap_bytes: 4 << 20, ..Config::default() });
+    let mut rng = fastrand::Rng::with_seed(40);
+    let m = Model::new(&d, &mut rng, &[8 << 20, 100]);
+    let mut reads = d.readbacks();
+    let slot = reads.read_all(m.buffers[1]).unwrap();
+    let held = reads.submit().unwrap().wait().unwrap();
+    assert!(d.download(m.buffers[0]).unwrap() == m.expect[0], "the download's bytes");
+    assert_eq!(held.get(slot), &m.expect[1][..]);
+}
+
+#[test]
+fn one_packing_thread_packs_on_the_calling_thread() {
+    // A pool of one thread runs nothing in parallel (and the fallback pool of one, on the
+    // thread that built it, would never run another thread's jobs): the serial path.
+    let d = device(Config { pack_threads: 1, ..Config::default() });
+    let runs = || super::pipeline::PARALLEL_RUNS.with(|n| n.get());
+    let groups = big_groups(2);
+    let before = runs();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    super::pipeline::run(
+        &d,
+        &groups,
+        4 << 20,
+        2,
+        |_| Ok(true),
+        |_, items| {
+            done.fetch_add(items.len(), std::sync::atomic::Ordering::Relaxed);
+        },
+    )
+    .unwrap();
+    assert_eq!((done.into_inner(), runs()), (2 * 64, before));
+}

@@ -90,13 +90,18 @@ pub(crate) fn run(
 ) -> Result<()> {
     let chunks = groups.per_chunk.len();
     let pool = device.core().packers();
-    // On a packing thread (the one-thread pool on the caller's own thread, or a nested
-    // call), jobs spawned here would wait behind this very thread.
-    if total_bytes < PARALLEL_MIN || groups.groups.len() < 2 || pool.current_thread_index().is_some() {
+    // On a packing thread (a nested call), jobs spawned here would wait behind this very
+    // thread; and the one-thread fallback pool lives on the thread that first used it, which
+    // runs jobs only from inside the pool: with it, no other thread's jobs would ever run.
+    if total_bytes < PARALLEL_MIN
+        || groups.groups.len() < 2
+        || pool.current_thread_index().is_some()
+        || pool.current_num_threads() < 2
+    {
         let mut next = 0;
         for k in 0..chunks {
             let opened = step(Step::Open(k))?;
-            debug_assert!(opened, "the next chunk to move cannot be put off");
+            assert!(opened, "the next chunk to move cannot be put off");
             for (items, chunk) in &groups.groups[next..next + groups.per_chunk[k]] {
                 work(*chunk, items.clone());
             }
