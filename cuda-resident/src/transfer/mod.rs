@@ -633,17 +633,7 @@ pub(crate) fn in_groups(
     let pool = device.core().packers();
     let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
     let mut groups = Vec::new();
-    let (mut start, mut sum) = (0, 0);
-    for i in 0..count {
-        sum += bytes(i);
-        if sum >= target {
-            groups.push(start..i + 1);
-            (start, sum) = (i + 1, 0);
-        }
-    }
-    if start < count {
-        groups.push(start..count);
-    }
+    pipeline::split_by_bytes(0..count, bytes, target, |group| groups.push(group));
     use rayon::prelude::*;
     pool.install(|| groups.into_par_iter().for_each(work));
 }

@@ -721,3 +721,27 @@ fn one_packing_thread_packs_on_the_calling_thread() {
     .unwrap();
     assert_eq!((done.into_inner(), runs()), (2 * 64, before));
 }
+
+#[test]
+fn a_readback_copies_every_read_into_vectors_after_the_wait() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(41);
+    let m = Model::new(&d, &mut rng, &[300_000, 70_000, 4099]);
+    // Ragged reads, in order and not, some over a megabyte in all: one thread and several.
+    for count in [5, 400] {
+        let ranges: Vec<_> = (0..count).map(|_| m.range(&mut rng, 20_000)).collect();
+        let mut reads = d.readbacks();
+        let slots: Vec<_> = ranges
+            .iter()
+            .map(|&(i, at, len)| reads.read(m.buffers[i], at as u64, len as u64).unwrap())
+            .collect();
+        let done = reads.submit().unwrap().wait().unwrap();
+        let mut out = vec![vec![0x5a; 9]; count];
+        done.copy_all_into(&slots, &mut out).unwrap();
+        for (&(i, at, len), v) in ranges.iter().zip(&out) {
+            assert_eq!(v, &m.expect[i][at..at + len]);
+        }
+        let e = done.copy_all_into(&slots, &mut out[1..]).unwrap_err().to_string();
+        assert!(e.contains("Fix:"), "{e}");
+    }
+}

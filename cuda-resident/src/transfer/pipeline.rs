@@ -15,7 +15,7 @@ use crate::sync::lock;
 
 /// A batch's items cut into groups for the packing threads: contiguous ranges of items in
 /// chunk order, none across two chunks.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Groups {
     /// Each group's items and chunk.
     groups: Vec<(Range<usize>, usize)>,
@@ -36,19 +36,9 @@ impl Groups {
         let mut groups = Vec::new();
         let mut per_chunk = vec![0; chunks];
         for (chunk, items) in spans {
-            let mut start = items.start;
-            let mut sum = 0;
-            for i in items.clone() {
-                sum += bytes(i);
-                if sum >= target {
-                    groups.push((start..i + 1, chunk));
-                    (start, sum) = (i + 1, 0);
-                }
-            }
-            if start < items.end {
-                groups.push((start..items.end, chunk));
-            }
-            per_chunk[chunk] = groups.iter().rev().take_while(|(_, c)| *c == chunk).count();
+            let before = groups.len();
+            split_by_bytes(items, &bytes, target, |group| groups.push((group, chunk)));
+            per_chunk[chunk] = groups.len() - before;
         }
         Groups { groups, per_chunk }
     }
@@ -57,6 +47,27 @@ impl Groups {
     /// not below 32 KiB (smaller groups cost more to hand out than to copy), not above 256 KiB.
     pub(crate) fn target(chunk_bytes: u64, threads: usize) -> usize {
         (chunk_bytes as usize / threads.max(1)).clamp(32 << 10, 256 << 10)
+    }
+}
+
+/// Cuts `items` (item `i` has `bytes(i)`) into contiguous groups of at least `target` bytes
+/// each but the last, passing each to `push` in order.
+pub(crate) fn split_by_bytes(
+    items: Range<usize>,
+    bytes: impl Fn(usize) -> usize,
+    target: usize,
+    mut push: impl FnMut(Range<usize>),
+) {
+    let (mut start, mut sum) = (items.start, 0);
+    for i in items.clone() {
+        sum += bytes(i);
+        if sum >= target {
+            push(start..i + 1);
+            (start, sum) = (i + 1, 0);
+        }
+    }
+    if start < items.end {
+        push(start..items.end);
     }
 }
 

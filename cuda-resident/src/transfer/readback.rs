@@ -170,13 +170,7 @@ impl PendingReadback {
         {
             let first = pieces.len();
             for &i in same {
-                // Addresses only: the bytes have not landed yet.
-                let (src, len) = self.readback.address_of(slots[i]);
-                let vec = &mut out[i];
-                vec.clear();
-                vec.reserve(len);
-                total += len;
-                Piece::push_split(&mut pieces, Piece { dst: vec.as_mut_ptr(), src, len });
+                total += self.readback.push_copy(slots[i], &mut out[i], &mut pieces);
             }
             spans.push((views[slots[same[0]].0 as usize].last_chunk as usize, first..pieces.len()));
         }
@@ -204,10 +198,8 @@ impl PendingReadback {
                 }
             },
         )?;
-        for (i, &slot) in slots.iter().enumerate() {
-            // SAFETY: the copies above initialised exactly this many bytes.
-            unsafe { out[i].set_len(views[slot.0 as usize].len as usize) };
-        }
+        // SAFETY: every chunk's copies ran (`run` returned Ok).
+        unsafe { self.readback.set_lengths(slots, out) };
         // Everything has landed; this also reports any error of the last submissions.
         self.fence.wait()?;
         Ok(self.readback)
@@ -267,33 +259,41 @@ impl Readback {
                 right: out.len(),
             });
         }
-        match &self.device {
-            Some(device) => self.copy_some_into(device, slots, out, &(0..slots.len()).collect::<Vec<_>>()),
-            None => out.iter_mut().for_each(Vec::clear),
+        let Some(device) = &self.device else {
+            out.iter_mut().for_each(Vec::clear);
+            return Ok(());
+        };
+        let mut pieces = Vec::with_capacity(slots.len());
+        for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
+            self.push_copy(slot, vec, &mut pieces);
         }
+        // SAFETY: each destination is a distinct vector's spare capacity of at least its
+        // source's length; sources are views of landed reads.
+        unsafe { Piece::copy_all(device, &pieces) };
+        // SAFETY: the copies above ran.
+        unsafe { self.set_lengths(slots, out) };
         Ok(())
     }
 
-    /// Copies reads `which` (indices into `slots` and `out`, each at most once) into their
-    /// vectors.
-    fn copy_some_into(&self, device: &Device, slots: &[Slot], out: &mut [Vec<u8>], which: &[usize]) {
-        let mut pieces = Vec::with_capacity(which.len());
-        for &i in which {
-            let src = self.get(slots[i]);
-            let vec = &mut out[i];
-            vec.clear();
-            vec.reserve(src.len());
-            Piece::push_split(
-                &mut pieces,
-                Piece { dst: vec.as_mut_ptr(), src: src.as_ptr(), len: src.len() },
-            );
-        }
-        // SAFETY: each destination is a distinct vector's spare capacity of at least its
-        // source's length (indices are distinct); sources are views of landed reads.
-        unsafe { Piece::copy_all(device, &pieces) };
-        for &i in which {
-            // SAFETY: the copies above initialised exactly this many bytes.
-            unsafe { out[i].set_len(self.get(slots[i]).len()) };
+    /// Empties `vec` with room for the read in `slot`, and lists the copy of the read into
+    /// it (split for the packing threads); returns its length. Takes addresses only, so the
+    /// bytes need not have landed yet.
+    fn push_copy(&self, slot: Slot, vec: &mut Vec<u8>, pieces: &mut Vec<Piece>) -> usize {
+        let (src, len) = self.address_of(slot);
+        vec.clear();
+        vec.reserve(len);
+        Piece::push_split(pieces, Piece { dst: vec.as_mut_ptr(), src, len });
+        len
+    }
+
+    /// Gives each vector its read's length.
+    ///
+    /// # Safety
+    /// The copies [`Readback::push_copy`] listed for these slots and vectors have all run.
+    unsafe fn set_lengths(&self, slots: &[Slot], out: &mut [Vec<u8>]) {
+        for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
+            // SAFETY: the copies initialised exactly this many bytes, as the caller promises.
+            unsafe { vec.set_len(self.views[slot.0 as usize].len as usize) };
         }
     }
 
