@@ -51,6 +51,7 @@ mod error;
 #[cfg(test)]
 mod fake_driver;
 mod host_pool;
+mod hostcopy;
 mod kernels;
 #[cfg(test)]
 mod model_faults;

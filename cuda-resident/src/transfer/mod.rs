@@ -243,7 +243,7 @@ impl Device {
             Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
             // SAFETY: the chunk's DMA completed (waited above); the ring lease and `out`
             // are disjoint and hold n bytes at these places.
-            unsafe { Piece::copy_all(self, &pieces) };
+            unsafe { Piece::copy_out_all(self, &pieces) };
             Ok(())
         };
         for k in 0..chunks {
@@ -600,6 +600,25 @@ impl Piece {
     /// Each piece's source must be readable and its destination writable for `len` bytes,
     /// and no destination may overlap another piece's source or destination.
     pub(crate) unsafe fn copy_all(device: &Device, pieces: &[Piece]) {
+        // SAFETY: as the caller promises.
+        unsafe { Piece::run_all(device, pieces, std::ptr::copy_nonoverlapping::<u8>) }
+    }
+
+    /// [`Piece::copy_all`] out of landed staging into the caller's memory
+    /// ([`crate::hostcopy::copy_out`]: streaming stores for long pieces).
+    ///
+    /// # Safety
+    /// As [`Piece::copy_all`].
+    pub(crate) unsafe fn copy_out_all(device: &Device, pieces: &[Piece]) {
+        // SAFETY: as the caller promises.
+        unsafe { Piece::run_all(device, pieces, crate::hostcopy::copy_out) }
+    }
+
+    /// Performs every piece with `copy`, publishing each group's streaming stores.
+    ///
+    /// # Safety
+    /// As [`Piece::copy_all`]; `copy(src, dst, len)` must copy `len` bytes from `src` to `dst`.
+    unsafe fn run_all(device: &Device, pieces: &[Piece], copy: unsafe fn(*const u8, *mut u8, usize)) {
         let total: usize = pieces.iter().map(|p| p.len).sum();
         in_groups(
             device,
@@ -609,8 +628,9 @@ impl Piece {
             |range| {
                 for p in &pieces[range] {
                     // SAFETY: as the caller promises.
-                    unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) }
+                    unsafe { copy(p.src, p.dst, p.len) }
                 }
+                crate::hostcopy::publish();
             },
         );
     }

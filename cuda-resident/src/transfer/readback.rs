@@ -194,8 +194,9 @@ impl PendingReadback {
                     // SAFETY: each destination is a distinct vector's spare capacity of at
                     // least its source's length (reserved above); the source is a view of a
                     // read whose chunk has landed (the chunk is opened after its wait).
-                    unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) }
+                    unsafe { crate::hostcopy::copy_out(p.src, p.dst, p.len) }
                 }
+                crate::hostcopy::publish();
             },
         )?;
         // SAFETY: every chunk's copies ran (`run` returned Ok).
@@ -269,7 +270,7 @@ impl Readback {
         }
         // SAFETY: each destination is a distinct vector's spare capacity of at least its
         // source's length; sources are views of landed reads.
-        unsafe { Piece::copy_all(device, &pieces) };
+        unsafe { Piece::copy_out_all(device, &pieces) };
         // SAFETY: the copies above ran.
         unsafe { self.set_lengths(slots, out) };
         Ok(())
