@@ -41,6 +41,16 @@ pub struct Config {
     pub direct_threshold: u64,
     /// Threads that pack staging for large batches; 0 picks one per core, up to 16.
     pub pack_threads: usize,
+    /// Batches of many small copies in order (the paths that skip the planner): whether the
+    /// copy kernel reads the packed bytes of an upload, and writes those of a readback,
+    /// straight in pinned staging, over the bus, instead of one DMA through device staging
+    /// plus a scatter (or a gather plus a DMA). Default `true`; it applies only where the GPU
+    /// has unified addressing. The kernel then runs for as long as the bytes are on the wire
+    /// (one block of 256 threads per multiprocessor), where a scatter runs for microseconds:
+    /// set `false` when your own kernels keep every multiprocessor busy. On an H200, 8192
+    /// uploads of 4 KiB from pageable memory moved 25 to 29 GB/s over the bus against 21 to
+    /// 23 through device staging (BENCHMARKS.md).
+    pub small_copies_over_bus: bool,
 }
 
 impl Default for Config {
@@ -53,6 +63,7 @@ impl Default for Config {
             chunk_bytes: 16 << 20,
             direct_threshold: 256 << 10,
             pack_threads: 0,
+            small_copies_over_bus: true,
         }
     }
 }

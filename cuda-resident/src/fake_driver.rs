@@ -210,11 +210,17 @@ impl FakeGpu {
                             ));
                             break;
                         }
-                        if self.is_device(src, len) && self.is_device(dst, len) {
+                        // Pinned host memory is mapped for every device with unified
+                        // addressing: either side of a copy may lie there.
+                        let reachable = |at: usize| {
+                            self.is_device(at, len)
+                                || (!self.no_unified_addressing && self.is_pinned(at, len))
+                        };
+                        if reachable(src) && reachable(dst) {
                             self.copy(dst, src, len);
                         } else {
                             self.illegal(format!(
-                                "descriptor {i}: {src:#x} -> {dst:#x} ({len} bytes) outside device memory"
+                                "descriptor {i}: {src:#x} -> {dst:#x} ({len} bytes) outside device and pinned memory"
                             ));
                             break;
                         }

@@ -42,7 +42,10 @@ const BLOCK: u32 = 256;
 pub(crate) struct Kernels {
     module: CUmodule,
     copy: CUfunction,
+    /// Blocks of a launch at most: 8 per multiprocessor.
     max_blocks: u32,
+    /// Blocks of a launch over the bus ([`Kernels::copy_over_bus`]): 1 per multiprocessor.
+    bus_blocks: u32,
 }
 
 // SAFETY: module and function handles are usable from any thread of the process.
@@ -55,7 +58,12 @@ impl Kernels {
     pub(crate) fn load(raw: &Raw, multiprocessors: u32) -> Result<Kernels> {
         let module = raw.module_load_data(COPY_PTX)?;
         match raw.module_get_function(module, c"copy_descriptors") {
-            Ok(copy) => Ok(Kernels { module, copy, max_blocks: multiprocessors.max(1) * 8 }),
+            Ok(copy) => Ok(Kernels {
+                module,
+                copy,
+                max_blocks: multiprocessors.max(1) * 8,
+                bus_blocks: multiprocessors.max(1),
+            }),
             Err(e) => {
                 let _ = crate::error::release_retrying(|| raw.module_unload(module));
                 Err(e)
@@ -77,8 +85,44 @@ impl Kernels {
         descriptors: u64,
         count: u64,
     ) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { self.launch_copy(raw, stream, descriptors, count, self.max_blocks) }
+    }
+
+    /// [`Kernels::copy`] for a table and copies whose host side lies in pinned staging, read
+    /// (uploads) or written (readbacks) by the kernel over the bus: one block per
+    /// multiprocessor, which keeps the link busy (on an H200, 132 blocks moved as much as
+    /// 1056) while leaving most of every multiprocessor to the caller's kernels.
+    ///
+    /// # Safety
+    /// As [`Kernels::copy`], with pinned host memory (mapped for the device: unified
+    /// addressing) allowed for the table and either side of each copy.
+    pub(crate) unsafe fn copy_over_bus(
+        &self,
+        raw: &Raw,
+        stream: cuda_sys::CUstream,
+        descriptors: u64,
+        count: u64,
+    ) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { self.launch_copy(raw, stream, descriptors, count, self.bus_blocks) }
+    }
+
+    /// One launch of the copy kernel over `count` descriptors at `descriptors`, a warp per
+    /// descriptor, in at most `most_blocks` blocks.
+    ///
+    /// # Safety
+    /// As [`Kernels::copy`] or [`Kernels::copy_over_bus`].
+    unsafe fn launch_copy(
+        &self,
+        raw: &Raw,
+        stream: cuda_sys::CUstream,
+        descriptors: u64,
+        count: u64,
+        most_blocks: u32,
+    ) -> Result<()> {
         let warps_per_block = u64::from(BLOCK / 32);
-        let blocks = count.div_ceil(warps_per_block).clamp(1, u64::from(self.max_blocks)) as u32;
+        let blocks = count.div_ceil(warps_per_block).clamp(1, u64::from(most_blocks.max(1))) as u32;
         let (mut table, mut n) = (descriptors, count);
         let mut params = [(&mut table as *mut u64).cast(), (&mut n as *mut u64).cast()];
         // SAFETY: the parameters match `copy_descriptors(const CopyDescriptor*, u64)`; the

@@ -175,26 +175,57 @@ fn a_large_pageable_round_trip() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn thousands_of_small_copies_cost_one_dma_and_one_launch() {
-    let d = device();
-    let mut rng = fastrand::Rng::with_seed(4);
+fn thousands_of_small_copies_cost_one_launch_over_the_bus_or_through_device_staging() {
+    // Over the bus (the default) the kernel reads and writes pinned staging itself: no DMA.
+    // Through device staging an upload is one DMA and a scatter, a readback a table upload,
+    // a gather and one DMA.
+    let over_bus = device();
+    assert!(over_bus.info().unified_addressing, "every GPU this crate supports has it");
+    assert_eq!(thousands_in_order(&over_bus, 4), [(0, 1), (0, 1)]);
+    let config = Config { small_copies_over_bus: false, ..Config::default() };
+    let staged = Device::open_with(Arc::clone(over_bus.driver()), 0, config).unwrap();
+    assert_eq!(thousands_in_order(&staged, 5), [(1, 1), (2, 1)]);
+}
+
+/// 4096 random writes of 256 bytes at odd offsets with gaps between them, then reads of
+/// the same ranges, every byte checked (destinations poisoned first); the DMAs and launches
+/// of the writes and of the reads.
+fn thousands_in_order(d: &Device, seed: u64) -> [(u64, u64); 2] {
+    let mut rng = fastrand::Rng::with_seed(seed);
     let b = d.allocate(8192 * 512).unwrap();
+    d.upload(b, &vec![0xA5; 8192 * 512]).unwrap();
     let data: Vec<Vec<u8>> = (0..4096).map(|_| random_vec(&mut rng, 256)).collect();
+    let counts = |before: &cuda_resident::TelemetrySnapshot, after: &cuda_resident::TelemetrySnapshot| {
+        (after.dma_copies - before.dma_copies, after.kernel_launches - before.kernel_launches)
+    };
     let before = d.telemetry();
     let mut batch = d.uploads();
     for (i, v) in data.iter().enumerate() {
-        batch.write(b, i as u64 * 512 + 3, v).unwrap(); // odd offsets, gaps between writes
+        batch.write(b, i as u64 * 512 + 3, v).unwrap();
     }
     batch.submit().unwrap().wait().unwrap();
     let after = d.telemetry();
-    assert_eq!(after.dma_copies - before.dma_copies, 1);
-    assert_eq!(after.kernel_launches - before.kernel_launches, 1);
+    let writes = counts(&before, &after);
     assert_eq!(after.bytes_requested - before.bytes_requested, 4096 * 256);
     let back = d.download(b).unwrap();
     for (i, v) in data.iter().enumerate() {
-        assert!(back[i * 512 + 3..][..256] == v[..], "copy {i}");
+        assert!(back[i * 512 + 3..][..256] == v[..], "write {i}");
+        assert!(back[i * 512..][..3].iter().all(|&x| x == 0xA5), "before write {i}");
+        assert!(back[i * 512 + 259..][..253].iter().all(|&x| x == 0xA5), "after write {i}");
     }
+    let mut reads = d.readbacks();
+    let slots: Vec<_> = (0..4096).map(|i| reads.read(b, i * 512 + 3, 256).unwrap()).collect();
+    let mut out = vec![vec![0x5Au8; 256]; 4096];
+    let before = d.telemetry();
+    let got = reads.submit().unwrap().wait_into(&slots, &mut out).unwrap();
+    let reads = counts(&before, &d.telemetry());
+    for (i, v) in data.iter().enumerate() {
+        assert!(out[i] == *v, "read {i} into a vector");
+        assert!(got.get(slots[i]) == &v[..], "read {i} as a view");
+    }
+    drop(got);
     d.free(b).unwrap();
+    [writes, reads]
 }
 
 #[test]

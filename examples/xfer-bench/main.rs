@@ -105,6 +105,10 @@ struct Args {
     /// cuda-resident's packing threads (Config::pack_threads; 0 = one per core, up to 16).
     #[arg(long)]
     pack_threads: Option<usize>,
+    /// Move batches of small copies in order through device staging (a DMA and a scatter or
+    /// gather) instead of by the kernel over the bus (Config::small_copies_over_bus = false).
+    #[arg(long)]
+    staged_small_copies: bool,
     /// Also print where the time of an upload batch goes (adding writes, submit, wait).
     #[arg(long)]
     breakdown: bool,
@@ -1283,6 +1287,7 @@ fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
     if let Some(threads) = args.pack_threads {
         config.pack_threads = threads;
     }
+    config.small_copies_over_bus = !args.staged_small_copies;
     config.validate().map_err(error)?;
     Ok(config)
 }
@@ -1310,10 +1315,15 @@ fn run(
     let info = d.info();
     let c = d.config();
     println!(
-        "cuda-resident config: chunk {} KiB, direct threshold {} KiB, {} packing threads",
+        "cuda-resident config: chunk {} KiB, direct threshold {} KiB, {} packing threads, small copies in order {}",
         c.chunk_bytes >> 10,
         c.direct_threshold >> 10,
-        c.resolved_pack_threads()
+        c.resolved_pack_threads(),
+        if c.small_copies_over_bus && info.unified_addressing {
+            "over the bus"
+        } else {
+            "through device staging"
+        }
     );
     println!(
         "device {}: {} | {} | {} | driver CUDA {} | {} copy engines",

@@ -243,8 +243,15 @@ fn a_device_dropped_with_work_in_flight_carries_it_out_first() {
 
 #[test]
 fn in_order_batches_of_small_writes_skip_planning_and_match() {
-    // Chunks of 64 KiB: a batch spans more chunks than the ring holds.
-    let d = device(small_chunks());
+    // Chunks of 64 KiB: a batch spans more chunks than the ring holds. The kernel reads the
+    // bytes in pinned staging over the bus, or from device staging after a DMA.
+    for over_bus in [true, false] {
+        in_order_writes(Config { small_copies_over_bus: over_bus, ..small_chunks() });
+    }
+}
+
+fn in_order_writes(config: Config) {
+    let d = device(config);
     let mut rng = fastrand::Rng::with_seed(33);
     let mut m = Model::new(&d, &mut rng, &[300_000, 70_000, 1 << 20, 4099]);
     let taken = || super::upload::IN_ORDER_BATCHES.with(|n| n.get());
@@ -285,7 +292,13 @@ fn in_order_batches_of_small_writes_skip_planning_and_match() {
 
 #[test]
 fn in_order_batches_of_small_reads_skip_planning_and_match() {
-    let d = device(small_chunks());
+    for over_bus in [true, false] {
+        in_order_reads(Config { small_copies_over_bus: over_bus, ..small_chunks() });
+    }
+}
+
+fn in_order_reads(config: Config) {
+    let d = device(config);
     let mut rng = fastrand::Rng::with_seed(34);
     let m = Model::new(&d, &mut rng, &[300_000, 70_000, 1 << 20, 4099]);
     let taken = || super::readback::IN_ORDER_BATCHES.with(|n| n.get());
@@ -434,9 +447,16 @@ fn large_batches_in_order_pack_and_copy_out_while_chunks_move() {
 
 #[test]
 fn a_fault_in_the_middle_of_a_pipelined_batch_fails_it_and_the_next_batch_works() {
+    // Over the bus each chunk is one launch; through device staging, a DMA and a launch.
+    pipelined_fault(true, "cuLaunchKernel");
+    pipelined_fault(false, "cuMemcpyHtoDAsync_v2");
+}
+
+fn pipelined_fault(over_bus: bool, chunk_call: &'static str) {
     use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Fault};
     let driver = fake_driver::driver();
-    let d = Device::open_with(driver.clone(), 0, small_chunks()).expect("the model opens");
+    let config = Config { small_copies_over_bus: over_bus, ..small_chunks() };
+    let d = Device::open_with(driver.clone(), 0, config).expect("the model opens");
     let mut rng = fastrand::Rng::with_seed(37);
     let mut m = Model::new(&d, &mut rng, &[4 << 20]);
     let ranges = pipelined_ranges(900);
@@ -453,10 +473,10 @@ fn a_fault_in_the_middle_of_a_pipelined_batch_fails_it_and_the_next_batch_works(
         faults.clear();
         faults.inject(Fault { entry, nth, code: CUDA_ERROR_LAUNCH_FAILED, times: 1 }).unwrap();
     };
-    // The tenth chunk's DMA, while the packing threads are still at work.
-    fail("cuMemcpyHtoDAsync_v2", 10);
+    // The tenth chunk's move, while the packing threads are still at work.
+    fail(chunk_call, 10);
     let e = upload(&mut m).unwrap_err().to_string();
-    assert!(e.contains("cuMemcpyHtoDAsync"), "{e}");
+    assert!(e.contains(chunk_call.trim_end_matches("_v2")), "{e}");
     driver.faults().clear();
     d.synchronize().unwrap();
     assert_eq!(d.telemetry().pinned.lent_bytes, 0, "the failed batch returned its staging");
@@ -481,13 +501,43 @@ fn a_fault_in_the_middle_of_a_pipelined_batch_fails_it_and_the_next_batch_works(
 }
 
 #[test]
-fn a_few_thousand_small_writes_or_reads_in_order_cost_one_dma_and_one_launch() {
+fn a_few_thousand_small_writes_or_reads_in_order_cost_one_launch_and_no_dma_over_the_bus() {
     // With the default configuration, 4096 writes of 256 bytes (a megabyte and their table)
-    // stay one chunk: pipelining does not cut them.
+    // stay one chunk: pipelining does not cut them. The kernel reads and writes pinned
+    // staging itself.
     let d = device(Config::default());
+    assert_eq!(few_thousand_in_order(&d), [(0, 1), (0, 1)]);
+}
+
+#[test]
+fn through_device_staging_a_few_thousand_small_copies_cost_one_launch_and_a_dma_or_two() {
+    // An upload moves its lease in one DMA and scatters; a readback moves its table up,
+    // gathers, and moves the bytes down.
+    let d = device(Config { small_copies_over_bus: false, ..Config::default() });
+    assert_eq!(few_thousand_in_order(&d), [(1, 1), (2, 1)]);
+}
+
+#[test]
+fn without_unified_addressing_small_copies_go_through_device_staging() {
+    // The model refuses a kernel that touches pinned memory here: the default configuration
+    // must fall back to DMAs.
+    fake_driver::with(|g| g.no_unified_addressing = true);
+    let d = device(Config::default());
+    assert!(!d.info().unified_addressing);
+    let counts = few_thousand_in_order(&d);
+    fake_driver::with(|g| g.no_unified_addressing = false);
+    assert_eq!(counts, [(1, 1), (2, 1)]);
+}
+
+/// 4096 writes of 256 bytes in order, at odd offsets with gaps, then reads of them, each
+/// batch checked byte for byte; the DMAs and launches of each (writes, then reads).
+fn few_thousand_in_order(d: &Device) -> [(u64, u64); 2] {
     let mut rng = fastrand::Rng::with_seed(38);
-    let mut m = Model::new(&d, &mut rng, &[4096 * 512]);
+    let mut m = Model::new(d, &mut rng, &[4096 * 512]);
     let data: Vec<_> = (0..4096).map(|_| random_vec(&mut rng, 256)).collect();
+    let counts = |before: &crate::TelemetrySnapshot, after: &crate::TelemetrySnapshot| {
+        (after.dma_copies - before.dma_copies, after.kernel_launches - before.kernel_launches)
+    };
     let before = d.telemetry();
     let mut batch = d.uploads();
     for (k, bytes) in data.iter().enumerate() {
@@ -495,25 +545,18 @@ fn a_few_thousand_small_writes_or_reads_in_order_cost_one_dma_and_one_launch() {
         m.expect[0][k * 512 + 3..][..256].copy_from_slice(bytes);
     }
     batch.submit().unwrap().wait().unwrap();
-    let after = d.telemetry();
-    assert_eq!(
-        (after.dma_copies - before.dma_copies, after.kernel_launches - before.kernel_launches),
-        (1, 1)
-    );
-    m.check(&d, "4096 small writes");
+    let writes = counts(&before, &d.telemetry());
+    m.check(d, "4096 small writes");
     let mut reads = d.readbacks();
     let slots: Vec<_> = (0..4096).map(|k| reads.read(m.buffers[0], k * 512 + 3, 256).unwrap()).collect();
     let before = d.telemetry();
     let got = reads.submit().unwrap().wait().unwrap();
-    let after = d.telemetry();
-    // A readback moves its table up, gathers, and moves the bytes down.
-    assert_eq!(
-        (after.dma_copies - before.dma_copies, after.kernel_launches - before.kernel_launches),
-        (2, 1)
-    );
+    let reads = counts(&before, &d.telemetry());
     for (k, &slot) in slots.iter().enumerate() {
         assert_eq!(got.get(slot), &m.expect[0][k * 512 + 3..][..256]);
     }
+    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+    [writes, reads]
 }
 
 #[test]

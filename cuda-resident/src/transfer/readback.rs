@@ -466,7 +466,9 @@ thread_local! {
 /// pass places each read in a chunk (its descriptor table and packed bytes within
 /// `chunk_bytes`), at the residue of its source modulo 16, and notes its view; then, per
 /// chunk, the descriptors are written straight into the chunk's table in the pinned lease,
-/// and one table upload, one gather launch and one DMA move it.
+/// and one launch moves it: the kernel reads the table and writes the bytes in the lease,
+/// over the bus ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)),
+/// or one table upload, one gather into device staging and one DMA.
 fn execute_in_order(
     batch: &ReadbackBatch<'_>,
     chunk_bytes: u64,
@@ -497,7 +499,13 @@ fn execute_in_order(
         device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), spans.len() as u64)?;
     let kernels = core.kernels()?;
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
-    let dev = region.ensure(device, LaneKind::Readback, device_need, first_seq - 1)?;
+    let over_bus = device.config().small_copies_over_bus && device.info().unified_addressing;
+    // Where the kernel gathers to: device staging, or the lease itself.
+    let dev = if over_bus {
+        None
+    } else {
+        Some(region.ensure(device, LaneKind::Readback, device_need, first_seq - 1)?)
+    };
     let (mut table_at, mut moved) = (0u64, 0u64);
     for span in spans.iter() {
         // The lease holds every chunk's table, then the flat packed bytes.
@@ -507,7 +515,11 @@ fn execute_in_order(
         let descriptors = base.wrapping_add(table as usize).cast::<CopyDescriptor>();
         for (j, i) in range.clone().enumerate() {
             let r = &batch.reads[i];
-            let d = CopyDescriptor { src: ptr_of(r), dst: dev + area + (offsets[i] - start), len: r.len };
+            let dst = match dev {
+                Some(dev) => dev + area + (offsets[i] - start),
+                None => base as u64 + tables + offsets[i],
+            };
+            let d = CopyDescriptor { src: ptr_of(r), dst, len: r.len };
             // SAFETY: the chunk's table in the lease has a slot per read (8-byte aligned:
             // tables are multiples of 256 bytes from the page-aligned start); nothing
             // reads it yet.
@@ -515,6 +527,13 @@ fn execute_in_order(
         }
         let count = range.len() as u64;
         lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+            let Some(dev) = dev else {
+                // SAFETY: the table and the destinations (each read's place in flat staging)
+                // are in the pinned lease, which this submission keeps alive and the device
+                // reaches (unified addressing); sources are disjoint ranges of live, marked
+                // buffers.
+                return unsafe { kernels.copy_over_bus(raw, stream, descriptors as u64, count) };
+            };
             // SAFETY: the table is pinned and stays alive (kept by this submission); device
             // staging holds area + packed bytes.
             unsafe { raw.memcpy_htod_async(dev, descriptors.cast(), area as usize, stream) }?;
@@ -537,7 +556,13 @@ fn execute_in_order(
     let requested = batch.reads.iter().map(|r| r.len).sum();
     core.telemetry.record(
         LaneKind::Readback,
-        Moves { submissions: chunks, requested, moved, dmas: 2 * chunks, launches: chunks },
+        Moves {
+            submissions: chunks,
+            requested,
+            moved,
+            dmas: if dev.is_some() { 2 * chunks } else { 0 },
+            launches: chunks,
+        },
     );
     Ok(PendingReadback {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),

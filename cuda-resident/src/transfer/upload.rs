@@ -524,9 +524,12 @@ thread_local! {
 /// without the planner. One pass places each write in a chunk (its descriptor table and
 /// packed bytes within `chunk_bytes`), at the residue of its destination modulo 16 (so the
 /// scatter uses 16-byte accesses); then, per chunk, the packing threads write each write's
-/// descriptor and copy its bytes straight into the pinned lease, and one DMA and one launch
-/// move it. (Touching writes go to the planner, which fuses them: one descriptor and one
-/// padded slot each would take far more staging for tiny writes.)
+/// descriptor and copy its bytes straight into the pinned lease, and one launch moves it:
+/// the kernel reads table and bytes in the lease, over the bus
+/// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), or after one
+/// DMA of the lease into device staging. (Touching writes go to the planner, which fuses
+/// them: one descriptor and one padded slot each would take far more staging for tiny
+/// writes.)
 fn execute_in_order(
     batch: &UploadBatch<'_>,
     lane_batch: &crate::stream::LaneBatch<'_>,
@@ -548,7 +551,13 @@ fn execute_in_order(
     let first_seq = lane_batch.next_seq();
     let final_seq = device.claim(lane_batch, LaneKind::Upload, batch.table.buffers(), spans.len() as u64)?;
     let kernels = core.kernels()?;
-    let dev = region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?;
+    let over_bus = device.config().small_copies_over_bus && device.info().unified_addressing;
+    // Where the kernel finds the packed bytes: in the lease itself, or in device staging.
+    let dev = if over_bus {
+        None
+    } else {
+        Some(region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?)
+    };
     let (spans, offsets) = (&*spans, &*offsets);
     let threads = core.packers().current_num_threads();
     let groups = Groups::new(
@@ -594,12 +603,19 @@ fn execute_in_order(
                 let (base, bytes) = (lease.as_ptr(), area(span) + span.len);
                 let count = span.requests.len() as u64;
                 let seq = lane_batch.submit(vec![lease], |raw, stream, _| {
+                    let Some(dev) = dev else {
+                        // SAFETY: the table and the packed bytes are in the pinned lease, which
+                        // this submission keeps alive and the device reads (unified
+                        // addressing); destinations are disjoint ranges (writes in order do
+                        // not overlap) of live, marked buffers.
+                        return unsafe { kernels.copy_over_bus(raw, stream, base as u64, count) };
+                    };
                     // SAFETY: descriptors and packed bytes are contiguous at the lease's start,
                     // which this submission keeps alive, and device staging holds
                     // device_need >= area + packed bytes.
                     unsafe { raw.memcpy_htod_async(dev, base, bytes as usize, stream) }?;
                     // SAFETY: the table is in device staging by stream order; destinations are
-                    // disjoint ranges (writes in order do not overlap) of live, marked buffers.
+                    // as above.
                     unsafe { kernels.copy(raw, stream, dev, count) }
                 })?;
                 seqs.push(seq);
@@ -615,7 +631,8 @@ fn execute_in_order(
                 let Source::Slice(data) = batch.sources[i] else {
                     unreachable!("only slices take this path")
                 };
-                let d = CopyDescriptor { src: dev + area + at, dst: ptr_of(w), len: w.len };
+                let from = dev.unwrap_or(base as u64);
+                let d = CopyDescriptor { src: from + area + at, dst: ptr_of(w), len: w.len };
                 // SAFETY: the chunk's lease (opened before its groups start, alive until its
                 // submission) holds `area` bytes of descriptors (one per write, 8-byte aligned
                 // at its page-aligned start) and the packed bytes after them; each write has a
@@ -632,10 +649,9 @@ fn execute_in_order(
         },
     )?;
     let chunks = spans.len() as u64;
-    core.telemetry.record(
-        LaneKind::Upload,
-        Moves { submissions: chunks, requested, moved, dmas: chunks, launches: chunks },
-    );
+    let dmas = if dev.is_some() { chunks } else { 0 };
+    core.telemetry
+        .record(LaneKind::Upload, Moves { submissions: chunks, requested, moved, dmas, launches: chunks });
     debug_assert_eq!(seqs.last().copied(), Some(final_seq));
     Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq))
 }
