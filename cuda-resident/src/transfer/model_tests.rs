@@ -174,6 +174,13 @@ fn ragged_batches_in_small_chunks_on_the_model_match_the_byte_model() {
 }
 
 #[test]
+fn ragged_batches_through_device_staging_match_the_byte_model() {
+    // Small copies in order by a DMA and a scatter or gather instead of over the bus.
+    ragged_rounds(Config { small_copies_over_bus: false, ..Config::default() }, 4);
+    ragged_rounds(Config { small_copies_over_bus: false, ..small_chunks() }, 5);
+}
+
+#[test]
 fn batches_submitted_back_to_back_never_reuse_staging_too_early() {
     // A pinned cap of a few chunks, many batches in flight, nothing waited for until the end:
     // staging must come back only after the model has carried out the copies that use it.
