@@ -9,8 +9,10 @@
 //! - two **lanes**, one non-blocking stream per direction, so that uploads and readbacks
 //!   overlap; submitted work completes into a [`Fence`];
 //! - **fused copies**: an [`UploadBatch`] or [`ReadbackBatch`] of thousands of small copies
-//!   costs one DMA and one scatter or gather kernel launch per staging chunk; large copies
-//!   from ordinary memory are pipelined through pinned staging by several threads;
+//!   costs one kernel launch per staging chunk, which reads or writes the pinned staging
+//!   over the bus when the copies come in order ([`Config::small_copies_over_bus`]), or one
+//!   DMA and one scatter or gather launch; large copies from ordinary memory are pipelined
+//!   through pinned staging by several threads;
 //! - **several GPUs** ([`DeviceSet`]): peer access, [`PeerBatch`]es of device-to-device copies
 //!   fused into one kernel launch on the destination, and fan-out of one host buffer to
 //!   every GPU.

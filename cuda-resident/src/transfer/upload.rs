@@ -1,5 +1,6 @@
 //! Uploads: a batch of writes, fused, staged once in pinned memory and moved by one DMA plus
-//! one scatter per chunk (small writes) or one DMA each (large ones).
+//! one scatter per chunk (small writes; many small writes in order, by one launch that reads
+//! the chunk over the bus) or one DMA each (large ones).
 
 use std::fmt;
 use std::sync::Arc;
