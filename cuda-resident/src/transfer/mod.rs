@@ -349,17 +349,24 @@ pub(crate) fn pipeline_chunk(configured: u64, total: u64, depth: u64) -> u64 {
 }
 
 /// The staging chunk for `total` bytes of small requests in order and apart (the paths that
-/// skip the planner): as [`pipeline_chunk`], but not below 4 MiB, so that a few thousand
-/// small requests (a megabyte or two) stay one chunk, one DMA and one launch (cutting 2 MiB
-/// of 256-byte writes into 1 MiB chunks measured no faster on the H200).
-pub(crate) fn in_order_chunk(configured: u64, total: u64) -> u64 {
-    pipeline_chunk(configured, total, PIPELINE_DEPTH).max(configured.min(4 << 20))
+/// skip the planner), for a batch of at least `depth` chunks: as [`pipeline_chunk`], but not
+/// below 4 MiB, so that a few thousand small requests (a megabyte or two) stay one chunk and
+/// one launch (cutting 2 MiB of 256-byte writes into 1 MiB chunks measured no faster on the
+/// H200).
+pub(crate) fn in_order_chunk(configured: u64, total: u64, depth: u64) -> u64 {
+    pipeline_chunk(configured, total, depth).max(configured.min(4 << 20))
 }
 
 /// Chunks a batch is cut into at least, when it is large enough. On the H200 (8192 reads or
 /// writes of 4 KiB and 64 KiB, one run each) 8 and 16 chunks measured no better than 4 both
-/// ways, 32 worse.
+/// ways, 32 worse, when each chunk moved by a DMA and a kernel; small uploads in order,
+/// which move by one launch over the bus, measured no better with 2 and 4 MiB chunks either.
 pub(crate) const PIPELINE_DEPTH: u64 = 4;
+
+/// [`PIPELINE_DEPTH`] for small reads in order, which move by one launch a chunk over the bus:
+/// the last chunk's copy-out into the caller's vectors is what the wire does not hide, so
+/// more, smaller chunks pay.
+pub(crate) const READ_DEPTH: u64 = 8;
 /// Chunks are never cut smaller than this for pipelining.
 const MIN_PIPELINE_CHUNK: u64 = 1 << 20;
 
@@ -762,8 +769,10 @@ mod tests {
         assert_eq!(pipeline_chunk(16 * MIB, 1 << 30, 4), 16 * MIB, "large batches: the configured chunk");
         assert_eq!(pipeline_chunk(16 * MIB, 6 * MIB + 1, 4) % (64 << 10), 0);
         assert_eq!(pipeline_chunk(512 << 10, 16 * MIB, 4), 512 << 10, "never above the configured chunk");
-        assert_eq!(in_order_chunk(16 * MIB, 2 * MIB), 4 * MIB, "a few thousand small requests: one chunk");
-        assert_eq!(in_order_chunk(16 * MIB, 32 * MIB), 8 * MIB);
-        assert_eq!(in_order_chunk(64 << 10, 32 * MIB), 64 << 10, "never above the configured chunk");
+        assert_eq!(in_order_chunk(16 * MIB, 2 * MIB, 4), 4 * MIB, "a few thousand small requests: one chunk");
+        assert_eq!(in_order_chunk(16 * MIB, 32 * MIB, 4), 8 * MIB);
+        assert_eq!(in_order_chunk(16 * MIB, 32 * MIB, 8), 4 * MIB);
+        assert_eq!(in_order_chunk(16 * MIB, 2 * MIB, 8), 4 * MIB, "not below 4 MiB");
+        assert_eq!(in_order_chunk(64 << 10, 32 * MIB, 4), 64 << 10, "never above the configured chunk");
     }
 }

@@ -327,7 +327,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     {
         return execute_in_order(
             batch,
-            super::in_order_chunk(config.chunk_bytes, total),
+            super::in_order_chunk(config.chunk_bytes, total, super::READ_DEPTH),
             &lane_batch,
             scratch,
         );

@@ -545,7 +545,7 @@ fn execute_in_order(
     let DeviceStaging { offsets, spans, region, .. } = scratch;
     let requests = batch.writes.iter().map(|w| (ptr_of(w), w.len));
     let requested: u64 = batch.writes.iter().map(|w| w.len).sum();
-    let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested);
+    let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, super::PIPELINE_DEPTH);
     lay_out_apart(requests, chunk_bytes, offsets, spans);
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
