@@ -352,6 +352,13 @@ impl Device {
         &self.core.config
     }
 
+    /// Whether batches of small copies in order move over the bus on this device: the
+    /// configuration asks for it ([`Config::small_copies_over_bus`]) and the GPU has unified
+    /// addressing, without which its kernels cannot reach pinned host memory.
+    pub fn small_copies_over_bus(&self) -> bool {
+        self.core.config.small_copies_over_bus && self.info().unified_addressing
+    }
+
     /// The loaded driver, for raw calls of the caller's own.
     pub fn driver(&self) -> &Arc<Driver> {
         &self.core.ctx.raw.driver

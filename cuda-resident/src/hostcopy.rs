@@ -22,8 +22,8 @@
 const STREAM_MIN: usize = 16 << 10;
 
 /// Copies `len` bytes of landed staging at `src` into caller memory at `dst` (the argument
-/// order of [`std::ptr::copy_nonoverlapping`]). The calling
-/// thread must call [`publish`] before another thread reads the destination.
+/// order of [`std::ptr::copy_nonoverlapping`]). The calling thread must call [`publish`]
+/// before another thread reads the destination.
 ///
 /// # Safety
 ///

@@ -1319,11 +1319,7 @@ fn run(
         c.chunk_bytes >> 10,
         c.direct_threshold >> 10,
         c.resolved_pack_threads(),
-        if c.small_copies_over_bus && info.unified_addressing {
-            "over the bus"
-        } else {
-            "through device staging"
-        }
+        if d.small_copies_over_bus() { "over the bus" } else { "through device staging" }
     );
     println!(
         "device {}: {} | {} | {} | driver CUDA {} | {} copy engines",

@@ -367,6 +367,7 @@ pub(crate) const PIPELINE_DEPTH: u64 = 4;
 /// the last chunk's copy-out into the caller's vectors is what the wire does not hide, so
 /// more, smaller chunks pay.
 pub(crate) const READ_DEPTH: u64 = 8;
+
 /// Chunks are never cut smaller than this for pipelining.
 const MIN_PIPELINE_CHUNK: u64 = 1 << 20;
 

@@ -513,6 +513,7 @@ fn a_few_thousand_small_writes_or_reads_in_order_cost_one_launch_and_no_dma_over
     // stay one chunk: pipelining does not cut them. The kernel reads and writes pinned
     // staging itself.
     let d = device(Config::default());
+    assert!(d.small_copies_over_bus());
     assert_eq!(few_thousand_in_order(&d), [(0, 1), (0, 1)]);
 }
 
@@ -530,7 +531,7 @@ fn without_unified_addressing_small_copies_go_through_device_staging() {
     // must fall back to DMAs.
     fake_driver::with(|g| g.no_unified_addressing = true);
     let d = device(Config::default());
-    assert!(!d.info().unified_addressing);
+    assert!(!d.info().unified_addressing && !d.small_copies_over_bus());
     let counts = few_thousand_in_order(&d);
     fake_driver::with(|g| g.no_unified_addressing = false);
     assert_eq!(counts, [(1, 1), (2, 1)]);

@@ -499,9 +499,8 @@ fn execute_in_order(
         device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), spans.len() as u64)?;
     let kernels = core.kernels()?;
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
-    let over_bus = device.config().small_copies_over_bus && device.info().unified_addressing;
     // Where the kernel gathers to: device staging, or the lease itself.
-    let dev = if over_bus {
+    let dev = if device.small_copies_over_bus() {
         None
     } else {
         Some(region.ensure(device, LaneKind::Readback, device_need, first_seq - 1)?)

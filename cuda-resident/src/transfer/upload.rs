@@ -552,9 +552,8 @@ fn execute_in_order(
     let first_seq = lane_batch.next_seq();
     let final_seq = device.claim(lane_batch, LaneKind::Upload, batch.table.buffers(), spans.len() as u64)?;
     let kernels = core.kernels()?;
-    let over_bus = device.config().small_copies_over_bus && device.info().unified_addressing;
     // Where the kernel finds the packed bytes: in the lease itself, or in device staging.
-    let dev = if over_bus {
+    let dev = if device.small_copies_over_bus() {
         None
     } else {
         Some(region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?)
