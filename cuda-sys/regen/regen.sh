@@ -29,7 +29,7 @@ if ! command -v bindgen >/dev/null || [[ "$(bindgen --version)" != "bindgen $BIN
   cargo install --quiet --locked bindgen-cli --version "$BINDGEN_VERSION" \
     || die "could not install bindgen-cli $BINDGEN_VERSION. Fix: check network access to crates.io, then rerun."
 fi
-if ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
+if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
   die "libclang not found. Fix: apt-get install libclang-dev"
 fi
 
