@@ -1,9 +1,10 @@
 // Scatter and gather for fused copies: one launch moves many small copies.
 //
-// A descriptor is (src, dst, len) with absolute device addresses. For an upload, src lies in
-// the device staging region (the packed bytes, moved there by one DMA) and dst in a resident
-// buffer: a scatter. For a readback it is the other way round: a gather. One kernel serves
-// both.
+// A descriptor is (src, dst, len) with absolute (unified) addresses. For an upload, src lies
+// in staging (the packed bytes: in device staging after one DMA, or in pinned host memory,
+// read over the bus) and dst in a resident buffer: a scatter. For a readback it is the other
+// way round: a gather into device staging or straight into pinned host memory. Peer batches
+// read another GPU's memory. One kernel serves them all.
 //
 // One warp per descriptor (grid-stride over descriptors). The host splits long copies into
 // descriptors of a few KiB so that every launch has enough warps in flight. Each warp copies

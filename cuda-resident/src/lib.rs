@@ -10,9 +10,10 @@
 //!   overlap; submitted work completes into a [`Fence`];
 //! - **fused copies**: an [`UploadBatch`] or [`ReadbackBatch`] of thousands of small copies
 //!   costs one kernel launch per staging chunk, which reads or writes the pinned staging
-//!   over the bus when the copies come in order ([`Config::small_copies_over_bus`]), or one
-//!   DMA and one scatter or gather launch; large copies from ordinary memory are pipelined
-//!   through pinned staging by several threads;
+//!   over the bus when the copies come in order ([`Config::small_copies_over_bus`]), or a
+//!   DMA (two for a readback: its table up, its bytes down) and one scatter or gather
+//!   launch; large copies from ordinary memory are pipelined through pinned staging by
+//!   several threads;
 //! - **several GPUs** ([`DeviceSet`]): peer access, [`PeerBatch`]es of device-to-device copies
 //!   fused into one kernel launch on the destination, and fan-out of one host buffer to
 //!   every GPU.

@@ -349,8 +349,8 @@ pub(crate) fn pipeline_chunk(configured: u64, total: u64, depth: u64) -> u64 {
 }
 
 /// The staging chunk for `total` bytes of small requests in order and apart (the paths that
-/// skip the planner), for a batch of at least `depth` chunks: as [`pipeline_chunk`], but not
-/// below 4 MiB, so that a few thousand small requests (a megabyte or two) stay one chunk and
+/// skip the planner), cutting the batch into `depth` chunks where they stay large enough: as
+/// [`pipeline_chunk`], but not below 4 MiB, so that a few thousand small requests (a megabyte or two) stay one chunk and
 /// one launch (cutting 2 MiB of 256-byte writes into 1 MiB chunks measured no faster on the
 /// H200).
 pub(crate) fn in_order_chunk(configured: u64, total: u64, depth: u64) -> u64 {
@@ -363,7 +363,8 @@ pub(crate) fn in_order_chunk(configured: u64, total: u64, depth: u64) -> u64 {
 /// which move by one launch over the bus, measured no better with 2 and 4 MiB chunks either.
 pub(crate) const PIPELINE_DEPTH: u64 = 4;
 
-/// [`PIPELINE_DEPTH`] for small reads in order, which move by one launch a chunk over the bus:
+/// [`PIPELINE_DEPTH`] for small reads in order over the bus, where a chunk costs one launch
+/// (through device staging it costs two DMAs and a launch, and keeps [`PIPELINE_DEPTH`]):
 /// the last chunk's copy-out into the caller's vectors is what the wire does not hide, so
 /// more, smaller chunks pay.
 pub(crate) const READ_DEPTH: u64 = 8;

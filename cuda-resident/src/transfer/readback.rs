@@ -1,5 +1,6 @@
-//! Readbacks: a batch of reads, fused, gathered on the device into device staging (small
-//! ranges) or copied directly (large ones), and moved into one pinned region that the caller
+//! Readbacks: a batch of reads, fused, gathered by the kernel (small ranges: into device
+//! staging and moved by one DMA, or, many small reads in order, straight into pinned staging
+//! over the bus) or copied directly (large ones), into one pinned region that the caller
 //! reads as `&[u8]` views.
 
 use std::fmt;
@@ -327,7 +328,11 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     {
         return execute_in_order(
             batch,
-            super::in_order_chunk(config.chunk_bytes, total, super::READ_DEPTH),
+            super::in_order_chunk(
+                config.chunk_bytes,
+                total,
+                if device.small_copies_over_bus() { super::READ_DEPTH } else { super::PIPELINE_DEPTH },
+            ),
             &lane_batch,
             scratch,
         );
@@ -549,7 +554,15 @@ fn execute_in_order(
                 )
             }
         })?;
-        moved += area + packed;
+        // Over the bus the kernel reads the descriptors and writes the payload, not the
+        // padding between packed reads that a DMA moves.
+        moved += match dev {
+            Some(_) => area + packed,
+            None => {
+                count * std::mem::size_of::<CopyDescriptor>() as u64
+                    + range.map(|i| batch.reads[i].len).sum::<u64>()
+            }
+        };
     }
     let chunks = spans.len() as u64;
     let requested = batch.reads.iter().map(|r| r.len).sum();

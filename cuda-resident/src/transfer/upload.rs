@@ -619,7 +619,15 @@ fn execute_in_order(
                     unsafe { kernels.copy(raw, stream, dev, count) }
                 })?;
                 seqs.push(seq);
-                moved += bytes;
+                // Over the bus the kernel reads the descriptors and the payload, not the
+                // padding between packed writes that a DMA moves.
+                moved += match dev {
+                    Some(_) => bytes,
+                    None => {
+                        let payload: u64 = span.requests.clone().map(|i| batch.writes[i].len).sum();
+                        count * std::mem::size_of::<CopyDescriptor>() as u64 + payload
+                    }
+                };
                 Ok(true)
             }
         },
