@@ -47,7 +47,8 @@ pub struct Config {
     /// plus a scatter (or a gather plus a DMA). Default `true`; it applies only where the GPU
     /// has unified addressing. The kernel then runs for as long as the bytes are on the wire
     /// (one block of 256 threads per multiprocessor), where a scatter runs for microseconds:
-    /// set `false` when your own kernels keep every multiprocessor busy. On an H200, 8192
+    /// set `false` when your own kernels keep every multiprocessor busy, or on a platform
+    /// whose kernels may not touch host memory even with unified addressing. On an H200, 8192
     /// uploads of 4 KiB from pageable memory moved 25 to 29 GB/s over the bus against 21 to
     /// 23 through device staging (BENCHMARKS.md).
     pub small_copies_over_bus: bool,
