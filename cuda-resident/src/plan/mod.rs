@@ -583,17 +583,6 @@ impl Planner {
         in_order(writes, &mut self.ends)
     }
 
-    /// Whether `writes` are in order with a gap between each and the previous one of its
-    /// buffer: none overlap and none touch, so the planner would fuse none of them.
-    pub(crate) fn are_writes_apart(&mut self, writes: &[WriteRequest]) -> bool {
-        in_order_by(writes, &mut self.ends, 1)
-    }
-
-    /// The same for reads.
-    pub(crate) fn are_reads_apart(&mut self, reads: &[ReadRequest]) -> bool {
-        in_order_by(reads, &mut self.ends, 1)
-    }
-
     /// Checks an in-order batch and lists its non-empty requests when some are empty.
     fn in_order<'a, R: fuse::Request>(
         requests: &'a [R],

@@ -412,6 +412,65 @@ pub(crate) struct BufferTable {
     kept: Vec<Resolved>,
     kept_slots: Vec<u32>,
     kept_validity: Option<(u32, u64)>,
+    /// Whether the requests so far can skip the planner, and their layout if so.
+    pub(crate) apart: Apart,
+}
+
+/// Kept as a batch's requests are added, for the paths that skip the planner: whether every
+/// request so far is non-empty, at most a kernel segment long and past the previous one of
+/// its buffer with a gap (so that none overlap and none touch: the planner would fuse none),
+/// and, while that holds, each request's flat staging offset. Knowing this on submit saves
+/// two passes over the requests (a check and a layout), which on a slow host cost as much as
+/// moving a few thousand small copies.
+#[derive(Default)]
+pub(crate) struct Apart {
+    /// Set by the first request that breaks the rule: the batch goes to the planner.
+    pub(crate) broken: bool,
+    /// Per buffer key, its last request's end plus one (0 for none yet).
+    next: Vec<u64>,
+    /// Each request's flat offset: at the next 16-byte boundary after the previous request,
+    /// plus its device address's residue modulo 16 (so the kernel can use 16-byte accesses).
+    /// A chunk of the layout starts at the 16-byte boundary below its first offset, which
+    /// leaves every offset as it is, however the batch is cut into chunks.
+    pub(crate) offsets: Vec<u64>,
+    /// The end of the last request's flat range.
+    pub(crate) end: u64,
+    /// The longest request and the sum of all.
+    pub(crate) longest: u64,
+    pub(crate) requested: u64,
+}
+
+impl Apart {
+    /// Notes a request of `len` bytes at `offset` of the buffer of `key`, whose device
+    /// address is `address`.
+    #[inline]
+    fn note(&mut self, key: u32, address: u64, offset: u64, len: u64) {
+        if self.broken {
+            return;
+        }
+        let key = key as usize;
+        if key >= self.next.len() {
+            self.next.resize(key + 1, 0);
+        }
+        // The range was checked against the buffer's length: `offset + len` does not overflow.
+        if len == 0 || len > crate::kernels::SEGMENT || offset < self.next[key] {
+            self.broken = true;
+            return;
+        }
+        self.next[key] = offset + len + 1;
+        let at = self.end.next_multiple_of(16) + address % 16;
+        self.offsets.push(at);
+        self.end = at + len;
+        self.longest = self.longest.max(len);
+        self.requested += len;
+    }
+
+    fn clear(&mut self) {
+        self.broken = false;
+        self.next.clear();
+        self.offsets.clear();
+        (self.end, self.longest, self.requested) = (0, 0, 0);
+    }
 }
 
 /// A buffer as the batch saw it when it was named.
@@ -437,6 +496,7 @@ impl crate::recycle::Reusable for BufferTable {
         self.kept_validity = self.validity.take();
         self.entries.clear();
         self.slots.fill(0);
+        self.apart.clear();
     }
 }
 
@@ -523,12 +583,15 @@ impl BufferTable {
     ) -> Result<(u32, u64)> {
         // A buffer seen before and a range inside it: no error value is built or moved.
         if let Some(key) = self.find(buffer) {
-            let buffer_len = self.entries[key as usize].len;
+            let Resolved { ptr, len: buffer_len, .. } = self.entries[key as usize];
             if offset.checked_add(len).is_some_and(|end| end <= buffer_len) {
+                self.apart.note(key, ptr + offset, offset, len);
                 return Ok((key, buffer_len));
             }
         }
-        self.check_slow(device, buffer, offset, len, first_error)
+        let (key, buffer_len) = self.check_slow(device, buffer, offset, len, first_error)?;
+        self.apart.note(key, self.entries[key as usize].ptr + offset, offset, len);
+        Ok((key, buffer_len))
     }
 
     /// [`BufferTable::check`] for a buffer seen first or a bad range.
@@ -679,47 +742,45 @@ pub(crate) struct DeviceStaging {
     pub(crate) readback_plan: crate::plan::ReadbackPlan,
     pub(crate) descriptors: Vec<crate::kernels::CopyDescriptor>,
     pub(crate) pieces: Vec<Piece>,
-    /// Batches laid out by [`lay_out_apart`]: each request's flat staging offset, and the
-    /// chunks.
-    pub(crate) offsets: Vec<u64>,
+    /// The chunks of a batch cut by [`cut_apart`].
     pub(crate) spans: Vec<Span>,
 }
 
-/// A chunk of [`lay_out_apart`]: its requests, and its packed bytes' flat start and length.
+/// A chunk of [`cut_apart`]: its requests, and its packed bytes' flat start and length.
 pub(crate) struct Span {
     pub(crate) requests: std::ops::Range<usize>,
     pub(crate) start: u64,
     pub(crate) len: u64,
 }
 
-/// Lays out requests that are in order and apart (none fuses), `(device address, length)`
-/// each, none longer than a kernel segment, for the paths that skip the planner: each at the
-/// next 16-byte boundary plus its address's residue modulo 16 (so the kernel uses 16-byte
-/// accesses), in chunks whose descriptor table (one descriptor a request) and packed bytes
-/// fit `chunk_bytes`. A chunk starts at a 16-byte boundary. Fills `offsets` (flat) and
-/// `spans`.
-pub(crate) fn lay_out_apart(
-    requests: impl Iterator<Item = (u64, u64)>,
+/// Cuts a batch of requests in order and apart, laid out as they were added ([`Apart`]:
+/// request `i` at flat offset `offsets[i]`, `len(i)` bytes, none longer than a kernel
+/// segment), into chunks whose descriptor table (one descriptor a request) and packed bytes
+/// fit `chunk_bytes`, each chunk the longest run of requests that fits (at least one): found
+/// by binary search, as flat offsets grow with the index, so the cost is per chunk, not per
+/// request. A chunk starts at the 16-byte boundary below its first offset. Fills `spans`.
+pub(crate) fn cut_apart(
+    offsets: &[u64],
+    len: impl Fn(usize) -> u64,
     chunk_bytes: u64,
-    offsets: &mut Vec<u64>,
     spans: &mut Vec<Span>,
 ) {
-    offsets.clear();
     spans.clear();
-    let (mut first, mut start, mut cursor) = (0, 0u64, 0u64);
-    for (i, (address, len)) in requests.enumerate() {
-        let residue = address % 16;
-        let mut at = cursor.next_multiple_of(16) + residue;
-        // One request alone always fits: it is at most a segment, a chunk at least 64 KiB.
-        if crate::kernels::table_bytes((i + 1 - first) as u64) + at + len - start > chunk_bytes && i > first {
-            spans.push(Span { requests: first..i, start, len: cursor - start });
-            (first, start) = (i, cursor.next_multiple_of(16));
-            at = start + residue;
+    let mut first = 0;
+    while first < offsets.len() {
+        let start = offsets[first] & !15;
+        let end = |i: usize| offsets[i] + len(i) - start;
+        let fits = |i: usize| crate::kernels::table_bytes((i + 1 - first) as u64) + end(i) <= chunk_bytes;
+        // The first request past `first` that does not fit (one request alone always does:
+        // it is at most a segment, a chunk at least 64 KiB).
+        let (mut lo, mut hi) = (first + 1, offsets.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if fits(mid) { lo = mid + 1 } else { hi = mid }
         }
-        offsets.push(at);
-        cursor = at + len;
+        spans.push(Span { requests: first..lo, start, len: end(lo - 1) });
+        first = lo;
     }
-    spans.push(Span { requests: first..offsets.len(), start, len: cursor - start });
 }
 
 /// A lane's device staging buffer.
@@ -776,5 +837,94 @@ mod tests {
         assert_eq!(in_order_chunk(16 * MIB, 32 * MIB, 8), 4 * MIB);
         assert_eq!(in_order_chunk(16 * MIB, 2 * MIB, 8), 4 * MIB, "not below 4 MiB");
         assert_eq!(in_order_chunk(64 << 10, 32 * MIB, 4), 64 << 10, "never above the configured chunk");
+    }
+
+    /// The layout of requests in order and apart, one request at a time, as it was done on
+    /// submit before [`super::Apart`]: the reference for [`super::cut_apart`].
+    /// A chunk as (requests, start, length).
+    type Cut = (std::ops::Range<usize>, u64, u64);
+
+    fn reference(requests: &[(u64, u64)], chunk_bytes: u64) -> (Vec<u64>, Vec<Cut>) {
+        let (mut offsets, mut spans) = (Vec::new(), Vec::new());
+        let (mut first, mut start, mut cursor) = (0, 0u64, 0u64);
+        for (i, &(address, len)) in requests.iter().enumerate() {
+            let mut at = cursor.next_multiple_of(16) + address % 16;
+            if crate::kernels::table_bytes((i + 1 - first) as u64) + at + len - start > chunk_bytes
+                && i > first
+            {
+                spans.push((first..i, start, cursor - start));
+                (first, start) = (i, cursor.next_multiple_of(16));
+                at = start + address % 16;
+            }
+            offsets.push(at);
+            cursor = at + len;
+        }
+        spans.push((first..offsets.len(), start, cursor - start));
+        (offsets, spans)
+    }
+
+    #[test]
+    fn requests_laid_out_as_added_and_cut_by_search_match_the_layout_made_one_by_one() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        for round in 0..300 {
+            let buffers = rng.u32(1..8);
+            let mut apart = super::Apart::default();
+            let mut next = vec![0u64; buffers as usize];
+            let mut requests = Vec::new();
+            for _ in 0..rng.usize(1..3000) {
+                let key = rng.u32(..buffers);
+                let len = match rng.u8(..3) {
+                    0 => rng.u64(1..32),
+                    1 => rng.u64(1..=4096),
+                    _ => rng.u64(1..=crate::kernels::SEGMENT),
+                };
+                let offset = next[key as usize] + rng.u64(1..50);
+                next[key as usize] = offset + len;
+                // Buffers at 256-byte boundaries, as the allocator places them.
+                let address = (u64::from(key) << 32) + offset;
+                apart.note(key, address, offset, len);
+                requests.push((address, len));
+            }
+            assert!(!apart.broken, "round {round}");
+            let chunk_bytes = [64 << 10, 1 << 20, 4 << 20][round % 3];
+            let (offsets, spans) = reference(&requests, chunk_bytes);
+            assert_eq!(apart.offsets, offsets, "round {round}: offsets");
+            let mut cut = Vec::new();
+            super::cut_apart(&apart.offsets, |i| requests[i].1, chunk_bytes, &mut cut);
+            let cut: Vec<_> = cut.iter().map(|s| (s.requests.clone(), s.start, s.len)).collect();
+            assert_eq!(cut, spans, "round {round}: chunks");
+            assert_eq!(apart.requested, requests.iter().map(|r| r.1).sum::<u64>());
+            assert_eq!(apart.longest, requests.iter().map(|r| r.1).max().unwrap());
+        }
+    }
+
+    #[test]
+    fn a_request_that_overlaps_touches_goes_back_is_empty_or_too_long_breaks_the_in_order_layout() {
+        const SEGMENT: u64 = crate::kernels::SEGMENT;
+        let segment = SEGMENT;
+        // (buffer key, offset, length) each.
+        type Requests = &'static [(u32, u64, u64)];
+        let cases: [(&str, Requests); 6] = [
+            ("overlap", &[(0, 0, 10), (0, 5, 10)]),
+            ("touch", &[(0, 0, 10), (0, 10, 10)]),
+            ("back", &[(0, 100, 10), (1, 0, 4), (0, 0, 10)]),
+            ("empty", &[(0, 0, 10), (0, 20, 0)]),
+            ("too long", &[(0, 0, SEGMENT + 1)]),
+            ("same range twice", &[(1, 8, 8), (1, 8, 8)]),
+        ];
+        for (what, requests) in cases {
+            let mut apart = super::Apart::default();
+            for &(key, offset, len) in requests {
+                apart.note(key, offset, offset, len);
+            }
+            assert!(apart.broken, "{what}");
+            apart.clear();
+            apart.note(0, 0, 0, segment);
+            apart.note(0, segment + 1, segment + 1, 1);
+            assert!(
+                !apart.broken && apart.offsets == [0, segment.next_multiple_of(16) + 1],
+                "{what}: cleared"
+            );
+        }
     }
 }

@@ -5,7 +5,7 @@
 //! of the other lane, shows as wrong bytes. No GPU needed: these run in CI.
 
 use crate::fake_driver;
-use crate::{Config, Device, Error, ResidentBuffer};
+use crate::{Config, Device, Error, ReadbackBatch, ResidentBuffer, Slot};
 
 fn device(config: Config) -> Device {
     Device::open_with(fake_driver::driver(), 0, config).expect("the model opens")
@@ -73,6 +73,20 @@ impl Model {
             }
         }
         ranges
+    }
+
+    /// A readback batch of `ranges` `(buffer, offset, len)`, not yet submitted, and its slots.
+    pub(crate) fn reads<'d>(
+        &self,
+        d: &'d Device,
+        ranges: &[(usize, usize, usize)],
+    ) -> (ReadbackBatch<'d>, Vec<Slot>) {
+        let mut reads = d.readbacks();
+        let slots = ranges
+            .iter()
+            .map(|&(i, at, len)| reads.read(self.buffers[i], at as u64, len as u64).unwrap())
+            .collect();
+        (reads, slots)
     }
 
     /// A random range: 1 byte to the whole buffer, mostly small (at most `max` bytes).
@@ -308,11 +322,7 @@ fn in_order_reads(config: Config) {
         if ranges.len() < 64 {
             continue;
         }
-        let mut reads = d.readbacks();
-        let slots: Vec<_> = ranges
-            .iter()
-            .map(|&(i, at, len)| reads.read(m.buffers[i], at as u64, len as u64).unwrap())
-            .collect();
+        let (reads, slots) = m.reads(&d, &ranges);
         let pending = reads.submit().unwrap();
         assert_eq!(taken(), before + 1, "round {round}: the in-order path");
         let got = if round % 2 == 0 {
@@ -331,6 +341,42 @@ fn in_order_reads(config: Config) {
     }
     assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
     d.synchronize().unwrap();
+}
+
+#[test]
+fn reads_in_order_copy_into_vectors_for_slots_in_any_order_a_subset_or_named_twice() {
+    for over_bus in [true, false] {
+        let d = device(Config { small_copies_over_bus: over_bus, ..small_chunks() });
+        let mut rng = fastrand::Rng::with_seed(44);
+        let m = Model::new(&d, &mut rng, &[4 << 20]);
+        let taken = || super::readback::IN_ORDER_BATCHES.with(|n| n.get());
+        // Over a megabyte in 64 KiB chunks: many chunks, copied out on the packing threads.
+        let ranges = pipelined_ranges(900);
+        let mut orders: Vec<(&str, Vec<usize>)> = vec![
+            ("in order", (0..ranges.len()).collect()),
+            ("reversed", (0..ranges.len()).rev().collect()),
+            ("a subset", (0..ranges.len()).step_by(3).collect()),
+            ("named twice", (0..ranges.len()).chain(0..ranges.len()).collect()),
+        ];
+        let mut shuffled: Vec<usize> = (0..ranges.len()).collect();
+        rng.shuffle(&mut shuffled);
+        orders.push(("shuffled", shuffled));
+        for (what, order) in orders {
+            let before = taken();
+            let (reads, slots) = m.reads(&d, &ranges);
+            let pending = reads.submit().unwrap();
+            assert_eq!(taken(), before + 1, "{what}: the in-order path");
+            let asked: Vec<_> = order.iter().map(|&r| slots[r]).collect();
+            let mut out = vec![vec![0x5a; 7]; asked.len()];
+            let got = pending.wait_into(&asked, &mut out).unwrap();
+            for (&r, v) in order.iter().zip(&out) {
+                let (i, at, len) = ranges[r];
+                assert!(v == &m.expect[i][at..at + len], "{what}, over the bus {over_bus}: read {r}");
+                assert_eq!(got.get(slots[r]), &v[..], "{what}: its view");
+            }
+        }
+        assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+    }
 }
 
 #[test]
@@ -430,9 +476,7 @@ fn large_batches_in_order_pack_and_copy_out_while_chunks_move() {
     batch.submit().unwrap().wait().unwrap();
     assert_eq!(runs(), before + 1, "the upload ran on the packing threads");
     m.check(&d, "a pipelined upload");
-    let mut reads = d.readbacks();
-    let slots: Vec<_> =
-        ranges.iter().map(|&(i, at, len)| reads.read(m.buffers[i], at as u64, len as u64).unwrap()).collect();
+    let (reads, slots) = m.reads(&d, &ranges);
     let mut out = vec![vec![0x5a; 5]; slots.len()];
     let got = reads.submit().unwrap().wait_into(&slots, &mut out).unwrap();
     assert_eq!(runs(), before + 2, "the copy-out ran on the packing threads");
@@ -486,9 +530,7 @@ fn pipelined_fault(over_bus: bool, chunk_call: &'static str) {
     }
     m.check(&d, "after a failed pipelined upload");
     // A wait that fails in the middle of the copy-out.
-    let mut reads = d.readbacks();
-    let slots: Vec<_> =
-        ranges.iter().map(|&(i, at, len)| reads.read(m.buffers[i], at as u64, len as u64).unwrap()).collect();
+    let (reads, slots) = m.reads(&d, &ranges);
     let pending = reads.submit().unwrap();
     fail("cuEventSynchronize", 3);
     let mut out = vec![Vec::new(); slots.len()];
@@ -781,11 +823,7 @@ fn a_readback_copies_every_read_into_vectors_after_the_wait() {
     // Ragged reads, in order and not, some over a megabyte in all: one thread and several.
     for count in [5, 400] {
         let ranges: Vec<_> = (0..count).map(|_| m.range(&mut rng, 20_000)).collect();
-        let mut reads = d.readbacks();
-        let slots: Vec<_> = ranges
-            .iter()
-            .map(|&(i, at, len)| reads.read(m.buffers[i], at as u64, len as u64).unwrap())
-            .collect();
+        let (reads, slots) = m.reads(&d, &ranges);
         let done = reads.submit().unwrap().wait().unwrap();
         let mut out = vec![vec![0x5a; 9]; count];
         done.copy_all_into(&slots, &mut out).unwrap();

@@ -43,6 +43,29 @@ impl Groups {
         Groups { groups, per_chunk }
     }
 
+    /// Cuts the items of `chunks` chunks into groups of `per_group` items (the last of a
+    /// chunk may have fewer), for items of about the same size: no pass over the items.
+    pub(crate) fn by_count(
+        chunks: usize,
+        spans: impl Iterator<Item = (usize, Range<usize>)>,
+        per_group: usize,
+    ) -> Groups {
+        let per_group = per_group.max(1);
+        let mut groups = Vec::new();
+        let mut per_chunk = vec![0; chunks];
+        for (chunk, items) in spans {
+            let before = groups.len();
+            let mut start = items.start;
+            while start < items.end {
+                let end = items.end.min(start + per_group);
+                groups.push((start..end, chunk));
+                start = end;
+            }
+            per_chunk[chunk] = groups.len() - before;
+        }
+        Groups { groups, per_chunk }
+    }
+
     /// The group size that spreads a chunk of `chunk_bytes` over `threads` packing threads:
     /// not below 32 KiB (smaller groups cost more to hand out than to copy), not above 256 KiB.
     pub(crate) fn target(chunk_bytes: u64, threads: usize) -> usize {

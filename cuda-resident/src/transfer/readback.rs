@@ -5,14 +5,15 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, Piece, Span, lay_out_apart};
+use super::{BufferTable, DeviceStaging, Piece, Span, cut_apart};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
+use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
@@ -62,6 +63,10 @@ pub struct Readback {
     /// Where flat staging starts in the lease (after the descriptor tables).
     base: usize,
     views: Vec<ReadView>,
+    /// Reads in order ([`execute_in_order`]): the first read of each chunk, then the number
+    /// of reads; the reads of chunk `k` are `chunks[k]..chunks[k + 1]`. Empty for reads
+    /// the planner laid out.
+    chunks: Vec<usize>,
 }
 
 impl Drop for ReadbackBatch<'_> {
@@ -157,6 +162,9 @@ impl PendingReadback {
             self.readback.copy_all_into(slots, out)?;
             return Ok(self.readback);
         };
+        if !self.readback.chunks.is_empty() {
+            return self.wait_into_in_order(&device, slots, out);
+        }
         // Reads grouped by the chunk that completes them, split into pieces for the packing
         // threads, which copy a chunk's reads out as soon as it has landed.
         let views = &self.readback.views;
@@ -204,6 +212,82 @@ impl PendingReadback {
         unsafe { self.readback.set_lengths(slots, out) };
         // Everything has landed; this also reports any error of the last submissions.
         self.fence.wait()?;
+        Ok(self.readback)
+    }
+
+    /// [`PendingReadback::wait_into`] for reads in order, whose chunks hold runs of reads:
+    /// the packing threads take each chunk's share of `slots` (those of the same positions,
+    /// assuming slots are passed in the order the reads were added) as soon as it has landed,
+    /// and prepare, fill and size each vector themselves; the calling thread only waits. A
+    /// slot whose read lands in a later chunk than its position's (slots out of order) is
+    /// skipped there and copied once everything has landed.
+    fn wait_into_in_order(self, device: &Device, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Readback> {
+        let (readback, lane) = (&self.readback, device.core().lane(LaneKind::Readback));
+        let (views, starts) = (&readback.views, &readback.chunks);
+        let chunks = starts.len() - 1;
+        let base = readback.lease.as_ref().map_or(0, |lease| lease.as_ptr() as usize + readback.base);
+        // Positions past the reads (a slot named twice) go with the last chunk.
+        let at = |k: usize| if k == chunks { slots.len() } else { starts[k].min(slots.len()) };
+        let spans = (0..chunks).map(|k| (k, at(k)..at(k + 1)));
+        let total = views.iter().map(|v| v.len as usize).sum::<usize>();
+        let per_read = (total / views.len().max(1)).max(1);
+        let threads = device.core().packers().current_num_threads();
+        let target = Groups::target((total / chunks.max(1)) as u64, threads);
+        let groups = Groups::by_count(chunks, spans, (target / per_read).max(1));
+        let outs = SharedVecs(out.as_mut_ptr());
+        let skipped = AtomicBool::new(false);
+        let fill = |p: usize| {
+            let view = views[slots[p].0 as usize];
+            // SAFETY: positions are distinct across groups and `out` is borrowed mutably for
+            // this call: no one else touches this vector.
+            let vec = unsafe { &mut *outs.at(p) };
+            vec.clear();
+            vec.reserve(view.len as usize);
+            // SAFETY: the source is the read's place in the lease, which has landed; the
+            // destination is the vector's capacity of at least the read's length.
+            unsafe {
+                crate::hostcopy::copy_out(
+                    (base + view.stage_offset as usize) as *const u8,
+                    vec.as_mut_ptr(),
+                    view.len as usize,
+                );
+                vec.set_len(view.len as usize);
+            }
+        };
+        let run = pipeline::run(
+            device,
+            &groups,
+            total,
+            chunks,
+            |step| match step {
+                Step::Open(k) => lane.wait(self.first_seq + k as u64).map(|_| true),
+                Step::Done(_) => Ok(true),
+            },
+            |k, items| {
+                for p in items {
+                    if views[slots[p].0 as usize].last_chunk as usize > k {
+                        skipped.store(true, Ordering::Relaxed);
+                    } else {
+                        fill(p);
+                    }
+                }
+                crate::hostcopy::publish();
+            },
+        );
+        // Everything has landed; this also reports any error of the last submissions.
+        if let Err(e) = run.and_then(|()| self.fence.wait()) {
+            out.iter_mut().for_each(Vec::clear);
+            return Err(e);
+        }
+        if skipped.load(Ordering::Relaxed) {
+            let chunk_of = |p: usize| starts[1..].partition_point(|&s| s <= p).min(chunks - 1);
+            for p in 0..slots.len() {
+                if views[slots[p].0 as usize].last_chunk as usize > chunk_of(p) {
+                    fill(p);
+                }
+            }
+            crate::hostcopy::publish();
+        }
         Ok(self.readback)
     }
 
@@ -314,7 +398,9 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
-    let total: u64 = batch.reads.iter().map(|r| r.len).sum();
+    let apart = &batch.table.apart;
+    let in_order = batch.reads.len() >= IN_ORDER_MIN && !apart.broken;
+    let total: u64 = if in_order { apart.requested } else { batch.reads.iter().map(|r| r.len).sum() };
     let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total, super::PIPELINE_DEPTH);
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
@@ -322,10 +408,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let lane_batch = lane.batch();
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
-    if batch.reads.len() >= IN_ORDER_MIN
-        && batch.reads.iter().all(|r| r.len > 0 && r.len <= SEGMENT && r.len < plan_config.direct_threshold)
-        && scratch.planner.are_reads_apart(&batch.reads)
-    {
+    if in_order && apart.longest < plan_config.direct_threshold {
         return execute_in_order(
             batch,
             super::in_order_chunk(
@@ -343,7 +426,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         let views = plan.views.clone();
         return Ok(PendingReadback {
             fence: Fence::completed(),
-            readback: Readback { device: None, lease: None, base: 0, views },
+            readback: Readback { device: None, lease: None, base: 0, views, chunks: Vec::new() },
             first_seq: 0,
         });
     }
@@ -454,9 +537,29 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     drop(lane_batch);
     Ok(PendingReadback {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
-        readback: Readback { device: Some(device.clone()), lease: Some(lease), base: tables as usize, views },
+        readback: Readback {
+            device: Some(device.clone()),
+            lease: Some(lease),
+            base: tables as usize,
+            views,
+            chunks: Vec::new(),
+        },
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
     })
+}
+
+/// The caller's vectors, for the packing threads of [`PendingReadback::wait_into`]: each
+/// touches only the vectors of its own positions.
+struct SharedVecs(*mut Vec<u8>);
+
+// SAFETY: see above: threads reach disjoint vectors, while the caller's `&mut` is held.
+unsafe impl Sync for SharedVecs {}
+
+impl SharedVecs {
+    /// The vector at position `p` (in bounds: the caller's).
+    fn at(&self, p: usize) -> *mut Vec<u8> {
+        self.0.wrapping_add(p)
+    }
 }
 
 #[cfg(test)]
@@ -467,13 +570,14 @@ thread_local! {
 
 /// Reads in order and apart (each past the end of the earlier reads of its buffer, with a
 /// gap: none overlap and none touch, so the planner would fuse none), none longer than a
-/// kernel segment: the common batch of many small reads, laid out without the planner. One
-/// pass places each read in a chunk (its descriptor table and packed bytes within
-/// `chunk_bytes`), at the residue of its source modulo 16, and notes its view; then, per
-/// chunk, the descriptors are written straight into the chunk's table in the pinned lease,
-/// and one launch moves it: the kernel reads the table and writes the bytes in the lease,
-/// over the bus ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)),
-/// or one table upload, one gather into device staging and one DMA.
+/// kernel segment: the common batch of many small reads, laid out as they were added
+/// ([`super::Apart`]), without the planner. The batch is cut into chunks (each with its
+/// descriptor table and packed bytes within `chunk_bytes`); then one pass over the reads
+/// writes each read's view and its descriptor, straight into the pinned lease, and each
+/// chunk moves by one launch as soon as its descriptors are written: the kernel reads the
+/// table and writes the bytes in the lease, over the bus
+/// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), or one table
+/// upload, one gather into device staging and one DMA.
 fn execute_in_order(
     batch: &ReadbackBatch<'_>,
     chunk_bytes: u64,
@@ -484,101 +588,95 @@ fn execute_in_order(
     IN_ORDER_BATCHES.with(|n| n.set(n.get() + 1));
     let device = batch.device;
     let core = device.core();
-    let ptr_of = |r: &ReadRequest| batch.table.entries[r.buffer as usize].ptr + r.offset;
-    let DeviceStaging { offsets, spans, region, .. } = scratch;
-    lay_out_apart(batch.reads.iter().map(|r| (ptr_of(r), r.len)), chunk_bytes, offsets, spans);
-    let mut views = core.readback_views.take();
-    for (chunk, span) in (0u32..).zip(spans.iter()) {
-        for i in span.requests.clone() {
-            let len = batch.reads[i].len;
-            views.push(ReadView { chunk, last_chunk: chunk, stage_offset: offsets[i], len });
-        }
-    }
-    let area = |span: &Span| table_bytes(span.requests.len() as u64);
-    let tables: u64 = spans.iter().map(area).sum();
-    let staged = spans.last().map_or(0, |span| span.start + span.len);
-    let lease = Arc::new(device.acquire_staging((tables + staged) as usize)?);
+    let (reads, apart) = (&batch.reads[..], &batch.table.apart);
+    let offsets = &apart.offsets[..];
+    let DeviceStaging { spans, region, .. } = scratch;
+    cut_apart(offsets, |i| reads[i].len, chunk_bytes, spans);
+    // The lease holds the flat packed bytes, then the chunks' tables: one descriptor a read,
+    // in read order (chunk `k`'s table starts at its first read's).
+    let tables = apart.end.next_multiple_of(256);
+    let lease =
+        Arc::new(device.acquire_staging(tables as usize + reads.len() * size_of::<CopyDescriptor>())?);
     let base = lease.as_ptr();
     let first_seq = lane_batch.next_seq();
     let final_seq =
         device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), spans.len() as u64)?;
     let kernels = core.kernels()?;
-    let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
-    // Where the kernel gathers to: device staging, or the lease itself.
+    // Where the kernel gathers to: the lease itself, or device staging (a chunk's packed
+    // bytes, then its table).
+    let table_in_staging = |span: &Span| span.len.next_multiple_of(256);
     let dev = if device.small_copies_over_bus() {
         None
     } else {
-        Some(region.ensure(device, LaneKind::Readback, device_need, first_seq - 1)?)
+        let need = spans
+            .iter()
+            .map(|span| table_in_staging(span) + table_bytes(span.requests.len() as u64))
+            .max()
+            .unwrap_or(0);
+        Some(region.ensure(device, LaneKind::Readback, need, first_seq - 1)?)
     };
-    let (mut table_at, mut moved) = (0u64, 0u64);
-    for span in spans.iter() {
-        // The lease holds every chunk's table, then the flat packed bytes.
-        let (table, area, packed, start, range) =
-            (table_at, area(span), span.len, span.start, span.requests.clone());
-        table_at += area;
-        let descriptors = base.wrapping_add(table as usize).cast::<CopyDescriptor>();
-        for (j, i) in range.clone().enumerate() {
-            let r = &batch.reads[i];
+    let ptr_of = |r: &ReadRequest| batch.table.entries[r.buffer as usize].ptr + r.offset;
+    let descriptors = base.wrapping_add(tables as usize).cast::<CopyDescriptor>();
+    let mut views = core.readback_views.take();
+    views.reserve(reads.len());
+    let mut chunks = Vec::with_capacity(spans.len() + 1);
+    let mut moved = 0u64;
+    for (chunk, span) in (0u32..).zip(spans.iter()) {
+        chunks.push(span.requests.start);
+        let mut payload = 0;
+        for i in span.requests.clone() {
+            let (r, at) = (&reads[i], offsets[i]);
+            views.push(ReadView { chunk, last_chunk: chunk, stage_offset: at, len: r.len });
             let dst = match dev {
-                Some(dev) => dev + area + (offsets[i] - start),
-                None => base as u64 + tables + offsets[i],
+                Some(dev) => dev + (at - span.start),
+                None => base as u64 + at,
             };
-            let d = CopyDescriptor { src: ptr_of(r), dst, len: r.len };
-            // SAFETY: the chunk's table in the lease has a slot per read (8-byte aligned:
-            // tables are multiples of 256 bytes from the page-aligned start); nothing
-            // reads it yet.
-            unsafe { descriptors.add(j).write(d) };
+            // SAFETY: the lease has a descriptor slot per read after the packed bytes
+            // (8-byte aligned: `tables` is a multiple of 256 from the page-aligned start);
+            // nothing reads it before this chunk's launch.
+            unsafe { descriptors.add(i).write(CopyDescriptor { src: ptr_of(r), dst, len: r.len }) };
+            payload += r.len;
         }
-        let count = range.len() as u64;
+        let (table, count) = (descriptors.wrapping_add(span.requests.start), span.requests.len() as u64);
         lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
             let Some(dev) = dev else {
                 // SAFETY: the table and the destinations (each read's place in flat staging)
                 // are in the pinned lease, which this submission keeps alive and the device
                 // reaches (unified addressing); sources are disjoint ranges of live, marked
                 // buffers.
-                return unsafe { kernels.copy_over_bus(raw, stream, descriptors as u64, count) };
+                return unsafe { kernels.copy_over_bus(raw, stream, table as u64, count) };
             };
+            let dev_table = dev + table_in_staging(span);
+            let table_len = count as usize * size_of::<CopyDescriptor>();
             // SAFETY: the table is pinned and stays alive (kept by this submission); device
-            // staging holds area + packed bytes.
-            unsafe { raw.memcpy_htod_async(dev, descriptors.cast(), area as usize, stream) }?;
+            // staging holds the chunk's packed bytes and then its table.
+            unsafe { raw.memcpy_htod_async(dev_table, table.cast(), table_len, stream) }?;
             // SAFETY: sources are disjoint ranges of live, marked buffers; destinations are
             // disjoint ranges of device staging.
-            unsafe { kernels.copy(raw, stream, dev, count) }?;
-            // SAFETY: the chunk's packed bytes lie inside the lease, after the tables.
-            unsafe {
-                raw.memcpy_dtoh_async(
-                    base.add((tables + start) as usize),
-                    dev + area,
-                    packed as usize,
-                    stream,
-                )
-            }
+            unsafe { kernels.copy(raw, stream, dev_table, count) }?;
+            // SAFETY: the chunk's packed bytes lie inside the lease.
+            unsafe { raw.memcpy_dtoh_async(base.add(span.start as usize), dev, span.len as usize, stream) }
         })?;
         // Over the bus the kernel reads the descriptors and writes the payload, not the
         // padding between packed reads that a DMA moves.
-        moved += match dev {
-            Some(_) => area + packed,
-            None => {
-                count * std::mem::size_of::<CopyDescriptor>() as u64
-                    + range.map(|i| batch.reads[i].len).sum::<u64>()
-            }
-        };
+        let descriptor_bytes = count * size_of::<CopyDescriptor>() as u64;
+        moved += descriptor_bytes + if dev.is_some() { span.len } else { payload };
     }
-    let chunks = spans.len() as u64;
-    let requested = batch.reads.iter().map(|r| r.len).sum();
+    chunks.push(reads.len());
+    let n = spans.len() as u64;
     core.telemetry.record(
         LaneKind::Readback,
         Moves {
-            submissions: chunks,
-            requested,
+            submissions: n,
+            requested: apart.requested,
             moved,
-            dmas: if dev.is_some() { 2 * chunks } else { 0 },
-            launches: chunks,
+            dmas: if dev.is_some() { 2 * n } else { 0 },
+            launches: n,
         },
     );
     Ok(PendingReadback {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
-        readback: Readback { device: Some(device.clone()), lease: Some(lease), base: tables as usize, views },
-        first_seq: final_seq + 1 - chunks,
+        readback: Readback { device: Some(device.clone()), lease: Some(lease), base: 0, views, chunks },
+        first_seq: final_seq + 1 - n,
     })
 }

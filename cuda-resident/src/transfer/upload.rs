@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, Piece, Span, in_order_chunk, lay_out_apart};
+use super::{BufferTable, DeviceStaging, Piece, Span, cut_apart, in_order_chunk};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
+use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
@@ -284,11 +284,16 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         chunk_bytes: device.config().chunk_bytes,
         align: 16,
     };
-    let non_empty = batch.writes.iter().filter(|w| w.len > 0).count();
-    let requested: u64 = batch.writes.iter().map(|w| w.len).sum();
+    // Writes apart (as added) are all non-empty and in order.
+    let apart = &batch.table.apart;
+    let (non_empty, requested) = if apart.broken {
+        (batch.writes.iter().filter(|w| w.len > 0).count(), batch.writes.iter().map(|w| w.len).sum())
+    } else {
+        (batch.writes.len(), apart.requested)
+    };
     // Writes in order are disjoint: no planning needed to know that none fuse. Otherwise the
     // planner tells (writes out of order may still be disjoint).
-    if !scratch.planner.is_in_order(&batch.writes) {
+    if apart.broken && !scratch.planner.is_in_order(&batch.writes) {
         scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
         if scratch.upload_plan.intervals != non_empty {
             return Ok(None);
@@ -395,10 +400,12 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     let lane_batch = lane.batch();
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
+    // No arena: no write was made in place, every source is a slice.
+    let apart = &batch.table.apart;
     if batch.writes.len() >= IN_ORDER_MIN
-        && batch.writes.iter().all(|w| w.len > 0 && w.len <= SEGMENT && w.len < config.direct_threshold)
-        && batch.sources.iter().all(|s| matches!(s, Source::Slice(_)))
-        && scratch.planner.are_writes_apart(&batch.writes)
+        && !apart.broken
+        && apart.longest < config.direct_threshold
+        && batch.arena.is_empty()
     {
         return execute_in_order(batch, &lane_batch, scratch);
     }
@@ -542,11 +549,11 @@ fn execute_in_order(
     let core = device.core();
     let lane = core.lane(LaneKind::Upload);
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
-    let DeviceStaging { offsets, spans, region, .. } = scratch;
-    let requests = batch.writes.iter().map(|w| (ptr_of(w), w.len));
-    let requested: u64 = batch.writes.iter().map(|w| w.len).sum();
+    let DeviceStaging { spans, region, .. } = scratch;
+    let (writes, apart) = (&batch.writes[..], &batch.table.apart);
+    let (offsets, requested) = (&apart.offsets[..], apart.requested);
     let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, super::PIPELINE_DEPTH);
-    lay_out_apart(requests, chunk_bytes, offsets, spans);
+    cut_apart(offsets, |i| writes[i].len, chunk_bytes, spans);
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
     let first_seq = lane_batch.next_seq();
@@ -558,13 +565,16 @@ fn execute_in_order(
     } else {
         Some(region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?)
     };
-    let (spans, offsets) = (&*spans, &*offsets);
+    let spans = &*spans;
     let threads = core.packers().current_num_threads();
-    let groups = Groups::new(
+    // Groups of about the same bytes, from the mean write (no pass over the writes): a
+    // batch smaller than a chunk is spread over every thread too.
+    let target = Groups::target(chunk_bytes.min(requested), threads);
+    let per_write = (requested as usize / writes.len()).max(1);
+    let groups = Groups::by_count(
         spans.len(),
         spans.iter().enumerate().map(|(k, span)| (k, span.requests.clone())),
-        |i| batch.writes[i].len as usize,
-        Groups::target(chunk_bytes, threads),
+        (target / per_write).max(1),
     );
     // Each chunk's lease (the caller's) and its address (the packing threads').
     let mut leases: Vec<Option<Arc<HostLease>>> = vec![None; spans.len()];
