@@ -426,8 +426,6 @@ pub(crate) struct BufferTable {
 pub(crate) struct Apart {
     /// Set by the first request that breaks the rule: the batch goes to the planner.
     pub(crate) broken: bool,
-    /// Per buffer key, its last request's end plus one (0 for none yet).
-    next: Vec<u64>,
     /// Each request's flat offset: at the next 16-byte boundary after the previous request,
     /// plus its device address's residue modulo 16 (so the kernel can use 16-byte accesses).
     /// A chunk of the layout starts at the 16-byte boundary below its first offset, which
@@ -441,23 +439,20 @@ pub(crate) struct Apart {
 }
 
 impl Apart {
-    /// Notes a request of `len` bytes at `offset` of the buffer of `key`, whose device
-    /// address is `address`.
+    /// Notes a request of `len` bytes at `offset` of a buffer whose device address is
+    /// `ptr` and whose previous request in the batch ended at `next - 1` (0 for none).
     #[inline]
-    fn note(&mut self, key: u32, address: u64, offset: u64, len: u64) {
+    fn note(&mut self, next: &mut u64, ptr: u64, offset: u64, len: u64) {
         if self.broken {
             return;
         }
-        let key = key as usize;
-        if key >= self.next.len() {
-            self.next.resize(key + 1, 0);
-        }
         // The range was checked against the buffer's length: `offset + len` does not overflow.
-        if len == 0 || len > crate::kernels::SEGMENT || offset < self.next[key] {
+        if len == 0 || len > crate::kernels::SEGMENT || offset < *next {
             self.broken = true;
             return;
         }
-        self.next[key] = offset + len + 1;
+        *next = offset + len + 1;
+        let address = ptr + offset;
         let at = self.end.next_multiple_of(16) + address % 16;
         self.offsets.push(at);
         self.end = at + len;
@@ -467,7 +462,6 @@ impl Apart {
 
     fn clear(&mut self) {
         self.broken = false;
-        self.next.clear();
         self.offsets.clear();
         (self.end, self.longest, self.requested) = (0, 0, 0);
     }
@@ -479,6 +473,9 @@ pub(crate) struct Resolved {
     pub(crate) buffer: ResidentBuffer,
     pub(crate) ptr: u64,
     pub(crate) len: u64,
+    /// The end plus one of the batch's last request to this buffer, 0 for none
+    /// ([`Apart`]).
+    next: u64,
 }
 
 impl crate::recycle::Reusable for BufferTable {
@@ -544,11 +541,11 @@ impl BufferTable {
             Some(k) => {
                 #[cfg(test)]
                 KEPT_HITS.with(|n| n.set(n.get() + 1));
-                self.kept[k as usize]
+                Resolved { next: 0, ..self.kept[k as usize] }
             }
             None => {
                 let (ptr, len) = alloc.resolve(buffer)?;
-                Resolved { buffer, ptr, len }
+                Resolved { buffer, ptr, len, next: 0 }
             }
         };
         self.entries.push(resolved);
@@ -583,14 +580,15 @@ impl BufferTable {
     ) -> Result<(u32, u64)> {
         // A buffer seen before and a range inside it: no error value is built or moved.
         if let Some(key) = self.find(buffer) {
-            let Resolved { ptr, len: buffer_len, .. } = self.entries[key as usize];
-            if offset.checked_add(len).is_some_and(|end| end <= buffer_len) {
-                self.apart.note(key, ptr + offset, offset, len);
-                return Ok((key, buffer_len));
+            let entry = &mut self.entries[key as usize];
+            if offset.checked_add(len).is_some_and(|end| end <= entry.len) {
+                self.apart.note(&mut entry.next, entry.ptr, offset, len);
+                return Ok((key, entry.len));
             }
         }
         let (key, buffer_len) = self.check_slow(device, buffer, offset, len, first_error)?;
-        self.apart.note(key, self.entries[key as usize].ptr + offset, offset, len);
+        let entry = &mut self.entries[key as usize];
+        self.apart.note(&mut entry.next, entry.ptr, offset, len);
         Ok((key, buffer_len))
     }
 
@@ -869,7 +867,7 @@ mod tests {
         for round in 0..300 {
             let buffers = rng.u32(1..8);
             let mut apart = super::Apart::default();
-            let mut next = vec![0u64; buffers as usize];
+            let (mut next, mut noted) = (vec![0u64; buffers as usize], vec![0u64; buffers as usize]);
             let mut requests = Vec::new();
             for _ in 0..rng.usize(1..3000) {
                 let key = rng.u32(..buffers);
@@ -881,9 +879,9 @@ mod tests {
                 let offset = next[key as usize] + rng.u64(1..50);
                 next[key as usize] = offset + len;
                 // Buffers at 256-byte boundaries, as the allocator places them.
-                let address = (u64::from(key) << 32) + offset;
-                apart.note(key, address, offset, len);
-                requests.push((address, len));
+                let ptr = u64::from(key) << 32;
+                apart.note(&mut noted[key as usize], ptr, offset, len);
+                requests.push((ptr + offset, len));
             }
             assert!(!apart.broken, "round {round}");
             let chunk_bytes = [64 << 10, 1 << 20, 4 << 20][round % 3];
@@ -913,14 +911,15 @@ mod tests {
             ("same range twice", &[(1, 8, 8), (1, 8, 8)]),
         ];
         for (what, requests) in cases {
-            let mut apart = super::Apart::default();
+            let (mut apart, mut next) = (super::Apart::default(), [0u64; 2]);
             for &(key, offset, len) in requests {
-                apart.note(key, offset, offset, len);
+                apart.note(&mut next[key as usize], 0, offset, len);
             }
             assert!(apart.broken, "{what}");
             apart.clear();
-            apart.note(0, 0, 0, segment);
-            apart.note(0, segment + 1, segment + 1, 1);
+            let mut next = 0;
+            apart.note(&mut next, 0, 0, segment);
+            apart.note(&mut next, 0, segment + 1, 1);
             assert!(
                 !apart.broken && apart.offsets == [0, segment.next_multiple_of(16) + 1],
                 "{what}: cleared"
