@@ -463,6 +463,8 @@ impl PeerBatch<'_> {
         len: u64,
     ) -> Result<&mut Self> {
         let parts = &mut self.parts;
+        // Peer batches keep no in-order layout of their own (they track order in `ends`).
+        (parts.src_table.apart.broken, parts.dst_table.apart.broken) = (true, true);
         let (src_key, _) = parts.src_table.check(self.src, src, src_offset, len, &mut self.error)?;
         let (dst_key, dst_len) = parts.dst_table.check(self.dst, dst, dst_offset, len, &mut self.error)?;
         let src_at = parts.src_table.entries[src_key as usize].ptr + src_offset;

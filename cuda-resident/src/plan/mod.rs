@@ -488,12 +488,6 @@ pub struct Planner {
 /// `ends`; other keys, and requests that overflow, answer `false` (the general path then
 /// plans or reports them).
 fn in_order<R: fuse::Request>(requests: &[R], ends: &mut Vec<u64>) -> bool {
-    in_order_by(requests, ends, 0)
-}
-
-/// [`in_order`] with at least `gap` bytes between a request and the previous one of its
-/// buffer (with a gap of 1, no two touch). `ends` holds each buffer's last end plus `gap`.
-fn in_order_by<R: fuse::Request>(requests: &[R], ends: &mut Vec<u64>, gap: u64) -> bool {
     let bound = requests.len() as u64 + 64;
     ends.clear();
     for r in requests {
@@ -508,7 +502,7 @@ fn in_order_by<R: fuse::Request>(requests: &[R], ends: &mut Vec<u64>, gap: u64) 
         if key >= ends.len() {
             ends.resize(key + 1, 0);
         }
-        match r.offset().checked_add(r.len()).and_then(|end| end.checked_add(gap)) {
+        match r.offset().checked_add(r.len()) {
             Some(next) if r.offset() >= ends[key] => ends[key] = next,
             _ => return false,
         }

@@ -380,6 +380,37 @@ fn reads_in_order_copy_into_vectors_for_slots_in_any_order_a_subset_or_named_twi
 }
 
 #[test]
+fn a_write_in_place_refused_for_want_of_staging_leaves_the_batch_usable_for_writes_in_order() {
+    let driver = fake_driver::driver();
+    let d = Device::open_with(std::sync::Arc::clone(&driver), 0, Config::default()).expect("the model opens");
+    let mut rng = fastrand::Rng::with_seed(45);
+    let target = d.allocate(1 << 20).unwrap();
+    let other = d.allocate(4096).unwrap();
+    // No pinned memory yet: the in-place write's lease needs a cuMemHostAlloc, which fails.
+    driver.faults().record();
+    driver
+        .faults()
+        .inject(cuda_sys::Fault::new("cuMemHostAlloc", 1, cuda_sys::CUDA_ERROR_OUT_OF_MEMORY).times(u64::MAX))
+        .unwrap();
+    let mut batch = d.uploads();
+    let refused = batch.write_with(other, 0, 100, |dst| dst.fill(1)).unwrap_err();
+    assert!(refused.to_string().contains("Fix:"), "{refused}");
+    driver.faults().remove_faults();
+    // The caller goes on with 200 small writes in order and apart, all from slices.
+    let data: Vec<_> = (0..200).map(|_| random_vec(&mut rng, 300)).collect();
+    for (k, bytes) in data.iter().enumerate() {
+        batch.write(target, k as u64 * 400, bytes).unwrap();
+    }
+    assert_eq!(batch.len(), 200);
+    batch.submit().unwrap().wait().unwrap();
+    let back = d.download(target).unwrap();
+    for (k, bytes) in data.iter().enumerate() {
+        assert_eq!(&back[k * 400..k * 400 + 300], &bytes[..], "write {k}");
+    }
+    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+}
+
+#[test]
 fn later_batches_reuse_what_earlier_ones_resolved_until_a_buffer_is_freed() {
     let d = device(Config::default());
     let mut rng = fastrand::Rng::with_seed(35);

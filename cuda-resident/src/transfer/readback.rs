@@ -60,7 +60,8 @@ pub struct PendingReadback {
 pub struct Readback {
     device: Option<Device>,
     lease: Option<Arc<HostLease>>,
-    /// Where flat staging starts in the lease (after the descriptor tables).
+    /// Where flat staging starts in the lease (after the descriptor tables of planned reads;
+    /// 0 for reads in order, whose tables follow the packed bytes).
     base: usize,
     views: Vec<ReadView>,
     /// Reads in order ([`execute_in_order`]): the first read of each chunk, then the number
@@ -150,6 +151,13 @@ impl PendingReadback {
     /// the same index as soon as its chunk has landed, while later chunks are still on the
     /// wire, on the packing threads; replaces each vector's contents (capacity is reused).
     /// Returns the readback for views as well. On error the vectors are left empty.
+    ///
+    /// Slots are best passed in the order their reads were added: for a batch of small
+    /// reads in order, a slot whose read lands in a later chunk than the one its position
+    /// falls in is copied once everything has landed, on the calling thread.
+    ///
+    /// # Panics
+    /// If a slot came from another batch with more reads than this one.
     pub fn wait_into(self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Readback> {
         if slots.len() != out.len() {
             return Err(Error::LengthMismatch {
@@ -208,10 +216,11 @@ impl PendingReadback {
                 crate::hostcopy::publish();
             },
         )?;
+        // Everything has landed; this also reports any error of the last submissions (the
+        // vectors stay empty then).
+        self.fence.wait()?;
         // SAFETY: every chunk's copies ran (`run` returned Ok).
         unsafe { self.readback.set_lengths(slots, out) };
-        // Everything has landed; this also reports any error of the last submissions.
-        self.fence.wait()?;
         Ok(self.readback)
     }
 
@@ -590,6 +599,7 @@ fn execute_in_order(
     let core = device.core();
     let (reads, apart) = (&batch.reads[..], &batch.table.apart);
     let offsets = &apart.offsets[..];
+    debug_assert_eq!(offsets.len(), reads.len(), "one offset a read");
     let DeviceStaging { spans, region, .. } = scratch;
     cut_apart(offsets, |i| reads[i].len, chunk_bytes, spans);
     // The lease holds the flat packed bytes, then the chunks' tables: one descriptor a read,

@@ -162,7 +162,10 @@ impl<'a> UploadBatch<'a> {
                     self.arena_used.push(if own { CLOSED } else { 0 });
                 }
                 Err(e) => {
+                    // The write was noted as added: the batch's in-order layout no longer
+                    // matches its writes, so the batch goes to the planner.
                     self.writes.pop();
+                    self.table.apart.broken = true;
                     return Err(e);
                 }
             }
@@ -529,9 +532,10 @@ thread_local! {
 /// Writes in order and apart (each past the end of the earlier writes into its buffer, with
 /// a gap: none overlap and none touch, so the planner would fuse none), all from slices and
 /// none longer than a kernel segment: the common batch of many small writes, laid out
-/// without the planner. One pass places each write in a chunk (its descriptor table and
-/// packed bytes within `chunk_bytes`), at the residue of its destination modulo 16 (so the
-/// scatter uses 16-byte accesses); then, per chunk, the packing threads write each write's
+/// as the writes were added ([`super::Apart`]: each at the residue of its destination modulo
+/// 16, so the scatter uses 16-byte accesses), without the planner. The batch is cut into
+/// chunks (each with its descriptor table and packed bytes within `chunk_bytes`, found by
+/// binary search); then, per chunk, the packing threads write each write's
 /// descriptor and copy its bytes straight into the pinned lease, and one launch moves it:
 /// the kernel reads table and bytes in the lease, over the bus
 /// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), or after one
@@ -552,6 +556,7 @@ fn execute_in_order(
     let DeviceStaging { spans, region, .. } = scratch;
     let (writes, apart) = (&batch.writes[..], &batch.table.apart);
     let (offsets, requested) = (&apart.offsets[..], apart.requested);
+    debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
     let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, super::PIPELINE_DEPTH);
     cut_apart(offsets, |i| writes[i].len, chunk_bytes, spans);
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
