@@ -899,7 +899,6 @@ mod tests {
     #[test]
     fn a_request_that_overlaps_touches_goes_back_is_empty_or_too_long_breaks_the_in_order_layout() {
         const SEGMENT: u64 = crate::kernels::SEGMENT;
-        let segment = SEGMENT;
         // (buffer key, offset, length) each.
         type Requests = &'static [(u32, u64, u64)];
         let cases: [(&str, Requests); 6] = [
@@ -918,10 +917,10 @@ mod tests {
             assert!(apart.broken, "{what}");
             apart.clear();
             let mut next = 0;
-            apart.note(&mut next, 0, 0, segment);
-            apart.note(&mut next, 0, segment + 1, 1);
+            apart.note(&mut next, 0, 0, SEGMENT);
+            apart.note(&mut next, 0, SEGMENT + 1, 1);
             assert!(
-                !apart.broken && apart.offsets == [0, segment.next_multiple_of(16) + 1],
+                !apart.broken && apart.offsets == [0, SEGMENT.next_multiple_of(16) + 1],
                 "{what}: cleared"
             );
         }

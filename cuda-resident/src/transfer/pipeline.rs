@@ -33,14 +33,7 @@ impl Groups {
         bytes: impl Fn(usize) -> usize,
         target: usize,
     ) -> Groups {
-        let mut groups = Vec::new();
-        let mut per_chunk = vec![0; chunks];
-        for (chunk, items) in spans {
-            let before = groups.len();
-            split_by_bytes(items, &bytes, target, |group| groups.push((group, chunk)));
-            per_chunk[chunk] = groups.len() - before;
-        }
-        Groups { groups, per_chunk }
+        Groups::cut(chunks, spans, |items, push| split_by_bytes(items, &bytes, target, push))
     }
 
     /// Cuts the items of `chunks` chunks into groups of `per_group` items (the last of a
@@ -51,16 +44,25 @@ impl Groups {
         per_group: usize,
     ) -> Groups {
         let per_group = per_group.max(1);
+        Groups::cut(chunks, spans, |items, push| {
+            for start in items.clone().step_by(per_group) {
+                push(start..items.end.min(start + per_group));
+            }
+        })
+    }
+
+    /// Cuts each chunk's items into groups with `split(items, push)`, which passes each
+    /// group of `items` to `push` in order.
+    fn cut(
+        chunks: usize,
+        spans: impl Iterator<Item = (usize, Range<usize>)>,
+        mut split: impl FnMut(Range<usize>, &mut dyn FnMut(Range<usize>)),
+    ) -> Groups {
         let mut groups = Vec::new();
         let mut per_chunk = vec![0; chunks];
         for (chunk, items) in spans {
             let before = groups.len();
-            let mut start = items.start;
-            while start < items.end {
-                let end = items.end.min(start + per_group);
-                groups.push((start..end, chunk));
-                start = end;
-            }
+            split(items, &mut |group| groups.push((group, chunk)));
             per_chunk[chunk] = groups.len() - before;
         }
         Groups { groups, per_chunk }
@@ -296,6 +298,11 @@ mod tests {
         assert_eq!(g.per_chunk, vec![4, 0, 1]);
         let items: Vec<_> = g.groups.iter().map(|(r, c)| (r.clone(), *c)).collect();
         assert_eq!(items, vec![(0..3, 0), (3..6, 0), (6..9, 0), (9..10, 0), (10..13, 2)]);
+        // By count, the same cut without a look at the items.
+        let g = Groups::by_count(3, [(0, 0..10), (2, 10..13)].into_iter(), 3);
+        assert_eq!(g.per_chunk, vec![4, 0, 1]);
+        let by_count: Vec<_> = g.groups.iter().map(|(r, c)| (r.clone(), *c)).collect();
+        assert_eq!(by_count, items);
     }
 
     #[test]

@@ -68,6 +68,8 @@ pub struct Readback {
     /// of reads; the reads of chunk `k` are `chunks[k]..chunks[k + 1]`. Empty for reads
     /// the planner laid out.
     chunks: Vec<usize>,
+    /// Bytes of all reads in order (0 for reads the planner laid out).
+    in_order_bytes: usize,
 }
 
 impl Drop for ReadbackBatch<'_> {
@@ -238,7 +240,7 @@ impl PendingReadback {
         // Positions past the reads (a slot named twice) go with the last chunk.
         let at = |k: usize| if k == chunks { slots.len() } else { starts[k].min(slots.len()) };
         let spans = (0..chunks).map(|k| (k, at(k)..at(k + 1)));
-        let total = views.iter().map(|v| v.len as usize).sum::<usize>();
+        let total = readback.in_order_bytes;
         let per_read = (total / views.len().max(1)).max(1);
         let threads = device.core().packers().current_num_threads();
         let target = Groups::target((total / chunks.max(1)) as u64, threads);
@@ -435,7 +437,14 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         let views = plan.views.clone();
         return Ok(PendingReadback {
             fence: Fence::completed(),
-            readback: Readback { device: None, lease: None, base: 0, views, chunks: Vec::new() },
+            readback: Readback {
+                device: None,
+                lease: None,
+                base: 0,
+                views,
+                chunks: Vec::new(),
+                in_order_bytes: 0,
+            },
             first_seq: 0,
         });
     }
@@ -552,6 +561,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
             base: tables as usize,
             views,
             chunks: Vec::new(),
+            in_order_bytes: 0,
         },
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
     })
@@ -630,10 +640,9 @@ fn execute_in_order(
     let mut views = core.readback_views.take();
     views.reserve(reads.len());
     let mut chunks = Vec::with_capacity(spans.len() + 1);
-    let mut moved = 0u64;
+    let mut staged_bytes = 0u64;
     for (chunk, span) in (0u32..).zip(spans.iter()) {
         chunks.push(span.requests.start);
-        let mut payload = 0;
         for i in span.requests.clone() {
             let (r, at) = (&reads[i], offsets[i]);
             views.push(ReadView { chunk, last_chunk: chunk, stage_offset: at, len: r.len });
@@ -645,7 +654,6 @@ fn execute_in_order(
             // (8-byte aligned: `tables` is a multiple of 256 from the page-aligned start);
             // nothing reads it before this chunk's launch.
             unsafe { descriptors.add(i).write(CopyDescriptor { src: ptr_of(r), dst, len: r.len }) };
-            payload += r.len;
         }
         let (table, count) = (descriptors.wrapping_add(span.requests.start), span.requests.len() as u64);
         lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
@@ -667,13 +675,15 @@ fn execute_in_order(
             // SAFETY: the chunk's packed bytes lie inside the lease.
             unsafe { raw.memcpy_dtoh_async(base.add(span.start as usize), dev, span.len as usize, stream) }
         })?;
-        // Over the bus the kernel reads the descriptors and writes the payload, not the
-        // padding between packed reads that a DMA moves.
-        let descriptor_bytes = count * size_of::<CopyDescriptor>() as u64;
-        moved += descriptor_bytes + if dev.is_some() { span.len } else { payload };
+        // Through device staging: the table up and the packed bytes (padding included) down.
+        staged_bytes += count * size_of::<CopyDescriptor>() as u64 + span.len;
     }
     chunks.push(reads.len());
     let n = spans.len() as u64;
+    // Over the bus the kernel reads the descriptors and writes the payload, not the padding
+    // between packed reads that a DMA moves.
+    let over_bus = reads.len() as u64 * size_of::<CopyDescriptor>() as u64 + apart.requested;
+    let moved = if dev.is_some() { staged_bytes } else { over_bus };
     core.telemetry.record(
         LaneKind::Readback,
         Moves {
@@ -686,7 +696,14 @@ fn execute_in_order(
     );
     Ok(PendingReadback {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
-        readback: Readback { device: Some(device.clone()), lease: Some(lease), base: 0, views, chunks },
+        readback: Readback {
+            device: Some(device.clone()),
+            lease: Some(lease),
+            base: 0,
+            views,
+            chunks,
+            in_order_bytes: apart.requested as usize,
+        },
         first_seq: final_seq + 1 - n,
     })
 }

@@ -585,7 +585,8 @@ fn execute_in_order(
     let mut leases: Vec<Option<Arc<HostLease>>> = vec![None; spans.len()];
     let bases: Vec<AtomicUsize> = spans.iter().map(|_| AtomicUsize::new(0)).collect();
     let mut seqs = Vec::with_capacity(spans.len());
-    let mut moved = 0u64;
+    // What the DMAs through device staging move, padding included.
+    let mut staged_bytes = 0u64;
     pipeline::run(
         device,
         &groups,
@@ -634,15 +635,7 @@ fn execute_in_order(
                     unsafe { kernels.copy(raw, stream, dev, count) }
                 })?;
                 seqs.push(seq);
-                // Over the bus the kernel reads the descriptors and the payload, not the
-                // padding between packed writes that a DMA moves.
-                moved += match dev {
-                    Some(_) => bytes,
-                    None => {
-                        let payload: u64 = span.requests.clone().map(|i| batch.writes[i].len).sum();
-                        count * std::mem::size_of::<CopyDescriptor>() as u64 + payload
-                    }
-                };
+                staged_bytes += bytes;
                 Ok(true)
             }
         },
@@ -673,6 +666,10 @@ fn execute_in_order(
     )?;
     let chunks = spans.len() as u64;
     let dmas = if dev.is_some() { chunks } else { 0 };
+    // Over the bus the kernel reads the descriptors and the payload, not the padding between
+    // packed writes that a DMA moves.
+    let over_bus = writes.len() as u64 * size_of::<CopyDescriptor>() as u64 + requested;
+    let moved = if dev.is_some() { staged_bytes } else { over_bus };
     core.telemetry
         .record(LaneKind::Upload, Moves { submissions: chunks, requested, moved, dmas, launches: chunks });
     debug_assert_eq!(seqs.last().copied(), Some(final_seq));
