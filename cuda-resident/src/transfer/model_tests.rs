@@ -305,6 +305,51 @@ fn in_order_writes(config: Config) {
 }
 
 #[test]
+fn in_place_batches_in_order_over_several_leases_move_each_lease_by_a_dma_and_one_launch() {
+    // 64 KiB chunks: the arena takes several leases; writes of 8 KiB or more (the direct
+    // threshold) get a lease of their own and move by their own DMA; empty writes move
+    // nothing. Each packed lease: its bytes by one DMA, its table by another, one launch.
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(41);
+    let mut m = Model::new(&d, &mut rng, &[1 << 20, 300_000, 4099]);
+    let mut next = vec![0usize; m.buffers.len()];
+    let mut batch = d.uploads();
+    let (mut packed_bytes, mut own) = (0usize, 0u64);
+    for k in 0..400 {
+        let i = rng.usize(..m.buffers.len());
+        let len = match k % 50 {
+            7 => 0,
+            13 => rng.usize(8 << 10..20 << 10),
+            _ => rng.usize(1..3000),
+        };
+        let at = next[i] + rng.usize(1..40);
+        if at + len > m.expect[i].len() {
+            continue;
+        }
+        next[i] = at + len;
+        let bytes = random_vec(&mut rng, len);
+        batch.write_with(m.buffers[i], at as u64, len, |dst| dst.copy_from_slice(&bytes)).unwrap();
+        m.expect[i][at..at + len].copy_from_slice(&bytes);
+        if len >= 8 << 10 {
+            own += 1;
+        } else {
+            packed_bytes += len;
+        }
+    }
+    let before = d.telemetry();
+    batch.submit().unwrap().wait().unwrap();
+    let after = d.telemetry();
+    m.check(&d, "in place, in order");
+    let launches = after.kernel_launches - before.kernel_launches;
+    // At least as many leases as 64 KiB chunks of packed bytes.
+    assert!(launches as usize >= packed_bytes.div_ceil(64 << 10), "{launches} launches");
+    assert_eq!(after.dma_copies - before.dma_copies, 2 * launches + own);
+    assert_eq!(after.upload_submissions - before.upload_submissions, 2 * launches + own);
+    d.synchronize().unwrap();
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0);
+}
+
+#[test]
 fn in_order_batches_of_small_reads_skip_planning_and_match() {
     for over_bus in [true, false] {
         in_order_reads(Config { small_copies_over_bus: over_bus, ..small_chunks() });

@@ -273,8 +273,9 @@ fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data:
 /// The in-place fast path: every write was made with `write_with` and no two fuse, so the
 /// arena already is the staging. Each arena lease moves whole by one DMA and is spread by
 /// one launch; writes with a lease of their own move by one DMA each. Nothing is copied on
-/// the host. Returns `None` (changing nothing) when writes overlap or touch, for the general
-/// path.
+/// the host. Each lease's DMA is enqueued first and its descriptor table built while it is
+/// on the wire (the table follows the bytes in device staging), so the link starts at once.
+/// Returns `None` (changing nothing) when writes overlap or touch, for the general path.
 fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     let device = batch.device;
     let core = device.core();
@@ -305,23 +306,36 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     if non_empty == 0 {
         return Ok(Some(Fence::completed()));
     }
-    // Per lease: its writes, as (write index).
-    let mut per_lease: Vec<Vec<usize>> = vec![Vec::new(); batch.arena.len()];
-    for (i, (w, src)) in batch.writes.iter().zip(&batch.sources).enumerate() {
-        if let (Source::Arena { lease, .. }, true) = (src, w.len > 0) {
-            per_lease[*lease as usize].push(i);
-        }
-    }
+    // Leases are opened in the order of the writes, so each lease's writes are a run of
+    // consecutive writes: found by binary search.
+    let lease_of = |i: usize| match batch.sources[i] {
+        Source::Arena { lease, .. } => lease as usize,
+        Source::Slice(_) => unreachable!("only arena writes take this path"),
+    };
+    let n = batch.writes.len();
+    let runs: Vec<std::ops::Range<usize>> = (0..batch.arena.len())
+        .scan(0, |first, lease| {
+            let (mut lo, mut hi) = (*first, n);
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if lease_of(mid) <= lease { lo = mid + 1 } else { hi = mid }
+            }
+            let run = *first..lo;
+            *first = lo;
+            Some(run)
+        })
+        .collect();
     let leases: Vec<Arc<HostLease>> = batch.arena.drain(..).map(Arc::new).collect();
     let own = |i: usize| batch.arena_used[i] == CLOSED;
-    let packed_need = (0..leases.len())
-        .filter(|&i| !own(i))
-        .map(|i| {
-            descriptor_area(per_lease[i].iter().map(|&w| batch.writes[w].len)) + batch.arena_used[i] as u64
-        })
-        .max()
-        .unwrap_or(0);
-    let submissions = per_lease.iter().filter(|w| !w.is_empty()).count() as u64;
+    let has_bytes = |i: usize| batch.writes[runs[i].clone()].iter().any(|w| w.len > 0);
+    // Device staging for a packed lease: its bytes, then its table.
+    let table_at = |i: usize| (batch.arena_used[i] as u64).next_multiple_of(256);
+    let area = |i: usize| descriptor_area(batch.writes[runs[i].clone()].iter().map(|w| w.len));
+    let packed: Vec<usize> = (0..leases.len()).filter(|&i| !own(i) && has_bytes(i)).collect();
+    let packed_need = packed.iter().map(|&i| table_at(i) + area(i)).max().unwrap_or(0);
+    // A DMA, then a table and a launch, for each packed lease; a DMA for each own one.
+    let submissions =
+        (2 * packed.len() + (0..leases.len()).filter(|&i| own(i) && has_bytes(i)).count()) as u64;
     let first_seq = lane_batch.next_seq();
     let final_seq = device.claim(&lane_batch, LaneKind::Upload, batch.table.buffers(), submissions)?;
     let dev = if packed_need > 0 {
@@ -337,13 +351,12 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     };
     let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
     for (i, lease) in leases.iter().enumerate() {
-        let writes = &per_lease[i];
-        if writes.is_empty() {
+        if !has_bytes(i) {
             continue;
         }
         let base = lease.as_ptr();
         if own(i) {
-            let w = writes[0];
+            let w = runs[i].start;
             let len = batch.writes[w].len as usize;
             lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
                 // SAFETY: the write's bytes in its own pinned lease, kept alive by this
@@ -354,32 +367,34 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
             moved += len as u64;
             continue;
         }
-        let area = descriptor_area(writes.iter().map(|&w| batch.writes[w].len));
+        let used = batch.arena_used[i];
+        lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+            // SAFETY: the lease's used bytes, kept alive by this submission, into device
+            // staging, which holds packed_need >= used bytes; earlier launches that read
+            // staging come before on this stream.
+            unsafe { raw.memcpy_htod_async(dev, base, used, stream) }
+        })?;
+        // Built while the bytes are on the wire.
         scratch.descriptors.clear();
-        for &w in writes {
-            push_descriptors(
-                &mut scratch.descriptors,
-                dev + area + offset_of(w),
-                ptr_of(w),
-                batch.writes[w].len,
-            );
+        for w in runs[i].clone() {
+            push_descriptors(&mut scratch.descriptors, dev + offset_of(w), ptr_of(w), batch.writes[w].len);
         }
+        let (area, at) = (area(i), dev + table_at(i));
         let table = Arc::new(device.acquire_staging(area as usize)?);
         let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
         // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
         unsafe {
             std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), table.as_ptr(), bytes)
         };
-        let (count, used) = (scratch.descriptors.len() as u64, batch.arena_used[i]);
+        let count = scratch.descriptors.len() as u64;
         let kernels = kernels.expect("loaded when there are packed writes");
-        lane_batch.submit(vec![Arc::clone(lease), Arc::clone(&table)], |raw, stream, _| {
-            // SAFETY: both pinned regions are kept alive by this submission; device staging
-            // holds area + used bytes; destinations are disjoint ranges of live, marked
-            // buffers (no two writes fuse).
+        lane_batch.submit(vec![Arc::clone(&table)], |raw, stream, _| {
+            // SAFETY: the table lease is kept alive by this submission; device staging holds
+            // the table after the lease's bytes (packed_need); destinations are disjoint
+            // ranges of live, marked buffers (no two writes fuse).
             unsafe {
-                raw.memcpy_htod_async(dev, table.as_ptr(), area as usize, stream)?;
-                raw.memcpy_htod_async(dev + area, base, used, stream)?;
-                kernels.copy(raw, stream, dev, count)
+                raw.memcpy_htod_async(at, table.as_ptr(), area as usize, stream)?;
+                kernels.copy(raw, stream, at, count)
             }
         })?;
         dmas += 2;

@@ -1,0 +1,150 @@
+// The link's ceilings for the many-small rows, without cuda-resident: how fast 32 MiB moves
+// between pinned memory and the device as one DMA or several (on one stream or two), from
+// cached or write-combined pinned memory, and by the project's copy kernel reading or
+// writing pinned memory over the bus (8192 copies of 4 KiB and of 256 B, a warp each).
+// Times in microseconds, wall clock from the first enqueue to the stream's end, median of 15
+// after two warm-ups. BENCHMARKS.md compares them with xfer-bench's rows.
+//
+//   nvcc -O2 -Xcompiler -fopenmp -o ceilings scripts/ceilings.cu -lgomp
+//   ./ceilings
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <omp.h>
+#include <cuda_runtime.h>
+
+#include "../cuda-resident/kernels/copy.cu"
+
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e = (x);                                                                       \
+        if (e != cudaSuccess) {                                                                    \
+            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));                       \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+using clk = std::chrono::steady_clock;
+
+static cudaStream_t st[2];
+
+template <class F> static double med(F f) {
+    std::vector<double> t;
+    for (int r = 0; r < 17; r++) {
+        auto a = clk::now();
+        f();
+        CK(cudaStreamSynchronize(st[0]));
+        CK(cudaStreamSynchronize(st[1]));
+        double us = std::chrono::duration<double, std::micro>(clk::now() - a).count();
+        if (r >= 2) t.push_back(us);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+static void row(const char* what, size_t bytes, double us) {
+    printf("%-58s %8.0f us %6.2f GB/s\n", what, us, bytes / us / 1e3);
+}
+
+int main() {
+    const size_t TOTAL = 32 << 20;
+    CK(cudaStreamCreateWithFlags(&st[0], cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&st[1], cudaStreamNonBlocking));
+    unsigned char *pin, *wc, *dev, *dev2;
+    CK(cudaHostAlloc((void**)&pin, TOTAL, cudaHostAllocPortable | cudaHostAllocMapped));
+    CK(cudaHostAlloc((void**)&wc, TOTAL, cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined));
+    CK(cudaMalloc(&dev, TOTAL * 2));
+    CK(cudaMalloc(&dev2, TOTAL * 2));
+    for (size_t i = 0; i < TOTAL; i++) pin[i] = wc[i] = (unsigned char)(i * 7 + 3);
+    char name[128];
+
+    // DMAs of 32 MiB in `n` pieces, on one stream or alternating over two.
+    for (int dir = 0; dir < 2; dir++) {
+        for (int mem = 0; mem < 2; mem++) {
+            unsigned char* host = mem ? wc : pin;
+            for (int n : {1, 2, 4, 8}) {
+                for (int streams : {1, 2}) {
+                    if (n == 1 && streams == 2) continue;
+                    size_t per = TOTAL / n;
+                    double us = med([&] {
+                        for (int k = 0; k < n; k++) {
+                            cudaStream_t s = st[k % streams];
+                            if (dir == 0)
+                                CK(cudaMemcpyAsync(dev + k * per, host + k * per, per, cudaMemcpyHostToDevice, s));
+                            else
+                                CK(cudaMemcpyAsync(host + k * per, dev + k * per, per, cudaMemcpyDeviceToHost, s));
+                        }
+                    });
+                    snprintf(name, sizeof name, "%s 32 MiB %s, %d DMA(s), %d stream(s)", dir ? "D2H" : "H2D",
+                             mem ? "write-combined" : "pinned", n, streams);
+                    row(name, TOTAL, us);
+                }
+            }
+        }
+    }
+
+    // The copy kernel over the bus: 8192 copies of `size` bytes, apart (a 64-byte gap).
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int N = 8192;
+    CopyDescriptor *table, *table_dev;
+    CK(cudaHostAlloc((void**)&table, N * sizeof(CopyDescriptor), cudaHostAllocPortable | cudaHostAllocMapped));
+    CK(cudaMalloc(&table_dev, N * sizeof(CopyDescriptor)));
+    for (size_t size : {(size_t)4096, (size_t)256}) {
+        size_t bytes = N * size;
+        for (int dir = 0; dir < 2; dir++) {
+            for (int mem = 0; mem < 2; mem++) {
+                unsigned char* host = mem ? wc : pin;
+                for (int i = 0; i < N; i++) {
+                    u64 h = (u64)(host + i * size), d = (u64)(dev + i * (size + 64));
+                    table[i] = dir == 0 ? CopyDescriptor{h, d, size} : CopyDescriptor{d, h, size};
+                }
+                for (int blocks : {sms, 2 * sms, 4 * sms, 8 * sms}) {
+                    double us = med([&] { copy_descriptors<<<blocks, 256, 0, st[0]>>>(table, N); });
+                    CK(cudaGetLastError());
+                    snprintf(name, sizeof name, "%s %d x %zu B kernel over the bus, %s, %d blocks",
+                             dir ? "D2H" : "H2D", N, size, mem ? "wc" : "pinned", blocks);
+                    row(name, bytes, us);
+                }
+            }
+        }
+        // Through device staging: one DMA of the packed bytes (and table), one launch.
+        for (int i = 0; i < N; i++) table[i] = CopyDescriptor{(u64)(dev2 + i * size), (u64)(dev + i * (size + 64)), size};
+        double us = med([&] {
+            CK(cudaMemcpyAsync(table_dev, table, N * sizeof(CopyDescriptor), cudaMemcpyHostToDevice, st[0]));
+            CK(cudaMemcpyAsync(dev2, pin, bytes, cudaMemcpyHostToDevice, st[0]));
+            copy_descriptors<<<8 * sms, 256, 0, st[0]>>>(table_dev, N);
+        });
+        snprintf(name, sizeof name, "H2D %d x %zu B, DMA then scatter", N, size);
+        row(name, bytes, us);
+        us = med([&] { copy_descriptors<<<8 * sms, 256, 0, st[0]>>>(table_dev, N); });
+        snprintf(name, sizeof name, "    %d x %zu B, the scatter alone (device to device)", N, size);
+        row(name, bytes, us);
+    }
+
+    // Packing 8192 x 4 KiB from malloc'd sources into cached and write-combined pinned memory.
+    std::vector<unsigned char*> src(N);
+    for (int i = 0; i < N; i++) {
+        src[i] = (unsigned char*)malloc(4096);
+        memset(src[i], i & 255, 4096);
+    }
+    for (int mem = 0; mem < 2; mem++) {
+        unsigned char* host = mem ? wc : pin;
+        double us = med([&] {
+#pragma omp parallel for schedule(static) num_threads(16)
+            for (int i = 0; i < N; i++) memcpy(host + i * 4096, src[i], 4096);
+        });
+        snprintf(name, sizeof name, "pack 8192 x 4 KiB into %s, 16 threads", mem ? "write-combined" : "pinned");
+        row(name, TOTAL, us);
+        us = med([&] {
+#pragma omp parallel for schedule(static) num_threads(16)
+            for (int i = 0; i < N; i++) memcpy(host + i * 4096, src[i], 4096);
+            CK(cudaMemcpyAsync(dev, host, TOTAL, cudaMemcpyHostToDevice, st[0]));
+        });
+        snprintf(name, sizeof name, "pack then one DMA, %s", mem ? "write-combined" : "pinned");
+        row(name, TOTAL, us);
+    }
+    return 0;
+}
