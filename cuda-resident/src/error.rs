@@ -167,6 +167,20 @@ pub enum Error {
         right: usize,
     },
 
+    /// An item of data for a prepared upload does not have its range's length.
+    #[error(
+        "prepared upload range {index} is {expected} bytes long but its data has {got} bytes; nothing was uploaded. \
+         Fix: pass, for each range in the order it was prepared, data of exactly its length (or prepare the ranges again)."
+    )]
+    PreparedDataLength {
+        /// The range's index in the prepared set.
+        index: usize,
+        /// The range's length.
+        expected: u64,
+        /// The data's length.
+        got: usize,
+    },
+
     /// A pinned staging request larger than the pool's cap.
     #[error(
         "pinned staging of {requested} bytes was requested but the pool is capped at {cap} bytes. \
@@ -322,6 +336,7 @@ mod tests {
             Error::PinnedCapExceeded { requested: 2, cap: 1 },
             Error::PinnedExhausted { requested: 2, cap: 4, lent: 3 },
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
+            Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
             Error::HostOutOfMemory { bytes: 1 },
             Error::NotPinned { operation: "Device::upload_async_at", address: 4096, len: 10, unpinned: 4105 },
         ];

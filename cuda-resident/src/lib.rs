@@ -75,7 +75,9 @@ pub use host_pool::{PinnedBuffer, PinnedStats};
 pub use peer::{DeviceSet, FanOutPath, PeerBatch};
 pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;
-pub use transfer::{PendingReadback, Readback, ReadbackBatch, Slot, UploadBatch};
+pub use transfer::{
+    PendingReadback, PreparedReadbacks, PreparedUploads, Readback, ReadbackBatch, Slot, UploadBatch,
+};
 
 /// The raw driver crate, re-exported for callers that make their own driver calls.
 pub use cuda_sys;

@@ -441,3 +441,56 @@ fn a_thread_that_never_bound_the_context_submits_batches_back_to_back() {
     };
     assert!(d.download(b).unwrap() == expect, "the batches from the other thread did not land");
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn prepared_sets_move_new_bytes_every_round_and_read_them_back() {
+    // 8192 ranges of 1 byte to 16 KiB at odd offsets in order over 64 buffers (which the
+    // model fills with random bytes first), uploaded with new random bytes each round, read
+    // back as views and into poisoned vectors; also on a device with small chunks (many
+    // launches a move) and one through device staging (moving as batches).
+    let over_staging = Config { small_copies_over_bus: false, ..Config::default() };
+    let base = device();
+    let devices = [
+        base.clone(),
+        small_chunk_device(),
+        Device::open_with(Arc::clone(base.driver()), 0, over_staging).unwrap(),
+    ];
+    for (n, d) in devices.iter().enumerate() {
+        let mut rng = fastrand::Rng::with_seed(90 + n as u64);
+        let mut m = Model::new(d, &mut rng, &[1 << 22; 64]);
+        let mut next = [0u64; 64];
+        let mut ranges = Vec::new();
+        for k in 0..8192 {
+            let i = k % 64;
+            let len = if rng.u8(..8) == 0 { rng.u64(1..=16 << 10) } else { rng.u64(1..=4096) };
+            let at = next[i] + rng.u64(1..40);
+            next[i] = at + len;
+            ranges.push((m.buffers[i], at, len));
+        }
+        let mut up = d.prepare_uploads(&ranges).unwrap();
+        let mut reads = d.prepare_readbacks(&ranges).unwrap();
+        assert_eq!((up.is_laid_out(), reads.is_laid_out()), (n < 2, n < 2), "device {n}");
+        for round in 0..3 {
+            let data: Vec<Vec<u8>> =
+                ranges.iter().map(|&(_, _, len)| random_vec(&mut rng, len as usize)).collect();
+            up.upload(&data).unwrap().wait().unwrap();
+            for (&(b, at, len), bytes) in ranges.iter().zip(&data) {
+                let i = m.buffers.iter().position(|&x| x == b).unwrap();
+                m.expect[i][at as usize..][..len as usize].copy_from_slice(bytes);
+            }
+            m.check(d, &format!("device {n}, round {round}: prepared upload"));
+            let views = reads.submit().unwrap().wait().unwrap();
+            for (k, want) in data.iter().enumerate() {
+                assert!(views.get(reads.slot(k)) == &want[..], "device {n}, round {round}: view {k}");
+            }
+            drop(views);
+            let mut out: Vec<Vec<u8>> = ranges.iter().map(|&(_, _, len)| vec![0xA5; len as usize]).collect();
+            reads.read_into(&mut out).unwrap();
+            assert!(out == data, "device {n}, round {round}: into vectors");
+        }
+        for b in m.buffers {
+            d.free(b).unwrap();
+        }
+    }
+}

@@ -839,8 +839,15 @@ fn many_small_rows(
         |batch| batch.submit().map_err(e)?.wait().map_err(e),
     )?;
     verify_scatter(d, &s, &sources, size, "H2D write_with, staged")?;
+    // The same ranges prepared once (outside the clock), uploaded with the bytes each time.
+    let ranges: Vec<_> = s.places.iter().map(|&(b, o)| (s.buffers[b], o, size as u64)).collect();
+    let mut prepared = d.prepare_uploads(&ranges).map_err(e)?;
+    let ours_prepared = median_secs(args.reps, || prepared.upload(&sources).map_err(e)?.wait().map_err(e))?;
+    verify_scatter(d, &s, &sources, size, "H2D prepared")?;
+    drop(prepared);
     let name = |what: &str| format!("H2D {count} x {} {what}", human(size));
     rows.push(Row::gbps(name("from pageable"), bytes, Some(raw_h2d), batch_h2d, ours_h2d));
+    rows.push(Row::gbps(name("prepared, from pageable"), bytes, Some(raw_h2d), batch_h2d, ours_prepared));
     rows.push(Row::gbps(name("write_with, fill+move"), bytes, Some(raw_h2d), batch_h2d, ours_in_place));
     rows.push(Row::gbps(name("write_with, move only"), bytes, Some(raw_h2d), batch_h2d, ours_staged));
 
@@ -906,6 +913,28 @@ fn many_small_rows(
     if slots.iter().zip(&sources).any(|(&slot, src)| done.get(slot) != &src[..]) {
         return Err(format!("D2H {count} x {size} views: bytes differ"));
     }
+    drop(done);
+    // The same ranges prepared once (outside the clock), read each time.
+    let mut prepared = d.prepare_readbacks(&ranges).map_err(e)?;
+    for o in &mut outs {
+        o.fill(0x5A);
+    }
+    let prepared_d2h = median_secs(args.reps, || prepared.read_into(&mut outs).map_err(e))?;
+    if outs != sources {
+        return Err(format!("D2H {count} x {size} prepared into Vecs: bytes differ"));
+    }
+    let prepared_views = median_secs(args.reps, || {
+        let done = prepared.submit().map_err(e)?.wait().map_err(e)?;
+        if (0..count.min(64)).any(|k| done.get(prepared.slot(k)) != &sources[k][..]) {
+            return Err("D2H prepared views: bytes differ".into());
+        }
+        Ok(())
+    })?;
+    let done = prepared.submit().map_err(e)?.wait().map_err(e)?;
+    if (0..count).any(|k| done.get(prepared.slot(k)) != &sources[k][..]) {
+        return Err(format!("D2H {count} x {size} prepared views: bytes differ"));
+    }
+    drop((done, prepared));
     rows.push(Row::gbps(
         format!("D2H {count} x {} into caller Vecs", human(size)),
         bytes,
@@ -920,6 +949,9 @@ fn many_small_rows(
         batch_d2h,
         ours_views,
     ));
+    let name = |what: &str| format!("D2H {count} x {} prepared, {what}", human(size));
+    rows.push(Row::gbps(name("into caller Vecs"), bytes, Some(raw_d2h), batch_d2h, prepared_d2h));
+    rows.push(Row::gbps(name("read as views"), bytes, Some(raw_d2h), batch_d2h, prepared_views));
     s.free(d);
     Ok(())
 }

@@ -5,9 +5,11 @@
 //! submission so that freeing it waits for the copy.
 
 mod pipeline;
+mod prepared;
 mod readback;
 mod upload;
 
+pub use prepared::{PreparedReadbacks, PreparedUploads};
 pub use readback::{PendingReadback, Readback, ReadbackBatch, Slot};
 pub use upload::UploadBatch;
 pub(crate) use upload::{RING, UploadParts};
@@ -356,6 +358,11 @@ pub(crate) fn pipeline_chunk(configured: u64, total: u64, depth: u64) -> u64 {
 pub(crate) fn in_order_chunk(configured: u64, total: u64, depth: u64) -> u64 {
     pipeline_chunk(configured, total, depth).max(configured.min(4 << 20))
 }
+
+/// Batches of at least this many requests, all small and in order and apart, skip planning
+/// (`execute_in_order` of uploads and readbacks, and prepared sets): fewer small copies
+/// cost less as planned DMAs than as a launch.
+pub(crate) const IN_ORDER_MIN: usize = 64;
 
 /// Chunks a batch is cut into at least, when it is large enough. On the H200 (8192 reads or
 /// writes of 4 KiB and 64 KiB, one run each) 8 and 16 chunks measured no better than 4 both

@@ -22,13 +22,16 @@ use crate::telemetry::Moves;
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
 
-/// Batches of at least this many reads, all small and in order, skip planning
-/// ([`execute_in_order`]).
-const IN_ORDER_MIN: usize = 64;
-
 /// Names one read of a [`ReadbackBatch`]; redeem it with [`Readback::get`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Slot(u32);
+
+impl Slot {
+    /// The slot of the `index`th read of a batch.
+    pub(crate) fn nth(index: usize) -> Slot {
+        Slot(index as u32)
+    }
+}
 
 /// A batch of device-to-host reads ([`Device::readbacks`]). Reads of one buffer that overlap
 /// or touch are fused and move once. Every read is checked when it is added; a bad one
@@ -63,7 +66,7 @@ pub struct Readback {
     /// Where flat staging starts in the lease (after the descriptor tables of planned reads;
     /// 0 for reads in order, whose tables follow the packed bytes).
     base: usize,
-    views: Vec<ReadView>,
+    views: Views,
     /// Reads in order ([`execute_in_order`]): the first read of each chunk, then the number
     /// of reads; the reads of chunk `k` are `chunks[k]..chunks[k + 1]`. Empty for reads
     /// the planner laid out.
@@ -79,10 +82,55 @@ impl Drop for ReadbackBatch<'_> {
     }
 }
 
+/// A readback's views: its own (handed back to the device's pool when it goes), or those
+/// of a prepared set, shared by each of its readbacks.
+enum Views {
+    Pooled(Vec<ReadView>),
+    Shared(Arc<[ReadView]>),
+}
+
+impl std::ops::Deref for Views {
+    type Target = [ReadView];
+    fn deref(&self) -> &[ReadView] {
+        match self {
+            Views::Pooled(v) => v,
+            Views::Shared(v) => v,
+        }
+    }
+}
+
 impl Drop for Readback {
     fn drop(&mut self) {
-        if let Some(device) = &self.device {
-            device.core().readback_views.give(std::mem::take(&mut self.views));
+        if let (Some(device), Views::Pooled(views)) = (&self.device, &mut self.views) {
+            device.core().readback_views.give(std::mem::take(views));
+        }
+    }
+}
+
+impl PendingReadback {
+    /// A readback of a prepared set's reads in order ([`super::prepared`]): its chunks are
+    /// submissions `first_seq..=fence`'s, `chunks` their first reads then the number of reads,
+    /// and the bytes land in `lease` at the views' offsets.
+    pub(super) fn prepared(
+        device: Device,
+        fence: Fence,
+        first_seq: u64,
+        lease: Arc<HostLease>,
+        views: Arc<[ReadView]>,
+        chunks: Vec<usize>,
+        bytes: usize,
+    ) -> PendingReadback {
+        PendingReadback {
+            fence,
+            readback: Readback {
+                device: Some(device),
+                lease: Some(lease),
+                base: 0,
+                views: Views::Shared(views),
+                chunks,
+                in_order_bytes: bytes,
+            },
+            first_seq,
         }
     }
 }
@@ -410,7 +458,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let core = device.core();
     let config = device.config();
     let apart = &batch.table.apart;
-    let in_order = batch.reads.len() >= IN_ORDER_MIN && !apart.broken;
+    let in_order = batch.reads.len() >= super::IN_ORDER_MIN && !apart.broken;
     let total: u64 = if in_order { apart.requested } else { batch.reads.iter().map(|r| r.len).sum() };
     let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total, super::PIPELINE_DEPTH);
     let plan_config =
@@ -441,7 +489,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
                 device: None,
                 lease: None,
                 base: 0,
-                views,
+                views: Views::Pooled(views),
                 chunks: Vec::new(),
                 in_order_bytes: 0,
             },
@@ -559,7 +607,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
             device: Some(device.clone()),
             lease: Some(lease),
             base: tables as usize,
-            views,
+            views: Views::Pooled(views),
             chunks: Vec::new(),
             in_order_bytes: 0,
         },
@@ -700,7 +748,7 @@ fn execute_in_order(
             device: Some(device.clone()),
             lease: Some(lease),
             base: 0,
-            views,
+            views: Views::Pooled(views),
             chunks,
             in_order_bytes: apart.requested as usize,
         },

@@ -26,10 +26,6 @@ pub(crate) const RING: usize = 4;
 /// kernel: for a handful of copies, DMAs cost less than a launch.
 const KERNEL_MIN_COPIES: usize = 3;
 
-/// Batches of at least this many writes, all small and in order, skip planning
-/// ([`execute_in_order`]).
-const IN_ORDER_MIN: usize = 64;
-
 /// `arena_used` of a lease that holds one large write and takes no more.
 const CLOSED: usize = usize::MAX;
 
@@ -420,7 +416,7 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     let scratch = &mut *scratch;
     // No arena: no write was made in place, every source is a slice.
     let apart = &batch.table.apart;
-    if batch.writes.len() >= IN_ORDER_MIN
+    if batch.writes.len() >= super::IN_ORDER_MIN
         && !apart.broken
         && apart.longest < config.direct_threshold
         && batch.arena.is_empty()

@@ -1,0 +1,424 @@
+//! Prepared sets: ranges checked and laid out once, then moved again and again, with new
+//! bytes each time (uploads) or reading the buffers' current bytes (readbacks).
+//!
+//! A batch pays, for every request, a check, a layout entry, a descriptor and (readbacks) a
+//! view, on the calling thread; for thousands of small copies that costs as much as moving
+//! them. A runtime that moves the same ranges every step (a layer's slices, a table's rows,
+//! a simulator's cells) prepares them once: for ranges in order and apart
+//! ([`super::Apart`]), the set takes a pinned region of its own and writes every descriptor
+//! there once. An upload then only copies the bytes in, on the packing threads, and
+//! launches one kernel a chunk, which reads them over the bus; a readback only launches, the
+//! kernel writing the bytes into the set's region, where its views are fixed.
+//!
+//! Other sets (ranges out of order, overlapping, touching, large, fewer than a few dozen,
+//! or a GPU without unified addressing) are checked once too, and move as a batch each time.
+
+use std::sync::Arc;
+
+use super::pipeline::{self, Groups, Step};
+use super::{BufferTable, Span, cut_apart, in_order_chunk};
+use crate::alloc::ResidentBuffer;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::host_pool::HostLease;
+use crate::kernels::CopyDescriptor;
+use crate::plan::ReadView;
+use crate::stream::{Fence, LaneKind};
+use crate::telemetry::Moves;
+use crate::transfer::{PendingReadback, Slot};
+
+/// A set of upload ranges checked and laid out once ([`Device::prepare_uploads`]), uploaded
+/// with new bytes by [`PreparedUploads::upload`].
+pub struct PreparedUploads {
+    device: Device,
+    ranges: Vec<(ResidentBuffer, u64, u64)>,
+    fast: Option<Layout>,
+    /// The packing threads' groups of the fast path.
+    groups: Option<Groups>,
+    /// The last submission that reads the set's pinned region.
+    last_seq: Option<u64>,
+}
+
+/// A set of readback ranges checked and laid out once ([`Device::prepare_readbacks`]), read
+/// by [`PreparedReadbacks::submit`] or [`PreparedReadbacks::read_into`].
+pub struct PreparedReadbacks {
+    device: Device,
+    ranges: Vec<(ResidentBuffer, u64, u64)>,
+    fast: Option<Layout>,
+    /// The views of the fast path's readbacks, and each chunk's first read then the count.
+    views: Arc<[ReadView]>,
+    chunks: Vec<usize>,
+    /// `Slot`s of every range, in order.
+    slots: Vec<Slot>,
+}
+
+/// Ranges in order and apart, laid out in a pinned region of the set's own: the packed bytes
+/// at their flat offsets, then one descriptor a range, written once (chunk `k`'s table is the
+/// run of its ranges' descriptors).
+struct Layout {
+    /// Each distinct buffer, claimed by every move.
+    buffers: Vec<ResidentBuffer>,
+    offsets: Vec<u64>,
+    spans: Vec<Span>,
+    lease: Arc<HostLease>,
+    /// Where the descriptors start in the lease.
+    tables: usize,
+    requested: u64,
+}
+
+impl std::fmt::Debug for PreparedUploads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedUploads")
+            .field("ranges", &self.ranges.len())
+            .field("laid_out", &self.fast.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for PreparedReadbacks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedReadbacks")
+            .field("ranges", &self.ranges.len())
+            .field("laid_out", &self.fast.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Device {
+    /// Checks `ranges` (`(buffer, offset, len)` each) once, for uploading them again and
+    /// again with new bytes ([`PreparedUploads::upload`]): the fast way to move the same
+    /// thousands of small ranges every step.
+    ///
+    /// Ranges in order and apart (each past the end of the previous range of its buffer,
+    /// with a gap), none longer than 16 KiB and at least 64 of them, are laid out once in a
+    /// pinned region that the set keeps (their bytes plus 24 bytes a range, taken from the
+    /// pinned pool until the set is dropped), with every descriptor written there: an upload
+    /// then costs one parallel copy of the bytes and one launch per chunk. Other sets move
+    /// as an [`UploadBatch`](crate::UploadBatch) each time (writes in order; later ones win).
+    ///
+    /// # Errors
+    /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept.
+    /// [`Error::PinnedExhausted`] or [`Error::PinnedCapExceeded`] when the pool cannot hold
+    /// the region.
+    pub fn prepare_uploads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedUploads> {
+        let fast = Layout::new(self, ranges, LaneKind::Upload)?;
+        let groups = fast.as_ref().map(|layout| {
+            let chunk = in_order_chunk(self.config().chunk_bytes, layout.requested, super::PIPELINE_DEPTH);
+            let target =
+                Groups::target(chunk.min(layout.requested), self.core().packers().current_num_threads());
+            let per_range = (layout.requested as usize / ranges.len()).max(1);
+            let spans = layout.spans.iter().enumerate().map(|(k, span)| (k, span.requests.clone()));
+            Groups::by_count(layout.spans.len(), spans, (target / per_range).max(1))
+        });
+        Ok(PreparedUploads { device: self.clone(), ranges: ranges.to_vec(), fast, groups, last_seq: None })
+    }
+
+    /// Checks `ranges` (`(buffer, offset, len)` each) once, for reading them again and again
+    /// ([`PreparedReadbacks::submit`], [`PreparedReadbacks::read_into`]).
+    ///
+    /// Ranges in order and apart, as for [`Device::prepare_uploads`], are laid out once in a
+    /// pinned region that the set keeps, with every descriptor and view made once: a
+    /// readback then costs one launch per chunk, and its [`Readback`](crate::Readback)'s views
+    /// point into that region. While one readback of the set is alive (or in flight), the
+    /// next moves as a [`ReadbackBatch`](crate::ReadbackBatch) of its own, so views never
+    /// change under a caller: drop a readback before the next submit to stay on the fast
+    /// path. Other sets move as a batch each time.
+    ///
+    /// # Errors
+    /// As [`Device::prepare_uploads`].
+    pub fn prepare_readbacks(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedReadbacks> {
+        let fast = Layout::new(self, ranges, LaneKind::Readback)?;
+        let (views, chunks) = match &fast {
+            Some(layout) => layout.views(ranges),
+            None => (Arc::from([]), Vec::new()),
+        };
+        let slots = (0..ranges.len()).map(Slot::nth).collect();
+        Ok(PreparedReadbacks { device: self.clone(), ranges: ranges.to_vec(), fast, views, chunks, slots })
+    }
+}
+
+impl Layout {
+    /// Checks every range; lays them out if they take the fast path (else `None`).
+    fn new(device: &Device, ranges: &[(ResidentBuffer, u64, u64)], kind: LaneKind) -> Result<Option<Layout>> {
+        let mut table = BufferTable::default();
+        let mut first_error = None;
+        let mut keys = Vec::with_capacity(ranges.len());
+        for &(buffer, offset, len) in ranges {
+            keys.push(table.check(device, buffer, offset, len, &mut first_error)?.0);
+        }
+        let apart = &table.apart;
+        if ranges.len() < super::IN_ORDER_MIN
+            || apart.broken
+            || apart.longest >= device.config().direct_threshold
+            || !device.small_copies_over_bus()
+        {
+            return Ok(None);
+        }
+        let depth = if kind == LaneKind::Upload { super::PIPELINE_DEPTH } else { super::READ_DEPTH };
+        let chunk_bytes = in_order_chunk(device.config().chunk_bytes, apart.requested, depth);
+        let mut spans = Vec::new();
+        cut_apart(&apart.offsets, |i| ranges[i].2, chunk_bytes, &mut spans);
+        let tables = apart.end.next_multiple_of(256) as usize;
+        let lease = device.acquire_staging(tables + ranges.len() * size_of::<CopyDescriptor>())?;
+        let base = lease.as_ptr();
+        let descriptors = base.wrapping_add(tables).cast::<CopyDescriptor>();
+        for (i, (&key, &(_, offset, len))) in keys.iter().zip(ranges).enumerate() {
+            let (host, dev) = (base as u64 + apart.offsets[i], table.entries[key as usize].ptr + offset);
+            let (src, dst) = if kind == LaneKind::Upload { (host, dev) } else { (dev, host) };
+            // SAFETY: the lease has a descriptor slot per range after the packed bytes
+            // (8-byte aligned: `tables` is a multiple of 256 from the page-aligned start), and
+            // is the set's own.
+            unsafe { descriptors.add(i).write(CopyDescriptor { src, dst, len }) };
+        }
+        Ok(Some(Layout {
+            buffers: table.buffers().collect(),
+            offsets: std::mem::take(&mut table.apart.offsets),
+            spans,
+            lease: Arc::new(lease),
+            tables,
+            requested: table.apart.requested,
+        }))
+    }
+
+    /// The views of every range and each chunk's first range (then the count).
+    fn views(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> (Arc<[ReadView]>, Vec<usize>) {
+        let mut views = Vec::with_capacity(ranges.len());
+        let mut chunks = Vec::with_capacity(self.spans.len() + 1);
+        for (chunk, span) in (0u32..).zip(&self.spans) {
+            chunks.push(span.requests.start);
+            for i in span.requests.clone() {
+                let (stage_offset, len) = (self.offsets[i], ranges[i].2);
+                views.push(ReadView { chunk, last_chunk: chunk, stage_offset, len });
+            }
+        }
+        chunks.push(ranges.len());
+        (views.into(), chunks)
+    }
+
+    /// Claims the buffers for `chunks` submissions on `lane_batch`: the last one's sequence.
+    fn claim(
+        &self,
+        device: &Device,
+        lane_batch: &crate::stream::LaneBatch<'_>,
+        kind: LaneKind,
+    ) -> Result<u64> {
+        device.claim(lane_batch, kind, self.buffers.iter().copied(), self.spans.len() as u64)
+    }
+
+    /// Enqueues chunk `k`'s launch, which keeps the region alive until it completes.
+    fn launch(
+        &self,
+        lane_batch: &crate::stream::LaneBatch<'_>,
+        kernels: &crate::kernels::Kernels,
+        k: usize,
+    ) -> Result<u64> {
+        let span = &self.spans[k];
+        let table = self.lease.as_ptr() as u64
+            + (self.tables + span.requests.start * size_of::<CopyDescriptor>()) as u64;
+        let count = span.requests.len() as u64;
+        lane_batch.submit(vec![Arc::clone(&self.lease)], |raw, stream, _| {
+            // SAFETY: the table and the host side of every copy lie in the set's pinned
+            // region, which this submission keeps alive and the device reaches (unified
+            // addressing); the device side of each is a range of a live, marked buffer
+            // (claimed), and the ranges are disjoint (in order and apart).
+            unsafe { kernels.copy_over_bus(raw, stream, table, count) }
+        })
+    }
+
+    /// What a move of the set costs: one launch a chunk, descriptors and payload over the bus.
+    fn moves(&self) -> Moves {
+        let chunks = self.spans.len() as u64;
+        let descriptors = (self.offsets.len() * size_of::<CopyDescriptor>()) as u64;
+        Moves {
+            submissions: chunks,
+            requested: self.requested,
+            moved: descriptors + self.requested,
+            dmas: 0,
+            launches: chunks,
+        }
+    }
+}
+
+impl PreparedUploads {
+    /// Number of ranges.
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// Whether the set has no range.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// Whether the set was laid out once (the fast path) rather than moving as a batch.
+    pub fn is_laid_out(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Uploads `data[i]` into range `i`, for every range, and returns at once; the fence
+    /// completes when every byte has landed. The bytes are copied before this returns, so
+    /// `data` may change right after. An upload waits, on the host, for the set's previous
+    /// upload to have left its pinned region.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] unless there is one item of data per range,
+    /// [`Error::PreparedDataLength`] for an item whose length is not its range's, a buffer
+    /// freed since the set was prepared: each with nothing enqueued.
+    pub fn upload<S: AsRef<[u8]> + Sync>(&mut self, data: &[S]) -> Result<Fence> {
+        if data.len() != self.ranges.len() {
+            return Err(Error::LengthMismatch {
+                what: "prepared ranges and their data",
+                left: self.ranges.len(),
+                right: data.len(),
+            });
+        }
+        if let Some(i) = self.ranges.iter().zip(data).position(|(r, d)| d.as_ref().len() as u64 != r.2) {
+            return Err(Error::PreparedDataLength {
+                index: i,
+                expected: self.ranges[i].2,
+                got: data[i].as_ref().len(),
+            });
+        }
+        let device = &self.device;
+        let core = device.core();
+        let lane = core.lane(LaneKind::Upload);
+        if let (Some(layout), Some(groups)) = (&self.fast, &self.groups) {
+            if let Some(seq) = self.last_seq
+                && lane.wait(seq)?
+            {
+                crate::telemetry::Telemetry::add(&core.telemetry.host_waits, 1);
+            }
+            // Only a submission stranded by a lost context could still hold the region.
+            if Arc::strong_count(&layout.lease) == 1 {
+                let lane_batch = lane.batch();
+                let final_seq = layout.claim(device, &lane_batch, LaneKind::Upload)?;
+                self.last_seq = Some(final_seq);
+                let kernels = core.kernels()?;
+                let base = layout.lease.as_ptr() as usize;
+                pipeline::run(
+                    device,
+                    groups,
+                    layout.requested as usize,
+                    layout.spans.len(),
+                    |step| match step {
+                        Step::Open(_) => Ok(true),
+                        Step::Done(k) => layout.launch(&lane_batch, kernels, k).map(|_| true),
+                    },
+                    |_, items| {
+                        for i in items {
+                            let bytes = data[i].as_ref();
+                            // SAFETY: range i's place in the set's region holds its length
+                            // (checked above), no two places overlap, and no copy reads the
+                            // region (the previous upload was waited for above).
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    bytes.as_ptr(),
+                                    (base + layout.offsets[i] as usize) as *mut u8,
+                                    bytes.len(),
+                                )
+                            };
+                        }
+                    },
+                )?;
+                core.telemetry.record(LaneKind::Upload, layout.moves());
+                return Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq));
+            }
+        }
+        let mut batch = device.uploads();
+        for (&(buffer, offset, _), bytes) in self.ranges.iter().zip(data) {
+            batch.write(buffer, offset, bytes.as_ref())?;
+        }
+        batch.submit()
+    }
+}
+
+impl PreparedReadbacks {
+    /// Number of ranges.
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// Whether the set has no range.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// Whether the set was laid out once (the fast path) rather than moving as a batch.
+    pub fn is_laid_out(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// The slot of range `index` in every readback of this set.
+    ///
+    /// # Panics
+    /// If `index` is not below [`PreparedReadbacks::len`].
+    pub fn slot(&self, index: usize) -> Slot {
+        self.slots[index]
+    }
+
+    /// The slots of every range, in order (for [`PendingReadback::wait_into`]).
+    pub fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+
+    /// Starts reading every range and returns at once.
+    ///
+    /// # Errors
+    /// A buffer freed since the set was prepared, with nothing enqueued.
+    pub fn submit(&mut self) -> Result<PendingReadback> {
+        let device = &self.device;
+        let core = device.core();
+        let lane = core.lane(LaneKind::Readback);
+        if let Some(layout) = &self.fast {
+            // Retire what completed: a readback that is done and dropped no longer holds
+            // the region.
+            if Arc::strong_count(&layout.lease) > 1 {
+                lane.poll()?;
+            }
+            if Arc::strong_count(&layout.lease) == 1 {
+                let lane_batch = lane.batch();
+                let first_seq = lane_batch.next_seq();
+                let final_seq = layout.claim(device, &lane_batch, LaneKind::Readback)?;
+                let kernels = core.kernels()?;
+                for k in 0..layout.spans.len() {
+                    layout.launch(&lane_batch, kernels, k)?;
+                }
+                core.telemetry.record(LaneKind::Readback, layout.moves());
+                drop(lane_batch);
+                return Ok(PendingReadback::prepared(
+                    device.clone(),
+                    Fence::new(device.clone(), LaneKind::Readback, final_seq),
+                    first_seq,
+                    Arc::clone(&layout.lease),
+                    Arc::clone(&self.views),
+                    self.chunks.clone(),
+                    layout.requested as usize,
+                ));
+            }
+        }
+        let mut batch = device.readbacks();
+        for &(buffer, offset, len) in &self.ranges {
+            batch.read(buffer, offset, len)?;
+        }
+        batch.submit()
+    }
+
+    /// Reads every range into the caller's vector of the same index, replacing its contents
+    /// (capacity is reused), and waits; each vector is filled on the packing threads as soon
+    /// as its chunk has landed.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] unless there is one vector per range (nothing enqueued);
+    /// those of [`PreparedReadbacks::submit`] and [`PendingReadback::wait_into`].
+    pub fn read_into(&mut self, out: &mut [Vec<u8>]) -> Result<()> {
+        if out.len() != self.ranges.len() {
+            return Err(Error::LengthMismatch {
+                what: "prepared ranges and output vectors",
+                left: self.ranges.len(),
+                right: out.len(),
+            });
+        }
+        let pending = self.submit()?;
+        pending.wait_into(&self.slots, out).map(drop)
+    }
+}
