@@ -5,10 +5,11 @@
 //! view, on the calling thread; for thousands of small copies that costs as much as moving
 //! them. A runtime that moves the same ranges every step (a layer's slices, a table's rows,
 //! a simulator's cells) prepares them once: for ranges in order and apart
-//! ([`super::Apart`]), the set takes a pinned region of its own and writes every descriptor
-//! there once. An upload then only copies the bytes in, on the packing threads, and
-//! launches one kernel a chunk, which reads them over the bus; a readback only launches, the
-//! kernel writing the bytes into the set's region, where its views are fixed.
+//! ([`super::Apart`]), the set takes a pinned region of its own for the bytes and writes
+//! every descriptor once, into a device buffer of its own. An upload then only copies the
+//! bytes in, on the packing threads, and launches one kernel a chunk, which reads them over
+//! the bus; a readback only launches, the kernel writing the bytes into the set's region,
+//! where its views are fixed.
 //!
 //! Other sets (ranges out of order, overlapping, touching, large, fewer than a few dozen,
 //! or a GPU without unified addressing) are checked once too, and move as a batch each time.
@@ -52,17 +53,20 @@ pub struct PreparedReadbacks {
     slots: Vec<Slot>,
 }
 
-/// Ranges in order and apart, laid out in a pinned region of the set's own: the packed bytes
-/// at their flat offsets, then one descriptor a range, written once (chunk `k`'s table is the
-/// run of its ranges' descriptors).
+/// Ranges in order and apart, laid out once: the packed bytes at their flat offsets in a
+/// pinned region of the set's own, and one descriptor a range in a device buffer of the
+/// set's own, written once (chunk `k`'s table is the run of its ranges' descriptors). With
+/// the table in device memory the kernel fetches each descriptor without a trip over the
+/// bus (on the H200, 8192 copies of 256 bytes: 55 against 63 to 65 µs a launch).
 struct Layout {
-    /// Each distinct buffer, claimed by every move.
+    /// Each distinct buffer and the table, claimed by every move.
     buffers: Vec<ResidentBuffer>,
     offsets: Vec<u64>,
     spans: Vec<Span>,
     lease: Arc<HostLease>,
-    /// Where the descriptors start in the lease.
-    tables: usize,
+    /// The descriptors, and their device address.
+    table: ResidentBuffer,
+    table_ptr: u64,
     requested: u64,
 }
 
@@ -90,16 +94,17 @@ impl Device {
     /// thousands of small ranges every step.
     ///
     /// Ranges in order and apart (each past the end of the previous range of its buffer,
-    /// with a gap), none longer than 16 KiB and at least 64 of them, are laid out once in a
-    /// pinned region that the set keeps (their bytes plus 24 bytes a range, taken from the
-    /// pinned pool until the set is dropped), with every descriptor written there: an upload
-    /// then costs one parallel copy of the bytes and one launch per chunk. Other sets move
+    /// with a gap), none longer than 16 KiB and at least 64 of them, are laid out once: the
+    /// set keeps a pinned region for their bytes (from the pinned pool, packed as the ranges
+    /// lie, until the set is dropped) and a device buffer of 24 bytes a range (counted in
+    /// [`Device::allocated_bytes`]) with every descriptor written there once: an upload then
+    /// costs one parallel copy of the bytes and one launch per chunk. Other sets move
     /// as an [`UploadBatch`](crate::UploadBatch) each time (writes in order; later ones win).
     ///
     /// # Errors
     /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept.
     /// [`Error::PinnedExhausted`] or [`Error::PinnedCapExceeded`] when the pool cannot hold
-    /// the region.
+    /// the region; the allocator's errors for the table.
     pub fn prepare_uploads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedUploads> {
         let fast = Layout::new(self, ranges, LaneKind::Upload)?;
         let groups = fast.as_ref().map(|layout| {
@@ -158,24 +163,43 @@ impl Layout {
         let chunk_bytes = in_order_chunk(device.config().chunk_bytes, apart.requested, depth);
         let mut spans = Vec::new();
         cut_apart(&apart.offsets, |i| ranges[i].2, chunk_bytes, &mut spans);
-        let tables = apart.end.next_multiple_of(256) as usize;
-        let lease = device.acquire_staging(tables + ranges.len() * size_of::<CopyDescriptor>())?;
-        let base = lease.as_ptr();
-        let descriptors = base.wrapping_add(tables).cast::<CopyDescriptor>();
-        for (i, (&key, &(_, offset, len))) in keys.iter().zip(ranges).enumerate() {
-            let (host, dev) = (base as u64 + apart.offsets[i], table.entries[key as usize].ptr + offset);
-            let (src, dst) = if kind == LaneKind::Upload { (host, dev) } else { (dev, host) };
-            // SAFETY: the lease has a descriptor slot per range after the packed bytes
-            // (8-byte aligned: `tables` is a multiple of 256 from the page-aligned start), and
-            // is the set's own.
-            unsafe { descriptors.add(i).write(CopyDescriptor { src, dst, len }) };
-        }
+        let lease = device.acquire_staging(apart.end as usize)?;
+        let base = lease.as_ptr() as u64;
+        let descriptors: Vec<CopyDescriptor> = keys
+            .iter()
+            .zip(ranges)
+            .zip(&apart.offsets)
+            .map(|((&key, &(_, offset, len)), &at)| {
+                let (host, dev) = (base + at, table.entries[key as usize].ptr + offset);
+                let (src, dst) = if kind == LaneKind::Upload { (host, dev) } else { (dev, host) };
+                CopyDescriptor { src, dst, len }
+            })
+            .collect();
+        // SAFETY: a descriptor is three u64s (`repr(C)`, no padding): its bytes are initialised.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                descriptors.as_ptr().cast::<u8>(),
+                descriptors.len() * size_of::<CopyDescriptor>(),
+            )
+        };
+        let table_buffer = device.allocate(bytes.len() as u64)?;
+        let table_ptr =
+            match device.upload(table_buffer, bytes).and_then(|()| device.device_ptr(table_buffer)) {
+                Ok(ptr) => ptr,
+                Err(e) => {
+                    let _ = device.free(table_buffer);
+                    return Err(e);
+                }
+            };
+        let mut buffers: Vec<ResidentBuffer> = table.buffers().collect();
+        buffers.push(table_buffer);
         Ok(Some(Layout {
-            buffers: table.buffers().collect(),
+            buffers,
             offsets: std::mem::take(&mut table.apart.offsets),
             spans,
             lease: Arc::new(lease),
-            tables,
+            table: table_buffer,
+            table_ptr,
             requested: table.apart.requested,
         }))
     }
@@ -213,28 +237,45 @@ impl Layout {
         k: usize,
     ) -> Result<u64> {
         let span = &self.spans[k];
-        let table = self.lease.as_ptr() as u64
-            + (self.tables + span.requests.start * size_of::<CopyDescriptor>()) as u64;
+        let table = self.table_ptr + (span.requests.start * size_of::<CopyDescriptor>()) as u64;
         let count = span.requests.len() as u64;
         lane_batch.submit(vec![Arc::clone(&self.lease)], |raw, stream, _| {
-            // SAFETY: the table and the host side of every copy lie in the set's pinned
-            // region, which this submission keeps alive and the device reaches (unified
-            // addressing); the device side of each is a range of a live, marked buffer
-            // (claimed), and the ranges are disjoint (in order and apart).
+            // SAFETY: the table is the set's device buffer (live and marked: claimed with the
+            // ranges' buffers); the host side of every copy lies in the set's pinned region,
+            // which this submission keeps alive and the device reaches (unified addressing);
+            // the device side of each is a range of a live, marked buffer, and the ranges are
+            // disjoint (in order and apart).
             unsafe { kernels.copy_over_bus(raw, stream, table, count) }
         })
     }
 
-    /// What a move of the set costs: one launch a chunk, descriptors and payload over the bus.
+    /// What a move of the set costs: one launch a chunk, the payload over the bus.
     fn moves(&self) -> Moves {
         let chunks = self.spans.len() as u64;
-        let descriptors = (self.offsets.len() * size_of::<CopyDescriptor>()) as u64;
         Moves {
             submissions: chunks,
             requested: self.requested,
-            moved: descriptors + self.requested,
+            moved: self.requested,
             dmas: 0,
             launches: chunks,
+        }
+    }
+}
+
+impl Drop for PreparedUploads {
+    fn drop(&mut self) {
+        if let Some(layout) = &self.fast {
+            // Freed once the moves that use it are done; a refused free leaves the buffer
+            // listed, as any.
+            let _ = self.device.free(layout.table);
+        }
+    }
+}
+
+impl Drop for PreparedReadbacks {
+    fn drop(&mut self) {
+        if let Some(layout) = &self.fast {
+            let _ = self.device.free(layout.table);
         }
     }
 }
