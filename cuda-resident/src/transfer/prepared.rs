@@ -162,7 +162,16 @@ impl Layout {
         let depth = if kind == LaneKind::Upload { super::PIPELINE_DEPTH } else { super::READ_DEPTH };
         let chunk_bytes = in_order_chunk(device.config().chunk_bytes, apart.requested, depth);
         let mut spans = Vec::new();
-        cut_apart(&apart.offsets, |i| ranges[i].2, chunk_bytes, &mut spans);
+        if kind == LaneKind::Upload {
+            cut_apart(
+                &apart.offsets,
+                |i| ranges[i].2,
+                super::growing(super::FIRST_CHUNK, chunk_bytes),
+                &mut spans,
+            );
+        } else {
+            cut_apart(&apart.offsets, |i| ranges[i].2, |_| chunk_bytes, &mut spans);
+        }
         let lease = device.acquire_staging(apart.end as usize)?;
         let base = lease.as_ptr() as u64;
         let descriptors: Vec<CopyDescriptor> = keys

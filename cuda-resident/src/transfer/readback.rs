@@ -659,7 +659,7 @@ fn execute_in_order(
     let offsets = &apart.offsets[..];
     debug_assert_eq!(offsets.len(), reads.len(), "one offset a read");
     let DeviceStaging { spans, region, .. } = scratch;
-    cut_apart(offsets, |i| reads[i].len, chunk_bytes, spans);
+    cut_apart(offsets, |i| reads[i].len, |_| chunk_bytes, spans);
     // The lease holds the flat packed bytes, then the chunks' tables: one descriptor a read,
     // in read order (chunk `k`'s table starts at its first read's).
     let tables = apart.end.next_multiple_of(256);

@@ -545,8 +545,8 @@ thread_local! {
 /// none longer than a kernel segment: the common batch of many small writes, laid out
 /// as the writes were added ([`super::Apart`]: each at the residue of its destination modulo
 /// 16, so the scatter uses 16-byte accesses), without the planner. The batch is cut into
-/// chunks (each with its descriptor table and packed bytes within `chunk_bytes`, found by
-/// binary search); then, per chunk, the packing threads write each write's
+/// chunks (each with its descriptor table and packed bytes within `chunk_bytes`, over the
+/// bus growing to it from [`super::FIRST_CHUNK`]; found by binary search); then, per chunk, the packing threads write each write's
 /// descriptor and copy its bytes straight into the pinned lease, and one launch moves it:
 /// the kernel reads table and bytes in the lease, over the bus
 /// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), or after one
@@ -569,7 +569,13 @@ fn execute_in_order(
     let (offsets, requested) = (&apart.offsets[..], apart.requested);
     debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
     let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, super::PIPELINE_DEPTH);
-    cut_apart(offsets, |i| writes[i].len, chunk_bytes, spans);
+    // Over the bus a chunk costs a launch: the first is small and leaves while the rest is
+    // packed. Through device staging (a DMA and a launch a chunk) chunks stay equal.
+    if device.small_copies_over_bus() {
+        cut_apart(offsets, |i| writes[i].len, super::growing(super::FIRST_CHUNK, chunk_bytes), spans);
+    } else {
+        cut_apart(offsets, |i| writes[i].len, |_| chunk_bytes, spans);
+    }
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
     let first_seq = lane_batch.next_seq();
