@@ -1,5 +1,6 @@
 //! Criterion benchmarks of cuda-resident's transfers on a GPU: an upload batch and a readback
-//! batch of 8192 x 4 KiB spread over 64 buffers, submit to fence. Without a GPU (or driver)
+//! batch of 8192 x 4 KiB spread over 64 buffers, submit to fence, and the same ranges as
+//! prepared sets. Without a GPU (or driver)
 //! they print why they are skipped and measure nothing. `xfer-bench` is the side-by-side
 //! comparison with the raw driver; these track cuda-resident's own speed over time.
 
@@ -48,6 +49,18 @@ fn transfers(c: &mut Criterion) {
             reads.submit().unwrap().wait().unwrap()
         })
     });
+    // The same ranges prepared once, outside the measurement.
+    let ranges: Vec<_> = places.iter().map(|&(buf, off)| (buf, off, SIZE as u64)).collect();
+    let mut prepared = device.prepare_uploads(&ranges).unwrap();
+    group.bench_function("prepared upload 8192 x 4 KiB", |b| {
+        b.iter(|| prepared.upload(&data).unwrap().wait().unwrap())
+    });
+    drop(prepared);
+    let mut prepared = device.prepare_readbacks(&ranges).unwrap();
+    group.bench_function("prepared readback 8192 x 4 KiB as views", |b| {
+        b.iter(|| prepared.submit().unwrap().wait().unwrap())
+    });
+    drop(prepared);
     group.finish();
     for b in buffers {
         device.free(b).unwrap();

@@ -1014,6 +1014,13 @@ fn prepared_sets_in_order_are_laid_out_once_and_move_by_launches_alone_every_tim
 }
 
 #[test]
+fn prepared_sets_can_move_to_and_be_shared_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<crate::PreparedUploads>();
+    shareable::<crate::PreparedReadbacks>();
+}
+
+#[test]
 fn prepared_sets_out_of_order_or_small_move_as_batches_with_the_same_result() {
     for over_bus in [true, false] {
         let d = device(Config { small_copies_over_bus: over_bus, ..small_chunks() });
