@@ -14,6 +14,10 @@
 //!   DMA (two for a readback: its table up, its bytes down) and one scatter or gather
 //!   launch; large copies from ordinary memory are pipelined through pinned staging by
 //!   several threads;
+//! - **prepared sets** ([`Device::prepare_uploads`], [`Device::prepare_readbacks`]): the same
+//!   ranges moved every step are checked and laid out once, with their descriptors resident
+//!   on the device; each move then costs a parallel copy of the bytes (uploads) and a launch
+//!   per chunk;
 //! - **several GPUs** ([`DeviceSet`]): peer access, [`PeerBatch`]es of device-to-device copies
 //!   fused into one kernel launch on the destination, and fan-out of one host buffer to
 //!   every GPU.
@@ -41,6 +45,18 @@
 //! let done = reads.submit()?.wait()?;
 //! assert_eq!(done.get(slot), &x[..]); // a view into pinned staging, no copy
 //! assert!(fence.is_complete()?);
+//! drop(done);
+//!
+//! // The same 1024 ranges every step: checked and laid out once.
+//! let ranges: Vec<_> = (0..1024).map(|i| (a, i * 512, 256)).collect();
+//! let mut prepared = device.prepare_uploads(&ranges)?;
+//! let rows: Vec<Vec<u8>> = (0..1024).map(|i| vec![i as u8; 256]).collect();
+//! prepared.upload(&rows)?.wait()?;
+//! let mut back = device.prepare_readbacks(&ranges)?;
+//! let mut out = vec![Vec::new(); ranges.len()];
+//! back.read_into(&mut out)?;
+//! assert_eq!(out, rows);
+//! drop((prepared, back));
 //! device.free(a)?;
 //! device.free(b)?;
 //! # Ok::<(), cuda_resident::Error>(())

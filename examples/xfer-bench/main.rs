@@ -839,15 +839,13 @@ fn many_small_rows(
         |batch| batch.submit().map_err(e)?.wait().map_err(e),
     )?;
     verify_scatter(d, &s, &sources, size, "H2D write_with, staged")?;
-    // The same ranges prepared once (outside the clock), uploaded with the bytes each time.
     let ranges: Vec<_> = s.places.iter().map(|&(b, o)| (s.buffers[b], o, size as u64)).collect();
-    let mut prepared = d.prepare_uploads(&ranges).map_err(e)?;
-    let ours_prepared = median_secs(args.reps, || prepared.upload(&sources).map_err(e)?.wait().map_err(e))?;
-    verify_scatter(d, &s, &sources, size, "H2D prepared")?;
-    drop(prepared);
+    let ours_prepared = prepared_uploads(d, args, &s, &sources, &ranges)?;
     let name = |what: &str| format!("H2D {count} x {} {what}", human(size));
     rows.push(Row::gbps(name("from pageable"), bytes, Some(raw_h2d), batch_h2d, ours_h2d));
-    rows.push(Row::gbps(name("prepared, from pageable"), bytes, Some(raw_h2d), batch_h2d, ours_prepared));
+    if let Some(t) = ours_prepared {
+        rows.push(Row::gbps(name("prepared, from pageable"), bytes, Some(raw_h2d), batch_h2d, t));
+    }
     rows.push(Row::gbps(name("write_with, fill+move"), bytes, Some(raw_h2d), batch_h2d, ours_in_place));
     rows.push(Row::gbps(name("write_with, move only"), bytes, Some(raw_h2d), batch_h2d, ours_staged));
 
@@ -914,27 +912,7 @@ fn many_small_rows(
         return Err(format!("D2H {count} x {size} views: bytes differ"));
     }
     drop(done);
-    // The same ranges prepared once (outside the clock), read each time.
-    let mut prepared = d.prepare_readbacks(&ranges).map_err(e)?;
-    for o in &mut outs {
-        o.fill(0x5A);
-    }
-    let prepared_d2h = median_secs(args.reps, || prepared.read_into(&mut outs).map_err(e))?;
-    if outs != sources {
-        return Err(format!("D2H {count} x {size} prepared into Vecs: bytes differ"));
-    }
-    let prepared_views = median_secs(args.reps, || {
-        let done = prepared.submit().map_err(e)?.wait().map_err(e)?;
-        if (0..count.min(64)).any(|k| done.get(prepared.slot(k)) != &sources[k][..]) {
-            return Err("D2H prepared views: bytes differ".into());
-        }
-        Ok(())
-    })?;
-    let done = prepared.submit().map_err(e)?.wait().map_err(e)?;
-    if (0..count).any(|k| done.get(prepared.slot(k)) != &sources[k][..]) {
-        return Err(format!("D2H {count} x {size} prepared views: bytes differ"));
-    }
-    drop((done, prepared));
+    let prepared = prepared_readbacks(d, args, &sources, &ranges, &mut outs)?;
     rows.push(Row::gbps(
         format!("D2H {count} x {} into caller Vecs", human(size)),
         bytes,
@@ -949,11 +927,74 @@ fn many_small_rows(
         batch_d2h,
         ours_views,
     ));
-    let name = |what: &str| format!("D2H {count} x {} prepared, {what}", human(size));
-    rows.push(Row::gbps(name("into caller Vecs"), bytes, Some(raw_d2h), batch_d2h, prepared_d2h));
-    rows.push(Row::gbps(name("read as views"), bytes, Some(raw_d2h), batch_d2h, prepared_views));
+    if let Some([into, views]) = prepared {
+        let name = |what: &str| format!("D2H {count} x {} prepared, {what}", human(size));
+        rows.push(Row::gbps(name("into caller Vecs"), bytes, Some(raw_d2h), batch_d2h, into));
+        rows.push(Row::gbps(name("read as views"), bytes, Some(raw_d2h), batch_d2h, views));
+    }
     s.free(d);
     Ok(())
+}
+
+/// The ranges prepared once (outside the clock) and uploaded with the bytes each time: the
+/// median time, or `None` (said on stderr) when the set cannot be prepared, e.g. its pinned
+/// region would not fit the pool.
+fn prepared_uploads(
+    d: &Device,
+    args: &Args,
+    s: &Scatter,
+    sources: &[Vec<u8>],
+    ranges: &[(ResidentBuffer, u64, u64)],
+) -> BenchResult<Option<f64>> {
+    let mut prepared = match d.prepare_uploads(ranges) {
+        Ok(p) => p,
+        Err(err) => {
+            eprintln!("prepared uploads of {} ranges skipped: {err}", ranges.len());
+            return Ok(None);
+        }
+    };
+    let t = median_secs(args.reps, || prepared.upload(sources).map_err(error)?.wait().map_err(error))?;
+    verify_scatter(d, s, sources, sources[0].len(), "H2D prepared")?;
+    Ok(Some(t))
+}
+
+/// The ranges (which hold `sources`) prepared once and read each time, into `outs` and as
+/// views: the median times, or `None` as for [`prepared_uploads`].
+fn prepared_readbacks(
+    d: &Device,
+    args: &Args,
+    sources: &[Vec<u8>],
+    ranges: &[(ResidentBuffer, u64, u64)],
+    outs: &mut [Vec<u8>],
+) -> BenchResult<Option<[f64; 2]>> {
+    let e = error;
+    let mut prepared = match d.prepare_readbacks(ranges) {
+        Ok(p) => p,
+        Err(err) => {
+            eprintln!("prepared readbacks of {} ranges skipped: {err}", ranges.len());
+            return Ok(None);
+        }
+    };
+    let what = format!("D2H {} x {} prepared", ranges.len(), sources[0].len());
+    for o in outs.iter_mut() {
+        o.fill(0x5A);
+    }
+    let into = median_secs(args.reps, || prepared.read_into(outs).map_err(e))?;
+    if outs != sources {
+        return Err(format!("{what} into Vecs: bytes differ"));
+    }
+    let views = median_secs(args.reps, || {
+        let done = prepared.submit().map_err(e)?.wait().map_err(e)?;
+        if (0..ranges.len().min(64)).any(|k| done.get(prepared.slot(k)) != &sources[k][..]) {
+            return Err(format!("{what} views: bytes differ"));
+        }
+        Ok(())
+    })?;
+    let done = prepared.submit().map_err(e)?.wait().map_err(e)?;
+    if (0..ranges.len()).any(|k| done.get(prepared.slot(k)) != &sources[k][..]) {
+        return Err(format!("{what} views: bytes differ"));
+    }
+    Ok(Some([into, views]))
 }
 
 fn verify_scatter(d: &Device, s: &Scatter, sources: &[Vec<u8>], size: usize, what: &str) -> BenchResult<()> {
