@@ -1076,6 +1076,14 @@ fn prepared_sets_refuse_bad_input_with_a_fix_and_move_nothing() {
         matches!(e, Error::PreparedDataLength { index: 40, .. }) && e.to_string().contains("Fix:"),
         "{e}"
     );
+    // The last range, in the last chunk: still refused before the first chunk moves.
+    data[40].pop();
+    let last = data.len() - 1;
+    data[last].pop();
+    let e = up.upload(&data).unwrap_err();
+    assert!(matches!(e, Error::PreparedDataLength { index, .. } if index == last), "{e}");
+    data[last].push(7);
+    data[40].push(1);
     assert_eq!(d.telemetry().upload_submissions, before.upload_submissions, "nothing enqueued");
     m.check(&d, "after refused uploads");
 

@@ -322,13 +322,16 @@ impl PreparedUploads {
                 right: data.len(),
             });
         }
-        if let Some(i) = self.ranges.iter().zip(data).position(|(r, d)| d.as_ref().len() as u64 != r.2) {
-            return Err(Error::PreparedDataLength {
+        let ranges = &self.ranges;
+        let check_lengths = || match ranges.iter().zip(data).position(|(r, d)| d.as_ref().len() as u64 != r.2)
+        {
+            Some(i) => Err(Error::PreparedDataLength {
                 index: i,
-                expected: self.ranges[i].2,
+                expected: ranges[i].2,
                 got: data[i].as_ref().len(),
-            });
-        }
+            }),
+            None => Ok(()),
+        };
         let device = &self.device;
         let core = device.core();
         let lane = core.lane(LaneKind::Upload);
@@ -341,16 +344,22 @@ impl PreparedUploads {
             // Only a submission stranded by a lost context could still hold the region.
             if Arc::strong_count(&layout.lease) == 1 {
                 let lane_batch = lane.batch();
-                let final_seq = layout.claim(device, &lane_batch, LaneKind::Upload)?;
-                self.last_seq = Some(final_seq);
                 let kernels = core.kernels()?;
                 let base = layout.lease.as_ptr() as usize;
-                pipeline::run(
+                let mut final_seq = None;
+                let moved = pipeline::run(
                     device,
                     groups,
                     layout.requested as usize,
                     layout.spans.len(),
                     |step| match step {
+                        // The lengths are checked and the buffers claimed while the packing
+                        // threads wake, before any byte is copied or anything enqueued.
+                        Step::Open(0) => {
+                            check_lengths()?;
+                            final_seq = Some(layout.claim(device, &lane_batch, LaneKind::Upload)?);
+                            Ok(true)
+                        }
                         Step::Open(_) => Ok(true),
                         Step::Done(k) => layout.launch(&lane_batch, kernels, k).map(|_| true),
                     },
@@ -358,8 +367,9 @@ impl PreparedUploads {
                         for i in items {
                             let bytes = data[i].as_ref();
                             // SAFETY: range i's place in the set's region holds its length
-                            // (checked above), no two places overlap, and no copy reads the
-                            // region (the previous upload was waited for above).
+                            // (checked when chunk 0 opened, before any group started), no two
+                            // places overlap, and no copy reads the region (the previous
+                            // upload was waited for above).
                             unsafe {
                                 std::ptr::copy_nonoverlapping(
                                     bytes.as_ptr(),
@@ -369,11 +379,17 @@ impl PreparedUploads {
                             };
                         }
                     },
-                )?;
+                );
+                if final_seq.is_some() {
+                    self.last_seq = final_seq;
+                }
+                moved?;
+                let final_seq = final_seq.expect("chunk 0 opened: the run succeeded");
                 core.telemetry.record(LaneKind::Upload, layout.moves());
                 return Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq));
             }
         }
+        check_lengths()?;
         let mut batch = device.uploads();
         for (&(buffer, offset, _), bytes) in self.ranges.iter().zip(data) {
             batch.write(buffer, offset, bytes.as_ref())?;
