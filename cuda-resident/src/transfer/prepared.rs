@@ -335,14 +335,16 @@ impl PreparedUploads {
         let device = &self.device;
         let core = device.core();
         let lane = core.lane(LaneKind::Upload);
-        if let (Some(layout), Some(groups)) = (&self.fast, &self.groups) {
+        if let (Some(layout), Some(groups)) = (self.fast.as_mut(), &self.groups) {
             if let Some(seq) = self.last_seq
                 && lane.wait(seq)?
             {
                 crate::telemetry::Telemetry::add(&core.telemetry.host_waits, 1);
             }
-            // Only a submission stranded by a lost context could still hold the region.
-            if Arc::strong_count(&layout.lease) == 1 {
+            // Only a submission stranded by a lost context could still hold the region
+            // (`get_mut` also orders this after the release of every other holder).
+            if Arc::get_mut(&mut layout.lease).is_some() {
+                let layout = &*layout;
                 let lane_batch = lane.batch();
                 let kernels = core.kernels()?;
                 let base = layout.lease.as_ptr() as usize;
@@ -365,16 +367,20 @@ impl PreparedUploads {
                     },
                     |_, items| {
                         for i in items {
+                            // At most the range's length, whatever `as_ref` answers this
+                            // time (the lengths were checked when chunk 0 opened, but an
+                            // `AsRef` may answer differently on a second call).
                             let bytes = data[i].as_ref();
-                            // SAFETY: range i's place in the set's region holds its length
-                            // (checked when chunk 0 opened, before any group started), no two
-                            // places overlap, and no copy reads the region (the previous
-                            // upload was waited for above).
+                            let len = bytes.len().min(ranges[i].2 as usize);
+                            // SAFETY: range i's place in the set's region holds its length,
+                            // `len` is at most that and at most the source's, no two places
+                            // overlap, and no copy reads the region (the previous upload was
+                            // waited for above).
                             unsafe {
                                 std::ptr::copy_nonoverlapping(
                                     bytes.as_ptr(),
                                     (base + layout.offsets[i] as usize) as *mut u8,
-                                    bytes.len(),
+                                    len,
                                 )
                             };
                         }
@@ -435,13 +441,16 @@ impl PreparedReadbacks {
         let device = &self.device;
         let core = device.core();
         let lane = core.lane(LaneKind::Readback);
-        if let Some(layout) = &self.fast {
+        if let Some(layout) = self.fast.as_mut() {
             // Retire what completed: a readback that is done and dropped no longer holds
             // the region.
-            if Arc::strong_count(&layout.lease) > 1 {
+            if Arc::get_mut(&mut layout.lease).is_none() {
                 lane.poll()?;
             }
-            if Arc::strong_count(&layout.lease) == 1 {
+            // No readback of the set holds the region any more (`get_mut` also orders this
+            // after the release of every other holder, which may have read its views).
+            if Arc::get_mut(&mut layout.lease).is_some() {
+                let layout = &*layout;
                 let lane_batch = lane.batch();
                 let first_seq = lane_batch.next_seq();
                 let final_seq = layout.claim(device, &lane_batch, LaneKind::Readback)?;
