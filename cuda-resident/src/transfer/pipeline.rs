@@ -51,6 +51,20 @@ impl Groups {
         })
     }
 
+    /// [`Groups::by_count`] for `items` items of about the same size, `total_bytes` in all:
+    /// groups of about the bytes that spread a chunk of `chunk_bytes` over `threads` packing
+    /// threads ([`Groups::target`]), counted from the mean item (no pass over the items).
+    pub(crate) fn by_mean(
+        chunks: usize,
+        spans: impl Iterator<Item = (usize, Range<usize>)>,
+        (items, total_bytes): (usize, usize),
+        chunk_bytes: u64,
+        threads: usize,
+    ) -> Groups {
+        let per_item = (total_bytes / items.max(1)).max(1);
+        Groups::by_count(chunks, spans, Groups::target(chunk_bytes, threads) / per_item)
+    }
+
     /// Cuts each chunk's items into groups with `split(items, push)`, which passes each
     /// group of `items` to `push` in order.
     fn cut(

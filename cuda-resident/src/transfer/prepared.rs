@@ -33,9 +33,8 @@ use crate::transfer::{PendingReadback, Slot};
 pub struct PreparedUploads {
     device: Device,
     ranges: Vec<(ResidentBuffer, u64, u64)>,
-    fast: Option<Layout>,
-    /// The packing threads' groups of the fast path.
-    groups: Option<Groups>,
+    /// The layout and the packing threads' groups, for the fast path.
+    fast: Option<(Layout, Groups)>,
     /// The last submission that reads the set's pinned region.
     last_seq: Option<u64>,
 }
@@ -45,10 +44,9 @@ pub struct PreparedUploads {
 pub struct PreparedReadbacks {
     device: Device,
     ranges: Vec<(ResidentBuffer, u64, u64)>,
-    fast: Option<Layout>,
-    /// The views of the fast path's readbacks, and each chunk's first read then the count.
-    views: Arc<[ReadView]>,
-    chunks: Vec<usize>,
+    /// The layout, the views of its readbacks, and each chunk's first read then the count,
+    /// for the fast path.
+    fast: Option<(Layout, Arc<[ReadView]>, Vec<usize>)>,
     /// `Slot`s of every range, in order.
     slots: Vec<Slot>,
 }
@@ -59,6 +57,8 @@ pub struct PreparedReadbacks {
 /// the table in device memory the kernel fetches each descriptor without a trip over the
 /// bus (on the H200, 8192 copies of 256 bytes: 55 against 63 to 65 µs a launch).
 struct Layout {
+    /// The device, which frees the table when the layout goes.
+    device: Device,
     /// Each distinct buffer and the table, claimed by every move.
     buffers: Vec<ResidentBuffer>,
     offsets: Vec<u64>,
@@ -68,6 +68,16 @@ struct Layout {
     table: ResidentBuffer,
     table_ptr: u64,
     requested: u64,
+    /// The largest chunk.
+    chunk_bytes: u64,
+}
+
+impl Drop for Layout {
+    fn drop(&mut self) {
+        // Freed once the moves that use it are done (they marked it used); a refused free
+        // leaves the buffer listed, as any.
+        let _ = self.device.free(self.table);
+    }
 }
 
 impl std::fmt::Debug for PreparedUploads {
@@ -106,16 +116,18 @@ impl Device {
     /// [`Error::PinnedExhausted`] or [`Error::PinnedCapExceeded`] when the pool cannot hold
     /// the region; the allocator's errors for the table.
     pub fn prepare_uploads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedUploads> {
-        let fast = Layout::new(self, ranges, LaneKind::Upload)?;
-        let groups = fast.as_ref().map(|layout| {
-            let chunk = in_order_chunk(self.config().chunk_bytes, layout.requested, super::PIPELINE_DEPTH);
-            let target =
-                Groups::target(chunk.min(layout.requested), self.core().packers().current_num_threads());
-            let per_range = (layout.requested as usize / ranges.len()).max(1);
+        let fast = Layout::new(self, ranges, LaneKind::Upload)?.map(|layout| {
             let spans = layout.spans.iter().enumerate().map(|(k, span)| (k, span.requests.clone()));
-            Groups::by_count(layout.spans.len(), spans, (target / per_range).max(1))
+            let groups = Groups::by_mean(
+                layout.spans.len(),
+                spans,
+                (ranges.len(), layout.requested as usize),
+                layout.chunk_bytes.min(layout.requested),
+                self.core().packers().current_num_threads(),
+            );
+            (layout, groups)
         });
-        Ok(PreparedUploads { device: self.clone(), ranges: ranges.to_vec(), fast, groups, last_seq: None })
+        Ok(PreparedUploads { device: self.clone(), ranges: ranges.to_vec(), fast, last_seq: None })
     }
 
     /// Checks `ranges` (`(buffer, offset, len)` each) once, for reading them again and again
@@ -132,13 +144,12 @@ impl Device {
     /// # Errors
     /// As [`Device::prepare_uploads`].
     pub fn prepare_readbacks(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedReadbacks> {
-        let fast = Layout::new(self, ranges, LaneKind::Readback)?;
-        let (views, chunks) = match &fast {
-            Some(layout) => layout.views(ranges),
-            None => (Arc::from([]), Vec::new()),
-        };
+        let fast = Layout::new(self, ranges, LaneKind::Readback)?.map(|layout| {
+            let (views, chunks) = layout.views(ranges);
+            (layout, views, chunks)
+        });
         let slots = (0..ranges.len()).map(Slot::nth).collect();
-        Ok(PreparedReadbacks { device: self.clone(), ranges: ranges.to_vec(), fast, views, chunks, slots })
+        Ok(PreparedReadbacks { device: self.clone(), ranges: ranges.to_vec(), fast, slots })
     }
 }
 
@@ -203,6 +214,7 @@ impl Layout {
         let mut buffers: Vec<ResidentBuffer> = table.buffers().collect();
         buffers.push(table_buffer);
         Ok(Some(Layout {
+            device: device.clone(),
             buffers,
             offsets: std::mem::take(&mut table.apart.offsets),
             spans,
@@ -210,6 +222,7 @@ impl Layout {
             table: table_buffer,
             table_ptr,
             requested: table.apart.requested,
+            chunk_bytes,
         }))
     }
 
@@ -271,24 +284,6 @@ impl Layout {
     }
 }
 
-impl Drop for PreparedUploads {
-    fn drop(&mut self) {
-        if let Some(layout) = &self.fast {
-            // Freed once the moves that use it are done; a refused free leaves the buffer
-            // listed, as any.
-            let _ = self.device.free(layout.table);
-        }
-    }
-}
-
-impl Drop for PreparedReadbacks {
-    fn drop(&mut self) {
-        if let Some(layout) = &self.fast {
-            let _ = self.device.free(layout.table);
-        }
-    }
-}
-
 impl PreparedUploads {
     /// Number of ranges.
     pub fn len(&self) -> usize {
@@ -335,7 +330,7 @@ impl PreparedUploads {
         let device = &self.device;
         let core = device.core();
         let lane = core.lane(LaneKind::Upload);
-        if let (Some(layout), Some(groups)) = (self.fast.as_mut(), &self.groups) {
+        if let Some((layout, groups)) = self.fast.as_mut() {
             if let Some(seq) = self.last_seq
                 && lane.wait(seq)?
             {
@@ -344,7 +339,7 @@ impl PreparedUploads {
             // Only a submission stranded by a lost context could still hold the region
             // (`get_mut` also orders this after the release of every other holder).
             if Arc::get_mut(&mut layout.lease).is_some() {
-                let layout = &*layout;
+                let (layout, groups) = (&*layout, &*groups);
                 let lane_batch = lane.batch();
                 let kernels = core.kernels()?;
                 let base = layout.lease.as_ptr() as usize;
@@ -441,7 +436,7 @@ impl PreparedReadbacks {
         let device = &self.device;
         let core = device.core();
         let lane = core.lane(LaneKind::Readback);
-        if let Some(layout) = self.fast.as_mut() {
+        if let Some((layout, views, chunks)) = self.fast.as_mut() {
             // Retire what completed: a readback that is done and dropped no longer holds
             // the region.
             if Arc::get_mut(&mut layout.lease).is_none() {
@@ -465,8 +460,8 @@ impl PreparedReadbacks {
                     Fence::new(device.clone(), LaneKind::Readback, final_seq),
                     first_seq,
                     Arc::clone(&layout.lease),
-                    Arc::clone(&self.views),
-                    self.chunks.clone(),
+                    Arc::clone(views),
+                    chunks.clone(),
                     layout.requested as usize,
                 ));
             }

@@ -289,10 +289,9 @@ impl PendingReadback {
         let at = |k: usize| if k == chunks { slots.len() } else { starts[k].min(slots.len()) };
         let spans = (0..chunks).map(|k| (k, at(k)..at(k + 1)));
         let total = readback.in_order_bytes;
-        let per_read = (total / views.len().max(1)).max(1);
         let threads = device.core().packers().current_num_threads();
-        let target = Groups::target((total / chunks.max(1)) as u64, threads);
-        let groups = Groups::by_count(chunks, spans, (target / per_read).max(1));
+        let chunk_bytes = (total / chunks.max(1)) as u64;
+        let groups = Groups::by_mean(chunks, spans, (views.len(), total), chunk_bytes, threads);
         let outs = SharedVecs(out.as_mut_ptr());
         let skipped = AtomicBool::new(false);
         let fill = |p: usize| {

@@ -304,21 +304,15 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     }
     // Leases are opened in the order of the writes, so each lease's writes are a run of
     // consecutive writes: found by binary search.
-    let lease_of = |i: usize| match batch.sources[i] {
+    let lease_of = |source: &Source<'_>| match *source {
         Source::Arena { lease, .. } => lease as usize,
         Source::Slice(_) => unreachable!("only arena writes take this path"),
     };
-    let n = batch.writes.len();
+    let mut first = 0;
     let runs: Vec<std::ops::Range<usize>> = (0..batch.arena.len())
-        .scan(0, |first, lease| {
-            let (mut lo, mut hi) = (*first, n);
-            while lo < hi {
-                let mid = lo + (hi - lo) / 2;
-                if lease_of(mid) <= lease { lo = mid + 1 } else { hi = mid }
-            }
-            let run = *first..lo;
-            *first = lo;
-            Some(run)
+        .map(|lease| {
+            let end = first + batch.sources[first..].partition_point(|s| lease_of(s) <= lease);
+            std::mem::replace(&mut first, end)..end
         })
         .collect();
     let leases: Vec<Arc<HostLease>> = batch.arena.drain(..).map(Arc::new).collect();
@@ -326,9 +320,10 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     let has_bytes = |i: usize| batch.writes[runs[i].clone()].iter().any(|w| w.len > 0);
     // Device staging for a packed lease: its bytes, then its table.
     let table_at = |i: usize| (batch.arena_used[i] as u64).next_multiple_of(256);
-    let area = |i: usize| descriptor_area(batch.writes[runs[i].clone()].iter().map(|w| w.len));
+    let areas: Vec<u64> =
+        runs.iter().map(|run| descriptor_area(batch.writes[run.clone()].iter().map(|w| w.len))).collect();
     let packed: Vec<usize> = (0..leases.len()).filter(|&i| !own(i) && has_bytes(i)).collect();
-    let packed_need = packed.iter().map(|&i| table_at(i) + area(i)).max().unwrap_or(0);
+    let packed_need = packed.iter().map(|&i| table_at(i) + areas[i]).max().unwrap_or(0);
     // A DMA, then a table and a launch, for each packed lease; a DMA for each own one.
     let submissions =
         (2 * packed.len() + (0..leases.len()).filter(|&i| own(i) && has_bytes(i)).count()) as u64;
@@ -375,7 +370,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         for w in runs[i].clone() {
             push_descriptors(&mut scratch.descriptors, dev + offset_of(w), ptr_of(w), batch.writes[w].len);
         }
-        let (area, at) = (area(i), dev + table_at(i));
+        let (area, at) = (areas[i], dev + table_at(i));
         let table = Arc::new(device.acquire_staging(area as usize)?);
         let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
         // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
@@ -591,12 +586,12 @@ fn execute_in_order(
     let threads = core.packers().current_num_threads();
     // Groups of about the same bytes, from the mean write (no pass over the writes): a
     // batch smaller than a chunk is spread over every thread too.
-    let target = Groups::target(chunk_bytes.min(requested), threads);
-    let per_write = (requested as usize / writes.len()).max(1);
-    let groups = Groups::by_count(
+    let groups = Groups::by_mean(
         spans.len(),
         spans.iter().enumerate().map(|(k, span)| (k, span.requests.clone())),
-        (target / per_write).max(1),
+        (writes.len(), requested as usize),
+        chunk_bytes.min(requested),
+        threads,
     );
     // Each chunk's lease (the caller's) and its address (the packing threads').
     let mut leases: Vec<Option<Arc<HostLease>>> = vec![None; spans.len()];
