@@ -7,52 +7,16 @@
 //
 //   nvcc -O2 -Xcompiler -fopenmp -o ceilings scripts/ceilings.cu -lgomp
 //   ./ceilings
-#include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <vector>
 #include <omp.h>
-#include <cuda_runtime.h>
 #include <immintrin.h>
 
 #include "../cuda-resident/kernels/copy.cu"
-
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e = (x);                                                                       \
-        if (e != cudaSuccess) {                                                                    \
-            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));                       \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-using clk = std::chrono::steady_clock;
-
-static cudaStream_t st[2];
-
-template <class F> static double med(F f) {
-    std::vector<double> t;
-    for (int r = 0; r < 17; r++) {
-        auto a = clk::now();
-        f();
-        CK(cudaStreamSynchronize(st[0]));
-        CK(cudaStreamSynchronize(st[1]));
-        double us = std::chrono::duration<double, std::micro>(clk::now() - a).count();
-        if (r >= 2) t.push_back(us);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
-
-static void row(const char* what, size_t bytes, double us) {
-    printf("%-58s %8.0f us %6.2f GB/s\n", what, us, bytes / us / 1e3);
-}
+#include "harness.h"
 
 int main() {
     const size_t TOTAL = 32 << 20;
-    CK(cudaStreamCreateWithFlags(&st[0], cudaStreamNonBlocking));
-    CK(cudaStreamCreateWithFlags(&st[1], cudaStreamNonBlocking));
+    make_streams();
     unsigned char *pin, *wc, *dev, *dev2;
     CK(cudaHostAlloc((void**)&pin, TOTAL, cudaHostAllocPortable | cudaHostAllocMapped));
     CK(cudaHostAlloc((void**)&wc, TOTAL, cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined));

@@ -8,6 +8,12 @@
 //!
 //! Two lanes, host-to-device and device-to-host, so that the two directions overlap on the
 //! GPU's separate copy engines. Neither is ever the null stream.
+//!
+//! A lane also has a side stream, made on first use, for kernels that should run while the
+//! lane's stream moves the next bytes ([`LaneBatch::submit_side`]). Side work starts after the
+//! lane's last submission and is joined back into the lane's stream before the batch's
+//! dependent work and its last submission, so a sequence number still means "everything
+//! before it is done", side work included.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -57,10 +63,30 @@ struct InFlight {
     keep: KeepAlive,
 }
 
+/// Side work slots of a lane: a batch alternates between two (two staging regions).
+pub(crate) const SIDE_SLOTS: usize = 2;
+
+/// A lane's side stream and the events recorded on it after side work, one per slot.
+struct Side {
+    stream: CUstream,
+    events: [CUevent; SIDE_SLOTS],
+}
+
+/// Side work of a batch not yet joined into the lane's stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SidePending {
+    None,
+    /// The last side work's end is recorded in this slot's event.
+    Recorded(usize),
+    /// Side work was enqueued but its end could not be recorded: joined by a synchronize.
+    Unrecorded,
+}
+
 struct LaneState {
     next_seq: u64,
     inflight: VecDeque<InFlight>,
     spare_events: Vec<CUevent>,
+    side: Option<Side>,
     /// What submissions kept alive when neither their event nor a stream synchronize could
     /// be had (a lost context): held until the lane goes away, never lent again meanwhile.
     stranded: Vec<KeepAlive>,
@@ -116,6 +142,7 @@ impl Lane {
                 next_seq: 1,
                 inflight: VecDeque::new(),
                 spare_events: Vec::new(),
+                side: None,
                 stranded: Vec::new(),
             }),
             submitting: crate::sync::Mutex::new(()),
@@ -126,7 +153,12 @@ impl Lane {
     /// Starts a batch of submissions: until the returned guard drops, no other thread
     /// submits on this lane.
     pub(crate) fn batch(&self) -> LaneBatch<'_> {
-        LaneBatch { lane: self, reserved: std::cell::Cell::new(0), _exclusive: lock(&self.submitting) }
+        LaneBatch {
+            lane: self,
+            reserved: std::cell::Cell::new(0),
+            side: std::cell::Cell::new(SidePending::None),
+            _exclusive: lock(&self.submitting),
+        }
     }
 
     /// The lane's stream.
@@ -244,11 +276,16 @@ impl Lane {
 pub(crate) struct LaneBatch<'a> {
     lane: &'a Lane,
     reserved: std::cell::Cell<u64>,
+    side: std::cell::Cell<SidePending>,
     _exclusive: crate::sync::MutexGuard<'a, ()>,
 }
 
 impl Drop for LaneBatch<'_> {
     fn drop(&mut self) {
+        // Side work left unjoined (a batch that stopped part-way) is joined first, so that
+        // the numbers completed below cover it. There is no caller to report a failure to:
+        // the join synchronizes the side stream when it cannot enqueue a wait.
+        let _ = self.join_side();
         self.lane.skip_to(self.reserved.get());
     }
 }
@@ -278,9 +315,109 @@ impl LaneBatch<'_> {
     ) -> Result<u64> {
         self.lane.submit_locked(keep, enqueue)
     }
+
+    /// Enqueues `enqueue` on the lane's side stream, after the lane's last submission (work
+    /// enqueued on the lane's stream since, outside a submission, is not waited for), and
+    /// records its end in `slot`'s event. The side work gets no number and keeps nothing
+    /// alive: what it uses must outlive the batch's later submissions, and the batch must
+    /// [`wait_side`](Self::wait_side) before it reuses the work's inputs and
+    /// [`join_side`](Self::join_side) before its last submission (a batch dropped with side
+    /// work unjoined joins it).
+    ///
+    /// If `enqueue` fails after enqueuing part of its work, its end is recorded all the same
+    /// and the error returned.
+    pub(crate) fn submit_side(
+        &self,
+        slot: usize,
+        enqueue: impl FnOnce(&Raw, CUstream) -> Result<()>,
+    ) -> Result<()> {
+        let raw = &self.lane.ctx.raw;
+        let mut state = lock(&self.lane.state);
+        let after = state.inflight.back().map(|f| f.event);
+        let side = match &mut state.side {
+            Some(side) => side,
+            none => none.insert(self.lane.new_side()?),
+        };
+        // A submission no longer in flight is done, and so is everything before it.
+        if let Some(event) = after {
+            raw.stream_wait_event(side.stream, event)?;
+        }
+        let enqueued = enqueue(raw, side.stream);
+        let pending = match raw.event_record(side.events[slot], side.stream) {
+            Ok(()) => SidePending::Recorded(slot),
+            Err(e) => {
+                self.side.set(SidePending::Unrecorded);
+                return Err(enqueued.err().unwrap_or(e));
+            }
+        };
+        // Once one end could not be recorded, only a synchronize joins.
+        if self.side.get() != SidePending::Unrecorded {
+            self.side.set(pending);
+        }
+        enqueued
+    }
+
+    /// Makes the lane's stream wait for the side work last recorded in `slot` (and, the side
+    /// stream being in order, for the side work before it).
+    pub(crate) fn wait_side(&self, slot: usize) -> Result<()> {
+        match self.side.get() {
+            SidePending::None => Ok(()),
+            SidePending::Recorded(last) if last == slot => self.join_side(),
+            SidePending::Recorded(_) => {
+                let state = lock(&self.lane.state);
+                let side = state.side.as_ref().expect("side work was submitted");
+                self.lane.ctx.raw.stream_wait_event(self.lane.stream, side.events[slot])
+            }
+            SidePending::Unrecorded => self.join_side(),
+        }
+    }
+
+    /// Makes the lane's stream wait for all side work of this batch; the lane's next
+    /// submission is then done only after it. Where no wait can be enqueued, blocks until
+    /// the side stream is idle instead.
+    pub(crate) fn join_side(&self) -> Result<()> {
+        let pending = self.side.get();
+        if pending == SidePending::None {
+            return Ok(());
+        }
+        let raw = &self.lane.ctx.raw;
+        let state = lock(&self.lane.state);
+        let side = state.side.as_ref().expect("side work was submitted");
+        let joined = match pending {
+            SidePending::Recorded(slot) => raw
+                .stream_wait_event(self.lane.stream, side.events[slot])
+                .or_else(|_| raw.stream_synchronize(side.stream)),
+            _ => raw.stream_synchronize(side.stream),
+        };
+        if joined.is_ok() {
+            self.side.set(SidePending::None);
+        }
+        joined
+    }
 }
 
 impl Lane {
+    /// The side stream and its events. The context is bound here: nothing else on the
+    /// submission path binds it.
+    fn new_side(&self) -> Result<Side> {
+        let raw = self.ctx.bind()?;
+        let stream = raw.stream_create_non_blocking()?;
+        let mut events = [std::ptr::null_mut(); SIDE_SLOTS];
+        for i in 0..SIDE_SLOTS {
+            match raw.event_create() {
+                Ok(event) => events[i] = event,
+                Err(e) => {
+                    for &event in &events[..i] {
+                        let _ = release_retrying(|| raw.event_destroy(event));
+                    }
+                    let _ = release_retrying(|| raw.stream_destroy(stream));
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Side { stream, events })
+    }
+
     fn submit_locked(
         &self,
         keep: KeepAlive,
@@ -365,6 +502,13 @@ impl Drop for Lane {
         // Work in flight finishes before its staging is released and the stream destroyed.
         let _ = release_retrying(|| raw.stream_synchronize(self.stream));
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(side) = state.side.take() {
+            let _ = release_retrying(|| raw.stream_synchronize(side.stream));
+            for event in side.events {
+                let _ = release_retrying(|| raw.event_destroy(event));
+            }
+            let _ = release_retrying(|| raw.stream_destroy(side.stream));
+        }
         let events = state.inflight.drain(..).map(|f| f.event).chain(state.spare_events.drain(..));
         for event in events {
             let _ = release_retrying(|| raw.event_destroy(event));
@@ -538,6 +682,145 @@ mod tests {
         assert_eq!(pool.stats().lent_bytes, 0, "and their staging is back");
         assert!(!lane.is_known_done(later), "a later one is left for a poll");
         assert!(lane.is_done(later).unwrap());
+    }
+
+    /// Device memory of 4096 bytes, and pinned memory holding random bytes and poison.
+    struct SideCopy {
+        dev: u64,
+        src: *mut u8,
+        out: *mut u8,
+    }
+
+    impl SideCopy {
+        fn new(lane: &Lane) -> SideCopy {
+            let raw = &lane.ctx.raw;
+            let (src, out) = (raw.mem_host_alloc(4096).unwrap(), raw.mem_host_alloc(4096).unwrap());
+            let mut rng = fastrand::Rng::with_seed(7);
+            // SAFETY: two fresh pinned allocations of 4096 bytes.
+            unsafe {
+                std::slice::from_raw_parts_mut(src, 4096).fill_with(|| rng.u8(..));
+                std::slice::from_raw_parts_mut(out, 4096).fill(0xA5);
+            }
+            SideCopy { dev: raw.mem_alloc(4096).unwrap(), src, out }
+        }
+
+        /// The bytes up on the lane's stream (a submission); down on the side stream.
+        fn enqueue(&self, batch: &LaneBatch<'_>) -> Result<()> {
+            // SAFETY: live pinned and device allocations of 4096 bytes.
+            batch.submit(Vec::new(), |raw, stream, _| unsafe {
+                raw.memcpy_htod_async(self.dev, self.src, 4096, stream)
+            })?;
+            batch.submit_side(0, |raw, side| {
+                // SAFETY: as above; `out` is not read before the copy is waited for.
+                unsafe { raw.memcpy_dtoh_async(self.out, self.dev, 4096, side) }
+            })
+        }
+
+        fn came_back(&self) -> bool {
+            // SAFETY: live pinned allocations, no copy in flight (the model runs work when waited for).
+            unsafe {
+                std::slice::from_raw_parts(self.out, 4096) == std::slice::from_raw_parts(self.src, 4096)
+            }
+        }
+    }
+
+    #[test]
+    fn side_work_starts_after_the_lanes_last_submission() {
+        let (_driver, lane) = lane();
+        let c = SideCopy::new(&lane);
+        let batch = lane.batch();
+        c.enqueue(&batch).unwrap();
+        // Waiting for the side stream alone runs the upload first.
+        let side = lock(&lane.state).side.as_ref().unwrap().stream;
+        lane.ctx.raw.stream_synchronize(side).unwrap();
+        assert!(c.came_back());
+        batch.join_side().unwrap();
+    }
+
+    #[test]
+    fn after_a_join_the_next_number_covers_the_side_work() {
+        let (_driver, lane) = lane();
+        let c = SideCopy::new(&lane);
+        let batch = lane.batch();
+        c.enqueue(&batch).unwrap();
+        batch.join_side().unwrap();
+        let seq = batch.submit(Vec::new(), |_, _, _| Ok(())).unwrap();
+        drop(batch);
+        assert!(!c.came_back(), "nothing ran yet");
+        lane.wait(seq).unwrap();
+        assert!(c.came_back(), "waiting for the number ran the side work");
+    }
+
+    #[test]
+    fn a_batch_dropped_with_side_work_unjoined_completes_its_numbers_after_it() {
+        let (_driver, lane) = lane();
+        let c = SideCopy::new(&lane);
+        let batch = lane.batch();
+        batch.reserve(3);
+        c.enqueue(&batch).unwrap();
+        drop(batch);
+        lane.wait(3).unwrap();
+        assert!(c.came_back(), "the marker for 2 and 3 came after the side work");
+    }
+
+    #[test]
+    fn a_join_that_cannot_enqueue_its_wait_synchronizes_the_side_stream() {
+        let (driver, lane) = lane();
+        let c = SideCopy::new(&lane);
+        // The first wait is the side stream's for the lane, the second the join's.
+        driver.faults().inject(Fault::new("cuStreamWaitEvent", 2, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        let batch = lane.batch();
+        c.enqueue(&batch).unwrap();
+        batch.join_side().unwrap();
+        assert_eq!(with(|g| g.stream_syncs), 1);
+        assert!(c.came_back(), "done before the join returned");
+    }
+
+    #[test]
+    fn side_work_whose_end_cannot_be_recorded_fails_and_is_joined_by_a_synchronize() {
+        let (driver, lane) = lane();
+        let c = SideCopy::new(&lane);
+        // The first record is the upload's submission, the second the side work's end.
+        driver.faults().inject(Fault::new("cuEventRecord", 2, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        let batch = lane.batch();
+        let err = c.enqueue(&batch).unwrap_err();
+        assert!(err.to_string().contains("cuEventRecord"), "{err}");
+        // A later side end recorded fine does not make the lost one joinable by a wait.
+        batch.submit_side(1, |_, _| Ok(())).unwrap();
+        batch.join_side().unwrap();
+        assert_eq!(with(|g| g.stream_syncs), 1);
+        assert!(c.came_back());
+    }
+
+    #[test]
+    fn a_side_stream_that_cannot_be_made_fails_with_nothing_enqueued_and_the_next_try_makes_it() {
+        let (driver, lane) = lane();
+        driver.faults().inject(Fault::new("cuStreamCreate", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        let batch = lane.batch();
+        let ran = std::cell::Cell::new(false);
+        let side_work = || {
+            batch.submit_side(0, |_, _| {
+                ran.set(true);
+                Ok(())
+            })
+        };
+        let err = side_work().unwrap_err();
+        assert!(err.to_string().contains("cuStreamCreate") && !ran.get(), "{err}");
+        // A second event fails: the stream and the first event are released.
+        driver.faults().inject(Fault::new("cuEventCreate", 2, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
+        side_work().unwrap_err();
+        assert!(!ran.get());
+        side_work().unwrap();
+        assert!(ran.get());
+        drop(batch);
+        drop(lane);
+        // Counted from the first fault on: the lane's own stream was made before.
+        let counts = driver.faults().counts();
+        let made = |entry: &str| counts.get(entry).map_or(0, |c| c.succeeded);
+        assert_eq!(made("cuStreamCreate"), 2, "{counts:?}");
+        assert_eq!(made("cuStreamDestroy_v2"), 2 + 1, "{counts:?}");
+        assert_eq!(made("cuEventCreate"), 3, "{counts:?}");
+        assert_eq!(made("cuEventDestroy_v2"), 3, "{counts:?}");
     }
 
     #[test]

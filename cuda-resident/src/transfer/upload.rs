@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::{PlanConfig, WriteRequest};
-use crate::stream::{Fence, LaneKind};
+use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 use crate::telemetry::{Moves, Telemetry};
 
@@ -271,6 +271,9 @@ fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data:
 /// one launch; writes with a lease of their own move by one DMA each. Nothing is copied on
 /// the host. Each lease's DMA is enqueued first and its descriptor table built while it is
 /// on the wire (the table follows the bytes in device staging), so the link starts at once.
+/// With several packed leases, they alternate between two regions of device staging and
+/// each one's scatter runs on the lane's side stream while the next one's bytes are on the
+/// wire; the last one's scatter runs on the lane's stream, after the side work.
 /// Returns `None` (changing nothing) when writes overlap or touch, for the general path.
 fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     let device = batch.device;
@@ -324,13 +327,16 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         runs.iter().map(|run| descriptor_area(batch.writes[run.clone()].iter().map(|w| w.len))).collect();
     let packed: Vec<usize> = (0..leases.len()).filter(|&i| !own(i) && has_bytes(i)).collect();
     let packed_need = packed.iter().map(|&i| table_at(i) + areas[i]).max().unwrap_or(0);
+    // Two regions when a lease's scatter may overlap the next one's DMA.
+    let regions = packed.len().min(SIDE_SLOTS) as u64;
+    let region_stride = packed_need.next_multiple_of(256);
     // A DMA, then a table and a launch, for each packed lease; a DMA for each own one.
     let submissions =
         (2 * packed.len() + (0..leases.len()).filter(|&i| own(i) && has_bytes(i)).count()) as u64;
     let first_seq = lane_batch.next_seq();
     let final_seq = device.claim(&lane_batch, LaneKind::Upload, batch.table.buffers(), submissions)?;
     let dev = if packed_need > 0 {
-        scratch.region.ensure(device, LaneKind::Upload, packed_need, first_seq - 1)?
+        scratch.region.ensure(device, LaneKind::Upload, regions * region_stride, first_seq - 1)?
     } else {
         0
     };
@@ -341,6 +347,8 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         Source::Slice(_) => unreachable!("only arena writes take this path"),
     };
     let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
+    // Packed leases enqueued so far.
+    let mut j = 0;
     for (i, lease) in leases.iter().enumerate() {
         if !has_bytes(i) {
             continue;
@@ -359,18 +367,23 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
             continue;
         }
         let used = batch.arena_used[i];
+        let (slot, last) = (j % SIDE_SLOTS, j + 1 == packed.len());
+        let region = dev + slot as u64 * region_stride;
+        j += 1;
+        // The region's previous lease is spread before its bytes are overwritten.
+        lane_batch.wait_side(slot)?;
         lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
-            // SAFETY: the lease's used bytes, kept alive by this submission, into device
-            // staging, which holds packed_need >= used bytes; earlier launches that read
-            // staging come before on this stream.
-            unsafe { raw.memcpy_htod_async(dev, base, used, stream) }
+            // SAFETY: the lease's used bytes, kept alive by this submission, into a region of
+            // device staging, which holds packed_need >= used bytes; the launches that read
+            // the region before come before on this stream or were waited for just above.
+            unsafe { raw.memcpy_htod_async(region, base, used, stream) }
         })?;
         // Built while the bytes are on the wire.
         scratch.descriptors.clear();
         for w in runs[i].clone() {
-            push_descriptors(&mut scratch.descriptors, dev + offset_of(w), ptr_of(w), batch.writes[w].len);
+            push_descriptors(&mut scratch.descriptors, region + offset_of(w), ptr_of(w), batch.writes[w].len);
         }
-        let (area, at) = (areas[i], dev + table_at(i));
+        let (area, at) = (areas[i], region + table_at(i));
         let table = Arc::new(device.acquire_staging(area as usize)?);
         let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
         // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
@@ -379,15 +392,30 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         };
         let count = scratch.descriptors.len() as u64;
         let kernels = kernels.expect("loaded when there are packed writes");
-        lane_batch.submit(vec![Arc::clone(&table)], |raw, stream, _| {
-            // SAFETY: the table lease is kept alive by this submission; device staging holds
-            // the table after the lease's bytes (packed_need); destinations are disjoint
-            // ranges of live, marked buffers (no two writes fuse).
-            unsafe {
-                raw.memcpy_htod_async(at, table.as_ptr(), area as usize, stream)?;
-                kernels.copy(raw, stream, at, count)
-            }
-        })?;
+        // The launches below: the table sits in the region after the lease's bytes
+        // (packed_need), put there by DMAs before on the lane's stream (which the side stream
+        // waits for); destinations are disjoint ranges of live, marked buffers (no two writes
+        // fuse); the region is not written again before the side work is waited for (above,
+        // or by the last lease's join: device staging's next user comes after this batch).
+        if last {
+            lane_batch.join_side()?;
+            lane_batch.submit(vec![Arc::clone(&table)], |raw, stream, _| {
+                // SAFETY: the table lease is kept alive by this submission; the launch as above.
+                unsafe {
+                    raw.memcpy_htod_async(at, table.as_ptr(), area as usize, stream)?;
+                    kernels.copy(raw, stream, at, count)
+                }
+            })?;
+        } else {
+            lane_batch.submit(vec![Arc::clone(&table)], |raw, stream, _| {
+                // SAFETY: the table lease is kept alive by this submission, into the region.
+                unsafe { raw.memcpy_htod_async(at, table.as_ptr(), area as usize, stream) }
+            })?;
+            lane_batch.submit_side(slot, |raw, side| {
+                // SAFETY: as above.
+                unsafe { kernels.copy(raw, side, at, count) }
+            })?;
+        }
         dmas += 2;
         launches += 1;
         moved += area + used as u64;
