@@ -10,6 +10,25 @@
 #include "../cuda-resident/kernels/copy.cu"
 #include "harness.h"
 
+// The copy kernel with its descriptors fetched ahead: lane j of a warp loads the warp's j-th
+// next descriptor, so a warp waits for one round trip per 32 descriptors instead of one per
+// descriptor (which matters when the table is read over the bus).
+extern "C" __global__ void __launch_bounds__(256) copy_prefetch(const CopyDescriptor* __restrict__ descriptors,
+                                                                u64 count) {
+    const unsigned lane = threadIdx.x & 31;
+    const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 base = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; base < count; base += 32 * warps) {
+        const u64 mine = base + lane * warps;
+        CopyDescriptor c{0, 0, 0};
+        if (mine < count) c = descriptors[mine];
+        for (unsigned j = 0; j < 32 && base + j * warps < count; j++) {
+            const u64 src = __shfl_sync(0xffffffffu, c.src, j), dst = __shfl_sync(0xffffffffu, c.dst, j),
+                      len = __shfl_sync(0xffffffffu, c.len, j);
+            warp_copy((unsigned char*)dst, (const unsigned char*)src, len, lane);
+        }
+    }
+}
+
 int main() {
     const int N = 8192;
     const size_t LEASE = 16 << 20;
@@ -71,7 +90,8 @@ int main() {
 
         // Per lease: one DMA into device staging (two regions, alternating), the table built
         // while the bytes are on the wire, then the scatter. `table`: 0 in device staging after
-        // a DMA of its own, 1 read from pinned memory by the kernel. `side`: the scatters on a
+        // a DMA of its own after the bytes, 1 read from pinned memory by the kernel, 2 in device
+        // staging after a DMA on the second stream (beside the bytes' DMA). `side`: the scatters on a
         // second stream (lease l+1's DMA overlaps lease l's scatter), `pieces`: DMAs per lease.
         double us;
         auto dma_scatter = [&](bool prefetch, int table, bool side, int pieces) {
@@ -86,12 +106,15 @@ int main() {
                                        (size_t)(k1 - k0) * size, cudaMemcpyHostToDevice, st[0]));
                     if (k0 == 0) build(l, scat[l], false, region);
                     const CopyDescriptor* t = scat[l] + k0;
+                    if (table != 1) t = (const CopyDescriptor*)(region + tat) + k0;
                     if (table == 0) {
                         CK(cudaMemcpyAsync(region + tat + k0 * sizeof(CopyDescriptor), scat[l] + k0,
                                            (k1 - k0) * sizeof(CopyDescriptor), cudaMemcpyHostToDevice, st[0]));
-                        t = (const CopyDescriptor*)(region + tat) + k0;
                     }
                     cudaStream_t s = st[0];
+                    if (table == 2)  // beside the bytes, on the second stream
+                        CK(cudaMemcpyAsync(region + tat + k0 * sizeof(CopyDescriptor), scat[l] + k0,
+                                           (k1 - k0) * sizeof(CopyDescriptor), cudaMemcpyHostToDevice, st[1]));
                     if (side) {
                         CK(cudaEventRecord(ev[(l * pieces + k0 / per) % 40], st[0]));
                         CK(cudaStreamWaitEvent(st[1], ev[(l * pieces + k0 / per) % 40], 0));
@@ -114,6 +137,8 @@ int main() {
             {"prefetching kernel, table in pinned, 2nd stream, 2 DMAs/lease", true, 1, true, 2},
             {"prefetching kernel, table in pinned, 2nd stream, 4 DMAs/lease", true, 1, true, 4},
             {"kernel, table DMA'd, scatter on a 2nd stream", false, 0, true, 1},
+            {"kernel, table DMA'd on the 2nd stream, scatter there", false, 2, true, 1},
+            {"kernel, table DMA'd on the 2nd stream, scatter there, 2 DMAs/lease", false, 2, true, 2},
         };
         for (const V& v : vs) {
             poison();

@@ -839,6 +839,24 @@ fn many_small_rows(
         |batch| batch.submit().map_err(e)?.wait().map_err(e),
     )?;
     verify_scatter(d, &s, &sources, size, "H2D write_with, staged")?;
+    if args.breakdown {
+        let [fill, submit, wait] = phase_medians(args.reps, || {
+            let t = Instant::now();
+            let mut batch = d.uploads();
+            for (src, &(b, o)) in sources.iter().zip(&s.places) {
+                batch.write_with(s.buffers[b], o, size, |dst| dst.copy_from_slice(src)).map_err(e)?;
+            }
+            let t1 = Instant::now();
+            let fence = batch.submit().map_err(e)?;
+            let t2 = Instant::now();
+            fence.wait().map_err(e)?;
+            Ok([t, t1, t2, Instant::now()])
+        })?;
+        eprintln!(
+            "breakdown H2D {count} x {} write_with: fill {fill:.0} µs, submit {submit:.0} µs, wait {wait:.0} µs",
+            human(size)
+        );
+    }
     let ranges: Vec<_> = s.places.iter().map(|&(b, o)| (s.buffers[b], o, size as u64)).collect();
     let ours_prepared = prepared_uploads(d, args, &s, &sources, &ranges)?;
     let name = |what: &str| format!("H2D {count} x {} {what}", human(size));

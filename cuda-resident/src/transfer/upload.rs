@@ -13,7 +13,7 @@ use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
+use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
@@ -51,6 +51,11 @@ pub struct UploadBatch<'a> {
     arena: Vec<HostLease>,
     /// Bytes used in each arena lease.
     arena_used: Vec<usize>,
+    /// Descriptors of each arena lease's writes (0: nothing to move), counted as they are
+    /// added, so that submit learns each lease's table size without a pass over the writes.
+    arena_descriptors: Vec<u64>,
+    /// Writes of a caller's slice (not made in place).
+    slice_writes: usize,
     error: Option<Error>,
     spare: Spare,
 }
@@ -62,6 +67,7 @@ pub(crate) struct UploadParts {
     writes: Vec<WriteRequest>,
     sources: Vec<Source<'static>>,
     arena_used: Vec<usize>,
+    arena_descriptors: Vec<u64>,
 }
 
 impl crate::recycle::Reusable for UploadParts {
@@ -70,6 +76,7 @@ impl crate::recycle::Reusable for UploadParts {
         self.writes.clear();
         self.sources.clear();
         self.arena_used.clear();
+        self.arena_descriptors.clear();
     }
 }
 
@@ -108,6 +115,8 @@ impl Device {
             sources: parts.sources,
             arena: Vec::new(),
             arena_used: parts.arena_used,
+            arena_descriptors: parts.arena_descriptors,
+            slice_writes: 0,
             error: None,
             spare: Spare { device: self.clone(), parts: UploadParts::default() },
         }
@@ -126,6 +135,7 @@ impl<'a> UploadBatch<'a> {
     pub fn write(&mut self, buffer: ResidentBuffer, offset: u64, data: &'a [u8]) -> Result<&mut Self> {
         self.add(buffer, offset, data.len() as u64)?;
         self.sources.push(Source::Slice(data));
+        self.slice_writes += 1;
         Ok(self)
     }
 
@@ -156,6 +166,7 @@ impl<'a> UploadBatch<'a> {
                     self.arena.push(lease);
                     // An own lease is closed to later writes.
                     self.arena_used.push(if own { CLOSED } else { 0 });
+                    self.arena_descriptors.push(0);
                 }
                 Err(e) => {
                     // The write was noted as added: the batch's in-order layout no longer
@@ -176,6 +187,7 @@ impl<'a> UploadBatch<'a> {
         if !own {
             self.arena_used[lease_index] = at + len;
         }
+        self.arena_descriptors[lease_index] += (len as u64).div_ceil(SEGMENT);
         self.sources.push(Source::Arena { lease: lease_index as u32, offset: at });
         Ok(self)
     }
@@ -202,6 +214,7 @@ impl<'a> UploadBatch<'a> {
             writes: take(&mut self.writes),
             sources: crate::recycle::relabel(take(&mut self.sources)),
             arena_used: take(&mut self.arena_used),
+            arena_descriptors: take(&mut self.arena_descriptors),
         };
         submitted
     }
@@ -216,9 +229,8 @@ impl<'a> UploadBatch<'a> {
         {
             return execute_one(self.device, &self.table, write, data);
         }
-        let all_in_place = self.sources.iter().all(|s| matches!(s, Source::Arena { .. }));
         if !self.arena.is_empty()
-            && all_in_place
+            && self.slice_writes == 0
             && let Some(fence) = execute_in_place(self)?
         {
             return Ok(fence);
@@ -305,26 +317,14 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     if non_empty == 0 {
         return Ok(Some(Fence::completed()));
     }
-    // Leases are opened in the order of the writes, so each lease's writes are a run of
-    // consecutive writes: found by binary search.
-    let lease_of = |source: &Source<'_>| match *source {
-        Source::Arena { lease, .. } => lease as usize,
-        Source::Slice(_) => unreachable!("only arena writes take this path"),
-    };
-    let mut first = 0;
-    let runs: Vec<std::ops::Range<usize>> = (0..batch.arena.len())
-        .map(|lease| {
-            let end = first + batch.sources[first..].partition_point(|s| lease_of(s) <= lease);
-            std::mem::replace(&mut first, end)..end
-        })
-        .collect();
+    // Nothing before the first DMA passes over the writes: what it needs was counted per
+    // lease as the writes were added.
     let leases: Vec<Arc<HostLease>> = batch.arena.drain(..).map(Arc::new).collect();
     let own = |i: usize| batch.arena_used[i] == CLOSED;
-    let has_bytes = |i: usize| batch.writes[runs[i].clone()].iter().any(|w| w.len > 0);
+    let has_bytes = |i: usize| batch.arena_descriptors[i] > 0;
     // Device staging for a packed lease: its bytes, then its table.
     let table_at = |i: usize| (batch.arena_used[i] as u64).next_multiple_of(256);
-    let areas: Vec<u64> =
-        runs.iter().map(|run| descriptor_area(batch.writes[run.clone()].iter().map(|w| w.len))).collect();
+    let areas: Vec<u64> = batch.arena_descriptors.iter().map(|&n| table_bytes(n)).collect();
     let packed: Vec<usize> = (0..leases.len()).filter(|&i| !own(i) && has_bytes(i)).collect();
     let packed_need = packed.iter().map(|&i| table_at(i) + areas[i]).max().unwrap_or(0);
     // Two regions when a lease's scatter may overlap the next one's DMA.
@@ -347,15 +347,24 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         Source::Slice(_) => unreachable!("only arena writes take this path"),
     };
     let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
+    // Leases are opened in the order of the writes, so each lease's writes are a run of
+    // consecutive writes: found by binary search, from where the last lease's run ended.
+    let lease_of = |source: &Source<'_>| match *source {
+        Source::Arena { lease, .. } => lease as usize,
+        Source::Slice(_) => unreachable!("only arena writes take this path"),
+    };
+    let mut first = 0;
     // Packed leases enqueued so far.
     let mut j = 0;
     for (i, lease) in leases.iter().enumerate() {
+        let end = first + batch.sources[first..].partition_point(|s| lease_of(s) <= i);
+        let run = std::mem::replace(&mut first, end)..end;
         if !has_bytes(i) {
             continue;
         }
         let base = lease.as_ptr();
         if own(i) {
-            let w = runs[i].start;
+            let w = run.start;
             let len = batch.writes[w].len as usize;
             lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
                 // SAFETY: the write's bytes in its own pinned lease, kept alive by this
@@ -380,7 +389,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         })?;
         // Built while the bytes are on the wire.
         scratch.descriptors.clear();
-        for w in runs[i].clone() {
+        for w in run {
             push_descriptors(&mut scratch.descriptors, region + offset_of(w), ptr_of(w), batch.writes[w].len);
         }
         let (area, at) = (areas[i], region + table_at(i));
