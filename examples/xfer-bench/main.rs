@@ -105,6 +105,10 @@ struct Args {
     /// cuda-resident's packing threads (Config::pack_threads; 0 = one per core, up to 16).
     #[arg(long)]
     pack_threads: Option<usize>,
+    /// Microseconds cuda-resident's packing threads stay awake after packing
+    /// (Config::pack_linger_us).
+    #[arg(long)]
+    pack_linger_us: Option<u64>,
     /// Move batches of small copies in order through device staging (a DMA and a scatter or
     /// gather) instead of by the kernel over the bus (Config::small_copies_over_bus = false).
     #[arg(long)]
@@ -546,19 +550,36 @@ impl<'a> Single<'a> {
     }
 
     /// Median and 99th percentile, in µs, of one copy by each method: `LATENCY_COPIES`
-    /// warm-up copies, then `reps` times as many timed one by one.
+    /// warm-up copies each, then `reps` times as many timed one by one. The methods take
+    /// turns copy by copy, so that a burst of host noise falls on all of them alike rather
+    /// than on one method's block of copies. cuda-resident's destination is scrambled before
+    /// its last copy and verified after it.
     fn latencies(&mut self, reps: usize) -> BenchResult<ByMethod<[f64; 2]>> {
-        self.each_method(|copy, method| {
-            (0..LATENCY_COPIES).try_for_each(|_| copy.once(method))?;
-            let mut us = Vec::with_capacity(reps * LATENCY_COPIES);
-            for _ in 0..reps * LATENCY_COPIES {
+        let batch = self.d.info().batch_memcpy;
+        let methods: Vec<Method> =
+            [Method::Raw].into_iter().chain(batch.then_some(Method::Batch)).chain([Method::Ours]).collect();
+        for &method in &methods {
+            (0..LATENCY_COPIES).try_for_each(|_| self.once(method))?;
+        }
+        let mut us = vec![Vec::with_capacity(reps * LATENCY_COPIES); methods.len()];
+        for _ in 0..reps * LATENCY_COPIES {
+            for (&method, us) in methods.iter().zip(&mut us) {
                 let t = Instant::now();
-                copy.once(method)?;
+                self.once(method)?;
                 us.push(t.elapsed().as_secs_f64() * 1e6);
             }
+        }
+        self.scramble()?;
+        self.once(Method::Ours)?;
+        self.verify()?;
+        let mut stats = us.into_iter().map(|mut us| {
             us.sort_by(f64::total_cmp);
-            Ok([us[us.len() / 2], us[us.len() * 99 / 100]])
-        })
+            [us[us.len() / 2], us[us.len() * 99 / 100]]
+        });
+        let raw = stats.next().expect("raw is measured");
+        let batch = if batch { stats.next() } else { None };
+        let ours = stats.next().expect("cuda-resident is measured");
+        Ok(ByMethod { raw, batch, ours })
     }
 }
 
@@ -1375,6 +1396,9 @@ fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
     if let Some(kib) = args.direct_kib {
         config.direct_threshold = kib << 10;
     }
+    if let Some(us) = args.pack_linger_us {
+        config.pack_linger_us = us;
+    }
     if let Some(threads) = args.pack_threads {
         config.pack_threads = threads;
     }
@@ -1406,10 +1430,11 @@ fn run(
     let info = d.info();
     let c = d.config();
     println!(
-        "cuda-resident config: chunk {} KiB, direct threshold {} KiB, {} packing threads, small copies in order {}",
+        "cuda-resident config: chunk {} KiB, direct threshold {} KiB, {} packing threads (linger {} µs), small copies in order {}",
         c.chunk_bytes >> 10,
         c.direct_threshold >> 10,
         c.resolved_pack_threads(),
+        c.pack_linger_us,
         if d.small_copies_over_bus() { "over the bus" } else { "through device staging" }
     );
     println!(

@@ -732,7 +732,10 @@ pub(crate) fn in_groups(
     let mut groups = Vec::new();
     pipeline::split_by_bytes(0..count, bytes, target, |group| groups.push(group));
     use rayon::prelude::*;
+    let packing = pipeline::Packing::start(device);
     pool.install(|| groups.into_par_iter().for_each(work));
+    drop(packing);
+    pipeline::linger(device);
 }
 
 /// What a lane's batches reuse, used only under the lane's batch lock: the planner and its

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::PARALLEL_MIN;
@@ -181,7 +181,8 @@ pub(crate) fn run(
     };
     let worker = &worker;
     let workers = pool.current_num_threads().min(groups.groups.len());
-    pool.in_place_scope(|scope| {
+    let packing = Packing::start(device);
+    let result = pool.in_place_scope(|scope| {
         // One job from here, which spawns the others from inside the pool: each spawn from
         // outside wakes a thread first (on the H200 hosts 16 of them kept this thread 30 to
         // 45 µs from its own share of the work).
@@ -228,7 +229,58 @@ pub(crate) fn run(
             signal.stop();
         }
         result
-    })
+    });
+    drop(packing);
+    linger(device);
+    result
+}
+
+/// A packing run under way on the packing threads: while one is, none lingers ([`linger`]).
+pub(crate) struct Packing<'a>(&'a AtomicUsize);
+
+impl Packing<'_> {
+    /// Starts one: lingering threads stop spinning and take its work.
+    pub(crate) fn start(device: &Device) -> Packing<'_> {
+        let active = &*device.core().packing;
+        active.fetch_add(1, Ordering::AcqRel);
+        Packing(active)
+    }
+}
+
+impl Drop for Packing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Keeps the packing threads awake for [`Config::pack_linger_us`](crate::Config) after
+/// packing, spinning until then or until packing starts again ([`Packing`]): the next
+/// batch's packing then starts without waking them. One job is spawned from here (a spawn
+/// from outside the pool wakes a thread), which spawns the others inside.
+pub(crate) fn linger(device: &Device) {
+    let core = device.core();
+    linger_for(core.packers(), &core.packing, Duration::from_micros(core.config.pack_linger_us));
+}
+
+fn linger_for(pool: &rayon::ThreadPool, packing: &Arc<AtomicUsize>, linger: Duration) {
+    let threads = pool.current_num_threads();
+    if linger.is_zero() || threads < 2 || pool.current_thread_index().is_some() {
+        return;
+    }
+    let until = Instant::now() + linger;
+    let spin = move |active: &AtomicUsize| {
+        while active.load(Ordering::Relaxed) == 0 && Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    };
+    let active = Arc::clone(packing);
+    pool.spawn(move || {
+        for _ in 1..threads {
+            let active = Arc::clone(&active);
+            rayon::spawn(move || spin(&active));
+        }
+        spin(&active);
+    });
 }
 
 /// Takes the next group for the calling thread if it belongs to chunk `k` (the packing
@@ -364,6 +416,36 @@ mod tests {
         assert_eq!(super::take_group_of(&next, &g, 1), Some(3));
         assert_eq!(super::take_group_of(&next, &g, 1), None, "past the last group");
         assert_eq!(next.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn lingering_threads_stop_when_packing_starts() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::time::{Duration, Instant};
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let packing = Arc::new(AtomicUsize::new(0));
+        // Lingering for a minute: were the spinners deaf to new packing, the work below
+        // would wait for them.
+        super::linger_for(&pool, &packing, Duration::from_secs(60));
+        let start = Instant::now();
+        packing.fetch_add(1, Ordering::AcqRel);
+        let done = AtomicUsize::new(0);
+        pool.scope(|s| {
+            for _ in 0..3 {
+                s.spawn(|_| {
+                    done.fetch_add(1, Ordering::Relaxed);
+                });
+            }
+        });
+        packing.fetch_sub(1, Ordering::AcqRel);
+        assert_eq!(done.load(Ordering::Relaxed), 3);
+        assert!(start.elapsed() < Duration::from_secs(30), "the work waited for the lingering threads");
+        // Nothing lingers on a one-thread pool, nor for zero time: no job is spawned.
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        super::linger_for(&one, &packing, Duration::from_secs(60));
+        one.install(|| ());
+        super::linger_for(&pool, &packing, Duration::ZERO);
     }
 
     #[test]
