@@ -583,32 +583,24 @@ impl<'a> Single<'a> {
     }
 }
 
-/// Median seconds of `iters` copies of `up` and `iters` of `down` at the same time, by
-/// `method`: each direction on its own thread, both released together, the clock running
-/// until the later one is done.
-fn time_both(
-    reps: usize,
-    up: &mut Single,
-    down: &mut Single,
-    iters: usize,
-    method: Method,
-) -> BenchResult<f64> {
-    median_of(reps, || {
-        let start = Barrier::new(2);
-        std::thread::scope(|s| {
-            let other = s.spawn(|| -> BenchResult<Instant> {
-                let current = up.d.make_current().map_err(error);
-                start.wait();
-                current?;
-                (0..iters).try_for_each(|_| up.once(method))?;
-                Ok(Instant::now())
-            });
+/// Seconds of `iters` copies of `up` and `iters` of `down` at the same time, by `method`:
+/// each direction on its own thread, both released together, the clock running until the
+/// later one is done.
+fn time_both(up: &mut Single, down: &mut Single, iters: usize, method: Method) -> BenchResult<f64> {
+    let start = Barrier::new(2);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| -> BenchResult<Instant> {
+            let current = up.d.make_current().map_err(error);
             start.wait();
-            let t = Instant::now();
-            let mine = (0..iters).try_for_each(|_| down.once(method)).map(|()| Instant::now());
-            let theirs = other.join().map_err(|_| "a copy thread panicked".to_string())?;
-            Ok((mine?.max(theirs?) - t).as_secs_f64())
-        })
+            current?;
+            (0..iters).try_for_each(|_| up.once(method))?;
+            Ok(Instant::now())
+        });
+        start.wait();
+        let t = Instant::now();
+        let mine = (0..iters).try_for_each(|_| down.once(method)).map(|()| Instant::now());
+        let theirs = other.join().map_err(|_| "a copy thread panicked".to_string())?;
+        Ok((mine?.max(theirs?) - t).as_secs_f64())
     })
 }
 
@@ -669,12 +661,28 @@ fn both_ways(
     Single::new(d, raw.stream, other, Host::Src(src), pinned, true)?.once(Method::Raw)?;
     let mut up = Single::new(d, raw.stream, b, Host::Src(src), pinned, true)?;
     let mut down = Single::new(d, raw.second, other, Host::Dst(dst), pinned, true)?;
-    let raw_secs = time_both(reps, &mut up, &mut down, iters, Method::Raw)?;
+    // One warm-up each, then the two take turns rep by rep, so that a burst of noise on the
+    // link or the host falls on both alike; medians. cuda-resident's destinations are
+    // scrambled before its last run and verified after it.
+    let methods = [Method::Raw, Method::Ours];
+    let mut secs = [Vec::with_capacity(reps), Vec::with_capacity(reps)];
+    for method in methods {
+        time_both(&mut up, &mut down, iters, method)?;
+    }
+    for _ in 0..reps.max(1) {
+        for (method, secs) in methods.into_iter().zip(&mut secs) {
+            secs.push(time_both(&mut up, &mut down, iters, method)?);
+        }
+    }
     up.scramble()?;
     down.scramble()?;
-    let ours = time_both(reps, &mut up, &mut down, iters, Method::Ours)?;
+    time_both(&mut up, &mut down, iters, Method::Ours)?;
     up.verify()?;
     down.verify()?;
+    let [raw_secs, ours] = secs.map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    });
     Ok(ByMethod { raw: raw_secs, batch: None, ours })
 }
 
