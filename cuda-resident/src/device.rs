@@ -46,8 +46,9 @@ pub struct Config {
     /// took tens of microseconds on the H200 hosts, as long as moving a batch of 8192 small
     /// copies). They stop as soon as new packing starts. 0 lets them sleep at once, for
     /// processes that need those cores between batches. At most 10 000; default 300 (on an
-    /// H200 host, 8192 prepared uploads of 4 KiB moved 40 to 42 GB/s with it against 35 to 38
-    /// without, and of 256 B 17 to 18 against 15 to 17: BENCHMARKS.md).
+    /// H200 host, 8192 prepared uploads of 4 KiB moved 40.3 to 41.7 GB/s with it against 34.8
+    /// to 37.8 without, and of 256 B 16.9 to 17.7 against 14.9 to 17.4; readbacks gained
+    /// nothing: BENCHMARKS.md).
     pub pack_linger_us: u64,
     /// Batches of many small copies in order (the paths that skip the planner): whether the
     /// copy kernel reads the packed bytes of an upload, and writes those of a readback,

@@ -7,7 +7,8 @@
 //!   foreign handle is an error, never a dangling pointer;
 //! - a **pinned staging pool** ([`Device::pinned`]): page-locked host memory, reused;
 //! - two **lanes**, one non-blocking stream per direction, so that uploads and readbacks
-//!   overlap; submitted work completes into a [`Fence`];
+//!   overlap (uploads written in place also scatter on a second stream while the next
+//!   bytes are on the wire); submitted work completes into a [`Fence`];
 //! - **fused copies**: an [`UploadBatch`] or [`ReadbackBatch`] of thousands of small copies
 //!   costs one kernel launch per staging chunk, which reads or writes the pinned staging
 //!   over the bus when the copies come in order ([`Config::small_copies_over_bus`]), or a
