@@ -41,11 +41,12 @@ pub struct Config {
     pub direct_threshold: u64,
     /// Threads that pack staging for large batches; 0 picks one per core, up to 16.
     pub pack_threads: usize,
-    /// Microseconds the packing threads stay awake (spinning) after a batch's packing, so
-    /// that the next batch's packing starts at once instead of after the threads wake (which
-    /// took tens of microseconds on the H200 hosts, as long as moving a batch of 8192 small
-    /// copies). They stop as soon as new packing starts. 0 lets them sleep at once, for
-    /// processes that need those cores between batches. At most 10 000; default 300 (on an
+    /// Microseconds the packing threads stay awake (spinning, yielding now and then; all
+    /// but one of them) after a batch's packing, so that the next batch's packing starts at
+    /// once instead of after the threads wake (which took tens of microseconds on the H200
+    /// hosts, as long as moving a batch of 8192 small copies). They stop as soon as new
+    /// packing starts. 0 lets them sleep at once, for processes that need those cores between
+    /// batches or run under a CPU quota (spinning threads use it up). At most 10 000; default 300 (on an
     /// H200 host, 8192 prepared uploads of 4 KiB moved 40.3 to 41.7 GB/s with it against 34.8
     /// to 37.8 without, and of 256 B 16.9 to 17.7 against 14.9 to 17.4; readbacks gained
     /// nothing: BENCHMARKS.md).

@@ -157,6 +157,7 @@ impl Lane {
             lane: self,
             reserved: std::cell::Cell::new(0),
             side: std::cell::Cell::new(SidePending::None),
+            side_slots: std::cell::Cell::new(0),
             _exclusive: lock(&self.submitting),
         }
     }
@@ -277,6 +278,9 @@ pub(crate) struct LaneBatch<'a> {
     lane: &'a Lane,
     reserved: std::cell::Cell<u64>,
     side: std::cell::Cell<SidePending>,
+    /// The slots whose events this batch recorded (a bit each): the others hold only side
+    /// work of earlier batches, which were joined.
+    side_slots: std::cell::Cell<u8>,
     _exclusive: crate::sync::MutexGuard<'a, ()>,
 }
 
@@ -284,7 +288,9 @@ impl Drop for LaneBatch<'_> {
     fn drop(&mut self) {
         // Side work left unjoined (a batch that stopped part-way) is joined first, so that
         // the numbers completed below cover it. There is no caller to report a failure to:
-        // the join synchronizes the side stream when it cannot enqueue a wait.
+        // the join synchronizes the side stream when it cannot enqueue a wait, and fails only
+        // when that fails too, a lost context, whose marker below cannot complete either
+        // (its record fails and its stream cannot be synchronized: nothing retires).
         let _ = self.join_side();
         self.lane.skip_to(self.reserved.get());
     }
@@ -344,7 +350,10 @@ impl LaneBatch<'_> {
         }
         let enqueued = enqueue(raw, side.stream);
         let pending = match raw.event_record(side.events[slot], side.stream) {
-            Ok(()) => SidePending::Recorded(slot),
+            Ok(()) => {
+                self.side_slots.set(self.side_slots.get() | 1 << slot);
+                SidePending::Recorded(slot)
+            }
             Err(e) => {
                 self.side.set(SidePending::Unrecorded);
                 return Err(enqueued.err().unwrap_or(e));
@@ -362,6 +371,7 @@ impl LaneBatch<'_> {
     pub(crate) fn wait_side(&self, slot: usize) -> Result<()> {
         match self.side.get() {
             SidePending::None => Ok(()),
+            SidePending::Recorded(_) if self.side_slots.get() & 1 << slot == 0 => Ok(()),
             SidePending::Recorded(last) if last == slot => self.join_side(),
             SidePending::Recorded(_) => {
                 let state = lock(&self.lane.state);

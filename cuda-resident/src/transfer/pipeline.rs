@@ -255,8 +255,9 @@ impl Drop for Packing<'_> {
 
 /// Keeps the packing threads awake for [`Config::pack_linger_us`](crate::Config) after
 /// packing, spinning until then or until packing starts again ([`Packing`]): the next
-/// batch's packing then starts without waking them. One job is spawned from here (a spawn
-/// from outside the pool wakes a thread), which spawns the others inside.
+/// batch's packing then starts without waking them (all but one: the one woken first by
+/// the next run's spawn). One job is spawned from here (a spawn from outside the pool wakes
+/// a thread), which spawns the others inside.
 pub(crate) fn linger(device: &Device) {
     let core = device.core();
     linger_for(core.packers(), &core.packing, Duration::from_micros(core.config.pack_linger_us));
@@ -268,14 +269,23 @@ fn linger_for(pool: &rayon::ThreadPool, packing: &Arc<AtomicUsize>, linger: Dura
         return;
     }
     let until = Instant::now() + linger;
+    // Spinning, with a yield now and then, so that a thread of the caller's made runnable
+    // meanwhile (the one waiting for the device, say) gets a core.
     let spin = move |active: &AtomicUsize| {
+        let mut spins = 0u32;
         while active.load(Ordering::Relaxed) == 0 && Instant::now() < until {
-            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     };
     let active = Arc::clone(packing);
+    // One thread fewer than the pool's: one core is left to the caller's threads.
     pool.spawn(move || {
-        for _ in 1..threads {
+        for _ in 2..threads {
             let active = Arc::clone(&active);
             rayon::spawn(move || spin(&active));
         }
@@ -420,26 +430,26 @@ mod tests {
 
     #[test]
     fn lingering_threads_stop_when_packing_starts() {
-        use std::sync::Arc;
         use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::{Arc, Barrier};
         use std::time::{Duration, Instant};
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
         let packing = Arc::new(AtomicUsize::new(0));
-        // Lingering for a minute: were the spinners deaf to new packing, the work below
-        // would wait for them.
+        // Lingering for a minute: were the spinners deaf to new packing, work that needs
+        // every thread of the pool at once would wait for them.
         super::linger_for(&pool, &packing, Duration::from_secs(60));
         let start = Instant::now();
         packing.fetch_add(1, Ordering::AcqRel);
-        let done = AtomicUsize::new(0);
+        let all = Barrier::new(4);
         pool.scope(|s| {
-            for _ in 0..3 {
+            for _ in 0..4 {
                 s.spawn(|_| {
-                    done.fetch_add(1, Ordering::Relaxed);
+                    all.wait();
                 });
             }
         });
-        packing.fetch_sub(1, Ordering::AcqRel);
-        assert_eq!(done.load(Ordering::Relaxed), 3);
+        // Left raised: a spinner that starts only now returns at once instead of spinning
+        // for the rest of the minute.
         assert!(start.elapsed() < Duration::from_secs(30), "the work waited for the lingering threads");
         // Nothing lingers on a one-thread pool, nor for zero time: no job is spawned.
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();

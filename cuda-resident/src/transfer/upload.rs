@@ -395,6 +395,8 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         let (area, at) = (areas[i], region + table_at(i));
         let table = Arc::new(device.acquire_staging(area as usize)?);
         let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
+        // The area was sized from the descriptors counted as the writes were added.
+        assert!(bytes as u64 <= area, "descriptors counted at write_with match those built");
         // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
         unsafe {
             std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), table.as_ptr(), bytes)
