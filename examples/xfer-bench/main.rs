@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, CUdeviceptr, CUresult, CUstream, MissingSymbol, call};
-use cuda_resident::{Device, Readback, ReadbackBatch, ResidentBuffer, Slot};
+use cuda_resident::{Device, Readback, ReadbackBatch, ResidentBuffer, Slot, UploadBatch};
 use cuda_resident_suite::PROVENANCE;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -207,6 +207,23 @@ fn median_secs_prepared<T>(
         let t = Instant::now();
         timed(input)?;
         Ok(t.elapsed().as_secs_f64())
+    })
+}
+
+/// Median microseconds of an upload batch's three phases over `reps` runs: adding its
+/// writes (`build`), submit (planning, packing, enqueueing) and the wait.
+fn batch_phases<'d>(
+    reps: usize,
+    mut build: impl FnMut() -> cuda_resident::Result<UploadBatch<'d>>,
+) -> BenchResult<[f64; 3]> {
+    phase_medians(reps, || {
+        let t = Instant::now();
+        let batch = build().map_err(error)?;
+        let t1 = Instant::now();
+        let fence = batch.submit().map_err(error)?;
+        let t2 = Instant::now();
+        fence.wait().map_err(error)?;
+        Ok([t, t1, t2, Instant::now()])
     })
 }
 
@@ -711,6 +728,32 @@ impl Scatter {
         Ok(Scatter { buffers, places, ptrs })
     }
 
+    /// An upload batch of every copy from `sources` (one per copy), by `write`.
+    fn copied_batch<'d>(
+        &self,
+        d: &'d Device,
+        sources: &'d [Vec<u8>],
+    ) -> cuda_resident::Result<UploadBatch<'d>> {
+        let mut batch = d.uploads();
+        for (src, &(b, o)) in sources.iter().zip(&self.places) {
+            batch.write(self.buffers[b], o, src)?;
+        }
+        Ok(batch)
+    }
+
+    /// The same by `write_with`: each copy filled in place from its source.
+    fn in_place_batch<'d>(
+        &self,
+        d: &'d Device,
+        sources: &[Vec<u8>],
+    ) -> cuda_resident::Result<UploadBatch<'d>> {
+        let mut batch = d.uploads();
+        for (src, &(b, o)) in sources.iter().zip(&self.places) {
+            batch.write_with(self.buffers[b], o, src.len(), |dst| dst.copy_from_slice(src))?;
+        }
+        Ok(batch)
+    }
+
     /// A readback batch of every copy's range, not yet submitted, and its slots.
     fn reads<'d>(&self, d: &'d Device, size: usize) -> cuda_resident::Result<(ReadbackBatch<'d>, Vec<Slot>)> {
         let mut reads = d.readbacks();
@@ -795,28 +838,13 @@ fn many_small_rows(
         None
     };
     let ours_h2d = median_secs(args.reps, || {
-        let mut batch = d.uploads();
-        for (src, &(b, o)) in sources.iter().zip(&s.places) {
-            batch.write(s.buffers[b], o, src).map_err(e)?;
-        }
-        batch.submit().map_err(e)?.wait().map_err(e)
+        s.copied_batch(d, &sources).map_err(e)?.submit().map_err(e)?.wait().map_err(e)
     })?;
     verify_scatter(d, &s, &sources, size, "H2D")?;
     if args.breakdown {
         // Where the time of one batch goes, from the outside: adding writes, submit
         // (planning, packing, enqueueing), waiting.
-        let [write, submit, wait] = phase_medians(args.reps, || {
-            let t = Instant::now();
-            let mut batch = d.uploads();
-            for (src, &(b, o)) in sources.iter().zip(&s.places) {
-                batch.write(s.buffers[b], o, src).map_err(e)?;
-            }
-            let t1 = Instant::now();
-            let fence = batch.submit().map_err(e)?;
-            let t2 = Instant::now();
-            fence.wait().map_err(e)?;
-            Ok([t, t1, t2, Instant::now()])
-        })?;
+        let [write, submit, wait] = batch_phases(args.reps, || s.copied_batch(d, &sources))?;
         let len = d.buffer_len(s.buffers[0]).map_err(e)?;
         let requests: Vec<_> = s
             .places
@@ -847,40 +875,19 @@ fn many_small_rows(
         );
     }
     let ours_in_place = median_secs(args.reps, || {
-        let mut batch = d.uploads();
-        for (src, &(b, o)) in sources.iter().zip(&s.places) {
-            batch.write_with(s.buffers[b], o, size, |dst| dst.copy_from_slice(src)).map_err(e)?;
-        }
-        batch.submit().map_err(e)?.wait().map_err(e)
+        s.in_place_batch(d, &sources).map_err(e)?.submit().map_err(e)?.wait().map_err(e)
     })?;
     verify_scatter(d, &s, &sources, size, "H2D write_with")?;
     // The bytes already in pinned staging (written in place before the clock starts): what
     // the link and the scatter cost.
     let ours_staged = median_secs_prepared(
         args.reps,
-        || {
-            let mut batch = d.uploads();
-            for (src, &(b, o)) in sources.iter().zip(&s.places) {
-                batch.write_with(s.buffers[b], o, size, |dst| dst.copy_from_slice(src)).map_err(e)?;
-            }
-            Ok(batch)
-        },
+        || s.in_place_batch(d, &sources).map_err(e),
         |batch| batch.submit().map_err(e)?.wait().map_err(e),
     )?;
     verify_scatter(d, &s, &sources, size, "H2D write_with, staged")?;
     if args.breakdown {
-        let [fill, submit, wait] = phase_medians(args.reps, || {
-            let t = Instant::now();
-            let mut batch = d.uploads();
-            for (src, &(b, o)) in sources.iter().zip(&s.places) {
-                batch.write_with(s.buffers[b], o, size, |dst| dst.copy_from_slice(src)).map_err(e)?;
-            }
-            let t1 = Instant::now();
-            let fence = batch.submit().map_err(e)?;
-            let t2 = Instant::now();
-            fence.wait().map_err(e)?;
-            Ok([t, t1, t2, Instant::now()])
-        })?;
+        let [fill, submit, wait] = batch_phases(args.reps, || s.in_place_batch(d, &sources))?;
         eprintln!(
             "breakdown H2D {count} x {} write_with: fill {fill:.0} µs, submit {submit:.0} µs, wait {wait:.0} µs",
             human(size)
