@@ -1,8 +1,8 @@
 //! Pinned (page-locked) host staging: arenas from `cuMemHostAlloc`, reused.
 //!
 //! `cuMemHostAlloc` costs about half a millisecond per call, so staging is never allocated
-//! per copy. Arenas come in power-of-two sizes from 64 KiB to 32 MiB and in multiples of 8 MiB
-//! above, are lent out whole as a [`HostLease`] and come back when the lease drops.
+//! per copy. Arenas come in sixteen sizes per power of two from 64 KiB up (so rounding
+//! wastes at most 6.25 % of an arena), are lent out whole as a [`HostLease`] and come back when the lease drops.
 //! A lease used by a copy is kept alive by the lane until the copy's event completes, so an
 //! arena is reused only after the GPU is done with it. The pool never holds more than
 //! `Config::pinned_cap_bytes`; when it is full, free arenas of other sizes are released
@@ -23,19 +23,19 @@ use crate::sync::{Mutex, lock};
 
 /// The smallest arena.
 pub(crate) const MIN_ARENA: u64 = 64 << 10;
-/// Arenas up to this size are powers of two.
-const POW2_UP_TO: u64 = 32 << 20;
-/// Larger arenas are multiples of this.
-const LARGE_STEP: u64 = 8 << 20;
+/// Arena sizes per doubling of the request: a request of `len` bytes, `2^k <= len < 2^(k+1)`,
+/// gets the next multiple of `2^(k - CLASS_BITS)`, so that rounding never wastes more than
+/// `1 / 2^CLASS_BITS` (6.25 %) of an arena, while sizes stay few enough to be reused.
+const CLASS_BITS: u32 = 4;
 
-/// The arena size that serves `len` bytes under `cap`: a power of two up to [`POW2_UP_TO`]
-/// (few sizes, so arenas are reused across batches of different sizes), a multiple of
-/// [`LARGE_STEP`] above (a power of two would waste up to half of a large region), never past
-/// the cap (a request within the cap must be servable).
-fn arena_bytes(len: u64, cap: u64) -> u64 {
+/// The arena size that serves `len` bytes under `cap`: at least [`MIN_ARENA`], else `len`
+/// rounded up to one of sixteen sizes per power of two (a 1 MiB request and its 16 bytes of
+/// alignment take 1 MiB + 64 KiB, not 2 MiB: waste under 6.25 %), never past the cap (a
+/// request within the cap must be servable).
+pub(crate) fn arena_bytes(len: u64, cap: u64) -> u64 {
     let len = len.max(MIN_ARENA);
-    let rounded = if len <= POW2_UP_TO { len.next_power_of_two() } else { len.next_multiple_of(LARGE_STEP) };
-    rounded.min(cap).max(len)
+    let step = 1u64 << (u64::BITS - 1 - len.leading_zeros()).saturating_sub(CLASS_BITS);
+    len.checked_next_multiple_of(step).unwrap_or(len).min(cap).max(len)
 }
 
 /// One `cuMemHostAlloc` allocation.
@@ -378,14 +378,28 @@ mod tests {
     #[test]
     fn arena_sizes() {
         assert_eq!(arena_bytes(1, 1 << 30), MIN_ARENA);
-        assert_eq!(arena_bytes(MIB + 1, 1 << 30), 2 * MIB);
-        assert_eq!(arena_bytes(32 * MIB, 1 << 30), 32 * MIB);
-        assert_eq!(arena_bytes(32 * MIB + 1, 1 << 30), 40 * MIB, "multiples of 8 MiB past 32 MiB");
-        assert_eq!(arena_bytes(512 * MIB + 300_000, 1 << 30), 520 * MIB, "not the next power of two");
+        assert_eq!(arena_bytes(MIB, 1 << 30), MIB);
+        assert_eq!(arena_bytes(MIB + 16, 1 << 30), MIB + (64 << 10), "not the next power of two");
+        assert_eq!(arena_bytes(32 * MIB + 1, 1 << 30), 34 * MIB);
+        assert_eq!(arena_bytes(64 * MIB + 16, 1 << 30), 68 * MIB);
+        assert_eq!(arena_bytes(512 * MIB + 300_000, 1 << 30), 544 * MIB);
         // Never past the cap, never below the request.
-        assert_eq!(arena_bytes(17 * MIB, 20 * MIB), 20 * MIB);
+        assert_eq!(arena_bytes(17 * MIB + 1, 18 * MIB), 18 * MIB);
         assert_eq!(arena_bytes(1000 * MIB + 1, 1001 * MIB), 1001 * MIB);
         assert_eq!(arena_bytes(5 * MIB, 5 * MIB), 5 * MIB);
+        assert_eq!(arena_bytes(u64::MAX, u64::MAX), u64::MAX, "no overflow");
+    }
+
+    #[test]
+    fn rounding_wastes_at_most_a_sixteenth_of_an_arena() {
+        let mut len = MIN_ARENA;
+        while len <= 4 << 30 {
+            for l in [len - 1, len, len + 1, len + 16, len + len / 3] {
+                let bytes = arena_bytes(l, u64::MAX);
+                assert!(bytes >= l && (bytes - l) * 16 <= bytes, "{l} -> {bytes}");
+            }
+            len *= 2;
+        }
     }
 
     use cuda_sys::{CUDA_ERROR_INVALID_CONTEXT, Fault};
@@ -410,7 +424,8 @@ mod tests {
     fn leases_within_the_cap_count_whole_arenas() {
         let (_driver, pool) = pool(3 * MIB);
         assert_eq!(pool.leases_within_cap(MIB), 3);
-        assert_eq!(pool.leases_within_cap(MIB + 1), 1, "arenas of 2 MiB: one fits");
+        assert_eq!(pool.leases_within_cap(MIB + 1), 2, "arenas of 1 MiB + 64 KiB: two fit");
+        assert_eq!(pool.leases_within_cap(2 * MIB), 1);
         assert_eq!(pool.leases_within_cap(3 * MIB), 1);
         assert_eq!(pool.leases_within_cap(64 << 10), 48);
     }
