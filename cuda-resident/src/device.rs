@@ -27,7 +27,10 @@ pub struct Config {
     /// allocation. At least 4 MiB, a multiple of 256; default 64 MiB.
     pub slab_bytes: u64,
     /// The most pinned host memory the staging pool holds. At least `2 * chunk_bytes`;
-    /// default 1 GiB.
+    /// default 1 GiB. Of it, `min(8 * chunk_bytes, pinned_cap_bytes / 2)` (128 MiB by
+    /// default) is kept for transfers: pinned buffers ([`Device::pinned`]), prepared sets'
+    /// regions and unreleased readback views may hold the rest, so that transfers always
+    /// find staging (a prepared set that finds no room moves as batches do).
     pub pinned_cap_bytes: u64,
     /// Pinned staging allocated when the device opens, so that the first copies do not pay
     /// for `cuMemHostAlloc` (about 0.5 ms per MiB). Default 0.
@@ -143,6 +146,11 @@ impl Config {
             );
         }
         Ok(())
+    }
+
+    /// The pinned bytes kept for transfers: held staging may take the rest of the cap.
+    pub(crate) fn pinned_reserve(&self) -> u64 {
+        (8 * self.chunk_bytes).min(self.pinned_cap_bytes / 2)
     }
 
     /// The packing threads this config asks for, with 0 resolved.
@@ -333,7 +341,8 @@ impl Device {
             Lane::new(LaneKind::Upload, Arc::clone(&ctx))?,
             Lane::new(LaneKind::Readback, Arc::clone(&ctx))?,
         ];
-        let pinned = Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes));
+        let pinned =
+            Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes, config.pinned_reserve()));
         pinned.prewarm(config.chunk_bytes as usize, config.pinned_prewarm_bytes)?;
         let alloc = Allocator::new(
             Arc::clone(&ctx),
@@ -483,15 +492,30 @@ impl Device {
     /// Lends `len` bytes of pinned host memory from the staging pool (at least 1 byte is
     /// lent for 0). It returns to the pool when dropped. When the pool is at its cap, waits
     /// for copies in flight to release their staging.
+    ///
+    /// Pinned buffers, prepared sets and readback views are held staging: together they may
+    /// take the pool's cap less a reserve kept for transfers ([`Config::pinned_cap_bytes`]);
+    /// past that, [`Error::PinnedReserved`].
     pub fn pinned(&self, len: usize) -> Result<PinnedBuffer> {
-        self.acquire_staging(len).map(PinnedBuffer::new)
+        self.acquire_held_staging(len).map(PinnedBuffer::new)
     }
 
-    /// Pinned staging of `len` bytes, waiting for copies in flight when the pool is full.
+    /// Pinned staging of `len` bytes for a transfer, waiting for copies in flight when the
+    /// pool is full.
     pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        self.acquire_staging_as(len, false)
+    }
+
+    /// Held pinned staging of `len` bytes (kept past any transfer: see
+    /// [`Device::pinned`]), waiting for copies in flight when the pool is full.
+    pub(crate) fn acquire_held_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        self.acquire_staging_as(len, true)
+    }
+
+    fn acquire_staging_as(&self, len: usize, held: bool) -> Result<crate::host_pool::HostLease> {
         let mut retried = false;
         loop {
-            if let Some(lease) = self.core.pinned.try_acquire(len)? {
+            if let Some(lease) = self.core.pinned.try_acquire_as(len, held)? {
                 return Ok(lease);
             }
             // Full: retire completed copies, and wait for the oldest one on each lane, which

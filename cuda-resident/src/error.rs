@@ -208,6 +208,26 @@ pub enum Error {
         lent: u64,
     },
 
+    /// Held pinned staging (pinned buffers, prepared sets' regions, readback views) would take
+    /// the part of the pool kept for transfers.
+    #[error(
+        "{requested} bytes of pinned memory to keep were requested, but {held} bytes of the pool are already \
+         held by PinnedBuffers, prepared sets and Readbacks, and they may hold at most {limit} of its {cap} \
+         bytes: the rest is kept for transfers, so that they never fail for want of staging. \
+         Fix: drop PinnedBuffers, prepared sets and Readbacks you are done with, or raise \
+         Config::pinned_cap_bytes."
+    )]
+    PinnedReserved {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes already held.
+        held: u64,
+        /// The most held staging may take (the cap less the reserve for transfers).
+        limit: u64,
+        /// `Config::pinned_cap_bytes`.
+        cap: u64,
+    },
+
     /// Host memory given to an asynchronous copy is not pinned (page-locked).
     #[error(
         "{operation} was given {len} bytes of host memory at {address:#x} whose byte at {unpinned:#x} \
@@ -335,6 +355,7 @@ mod tests {
             Error::OutOfRange { buffer, offset: u64::MAX, len: 2, buffer_len: 10 },
             Error::PinnedCapExceeded { requested: 2, cap: 1 },
             Error::PinnedExhausted { requested: 2, cap: 4, lent: 3 },
+            Error::PinnedReserved { requested: 2, held: 3, limit: 4, cap: 5 },
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
             Error::HostOutOfMemory { bytes: 1 },

@@ -9,6 +9,13 @@
 //! first, and a request that still does not fit waits for copies in flight (the caller's
 //! job) or fails.
 //!
+//! Staging comes in two kinds. A transfer's staging is lent for as long as its copy is in
+//! flight. **Held** staging stays with its holder for as long as the holder likes:
+//! [`PinnedBuffer`]s, prepared sets' regions, the views of a [`Readback`](crate::Readback).
+//! Held staging may fill the pool only up to `cap - reserve`: the reserve is kept for
+//! transfers, which then still move (in fewer chunks at a time), never fail for want of
+//! staging that others hold.
+//!
 //! Arenas are allocated portable (`CU_MEMHOSTALLOC_PORTABLE`): every context may use them.
 
 use std::collections::BTreeMap;
@@ -55,6 +62,8 @@ struct PoolState {
     reserved: u64,
     /// Bytes lent out.
     lent: u64,
+    /// Bytes lent out as held staging (part of `lent`).
+    held: u64,
     /// Arenas whose `cuMemFreeHost` failed: still counted in `reserved`, retried by the next
     /// trim.
     unreleased: Vec<Arena>,
@@ -67,6 +76,11 @@ pub struct PinnedStats {
     pub reserved_bytes: u64,
     /// Pinned bytes lent out (in use by copies or by the caller).
     pub lent_bytes: u64,
+    /// Of `lent_bytes`, those held outside transfers: pinned buffers, prepared sets' regions,
+    /// readback views.
+    pub held_bytes: u64,
+    /// The most that held staging may take (`cap_bytes` less the reserve kept for transfers).
+    pub held_limit_bytes: u64,
     /// The cap (`Config::pinned_cap_bytes`).
     pub cap_bytes: u64,
     /// Requests served by a free arena.
@@ -81,6 +95,8 @@ pub struct PinnedStats {
 pub(crate) struct HostPool {
     ctx: Arc<Context>,
     cap: u64,
+    /// Bytes held staging may not take: kept for transfers.
+    reserve: u64,
     state: Mutex<PoolState>,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -98,6 +114,8 @@ pub(crate) struct HostLease {
     pool: Arc<HostPool>,
     arena: Option<Arena>,
     len: usize,
+    /// Counted as held staging.
+    held: bool,
 }
 
 // SAFETY: through `&HostLease` only the address and length are read; the bytes are reached
@@ -111,10 +129,12 @@ impl fmt::Debug for HostLease {
 }
 
 impl HostPool {
-    pub(crate) fn new(ctx: Arc<Context>, cap: u64) -> HostPool {
+    /// A pool of at most `cap` bytes, of which held staging may take `cap - reserve`.
+    pub(crate) fn new(ctx: Arc<Context>, cap: u64, reserve: u64) -> HostPool {
         HostPool {
             ctx,
             cap,
+            reserve: reserve.min(cap),
             state: Mutex::new(PoolState::default()),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -128,9 +148,20 @@ impl HostPool {
         (self.cap / arena_bytes(len, self.cap)).max(1) as usize
     }
 
-    /// Lends a region of `len` bytes (at least 1), or `None` when the cap is reached by
-    /// arenas in use. Fails when `len` alone is over the cap, or the driver fails.
+    /// The most that held staging may take.
+    fn held_limit(&self) -> u64 {
+        self.cap - self.reserve
+    }
+
+    /// Lends a region of `len` bytes (at least 1) for a transfer, or `None` when the cap is
+    /// reached by arenas in use. Fails when `len` alone is over the cap, or the driver fails.
     pub(crate) fn try_acquire(self: &Arc<Self>, len: usize) -> Result<Option<HostLease>> {
+        self.try_acquire_as(len, false)
+    }
+
+    /// As [`HostPool::try_acquire`], for held staging (`held`): fails with
+    /// [`Error::PinnedReserved`] when held staging would pass `cap - reserve`.
+    pub(crate) fn try_acquire_as(self: &Arc<Self>, len: usize, held: bool) -> Result<Option<HostLease>> {
         let len64 = len.max(1) as u64;
         if len64 > self.cap {
             return Err(Error::PinnedCapExceeded { requested: len64, cap: self.cap });
@@ -139,11 +170,15 @@ impl HostPool {
         let mut evicted = Vec::new();
         {
             let mut state = lock(&self.state);
+            if held {
+                self.check_held(&state, bytes, len64)?;
+                state.held += bytes;
+            }
             if let Some(arena) = state.free.get_mut(&bytes).and_then(Vec::pop) {
                 state.lent += bytes;
                 drop(state);
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(Some(self.lease(arena, len)));
+                return Ok(Some(self.lease(arena, len, held)));
             }
             // Make room: first retry arenas the driver refused to free before, then release
             // free arenas of other sizes, largest first.
@@ -167,6 +202,9 @@ impl HostPool {
                 }
             }
             if state.reserved + bytes > self.cap {
+                if held {
+                    state.held -= bytes;
+                }
                 drop(state);
                 // A failed eviction is not this request's failure: the arena stays listed
                 // for the next trim, which reports it.
@@ -181,24 +219,44 @@ impl HostPool {
         match self.ctx.bind().and_then(|raw| raw.mem_host_alloc(bytes)) {
             Ok(ptr) => {
                 let ptr = NonNull::new(ptr).expect("cuMemHostAlloc returned success and null");
-                Ok(Some(self.lease(Arena { ptr, bytes }, len)))
+                Ok(Some(self.lease(Arena { ptr, bytes }, len, held)))
             }
             Err(e) => {
                 let mut state = lock(&self.state);
                 state.reserved -= bytes;
                 state.lent -= bytes;
+                if held {
+                    state.held -= bytes;
+                }
                 Err(e)
             }
         }
     }
 
-    fn lease(self: &Arc<Self>, arena: Arena, len: usize) -> HostLease {
-        HostLease { pool: Arc::clone(self), arena: Some(arena), len }
+    /// Fails unless `bytes` more of held staging (for a request of `requested`) stay within
+    /// the held limit.
+    fn check_held(&self, state: &PoolState, bytes: u64, requested: u64) -> Result<()> {
+        if state.held + bytes > self.held_limit() {
+            return Err(Error::PinnedReserved {
+                requested,
+                held: state.held,
+                limit: self.held_limit(),
+                cap: self.cap,
+            });
+        }
+        Ok(())
     }
 
-    fn give_back(&self, arena: Arena) {
+    fn lease(self: &Arc<Self>, arena: Arena, len: usize, held: bool) -> HostLease {
+        HostLease { pool: Arc::clone(self), arena: Some(arena), len, held }
+    }
+
+    fn give_back(&self, arena: Arena, held: bool) {
         let mut state = lock(&self.state);
         state.lent -= arena.bytes;
+        if held {
+            state.held -= arena.bytes;
+        }
         state.free.entry(arena.bytes).or_default().push(arena);
     }
 
@@ -275,6 +333,8 @@ impl HostPool {
         PinnedStats {
             reserved_bytes: state.reserved,
             lent_bytes: state.lent,
+            held_bytes: state.held,
+            held_limit_bytes: self.held_limit(),
             cap_bytes: self.cap,
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
@@ -329,7 +389,7 @@ impl HostLease {
 impl Drop for HostLease {
     fn drop(&mut self) {
         if let Some(arena) = self.arena.take() {
-            self.pool.give_back(arena);
+            self.pool.give_back(arena, self.held);
         }
     }
 }
@@ -409,7 +469,7 @@ mod tests {
     /// A pool of `cap` bytes on the model driver, and the driver (for faults).
     fn pool(cap: u64) -> (Arc<cuda_sys::Driver>, Arc<HostPool>) {
         let driver = fake_driver::driver();
-        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), cap));
+        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), cap, 0));
         driver.faults().record();
         (driver, pool)
     }

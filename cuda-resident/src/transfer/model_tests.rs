@@ -1134,3 +1134,69 @@ fn in_place_staging_wastes_at_most_a_tenth() {
         assert_eq!(d.telemetry().pinned.lent_bytes, 0);
     }
 }
+
+/// Staging held outside transfers (pinned buffers, prepared sets) cannot take the pool's
+/// reserve: with the rest of the pool held, transfers of several times the reserve still
+/// move every byte (in fewer chunks at a time), a prepared set that finds no room moves as
+/// batches, and one more pinned buffer is refused with a Fix. (Before the reserve, pinned
+/// buffers filled the pool and every transfer failed with `PinnedExhausted`.)
+#[test]
+fn held_staging_leaves_the_reserve_to_transfers() {
+    let config = small_chunks();
+    let reserve = config.pinned_reserve();
+    assert_eq!(reserve, 512 << 10, "8 chunks of 64 KiB");
+    let d = device(config);
+    let mut rng = fastrand::Rng::with_seed(71);
+    let mut m = Model::new(&d, &mut rng, &[200_000, 230_000, 70_000]);
+    let large = d.allocate(3 << 20).unwrap();
+    let mut held = Vec::new();
+    let refusal = loop {
+        match d.pinned(1 << 20) {
+            Ok(mut buffer) => {
+                buffer.fill(0xA5);
+                held.push(buffer);
+            }
+            Err(e) => break e,
+        }
+    };
+    let stats = d.telemetry().pinned;
+    assert_eq!(held.len(), 7, "{stats:?}");
+    assert_eq!((stats.held_bytes, stats.held_limit_bytes), (7 << 20, (8 << 20) - reserve));
+    assert!(matches!(refusal, Error::PinnedReserved { .. }), "{refusal}");
+    let text = refusal.to_string();
+    assert!(text.contains("Fix:") && text.contains("7340032 bytes"), "{text}");
+    // The rest of the limit, in the smallest arenas.
+    while let Ok(buffer) = d.pinned(1) {
+        held.push(buffer);
+    }
+    assert_eq!(d.telemetry().pinned.held_bytes, (8 << 20) - reserve);
+
+    // A prepared set finds no room for its region: it moves as batches, correctly.
+    let ranges = prepared_ranges(&m, &mut rng);
+    let mut up = d.prepare_uploads(&ranges).unwrap();
+    assert!(!up.is_laid_out(), "no held staging left: the set moves as batches");
+    let data: Vec<Vec<u8>> = ranges.iter().map(|&(_, _, len)| random_vec(&mut rng, len as usize)).collect();
+    up.upload(&data).unwrap().wait().unwrap();
+    m.expect_writes(&ranges, &data);
+
+    // Transfers of several times the reserve: a whole buffer, many small writes, reads.
+    let whole = random_vec(&mut rng, 3 << 20);
+    d.upload(large, &whole).unwrap();
+    for (k, part) in whole.chunks(256 << 10).enumerate() {
+        assert!(d.download_range(large, (k << 18) as u64, part.len() as u64).unwrap() == part, "part {k}");
+    }
+    let mut batch = d.uploads();
+    let small: Vec<(u64, Vec<u8>)> = (0..160).map(|i| (i * 1400, random_vec(&mut rng, 1000))).collect();
+    for (at, bytes) in &small {
+        batch.write(m.buffers[1], *at, bytes).unwrap();
+    }
+    batch.submit().unwrap().wait().unwrap();
+    for (at, bytes) in &small {
+        m.expect[1][*at as usize..][..bytes.len()].copy_from_slice(bytes);
+    }
+    m.check(&d, "transfers beside held staging");
+    assert!(held[..7].iter().all(|b| b.iter().all(|&x| x == 0xA5)), "held buffers untouched");
+    drop(held);
+    drop(up);
+    assert_eq!(d.telemetry().pinned.held_bytes, 0);
+}

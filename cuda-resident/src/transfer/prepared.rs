@@ -183,7 +183,13 @@ impl Layout {
         } else {
             cut_apart(&apart.offsets, |i| ranges[i].2, |_| chunk_bytes, &mut spans);
         }
-        let lease = device.acquire_staging(apart.end as usize)?;
+        // Held staging: past its limit (the pool's reserve for transfers), the set moves as
+        // batches do.
+        let lease = match device.acquire_held_staging(apart.end as usize) {
+            Ok(lease) => lease,
+            Err(Error::PinnedReserved { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
         let base = lease.as_ptr() as u64;
         let descriptors: Vec<CopyDescriptor> = keys
             .iter()
