@@ -450,6 +450,12 @@ impl Device {
         self.core.alloc.allocate(bytes, &|last| self.core.is_idle(last))
     }
 
+    /// Allocates a buffer of the library's own (device staging, prepared sets' tables):
+    /// under the same budget, counted apart from the caller's bytes.
+    pub(crate) fn allocate_for_library(&self, bytes: u64) -> Result<ResidentBuffer> {
+        self.core.alloc.allocate_as(bytes, true, &|last| self.core.is_idle(last))
+    }
+
     /// Frees a buffer. The handle is invalid at once; if a copy still uses the buffer, its
     /// memory is reused only after the copy completes.
     ///
@@ -470,7 +476,11 @@ impl Device {
         self.core.alloc.resolve(buffer).map(|(_, len)| len)
     }
 
-    /// Bytes held by live buffers, as requested by callers.
+    /// Bytes held by the caller's live buffers, as requested. The library's own device
+    /// memory (device staging of the two lanes, prepared sets' tables) is not in it: it is
+    /// [`AllocatorStats::library_bytes`](crate::AllocatorStats::library_bytes) in
+    /// [`Device::telemetry`], so this returns to its baseline once the caller has freed
+    /// every buffer.
     pub fn allocated_bytes(&self) -> u64 {
         self.core.alloc.allocated_bytes()
     }

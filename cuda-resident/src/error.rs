@@ -64,16 +64,25 @@ pub enum Error {
 
     /// The allocation would take device memory past the budget.
     #[error(
-        "allocating {requested} bytes would exceed the device memory budget: {in_use} bytes are in use \
-         and the limit is {limit} bytes ({fraction} of {total} total{driver_oom}). \
+        "allocating {requested} bytes needs {needed} more bytes from the driver, but this device holds {held} \
+         bytes already and its budget allows {limit} ({fraction} of {total} total){driver_oom}. Of the {held} \
+         bytes held, {in_use} are in your buffers, {library} in the library's own (device staging, prepared \
+         sets' tables), and the rest free in slabs and caches. \
          Fix: free buffers you no longer need, or raise Config::budget_fraction."
     , driver_oom = if *.driver_out_of_memory { ", and cuMemAlloc_v2 reported out of memory" } else { "" })]
     OverBudget {
         /// Bytes asked for.
         requested: u64,
-        /// Bytes allocated (as requested by callers) when the request came.
+        /// Bytes the allocation needed from the driver (a block, a slab, a dedicated
+        /// allocation): past the budget, `held + needed > limit`.
+        needed: u64,
+        /// Bytes of device memory this device held from the driver when the request came.
+        held: u64,
+        /// Of `held`, bytes in callers' live buffers ([`Device::allocated_bytes`](crate::Device::allocated_bytes)).
         in_use: u64,
-        /// The budget's limit at that time.
+        /// Of `held`, bytes in the library's own buffers.
+        library: u64,
+        /// The budget's limit on held bytes at that time.
         limit: u64,
         /// The device's total memory.
         total: u64,
@@ -342,6 +351,9 @@ mod tests {
             Error::ZeroSizedAllocation,
             Error::OverBudget {
                 requested: 10,
+                needed: 10,
+                held: 24,
+                library: 1,
                 in_use: 20,
                 limit: 25,
                 total: 100,
@@ -390,7 +402,10 @@ mod tests {
     fn over_budget_gives_the_numbers() {
         let e = Error::OverBudget {
             requested: 4096,
+            needed: 8192,
+            held: 1500,
             in_use: 1000,
+            library: 256,
             limit: 2000,
             total: 10_000,
             fraction: 0.2,
@@ -398,8 +413,10 @@ mod tests {
         };
         assert_eq!(
             e.to_string(),
-            "allocating 4096 bytes would exceed the device memory budget: 1000 bytes are in use and the limit is \
-             2000 bytes (0.2 of 10000 total). Fix: free buffers you no longer need, or raise Config::budget_fraction."
+            "allocating 4096 bytes needs 8192 more bytes from the driver, but this device holds 1500 bytes \
+             already and its budget allows 2000 (0.2 of 10000 total). Of the 1500 bytes held, 1000 are in your \
+             buffers, 256 in the library's own (device staging, prepared sets' tables), and the rest free in \
+             slabs and caches. Fix: free buffers you no longer need, or raise Config::budget_fraction."
         );
     }
 

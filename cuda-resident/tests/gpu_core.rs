@@ -121,9 +121,11 @@ fn the_budget_is_enforced_with_a_small_fraction() {
         }
         assert!(held.len() < 10_000, "the budget never refused");
     };
-    let Error::OverBudget { requested, in_use, limit, .. } = err else { panic!("{err}") };
+    let Error::OverBudget { requested, needed, held: held_bytes, in_use, library, limit, .. } = err else {
+        panic!("{err}")
+    };
     assert_eq!(requested, 96 << 20);
-    assert!(in_use + requested > limit);
+    assert!(held_bytes + needed > limit && held_bytes >= in_use + library, "{err}");
     assert!(d.allocated_bytes() as f64 <= 0.01 * total as f64, "{} held of {total}", d.allocated_bytes());
     assert!(d.telemetry().memory.reserved_bytes as f64 <= 0.01 * total as f64);
     for b in held {

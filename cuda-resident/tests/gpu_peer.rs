@@ -822,9 +822,17 @@ fn each_device_has_its_own_budget() {
         loop {
             match d.allocate(CHUNK) {
                 Ok(b) => held.push(b),
-                Err(Error::OverBudget { requested, in_use, limit, .. }) => {
+                Err(Error::OverBudget {
+                    requested,
+                    needed,
+                    held: held_bytes,
+                    in_use,
+                    library,
+                    limit,
+                    ..
+                }) => {
                     assert_eq!(requested, CHUNK);
-                    assert!(in_use + requested > limit);
+                    assert!(held_bytes + needed > limit && held_bytes >= in_use + library);
                     return (held, limit);
                 }
                 Err(e) => panic!("GPU {}: expected OverBudget, got: {e}", d.info().ordinal),

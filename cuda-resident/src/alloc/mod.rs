@@ -109,6 +109,8 @@ struct Slot {
     len: u64,
     generation: u32,
     live: bool,
+    /// The library's own (device staging, prepared sets' tables), not a caller's.
+    library: bool,
     last_use: LastUse,
 }
 
@@ -116,8 +118,10 @@ struct Shard {
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     cache: [Vec<Block>; CLASS_COUNT],
-    /// Bytes requested by live buffers of this shard.
+    /// Bytes requested by callers' live buffers of this shard.
     allocated: u64,
+    /// Bytes of the library's own live buffers of this shard.
+    library: u64,
     /// Bytes of the blocks of live buffers.
     footprint: u64,
     /// Bytes in this shard's class caches.
@@ -170,10 +174,15 @@ struct Unreleased {
 /// Statistics of the resident store.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AllocatorStats {
-    /// Live buffers.
+    /// Callers' live buffers.
     pub buffers: u64,
-    /// Bytes callers asked for, over live buffers.
+    /// Bytes callers asked for, over their live buffers ([`Device::allocated_bytes`](crate::Device::allocated_bytes)).
     pub allocated_bytes: u64,
+    /// Bytes of the library's own live buffers: device staging of the two lanes, prepared
+    /// sets' descriptor tables. Not in `allocated_bytes`; held under the same budget.
+    pub library_bytes: u64,
+    /// The library's own live buffers.
+    pub library_buffers: u64,
     /// Bytes the live buffers occupy (size classes round up).
     pub footprint_bytes: u64,
     /// Bytes held from the driver (slabs and dedicated allocations).
@@ -193,7 +202,7 @@ pub struct AllocatorStats {
     /// Bytes freed by the caller but still in use by copies in flight.
     pub deferred_bytes: u64,
     /// The share of reserved memory that holds no requested byte:
-    /// `1 - allocated / reserved` (0 when nothing is reserved).
+    /// `1 - (allocated + library) / reserved` (0 when nothing is reserved).
     pub fragmentation: f64,
     /// Allocations served (all paths).
     pub allocations: u64,
@@ -259,6 +268,9 @@ pub(crate) struct Allocator<M: DeviceMemory> {
     /// Counts frees: a batch may reuse what it resolved for a handle in an earlier batch
     /// while no buffer has been freed since ([`Allocator::validity`]).
     frees: AtomicU64,
+    /// Bytes of the library's own live buffers (the sum of the shards' `library`), read
+    /// without a lock by a refusal.
+    library: AtomicU64,
     ordinal: usize,
     memory: M,
     config: AllocatorConfig,
@@ -281,6 +293,7 @@ impl<M: DeviceMemory> Allocator<M> {
                     free_slots: Vec::new(),
                     cache: std::array::from_fn(|_| Vec::new()),
                     allocated: 0,
+                    library: 0,
                     footprint: 0,
                     cached: 0,
                     allocations: 0,
@@ -292,6 +305,7 @@ impl<M: DeviceMemory> Allocator<M> {
         Allocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
             frees: AtomicU64::new(0),
+            library: AtomicU64::new(0),
             ordinal,
             memory,
             config,
@@ -303,6 +317,17 @@ impl<M: DeviceMemory> Allocator<M> {
     /// Allocates `len` bytes. `is_idle` tells whether a buffer's last use has completed (for
     /// reclaiming deferred frees on the slow path).
     pub(crate) fn allocate(&self, len: u64, is_idle: &dyn Fn(LastUse) -> bool) -> Result<ResidentBuffer> {
+        self.allocate_as(len, false, is_idle)
+    }
+
+    /// As [`Allocator::allocate`]; `library`: the buffer is the library's own, counted apart
+    /// from callers' bytes.
+    pub(crate) fn allocate_as(
+        &self,
+        len: u64,
+        library: bool,
+        is_idle: &dyn Fn(LastUse) -> bool,
+    ) -> Result<ResidentBuffer> {
         if len == 0 {
             return Err(Error::ZeroSizedAllocation);
         }
@@ -312,7 +337,7 @@ impl<M: DeviceMemory> Allocator<M> {
             let mut shard = lock(&self.shards[shard_index].state);
             if let Some(block) = shard.cache[class].pop() {
                 shard.cached -= block.bytes;
-                return Ok(self.insert(shard_index, &mut shard, block, len));
+                return Ok(self.insert(shard_index, &mut shard, block, len, library));
             }
         }
         let block = match class {
@@ -322,18 +347,25 @@ impl<M: DeviceMemory> Allocator<M> {
                 let bytes =
                     round_to_granule(len).filter(|&b| b <= self.config.total_memory).ok_or_else(|| {
                         let limit = (self.config.budget_fraction * self.config.total_memory as f64) as u64;
-                        self.refused(len, limit, false)
+                        self.refused(len, len, limit, lock(&self.global).reserved, false)
                     })?;
                 let origin = if bytes <= self.config.slab_bytes { Origin::Range } else { Origin::Dedicated };
                 self.carve(len, bytes, origin, is_idle)?
             }
         };
         let mut shard = lock(&self.shards[shard_index].state);
-        Ok(self.insert(shard_index, &mut shard, block, len))
+        Ok(self.insert(shard_index, &mut shard, block, len, library))
     }
 
-    fn insert(&self, shard_index: usize, shard: &mut Shard, block: Block, len: u64) -> ResidentBuffer {
-        let slot = Slot { block, len, generation: 0, live: true, last_use: [0; 2] };
+    fn insert(
+        &self,
+        shard_index: usize,
+        shard: &mut Shard,
+        block: Block,
+        len: u64,
+        library: bool,
+    ) -> ResidentBuffer {
+        let slot = Slot { block, len, generation: 0, live: true, library, last_use: [0; 2] };
         let slot_index = match shard.free_slots.pop() {
             Some(i) => {
                 let s = &mut shard.slots[i as usize];
@@ -345,7 +377,12 @@ impl<M: DeviceMemory> Allocator<M> {
                 (shard.slots.len() - 1) as u32
             }
         };
-        shard.allocated += len;
+        if library {
+            shard.library += len;
+            self.library.fetch_add(len, Ordering::Relaxed);
+        } else {
+            shard.allocated += len;
+        }
         shard.footprint += block.bytes;
         shard.allocations += 1;
         self.shards[shard_index].allocated.store(shard.allocated, Ordering::Relaxed);
@@ -452,14 +489,19 @@ impl<M: DeviceMemory> Allocator<M> {
         // predate the free.
         self.frees.fetch_add(1, Ordering::AcqRel);
         slot.generation = slot.generation.wrapping_add(1);
-        let (block, len, last_use, retire) =
-            (slot.block, slot.len, slot.last_use, slot.generation == u32::MAX);
+        let (block, len, last_use, retire, library) =
+            (slot.block, slot.len, slot.last_use, slot.generation == u32::MAX, slot.library);
         if !retire {
             // A slot whose generation is exhausted is never reused, so no old handle can
             // ever match it again.
             shard.free_slots.push(slot_index as u32);
         }
-        shard.allocated -= len;
+        if library {
+            shard.library -= len;
+            self.library.fetch_sub(len, Ordering::Relaxed);
+        } else {
+            shard.allocated -= len;
+        }
         shard.footprint -= block.bytes;
         shard.frees += 1;
         cell.allocated.store(shard.allocated, Ordering::Relaxed);
@@ -598,7 +640,7 @@ impl<M: DeviceMemory> Allocator<M> {
         let room = headroom / classes::GRANULE * classes::GRANULE;
         let slab_bytes = self.config.slab_bytes.min(room).max(bytes);
         if slab_bytes > headroom {
-            return Err(self.over_budget(global, len, headroom, false));
+            return Err(self.over_budget(global, len, bytes, headroom, false));
         }
         let ptr = self.driver_alloc(global, len, slab_bytes, headroom)?;
         let id = match global.slabs.iter().position(Option::is_none) {
@@ -616,7 +658,7 @@ impl<M: DeviceMemory> Allocator<M> {
     fn grow_dedicated(&self, global: &mut Global, len: u64, bytes: u64) -> Result<Block> {
         let headroom = self.headroom(global)?;
         if bytes > headroom {
-            return Err(self.over_budget(global, len, headroom, false));
+            return Err(self.over_budget(global, len, bytes, headroom, false));
         }
         let ptr = self.driver_alloc(global, len, bytes, headroom)?;
         global.dedicated += bytes;
@@ -632,20 +674,33 @@ impl<M: DeviceMemory> Allocator<M> {
                 Ok(ptr)
             }
             Err(e) if e.cuda_code() == Some(cuda_sys::CUDA_ERROR_OUT_OF_MEMORY) => {
-                Err(self.over_budget(global, len, headroom, true))
+                Err(self.over_budget(global, len, bytes, headroom, true))
             }
             Err(e) => Err(e),
         }
     }
 
-    fn over_budget(&self, global: &Global, len: u64, headroom: u64, driver_out_of_memory: bool) -> Error {
-        self.refused(len, global.reserved + headroom, driver_out_of_memory)
+    /// A refusal of `len` bytes that needed `needed` more from the driver, with `headroom`
+    /// left under the budget.
+    fn over_budget(
+        &self,
+        global: &Global,
+        len: u64,
+        needed: u64,
+        headroom: u64,
+        driver_out_of_memory: bool,
+    ) -> Error {
+        self.refused(len, needed, global.reserved + headroom, global.reserved, driver_out_of_memory)
     }
 
-    fn refused(&self, len: u64, limit: u64, driver_out_of_memory: bool) -> Error {
+    fn refused(&self, len: u64, needed: u64, limit: u64, held: u64, driver_out_of_memory: bool) -> Error {
+        let library = self.library.load(Ordering::Relaxed);
         Error::OverBudget {
             requested: len,
+            needed,
+            held,
             in_use: self.allocated_bytes(),
+            library,
             limit,
             total: self.config.total_memory,
             fraction: self.config.budget_fraction,
@@ -697,8 +752,10 @@ impl<M: DeviceMemory> Allocator<M> {
         let mut stats = AllocatorStats::default();
         for cell in self.shards.iter() {
             let shard = lock(&cell.state);
-            stats.buffers += shard.slots.iter().filter(|s| s.live).count() as u64;
+            stats.buffers += shard.slots.iter().filter(|s| s.live && !s.library).count() as u64;
+            stats.library_buffers += shard.slots.iter().filter(|s| s.live && s.library).count() as u64;
             stats.allocated_bytes += shard.allocated;
+            stats.library_bytes += shard.library;
             stats.footprint_bytes += shard.footprint;
             stats.cached_bytes += shard.cached;
             stats.allocations += shard.allocations;
@@ -720,7 +777,7 @@ impl<M: DeviceMemory> Allocator<M> {
         stats.fragmentation = if global.reserved == 0 {
             0.0
         } else {
-            1.0 - stats.allocated_bytes as f64 / global.reserved as f64
+            1.0 - (stats.allocated_bytes + stats.library_bytes) as f64 / global.reserved as f64
         };
         stats
     }

@@ -164,13 +164,27 @@ fn the_budget_refuses_with_the_numbers_and_changes_nothing() {
     let before = a.stats();
     let err = a.allocate(300 * MIB, IDLE).unwrap_err();
     match &err {
-        Error::OverBudget { requested, in_use, limit, total, driver_out_of_memory, .. } => {
+        Error::OverBudget {
+            requested,
+            needed,
+            held,
+            in_use,
+            library,
+            limit,
+            total,
+            driver_out_of_memory,
+            ..
+        } => {
             assert_eq!(*requested, 300 * MIB);
             assert_eq!(*in_use, 300 * MIB);
             // 300 MiB held + min(0.5 * 1 GiB - 300 MiB, 0.5 * 724 MiB free) = 512 MiB.
             assert_eq!(*limit, 512 * MIB);
             assert_eq!(*total, GIB);
             assert!(!driver_out_of_memory);
+            // The numbers add up, on one basis: what is held plus what was needed passes
+            // the limit, and what is held covers the buffers in it.
+            assert_eq!((*held, *needed, *library), (300 * MIB, 300 * MIB, 0));
+            assert!(held + needed > *limit && *held >= in_use + library, "{err}");
         }
         other => panic!("{other}"),
     }
@@ -403,4 +417,29 @@ fn marking_many_buffers_across_shards_checks_and_marks_each() {
     let foreign = other.allocate(4096, IDLE).unwrap();
     let err = a.mark_used_many([theirs[0], foreign].into_iter(), 0, 9).unwrap_err();
     assert!(matches!(err, Error::ForeignBuffer { .. }), "{err}");
+}
+
+#[test]
+fn the_librarys_own_buffers_are_counted_apart_from_the_callers() {
+    let (_model, a) = allocator(GIB, 0.5);
+    let mine = a.allocate(3 * MIB, IDLE).unwrap();
+    let staging = a.allocate_as(16 * MIB, true, IDLE).unwrap();
+    let stats = a.stats();
+    assert_eq!((a.allocated_bytes(), stats.allocated_bytes, stats.buffers), (3 * MIB, 3 * MIB, 1));
+    assert_eq!((stats.library_bytes, stats.library_buffers), (16 * MIB, 1));
+    // A refusal names both, and they fit inside what is held.
+    let err = a.allocate(600 * MIB, IDLE).unwrap_err();
+    match &err {
+        Error::OverBudget { held, needed, in_use, library, limit, .. } => {
+            assert_eq!((*in_use, *library), (3 * MIB, 16 * MIB));
+            assert!(held + needed > *limit && *held >= in_use + library, "{err}");
+        }
+        other => panic!("{other}"),
+    }
+    a.free(mine, IDLE).unwrap();
+    assert_eq!(a.allocated_bytes(), 0, "the caller's bytes back to zero, the library's staging kept");
+    assert_eq!(a.stats().library_bytes, 16 * MIB);
+    a.free(staging, IDLE).unwrap();
+    let stats = a.stats();
+    assert_eq!((stats.library_bytes, stats.library_buffers, stats.buffers), (0, 0, 0));
 }

@@ -825,7 +825,7 @@ impl DeviceRegion {
             return Ok(ptr);
         }
         let want = len.max(1 << 20).next_power_of_two();
-        let new = device.allocate(want)?;
+        let new = device.allocate_for_library(want)?;
         let ptr = device.device_ptr(new)?;
         let staging = &device.core().telemetry.staging_bytes;
         staging.fetch_add(want, std::sync::atomic::Ordering::Relaxed);

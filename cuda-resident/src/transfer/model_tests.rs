@@ -172,7 +172,7 @@ fn ragged_rounds(config: Config, seed: u64) {
     d.synchronize().unwrap();
     d.trim().unwrap();
     let t = d.telemetry();
-    assert_eq!(t.memory.allocated_bytes, t.staging_bytes, "{t:#?}");
+    assert_eq!((t.memory.allocated_bytes, t.memory.library_bytes), (0, t.staging_bytes), "{t:#?}");
     assert_eq!(t.pinned.lent_bytes, 0, "{t:#?}");
 }
 

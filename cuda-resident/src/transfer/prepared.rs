@@ -208,7 +208,7 @@ impl Layout {
                 descriptors.len() * size_of::<CopyDescriptor>(),
             )
         };
-        let table_buffer = device.allocate(bytes.len() as u64)?;
+        let table_buffer = device.allocate_for_library(bytes.len() as u64)?;
         let table_ptr =
             match device.upload(table_buffer, bytes).and_then(|()| device.device_ptr(table_buffer)) {
                 Ok(ptr) => ptr,
