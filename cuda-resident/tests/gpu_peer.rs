@@ -1,7 +1,9 @@
 //! Several GPUs in one host, on real GPUs: device sets, peer access, peer copy batches
 //! checked byte for byte against a host model, ordering across devices, per-device budgets
 //! and fan-out. Ignored where there is no GPU: `cargo test -- --include-ignored` on a
-//! machine with two NVIDIA GPUs (the tests fail, saying so, where there are fewer).
+//! machine with two NVIDIA GPUs (the tests fail, saying so, where there are fewer). Every
+//! test here is named `two_gpus_*`, so that `--skip two_gpus_` leaves them out on a machine
+//! with one GPU.
 //!
 //! # Peer access, the staged fallback and the order of tests
 //!
@@ -21,7 +23,7 @@
 //! test) runs the check in each process, where it is just as valid. The check records
 //! whether access was on before and after it and what each device counted as copied from
 //! device memory (`peer_bytes`, zero on the staged path); its outcome is stored, not asserted
-//! where it runs: `peer_batches_match_the_model_staged_before_peer_access_is_enabled` alone
+//! where it runs: `two_gpus_peer_batches_match_the_model_staged_before_peer_access_is_enabled` alone
 //! asserts it, so a fault of the staged path fails that test and not whichever test
 //! happened to trigger the check.
 
@@ -393,8 +395,8 @@ fn staged_run() -> &'static StagedRun {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn a_device_set_opens_every_gpu_and_names_each_by_index() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_a_device_set_opens_every_gpu_and_names_each_by_index() {
     let set = two_gpus();
     let count = set.len();
     assert!(!set.is_empty());
@@ -430,8 +432,8 @@ fn a_device_set_opens_every_gpu_and_names_each_by_index() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn peer_access_is_enabled_both_ways_and_enabling_again_is_ok() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_peer_access_is_enabled_both_ways_and_enabling_again_is_ok() {
     let set = two_gpus();
     let (d0, d1) = pair(&set);
     let (forth, back) = (d0.can_access_peer(d1).unwrap(), d1.can_access_peer(d0).unwrap());
@@ -465,8 +467,8 @@ fn peer_access_is_enabled_both_ways_and_enabling_again_is_ok() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn peer_batches_match_the_model_staged_before_peer_access_is_enabled() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_peer_batches_match_the_model_staged_before_peer_access_is_enabled() {
     let _count_checked = open_two();
     let run = staged_run();
     let moved = match &run.outcome {
@@ -490,8 +492,8 @@ fn peer_batches_match_the_model_staged_before_peer_access_is_enabled() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn peer_batches_match_the_model_with_peer_access() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_peer_batches_match_the_model_with_peer_access() {
     let set = two_gpus();
     enable_peers(&set);
     let (d0, d1) = pair(&set);
@@ -502,8 +504,8 @@ fn peer_batches_match_the_model_with_peer_access() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn peer_batches_both_ways_at_once() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_peer_batches_both_ways_at_once() {
     let set = two_gpus();
     enable_peers(&set);
     let (d0, d1) = pair(&set);
@@ -622,8 +624,8 @@ fn read_after_write_chain(d0: &Device, d1: &Device, seed: u64) {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn reads_after_writes_are_ordered_on_the_gpus_without_host_waits() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_reads_after_writes_are_ordered_on_the_gpus_without_host_waits() {
     let set = two_gpus();
     enable_peers(&set);
     let (d0, d1) = pair(&set);
@@ -632,8 +634,8 @@ fn reads_after_writes_are_ordered_on_the_gpus_without_host_waits() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn writes_after_reads_and_writes_are_ordered_on_the_gpus() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_writes_after_reads_and_writes_are_ordered_on_the_gpus() {
     let set = two_gpus();
     enable_peers(&set);
     let (d0, d1) = pair(&set);
@@ -721,8 +723,8 @@ fn writes_after_reads_and_writes_are_ordered_on_the_gpus() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn freeing_buffers_right_after_submit_keeps_the_bytes_right() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_freeing_buffers_right_after_submit_keeps_the_bytes_right() {
     let set = two_gpus();
     enable_peers(&set);
     let (d0, d1) = pair(&set);
@@ -808,8 +810,8 @@ fn freeing_buffers_right_after_submit_keeps_the_bytes_right() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn each_device_has_its_own_budget() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_each_device_has_its_own_budget() {
     let _ = two_gpus(); // the GPU count and the staged check
     let fraction = 0.02;
     let set = DeviceSet::open_all_with(Config { budget_fraction: fraction, ..Config::default() }).unwrap();
@@ -893,8 +895,8 @@ fn each_device_has_its_own_budget() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn bad_peer_copies_fail_the_batch_and_change_nothing() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_bad_peer_copies_fail_the_batch_and_change_nothing() {
     let set = two_gpus();
     let (d0, d1) = pair(&set);
     let other1 = Device::open(1).unwrap(); // GPU 1 again, with an allocator of its own
@@ -979,8 +981,8 @@ fn bad_peer_copies_fail_the_batch_and_change_nothing() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn fan_out_reaches_every_device_by_both_paths() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_fan_out_reaches_every_device_by_both_paths() {
     let set = two_gpus();
     enable_peers(&set);
     let mut rng = fastrand::Rng::with_seed(0xFA40);
@@ -1085,8 +1087,8 @@ fn fan_out_reaches_every_device_by_both_paths() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn pinned_staging_of_one_device_serves_the_other() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_pinned_staging_of_one_device_serves_the_other() {
     let set = two_gpus();
     let (d0, d1) = pair(&set);
     let mut rng = fastrand::Rng::with_seed(0x9147);
@@ -1119,8 +1121,8 @@ fn pinned_staging_of_one_device_serves_the_other() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn a_copy_batch_inside_one_gpu() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_a_copy_batch_inside_one_gpu() {
     let set = two_gpus();
     let (d0, _) = pair(&set);
     let moved = ragged_peer_batches(d0, d0, 0x5E1F, 3);
@@ -1150,8 +1152,8 @@ fn a_copy_batch_inside_one_gpu() {
 }
 
 #[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn block_tables_move_with_copy_ranges_both_ways() {
+#[ignore = "needs two NVIDIA GPUs"]
+fn two_gpus_block_tables_move_with_copy_ranges_both_ways() {
     let set = two_gpus();
     enable_peers(&set);
     let (d0, d1) = pair(&set);
