@@ -5,6 +5,11 @@
 //! (a watchdog fails the test if a thread is stuck), and exact accounting: with every buffer
 //! freed, the store holds only the lanes' staging and no pinned staging is lent.
 //!
+//! Callbacks that panic are mixed in: some batches of in-place writes have a fill closure
+//! that panics part-way (caught by the thread), and some prepared uploads an `AsRef` that
+//! panics; such a batch is poisoned, moves nothing (the thread's model stays as it was and
+//! later reads check it), and its staging goes back.
+//!
 //! Ignored where there is no GPU. `STRESS_SECONDS` sets the duration (default 30);
 //! `STRESS_THREADS` the thread count (default 16).
 
@@ -22,6 +27,7 @@ fn env_or(name: &str, default: u64) -> u64 {
 #[derive(Default)]
 struct Totals {
     ops: AtomicU64,
+    panics_caught: AtomicU64,
     bytes_written: AtomicU64,
     bytes_checked: AtomicU64,
     frees_in_flight: AtomicU64,
@@ -30,6 +36,33 @@ struct Totals {
 struct Owned {
     buffer: ResidentBuffer,
     bytes: Vec<u8>,
+}
+
+/// The text of the panics this test makes on purpose (kept out of the output).
+const DELIBERATE: &str = "deliberate panic in a callback";
+
+/// Bytes whose `as_ref` panics: a caller's type that fails inside the library's call.
+struct Explosive;
+
+impl AsRef<[u8]> for Explosive {
+    fn as_ref(&self) -> &[u8] {
+        panic!("{DELIBERATE}")
+    }
+}
+
+/// Data for a prepared upload: ordinary bytes, or the one that panics.
+enum Item {
+    Bytes(Vec<u8>),
+    Explosive(Explosive),
+}
+
+impl AsRef<[u8]> for Item {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Item::Bytes(b) => b,
+            Item::Explosive(e) => e.as_ref(),
+        }
+    }
 }
 
 fn first_difference(got: &[u8], want: &[u8]) -> Option<usize> {
@@ -59,8 +92,59 @@ fn worker(d: &Device, seed: u64, deadline: Instant, totals: &Totals) {
                 totals.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
                 owned.push(Owned { buffer, bytes });
             }
+            // A poisoned batch: in-place writes, one of whose fills panics; the thread catches
+            // the panic, adds more writes (refused) and submits (refused): nothing moves.
+            15..=19 if !owned.is_empty() => {
+                let junk = vec![0xEEu8; 4096];
+                let mut batch = d.uploads();
+                let n = rng.usize(1..200);
+                let bad = rng.usize(0..n);
+                for k in 0..n {
+                    let i = rng.usize(0..owned.len());
+                    let size = owned[i].bytes.len();
+                    let len = rng.usize(1..=size.min(4096));
+                    let offset = rng.usize(0..=size - len) as u64;
+                    let buffer = owned[i].buffer;
+                    if k < bad {
+                        let fill = rng.u8(1..=255);
+                        batch.write_with(buffer, offset, len, |dst| dst.fill(fill)).unwrap();
+                    } else if k == bad {
+                        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            let _ = batch.write_with(buffer, offset, len, |dst| {
+                                dst[0] = 1;
+                                panic!("{DELIBERATE}");
+                            });
+                        }));
+                        assert!(caught.is_err(), "{}", context("the fill's panic reaches the caller"));
+                        totals.panics_caught.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        let refused = batch.write(buffer, offset, &junk[..len]).map(|_| ()).unwrap_err();
+                        assert!(refused.to_string().contains("Fix:"), "{}", context(&refused.to_string()));
+                    }
+                }
+                let refused = batch.submit().map(|_| ()).unwrap_err();
+                assert!(refused.to_string().contains("Fix:"), "{}", context(&refused.to_string()));
+            }
+            // A prepared upload whose data panics in `as_ref`: nothing moves.
+            20..=22 if !owned.is_empty() => {
+                let i = rng.usize(0..owned.len());
+                let size = owned[i].bytes.len();
+                let count = rng.usize(1..=size.min(128));
+                let ranges: Vec<_> =
+                    (0..count).map(|k| (owned[i].buffer, (k * (size / count)) as u64, 1)).collect();
+                let mut set = d.prepare_uploads(&ranges).unwrap();
+                let bad = rng.usize(0..count);
+                let data: Vec<Item> = (0..count)
+                    .map(|k| if k == bad { Item::Explosive(Explosive) } else { Item::Bytes(vec![0xEE]) })
+                    .collect();
+                let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let _ = set.upload(&data);
+                }));
+                assert!(caught.is_err(), "{}", context("the as_ref panic reaches the caller"));
+                totals.panics_caught.fetch_add(1, Ordering::Relaxed);
+            }
             // A batch of writes, copied or in place; its fence kept, waited on later or never.
-            15..=49 if !owned.is_empty() => {
+            23..=49 if !owned.is_empty() => {
                 let n = rng.usize(1..400);
                 let in_place = rng.bool();
                 let mut data: Vec<(usize, usize, Vec<u8>)> = Vec::with_capacity(n);
@@ -175,6 +259,14 @@ fn sixteen_threads_of_random_work_corrupt_nothing_and_account_exactly() {
         ..Config::default()
     };
     let base = Device::open(0).unwrap_or_else(|e| panic!("{e}"));
+    // The panics this test makes on purpose are caught and counted; others print as usual.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let text = info.payload().downcast_ref::<String>().map(String::as_str).unwrap_or("");
+        if !text.contains(DELIBERATE) {
+            default_hook(info);
+        }
+    }));
     let d = Device::open_with(Arc::clone(base.driver()), 0, config).unwrap();
     let totals = Arc::new(Totals::default());
     let deadline = Instant::now() + Duration::from_secs(seconds);
@@ -214,11 +306,12 @@ fn sixteen_threads_of_random_work_corrupt_nothing_and_account_exactly() {
     let elapsed = started.elapsed().as_secs_f64();
     println!(
         "stress: {threads} threads, {elapsed:.1} s, {} operations, {} bytes written, {} bytes read and \
-         checked, {} frees with uploads in flight, {} deferred frees, {} upload / {} readback submissions, \
-         {} host waits",
+         checked, {} panics in callbacks caught, {} frees with uploads in flight, {} deferred frees, {} upload \
+         / {} readback submissions, {} host waits",
         totals.ops.load(Ordering::Relaxed),
         totals.bytes_written.load(Ordering::Relaxed),
         totals.bytes_checked.load(Ordering::Relaxed),
+        totals.panics_caught.load(Ordering::Relaxed),
         totals.frees_in_flight.load(Ordering::Relaxed),
         t.memory.deferred_frees,
         t.upload_submissions,
@@ -226,13 +319,16 @@ fn sixteen_threads_of_random_work_corrupt_nothing_and_account_exactly() {
         t.host_waits,
     );
     assert!(totals.ops.load(Ordering::Relaxed) > threads * 10, "too little work to mean anything");
-    // Exact accounting: every caller buffer freed, so the store holds only the lanes' staging;
-    // nothing is deferred, nothing pinned is lent, and the allocator's counts balance.
-    assert_eq!(t.memory.allocated_bytes, t.staging_bytes, "{t:#?}");
-    assert!(t.memory.buffers <= 2, "only staging buffers remain: {t:#?}");
+    assert!(totals.panics_caught.load(Ordering::Relaxed) > 0, "no callback panicked");
+    // Exact accounting: every caller buffer freed, so the caller's bytes are back to zero and
+    // the store holds only the lanes' staging; nothing is deferred, nothing pinned is lent,
+    // and the allocator's counts balance.
+    assert_eq!((t.memory.allocated_bytes, t.memory.buffers), (0, 0), "{t:#?}");
+    assert_eq!(t.memory.library_bytes, t.staging_bytes, "{t:#?}");
+    assert!(t.memory.library_buffers <= 2, "only staging buffers remain: {t:#?}");
     assert_eq!(t.memory.deferred_bytes, 0, "{t:#?}");
     assert_eq!(t.memory.cached_bytes, 0, "{t:#?}");
-    assert_eq!(t.memory.allocations - t.memory.frees, t.memory.buffers, "{t:#?}");
+    assert_eq!(t.memory.allocations - t.memory.frees, t.memory.library_buffers, "{t:#?}");
     assert_eq!(t.pinned.lent_bytes, 0, "{t:#?}");
     assert_eq!(t.pinned.reserved_bytes, 0, "trimmed: {t:#?}");
 }
