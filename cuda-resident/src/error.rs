@@ -181,6 +181,27 @@ pub enum Error {
         got: usize,
     },
 
+    /// An upload batch whose write failed part-way: its `write_with` closure panicked, or the
+    /// write was refused pinned staging. The batch takes no more writes and moves nothing.
+    #[error(
+        "write {write} of this upload batch ({len} bytes at offset {offset} of {buffer:?}) {cause}; \
+         the batch is poisoned: it takes no more writes and nothing of it was or will be moved. \
+         Fix: drop this batch and build the writes again in a new one (Device::uploads), after \
+         fixing what made the write fail."
+    )]
+    BatchPoisoned {
+        /// The failed write's index in the batch (writes counted in the order added).
+        write: usize,
+        /// Its buffer.
+        buffer: ResidentBuffer,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// What happened: "panicked in its fill closure", or the refusal and its error's text.
+        cause: String,
+    },
+
     /// A pinned staging request larger than the pool's cap.
     #[error(
         "pinned staging of {requested} bytes was requested but the pool is capped at {cap} bytes. \

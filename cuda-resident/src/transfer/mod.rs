@@ -842,6 +842,8 @@ impl DeviceRegion {
 }
 
 #[cfg(test)]
+mod callback_tests;
+#[cfg(test)]
 pub(crate) mod model_tests;
 
 #[cfg(test)]
