@@ -202,6 +202,34 @@ pub enum Error {
         cause: String,
     },
 
+    /// [`Device::upload`](crate::Device::upload) was given data of another length than the
+    /// buffer's.
+    #[error(
+        "Device::upload writes a whole buffer, but {buffer:?} holds {buffer_len} bytes and the data has \
+         {data_len}; nothing was uploaded. Fix: pass exactly {buffer_len} bytes, or use upload_at for a \
+         partial write."
+    )]
+    UploadLength {
+        /// The buffer.
+        buffer: ResidentBuffer,
+        /// Its length.
+        buffer_len: u64,
+        /// The data's length.
+        data_len: usize,
+    },
+
+    /// An empty host range where one of at least a byte is needed.
+    #[error(
+        "{operation} was given 0 bytes of host memory at {address:#x}: an empty range cannot be \
+         pinned. Fix: pass the length of the range to pin, at least 1 byte."
+    )]
+    EmptyHostRange {
+        /// The operation.
+        operation: &'static str,
+        /// The start of the range.
+        address: usize,
+    },
+
     /// A pinned staging request larger than the pool's cap.
     #[error(
         "pinned staging of {requested} bytes was requested but the pool is capped at {cap} bytes. \

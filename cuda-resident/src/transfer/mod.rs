@@ -54,7 +54,8 @@ impl Device {
 
     /// Starts copying `len` bytes from host memory at `src` into `buffer` at `offset`, on the
     /// upload lane, and returns at once. [`Device::synchronize_uploads`] or the returned
-    /// fence tells when it is done.
+    /// fence tells when it is done. A copy of 0 bytes (whose range is still checked) calls
+    /// no driver entry point and returns a fence that is already complete.
     ///
     /// # Safety
     ///
@@ -84,6 +85,8 @@ impl Device {
 
     /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
     /// readback lane, and returns at once; the bytes are there once the fence completes.
+    /// A copy of 0 bytes (whose range is still checked) calls no driver entry point and
+    /// returns a fence that is already complete.
     ///
     /// # Safety
     ///
@@ -145,6 +148,10 @@ impl Device {
         copy: impl FnOnce(&crate::raw::Raw, cuda_sys::CUstream, u64) -> Result<()>,
     ) -> Result<Fence> {
         let address = self.checked_range(buffer, offset, len as u64)?;
+        if len == 0 {
+            // Nothing to copy: no driver call, and a fence that is already complete.
+            return Ok(Fence::completed());
+        }
         self.check_pinned(host.0, host.1, len)?;
         let core = self.core();
         let batch = core.lane(kind).batch();
@@ -158,8 +165,17 @@ impl Device {
         Ok(Fence::new(self.clone(), kind, seq))
     }
 
-    /// Uploads `data` to the start of `buffer` and waits until it has landed.
+    /// Uploads `data` as the whole contents of `buffer` and waits until it has landed.
+    ///
+    /// # Errors
+    /// [`Error::UploadLength`] (nothing moved) unless `data` is exactly as long as the buffer:
+    /// a shorter slice would leave the buffer's tail as it was, which is rarely what a caller
+    /// of a whole-buffer upload means. Use [`Device::upload_at`] for a partial write.
     pub fn upload(&self, buffer: ResidentBuffer, data: &[u8]) -> Result<()> {
+        let buffer_len = self.buffer_len(buffer)?;
+        if data.len() as u64 != buffer_len {
+            return Err(Error::UploadLength { buffer, buffer_len, data_len: data.len() });
+        }
         self.upload_at(buffer, 0, data)
     }
 
@@ -321,7 +337,14 @@ impl Device {
     /// # Safety
     ///
     /// The range must be mapped host memory that stays mapped until [`Device::unpin_host`].
+    ///
+    /// # Errors
+    /// [`Error::EmptyHostRange`] for `len == 0` (the driver call is not made); the driver's
+    /// error otherwise.
     pub unsafe fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        if len == 0 {
+            return Err(Error::EmptyHostRange { operation: "Device::pin_host", address: ptr as usize });
+        }
         let raw = self.core().ctx.bind()?;
         // SAFETY: as the caller promises.
         unsafe { raw.mem_host_register(ptr, len) }
@@ -843,6 +866,8 @@ impl DeviceRegion {
 
 #[cfg(test)]
 mod callback_tests;
+#[cfg(test)]
+mod edge_tests;
 #[cfg(test)]
 pub(crate) mod model_tests;
 
