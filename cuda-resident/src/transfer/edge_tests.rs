@@ -76,3 +76,80 @@ fn pinning_zero_bytes_is_an_error_with_a_fix_and_calls_no_driver() {
     assert!(e.to_string().contains("Fix:"), "{e}");
     assert!(!driver.faults().counts().contains_key("cuMemHostRegister_v2"), "no registration");
 }
+
+#[test]
+fn a_pinned_buffer_dropped_during_its_copy_is_not_lent_again_before_the_copy_completes() {
+    let (_driver, d) = device(Config::default());
+    let len = 1 << 20;
+    let b = d.allocate(len as u64).unwrap();
+    let mut rng = fastrand::Rng::with_seed(81);
+    let data = super::model_tests::random_vec(&mut rng, len);
+
+    // Upload: the model carries the copy out only when the host waits, so a reuse of the
+    // dropped buffer's memory before then would change what the copy reads.
+    let mut src = d.pinned(len).unwrap();
+    src.copy_from_slice(&data);
+    let src_at = src.as_ptr();
+    // SAFETY: pinned, `len` bytes, unchanged until the copy completes (the drop below hands
+    // the memory to the copy, which keeps it).
+    let fence = unsafe { d.upload_async_at(b, 0, src.as_ptr(), len) }.unwrap();
+    drop(src);
+    assert!(!fence.is_complete().unwrap(), "the model has not carried the copy out yet");
+    assert_eq!(d.telemetry().pinned.lent_bytes, len as u64, "the copy still holds the memory");
+    let mut other = d.pinned(len).unwrap();
+    assert_ne!(other.as_ptr(), src_at, "the memory the copy reads was lent again");
+    other.fill(0xEE);
+    fence.wait().unwrap();
+    assert!(d.download(b).unwrap() == data, "the upload read another user's bytes");
+    drop(other);
+    d.synchronize().unwrap();
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0, "back to the pool once the copy is done");
+
+    // Download: a reuse before the copy completes would be written by the copy.
+    let mut dst = d.pinned(len).unwrap();
+    let dst_at = dst.as_mut_ptr();
+    // SAFETY: pinned, `len` bytes, untouched until the copy completes (as above).
+    let fence = unsafe { d.download_async_at(b, 0, dst.as_mut_ptr(), len) }.unwrap();
+    drop(dst);
+    let mut other = d.pinned(len).unwrap();
+    assert_ne!(other.as_mut_ptr(), dst_at, "the memory the copy writes was lent again");
+    other.fill(0x55);
+    fence.wait().unwrap();
+    assert!(other.iter().all(|&x| x == 0x55), "the download wrote into another user's buffer");
+    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+}
+
+#[test]
+fn a_range_over_two_pinned_regions_with_a_pageable_gap_is_refused_naming_the_gap() {
+    let (_driver, d) = device(Config::default());
+    let b = d.allocate(3 * 4096).unwrap();
+    let mut host = vec![7u8; 3 * 4096];
+    let base = host.as_mut_ptr();
+    // SAFETY: two pages of the vector, which outlives the registrations (undone below); the
+    // page between them stays pageable.
+    unsafe {
+        d.pin_host(base, 4096).unwrap();
+        d.pin_host(base.add(2 * 4096), 4096).unwrap();
+    }
+    for (at, len) in [(0, 3 * 4096), (4000, 5000), (0, 4097)] {
+        // SAFETY: refused before anything is enqueued.
+        let e = unsafe { d.upload_async_at(b, 0, base.add(at).cast_const(), len) }.unwrap_err();
+        assert!(
+            matches!(e, Error::NotPinned { unpinned, .. } if unpinned == base as usize + 4096),
+            "[{at}, +{len}): {e}"
+        );
+        // SAFETY: as above.
+        let e = unsafe { d.download_async_at(b, 0, base.add(at), len) }.unwrap_err();
+        assert!(matches!(e, Error::NotPinned { unpinned, .. } if unpinned == base as usize + 4096), "{e}");
+    }
+    assert_eq!(d.telemetry().upload_submissions + d.telemetry().readback_submissions, 0, "nothing enqueued");
+    // Each region alone is fine.
+    // SAFETY: pinned, alive and unchanged until the fence is waited on.
+    unsafe { d.upload_async_at(b, 0, base.add(2 * 4096).cast_const(), 4096) }.unwrap().wait().unwrap();
+    // SAFETY: the registrations made above; no copy is in flight.
+    unsafe {
+        d.unpin_host(base).unwrap();
+        d.unpin_host(base.add(2 * 4096)).unwrap();
+    }
+    assert_eq!(d.download_range(b, 0, 4096).unwrap(), vec![7u8; 4096]);
+}
