@@ -388,6 +388,15 @@ mod tests {
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
             Error::HostOutOfMemory { bytes: 1 },
             Error::NotPinned { operation: "Device::upload_async_at", address: 4096, len: 10, unpinned: 4105 },
+            Error::BatchPoisoned {
+                write: 2,
+                buffer,
+                offset: 64,
+                len: 32,
+                cause: "panicked in its fill closure".into(),
+            },
+            Error::UploadLength { buffer, buffer_len: 4096, data_len: 100 },
+            Error::EmptyHostRange { operation: "Device::pin_host", address: 4096 },
         ];
         for e in errors {
             let text = e.to_string();
