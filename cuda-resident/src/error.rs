@@ -190,6 +190,55 @@ pub enum Error {
         got: usize,
     },
 
+    /// An upload batch whose write failed part-way: its `write_with` closure panicked, or the
+    /// write was refused pinned staging. The batch takes no more writes and moves nothing.
+    #[error(
+        "write {write} of this upload batch ({len} bytes at offset {offset} of {buffer:?}) {cause}; \
+         the batch is poisoned: it takes no more writes and nothing of it was or will be moved. \
+         Fix: drop this batch and build the writes again in a new one (Device::uploads), after \
+         fixing what made the write fail."
+    )]
+    BatchPoisoned {
+        /// The failed write's index in the batch (writes counted in the order added).
+        write: usize,
+        /// Its buffer.
+        buffer: ResidentBuffer,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// What happened: "panicked in its fill closure", or the refusal and its error's text.
+        cause: String,
+    },
+
+    /// [`Device::upload`](crate::Device::upload) was given data of another length than the
+    /// buffer's.
+    #[error(
+        "Device::upload writes a whole buffer, but {buffer:?} holds {buffer_len} bytes and the data has \
+         {data_len}; nothing was uploaded. Fix: pass exactly {buffer_len} bytes, or use upload_at for a \
+         partial write."
+    )]
+    UploadLength {
+        /// The buffer.
+        buffer: ResidentBuffer,
+        /// Its length.
+        buffer_len: u64,
+        /// The data's length.
+        data_len: usize,
+    },
+
+    /// An empty host range where one of at least a byte is needed.
+    #[error(
+        "{operation} was given 0 bytes of host memory at {address:#x}: an empty range cannot be \
+         pinned. Fix: pass the length of the range to pin, at least 1 byte."
+    )]
+    EmptyHostRange {
+        /// The operation.
+        operation: &'static str,
+        /// The start of the range.
+        address: usize,
+    },
+
     /// A pinned staging request larger than the pool's cap.
     #[error(
         "pinned staging of {requested} bytes was requested but the pool is capped at {cap} bytes. \
@@ -372,6 +421,15 @@ mod tests {
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
             Error::HostOutOfMemory { bytes: 1 },
             Error::NotPinned { operation: "Device::upload_async_at", address: 4096, len: 10, unpinned: 4105 },
+            Error::BatchPoisoned {
+                write: 2,
+                buffer,
+                offset: 64,
+                len: 32,
+                cause: "panicked in its fill closure".into(),
+            },
+            Error::UploadLength { buffer, buffer_len: 4096, data_len: 100 },
+            Error::EmptyHostRange { operation: "Device::pin_host", address: 4096 },
         ];
         for e in errors {
             let text = e.to_string();

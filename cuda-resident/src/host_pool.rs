@@ -21,8 +21,8 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use crate::context::Context;
 use crate::error::{Error, Result};
@@ -101,6 +101,10 @@ pub(crate) struct HostPool {
     hits: AtomicU64,
     misses: AtomicU64,
     released: AtomicU64,
+    /// The [`PinnedBuffer`]s lent out: arena start -> (arena bytes, lease), so that an
+    /// `unsafe` copy given their memory keeps the lease alive until it completes
+    /// ([`HostPool::buffers_in`]).
+    buffers: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>>,
 }
 
 impl fmt::Debug for HostPool {
@@ -139,7 +143,24 @@ impl HostPool {
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             released: AtomicU64::new(0),
+            buffers: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// The leases of the [`PinnedBuffer`]s lent out whose arenas overlap `[ptr, ptr + len)`:
+    /// a copy that uses that memory keeps them, so that a buffer dropped before the copy
+    /// completes is not lent again while the copy still reads or writes it.
+    pub(crate) fn buffers_in(&self, ptr: usize, len: usize) -> Vec<Arc<HostLease>> {
+        let end = ptr.saturating_add(len);
+        let buffers = lock(&self.buffers);
+        // Arenas do not overlap: walk back from the last one starting before the end while
+        // they reach past the start.
+        buffers
+            .range(..end)
+            .rev()
+            .take_while(|&(&start, &(bytes, _))| start.saturating_add(bytes) > ptr)
+            .filter_map(|(_, (_, lease))| lease.upgrade())
+            .collect()
     }
 
     /// How many leases of `len` bytes the cap holds at once (at least 1: a single lease
@@ -397,8 +418,14 @@ impl Drop for HostLease {
 /// Pinned host memory lent by a device's staging pool: as fast to copy from or into as host
 /// memory gets. It goes back to the pool (not to the driver) when dropped, so acquiring one
 /// again is a matter of nanoseconds. Obtained from [`Device::pinned`](crate::Device::pinned).
+///
+/// A buffer given to [`Device::upload_async_at`](crate::Device::upload_async_at) or
+/// [`Device::download_async_at`](crate::Device::download_async_at) may be dropped before the
+/// copy completes: its memory then goes back to the pool only once the copy is done (the
+/// copy keeps it), never to another user while the DMA still reads or writes it.
 pub struct PinnedBuffer {
-    lease: HostLease,
+    /// Shared with the copies in flight that use the buffer's memory.
+    lease: Arc<HostLease>,
 }
 
 impl fmt::Debug for PinnedBuffer {
@@ -409,23 +436,36 @@ impl fmt::Debug for PinnedBuffer {
 
 impl PinnedBuffer {
     pub(crate) fn new(lease: HostLease) -> PinnedBuffer {
+        let lease = Arc::new(lease);
+        let (start, bytes) = (lease.as_ptr() as usize, lease.arena_bytes() as usize);
+        lock(&lease.pool.buffers).insert(start, (bytes, Arc::downgrade(&lease)));
         PinnedBuffer { lease }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // Unlisted first: a copy in flight keeps its own reference, and the arena goes back
+        // to the pool when the last one drops.
+        lock(&self.lease.pool.buffers).remove(&(self.lease.as_ptr() as usize));
     }
 }
 
 impl std::ops::Deref for PinnedBuffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: a PinnedBuffer is never handed to a copy by this crate; only the caller
-        // uses it, and through `&self` only for reading.
-        unsafe { self.lease.as_slice() }
+        // SAFETY: the region holds `len` bytes and lives as long as the lease. This crate
+        // hands a PinnedBuffer's memory to no copy of its own; the caller's `unsafe` copies
+        // promise that nothing touches it while they run.
+        unsafe { std::slice::from_raw_parts(self.lease.as_ptr(), self.lease.len()) }
     }
 }
 
 impl std::ops::DerefMut for PinnedBuffer {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and `&mut self` makes the access exclusive.
-        unsafe { self.lease.as_mut_slice() }
+        // SAFETY: as above, and `&mut self` makes the access exclusive on the host (the
+        // other references to the lease, held by copies in flight, only keep it alive).
+        unsafe { std::slice::from_raw_parts_mut(self.lease.as_ptr(), self.lease.len()) }
     }
 }
 

@@ -382,14 +382,14 @@ fn small_pinned_pools_still_serve_fan_out_and_staged_copies() {
     // Only the first fence waited for: the first target's pool has its staging back.
     let fences = set.fan_out(&data, &targets, 3).unwrap();
     fences[0].wait().unwrap();
-    d0.upload(targets[0].1, &data[..1000]).unwrap();
+    d0.upload_at(targets[0].1, 0, &data[..1000]).unwrap();
     drop(d0.pinned(64 << 10).unwrap());
     fences[1].wait().unwrap();
     // Many tiny staged copies: their descriptors count against the small pool too.
     let src = d0.allocate(1 << 20).unwrap();
     let dst = d1.allocate(1 << 20).unwrap();
     let bytes = random_vec(&mut rng, 1 << 17);
-    d0.upload(src, &bytes).unwrap();
+    d0.upload_at(src, 0, &bytes).unwrap();
     let mut batch = d1.peer_copies(&d0);
     for i in 0..4000u64 {
         batch.copy(src, i * 32, dst, i * 32, 16).unwrap();

@@ -54,18 +54,22 @@ impl Device {
 
     /// Starts copying `len` bytes from host memory at `src` into `buffer` at `offset`, on the
     /// upload lane, and returns at once. [`Device::synchronize_uploads`] or the returned
-    /// fence tells when it is done.
+    /// fence tells when it is done. A copy of 0 bytes (whose range is still checked) calls
+    /// no driver entry point and returns a fence that is already complete.
     ///
     /// # Safety
     ///
     /// `[src, src + len)` must be readable host memory that stays valid and unchanged until
-    /// the copy completes.
+    /// the copy completes. (A [`PinnedBuffer`](crate::PinnedBuffer) may be dropped before
+    /// then: the copy keeps its memory.)
     ///
     /// # Errors
     ///
     /// [`Error::NotPinned`] (nothing enqueued) when the range is not pinned: pin it with
-    /// [`Device::pin_host`] or use memory from [`Device::pinned`]. The first and last byte
-    /// are checked. Managed memory (`cuMemAllocManaged`) is not pinned host memory and is
+    /// [`Device::pin_host`] or use memory from [`Device::pinned`]. Every byte is checked (a
+    /// range over two pinned regions with a pageable gap between them is refused). Memory of
+    /// a [`PinnedBuffer`](crate::PinnedBuffer) is kept out of the pool until the copy
+    /// completes, even if the buffer is dropped first. Managed memory (`cuMemAllocManaged`) is not pinned host memory and is
     /// refused too.
     pub unsafe fn upload_async_at(
         &self,
@@ -84,6 +88,8 @@ impl Device {
 
     /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
     /// readback lane, and returns at once; the bytes are there once the fence completes.
+    /// A copy of 0 bytes (whose range is still checked) calls no driver entry point and
+    /// returns a fence that is already complete.
     ///
     /// # Safety
     ///
@@ -104,31 +110,39 @@ impl Device {
         })
     }
 
-    /// Fails with [`Error::NotPinned`] unless `[ptr, ptr + len)` is pinned host memory: one
-    /// lookup when the first byte's pinned allocation covers the range, else a second one for
-    /// the last byte (then a range pinned in separate pieces with a pageable gap between them
-    /// is not detected).
+    /// Fails with [`Error::NotPinned`] unless all of `[ptr, ptr + len)` is pinned host
+    /// memory: walks the pinned allocations from the start (the one holding the first byte,
+    /// then the one holding the first byte past it, ...) until the end is covered, so that a
+    /// pageable hole between two pinned regions is found; the error names the first unpinned
+    /// byte. One lookup when the first byte's allocation covers the range.
     fn check_pinned(&self, operation: &'static str, ptr: *const u8, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
         let raw = self.core().ctx.bind()?;
-        let not_pinned = |byte: *const u8| Error::NotPinned {
-            operation,
-            address: ptr as usize,
-            len,
-            unpinned: byte as usize,
-        };
-        let Some((start, bytes)) = raw.pinned_extent(ptr)? else { return Err(not_pinned(ptr)) };
-        let (first, end) = (ptr as u64, (ptr as u64).saturating_add(len as u64));
-        if start <= first && end <= start.saturating_add(bytes) {
-            return Ok(());
+        let not_pinned =
+            |byte: u64| Error::NotPinned { operation, address: ptr as usize, len, unpinned: byte as usize };
+        // A range that wraps the address space is not host memory anyone pinned.
+        let end = (ptr as u64).checked_add(len as u64).ok_or_else(|| not_pinned(u64::MAX))?;
+        let mut at = ptr as u64;
+        while at < end {
+            match raw.pinned_extent(at as usize as *const u8)? {
+                Some((start, bytes)) if start <= at && start.saturating_add(bytes) > at => {
+                    at = start.saturating_add(bytes);
+                }
+                // Pinned, but the driver gave no extent that holds the byte: no walk is
+                // possible from here; the last byte is checked, as the driver allows.
+                Some(_) => {
+                    let last = end - 1;
+                    return match raw.pinned_extent(last as usize as *const u8)? {
+                        Some(_) => Ok(()),
+                        None => Err(not_pinned(last)),
+                    };
+                }
+                None => return Err(not_pinned(at)),
+            }
         }
-        let last = ptr.wrapping_add(len - 1);
-        match raw.pinned_extent(last)? {
-            Some(_) => Ok(()),
-            None => Err(not_pinned(last)),
-        }
+        Ok(())
     }
 
     /// One DMA between host memory at `host.1` (for `host.0`, an operation's name) and
@@ -145,11 +159,18 @@ impl Device {
         copy: impl FnOnce(&crate::raw::Raw, cuda_sys::CUstream, u64) -> Result<()>,
     ) -> Result<Fence> {
         let address = self.checked_range(buffer, offset, len as u64)?;
+        if len == 0 {
+            // Nothing to copy: no driver call, and a fence that is already complete.
+            return Ok(Fence::completed());
+        }
         self.check_pinned(host.0, host.1, len)?;
         let core = self.core();
         let batch = core.lane(kind).batch();
         self.claim(&batch, kind, std::iter::once(buffer), 1)?;
-        let seq = batch.submit(Vec::new(), |raw, stream, _| copy(raw, stream, address))?;
+        // Memory of a PinnedBuffer stays out of the pool until the copy completes, even if the
+        // buffer is dropped first.
+        let keep = core.pinned.buffers_in(host.1 as usize, len);
+        let seq = batch.submit(keep, |raw, stream, _| copy(raw, stream, address))?;
         let bytes = len as u64;
         core.telemetry.record(
             kind,
@@ -158,8 +179,17 @@ impl Device {
         Ok(Fence::new(self.clone(), kind, seq))
     }
 
-    /// Uploads `data` to the start of `buffer` and waits until it has landed.
+    /// Uploads `data` as the whole contents of `buffer` and waits until it has landed.
+    ///
+    /// # Errors
+    /// [`Error::UploadLength`] (nothing moved) unless `data` is exactly as long as the buffer:
+    /// a shorter slice would leave the buffer's tail as it was, which is rarely what a caller
+    /// of a whole-buffer upload means. Use [`Device::upload_at`] for a partial write.
     pub fn upload(&self, buffer: ResidentBuffer, data: &[u8]) -> Result<()> {
+        let buffer_len = self.buffer_len(buffer)?;
+        if data.len() as u64 != buffer_len {
+            return Err(Error::UploadLength { buffer, buffer_len, data_len: data.len() });
+        }
         self.upload_at(buffer, 0, data)
     }
 
@@ -321,7 +351,14 @@ impl Device {
     /// # Safety
     ///
     /// The range must be mapped host memory that stays mapped until [`Device::unpin_host`].
+    ///
+    /// # Errors
+    /// [`Error::EmptyHostRange`] for `len == 0` (the driver call is not made); the driver's
+    /// error otherwise.
     pub unsafe fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        if len == 0 {
+            return Err(Error::EmptyHostRange { operation: "Device::pin_host", address: ptr as usize });
+        }
         let raw = self.core().ctx.bind()?;
         // SAFETY: as the caller promises.
         unsafe { raw.mem_host_register(ptr, len) }
@@ -841,6 +878,10 @@ impl DeviceRegion {
     }
 }
 
+#[cfg(test)]
+mod callback_tests;
+#[cfg(test)]
+mod edge_tests;
 #[cfg(test)]
 pub(crate) mod model_tests;
 

@@ -425,7 +425,7 @@ fn reads_in_order_copy_into_vectors_for_slots_in_any_order_a_subset_or_named_twi
 }
 
 #[test]
-fn a_write_in_place_refused_for_want_of_staging_leaves_the_batch_usable_for_writes_in_order() {
+fn a_write_in_place_refused_for_want_of_staging_poisons_the_batch_and_a_new_one_takes_writes_in_order() {
     let driver = fake_driver::driver();
     let d = Device::open_with(std::sync::Arc::clone(&driver), 0, Config::default()).expect("the model opens");
     let mut rng = fastrand::Rng::with_seed(45);
@@ -441,7 +441,13 @@ fn a_write_in_place_refused_for_want_of_staging_leaves_the_batch_usable_for_writ
     let refused = batch.write_with(other, 0, 100, |dst| dst.fill(1)).unwrap_err();
     assert!(refused.to_string().contains("Fix:"), "{refused}");
     driver.faults().remove_faults();
-    // The caller goes on with 200 small writes in order and apart, all from slices.
+    // The batch is poisoned: it takes no more writes and moves nothing.
+    let e = batch.write(target, 0, &[1u8; 10]).map(drop).unwrap_err();
+    assert!(matches!(e, Error::BatchPoisoned { write: 0, .. }), "{e}");
+    assert!(batch.submit().is_err());
+    // The caller goes on, in a new batch, with 200 small writes in order and apart, all from
+    // slices.
+    let mut batch = d.uploads();
     let data: Vec<_> = (0..200).map(|_| random_vec(&mut rng, 300)).collect();
     for (k, bytes) in data.iter().enumerate() {
         batch.write(target, k as u64 * 400, bytes).unwrap();
@@ -924,7 +930,7 @@ fn prepared_ranges(m: &Model, rng: &mut fastrand::Rng) -> Vec<(ResidentBuffer, u
 
 impl Model {
     /// Records `data[k]` as written into `ranges[k]`, in order.
-    fn expect_writes(&mut self, ranges: &[(ResidentBuffer, u64, u64)], data: &[Vec<u8>]) {
+    pub(crate) fn expect_writes(&mut self, ranges: &[(ResidentBuffer, u64, u64)], data: &[Vec<u8>]) {
         for (&(buffer, at, _), bytes) in ranges.iter().zip(data) {
             let i = self.buffers.iter().position(|&b| b == buffer).unwrap();
             self.expect[i][at as usize..][..bytes.len()].copy_from_slice(bytes);

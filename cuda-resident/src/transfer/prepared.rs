@@ -311,6 +311,10 @@ impl PreparedUploads {
     /// `data` may change right after. An upload waits, on the host, for the set's previous
     /// upload to have left its pinned region.
     ///
+    /// Each item's `as_ref` is called once, on the calling thread, before anything is locked
+    /// or enqueued: it may use the device itself, and if it panics the panic reaches the
+    /// caller with nothing moved and the set as usable as before.
+    ///
     /// # Errors
     /// [`Error::LengthMismatch`] unless there is one item of data per range,
     /// [`Error::PreparedDataLength`] for an item whose length is not its range's, a buffer
@@ -323,16 +327,17 @@ impl PreparedUploads {
                 right: data.len(),
             });
         }
+        // Every `as_ref` runs here, once per item, on the calling thread, before any lock of
+        // the library is taken or anything is claimed: an `as_ref` that panics unwinds with
+        // nothing held and nothing enqueued, and one that uses the device itself (uploads,
+        // downloads, allocates) does not wait for a lane this upload holds. The packing
+        // threads then only copy these slices.
+        let slices: Vec<&[u8]> = data.iter().map(AsRef::as_ref).collect();
         let ranges = &self.ranges;
-        let check_lengths = || match ranges.iter().zip(data).position(|(r, d)| d.as_ref().len() as u64 != r.2)
-        {
-            Some(i) => Err(Error::PreparedDataLength {
-                index: i,
-                expected: ranges[i].2,
-                got: data[i].as_ref().len(),
-            }),
-            None => Ok(()),
-        };
+        if let Some(i) = ranges.iter().zip(&slices).position(|(r, d)| d.len() as u64 != r.2) {
+            return Err(Error::PreparedDataLength { index: i, expected: ranges[i].2, got: slices[i].len() });
+        }
+        let slices = &slices[..];
         let device = &self.device;
         let core = device.core();
         let lane = core.lane(LaneKind::Upload);
@@ -356,10 +361,9 @@ impl PreparedUploads {
                     layout.requested as usize,
                     layout.spans.len(),
                     |step| match step {
-                        // The lengths are checked and the buffers claimed while the packing
-                        // threads wake, before any byte is copied or anything enqueued.
+                        // The buffers are claimed while the packing threads wake, before any
+                        // byte is copied or anything enqueued.
                         Step::Open(0) => {
-                            check_lengths()?;
                             final_seq = Some(layout.claim(device, &lane_batch, LaneKind::Upload)?);
                             Ok(true)
                         }
@@ -368,20 +372,16 @@ impl PreparedUploads {
                     },
                     |_, items| {
                         for i in items {
-                            // At most the range's length, whatever `as_ref` answers this
-                            // time (the lengths were checked when chunk 0 opened, but an
-                            // `AsRef` may answer differently on a second call).
-                            let bytes = data[i].as_ref();
-                            let len = bytes.len().min(ranges[i].2 as usize);
+                            let bytes = slices[i];
                             // SAFETY: range i's place in the set's region holds its length,
-                            // `len` is at most that and at most the source's, no two places
-                            // overlap, and no copy reads the region (the previous upload was
-                            // waited for above).
+                            // which is the slice's (checked above), no two places overlap,
+                            // and no copy reads the region (the previous upload was waited
+                            // for above).
                             unsafe {
                                 std::ptr::copy_nonoverlapping(
                                     bytes.as_ptr(),
                                     (base + layout.offsets[i] as usize) as *mut u8,
-                                    len,
+                                    bytes.len(),
                                 )
                             };
                         }
@@ -396,10 +396,9 @@ impl PreparedUploads {
                 return Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq));
             }
         }
-        check_lengths()?;
         let mut batch = device.uploads();
-        for (&(buffer, offset, _), bytes) in self.ranges.iter().zip(data) {
-            batch.write(buffer, offset, bytes.as_ref())?;
+        for (&(buffer, offset, _), &bytes) in self.ranges.iter().zip(slices) {
+            batch.write(buffer, offset, bytes)?;
         }
         batch.submit()
     }

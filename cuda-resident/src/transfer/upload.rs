@@ -124,14 +124,22 @@ impl Device {
 }
 
 impl<'a> UploadBatch<'a> {
-    /// Checks a write and records it; on error, poisons the batch.
+    /// Checks a write and records it; on error, poisons the batch. A batch poisoned by a
+    /// write that failed part-way ([`Error::BatchPoisoned`]) takes no more writes.
     fn add(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<()> {
+        if let Some(e @ Error::BatchPoisoned { .. }) = &self.error {
+            return Err(e.clone());
+        }
         let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
         self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(())
     }
 
     /// Adds a write of `data` to `buffer` at `offset`. The slice is read at submit time.
+    ///
+    /// # Errors
+    /// A bad range (returned here and again by `submit`); [`Error::BatchPoisoned`] once a
+    /// [`write_with`](UploadBatch::write_with) of the batch failed part-way.
     pub fn write(&mut self, buffer: ResidentBuffer, offset: u64, data: &'a [u8]) -> Result<&mut Self> {
         self.add(buffer, offset, data.len() as u64)?;
         self.sources.push(Source::Slice(data));
@@ -139,8 +147,32 @@ impl<'a> UploadBatch<'a> {
         Ok(self)
     }
 
+    /// Poisons the batch after write `index` (`len` bytes at `offset` of `buffer`) failed
+    /// part-way for `cause`: drops the write, returns every pinned lease of the batch to the
+    /// pool at once, and keeps the error that every later call and `submit` return.
+    fn poison(&mut self, index: usize, (buffer, offset, len): (ResidentBuffer, u64, usize), cause: String) {
+        self.writes.truncate(index);
+        self.sources.truncate(index);
+        self.arena.clear();
+        self.arena_used.clear();
+        self.arena_descriptors.clear();
+        self.table.apart.broken = true;
+        self.error = Some(Error::BatchPoisoned { write: index, buffer, offset, len: len as u64, cause });
+    }
+
     /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
     /// place, straight into pinned staging: no copy of the caller's own.
+    ///
+    /// # Errors
+    /// A bad range fails this write and `submit`, as for [`UploadBatch::write`]. When the
+    /// write cannot take pinned staging ([`Error::PinnedExhausted`], a driver error), that
+    /// error is returned and the batch is poisoned: every later call and `submit` fail with
+    /// [`Error::BatchPoisoned`] naming this write, and its staging goes back to the pool at
+    /// once. A batch already poisoned returns that error without calling `fill`.
+    ///
+    /// # Panics
+    /// If `fill` panics, the panic goes on to the caller, and the batch is poisoned as
+    /// above: a caller that catches the panic can neither add to the batch nor move it.
     pub fn write_with(
         &mut self,
         buffer: ResidentBuffer,
@@ -169,10 +201,8 @@ impl<'a> UploadBatch<'a> {
                     self.arena_descriptors.push(0);
                 }
                 Err(e) => {
-                    // The write was noted as added: the batch's in-order layout no longer
-                    // matches its writes, so the batch goes to the planner.
-                    self.writes.pop();
-                    self.table.apart.broken = true;
+                    let index = self.writes.len() - 1;
+                    self.poison(index, (buffer, offset, len), format!("was refused pinned staging: {e}"));
                     return Err(e);
                 }
             }
@@ -183,7 +213,14 @@ impl<'a> UploadBatch<'a> {
         let lease = &mut self.arena[lease_index];
         // SAFETY: the arena is this batch's own; no copy uses it before submit.
         let region = unsafe { lease.as_mut_slice() };
-        fill(&mut region[at..at + len]);
+        let dst = &mut region[at..at + len];
+        // A panic of `fill` must not leave the write recorded without its source: the batch
+        // is poisoned (nothing of it moves) before the panic goes on.
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill(dst))) {
+            let index = self.writes.len() - 1;
+            self.poison(index, (buffer, offset, len), "panicked in its fill closure".to_owned());
+            std::panic::resume_unwind(panic);
+        }
         if !own {
             self.arena_used[lease_index] = at + len;
         }
@@ -203,8 +240,9 @@ impl<'a> UploadBatch<'a> {
     }
 
     /// Moves the batch to the device and returns at once; the fence completes when every
-    /// byte has landed. Fails (with nothing enqueued) if any write was bad or a buffer was
-    /// freed since it was added.
+    /// byte has landed. Fails (with nothing enqueued) if any write was bad, a buffer was
+    /// freed since it was added, or the batch was poisoned by a `write_with` that failed
+    /// part-way ([`Error::BatchPoisoned`]).
     pub fn submit(mut self) -> Result<Fence> {
         let submitted = self.submit_inner();
         // The vectors go back for the next batch (emptied: no borrowed slice outlives this).

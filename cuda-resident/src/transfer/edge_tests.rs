@@ -1,0 +1,155 @@
+//! Edges of the single-copy and convenience paths, on the model driver: whole-buffer uploads
+//! of another length, copies and pins of zero bytes, pinned memory given to the unsafe
+//! asynchronous copies.
+
+use std::sync::Arc;
+
+use crate::fake_driver;
+use crate::{Config, Device, Error, Fence};
+
+fn device(config: Config) -> (Arc<cuda_sys::Driver>, Device) {
+    let driver = fake_driver::driver();
+    let d = Device::open_with(Arc::clone(&driver), 0, config).expect("the model opens");
+    (driver, d)
+}
+
+/// Driver calls since `record()`, all entry points together.
+fn driver_calls(driver: &cuda_sys::Driver) -> u64 {
+    driver.faults().counts().values().map(|c| c.calls).sum()
+}
+
+#[test]
+fn a_whole_buffer_upload_of_another_length_is_refused_with_a_fix() {
+    let (_driver, d) = device(Config::default());
+    let b = d.allocate(4096).unwrap();
+    d.upload(b, &[1u8; 4096]).unwrap();
+    let before = d.telemetry().upload_submissions;
+    for len in [0, 1, 4095, 4097] {
+        let e = d.upload(b, &vec![2u8; len]).unwrap_err();
+        assert!(
+            matches!(e, Error::UploadLength { buffer, buffer_len: 4096, data_len } if buffer == b && data_len == len),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(text.contains("Fix:") && text.contains("upload_at"), "{text}");
+    }
+    assert_eq!(d.telemetry().upload_submissions, before, "nothing moved");
+    assert_eq!(d.download(b).unwrap(), vec![1u8; 4096]);
+    // A partial write goes through upload_at.
+    d.upload_at(b, 0, &[3u8; 10]).unwrap();
+    assert_eq!(d.download(b).unwrap()[..11], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 1]);
+}
+
+#[test]
+fn asynchronous_copies_of_zero_bytes_call_no_driver_and_return_a_completed_fence() {
+    let (driver, d) = device(Config::default());
+    let b = d.allocate(4096).unwrap();
+    let mut host = vec![0u8; 16];
+    driver.faults().record();
+    // SAFETY: zero bytes: nothing is read or written (not even pinned memory is needed).
+    let up: Fence = unsafe { d.upload_async_at(b, 4096, host.as_ptr(), 0) }.unwrap();
+    // SAFETY: as above.
+    let down: Fence = unsafe { d.download_async_at(b, 0, host.as_mut_ptr(), 0) }.unwrap();
+    assert!(up.is_complete().unwrap() && down.is_complete().unwrap());
+    up.wait().unwrap();
+    down.wait().unwrap();
+    assert_eq!(driver_calls(&driver), 0, "no driver call: {:?}", driver.faults().counts());
+    assert_eq!(d.telemetry().upload_submissions + d.telemetry().readback_submissions, 0);
+    // The range is still checked.
+    // SAFETY: refused before anything is enqueued.
+    let e = unsafe { d.upload_async_at(b, 4097, host.as_ptr(), 0) }.unwrap_err();
+    assert!(matches!(e, Error::OutOfRange { offset: 4097, len: 0, .. }), "{e}");
+    d.free(b).unwrap();
+    // SAFETY: as above.
+    let e = unsafe { d.download_async_at(b, 0, host.as_mut_ptr(), 0) }.unwrap_err();
+    assert!(matches!(e, Error::FreedBuffer { .. }), "{e}");
+}
+
+#[test]
+fn pinning_zero_bytes_is_an_error_with_a_fix_and_calls_no_driver() {
+    let (driver, d) = device(Config::default());
+    let mut host = vec![0u8; 4096];
+    driver.faults().record();
+    // SAFETY: refused before the driver is called.
+    let e = unsafe { d.pin_host(host.as_mut_ptr(), 0) }.unwrap_err();
+    assert!(matches!(e, Error::EmptyHostRange { operation: "Device::pin_host", .. }), "{e}");
+    assert!(e.to_string().contains("Fix:"), "{e}");
+    assert!(!driver.faults().counts().contains_key("cuMemHostRegister_v2"), "no registration");
+}
+
+#[test]
+fn a_pinned_buffer_dropped_during_its_copy_is_not_lent_again_before_the_copy_completes() {
+    let (_driver, d) = device(Config::default());
+    let len = 1 << 20;
+    let b = d.allocate(len as u64).unwrap();
+    let mut rng = fastrand::Rng::with_seed(81);
+    let data = super::model_tests::random_vec(&mut rng, len);
+
+    // Upload: the model carries the copy out only when the host waits, so a reuse of the
+    // dropped buffer's memory before then would change what the copy reads.
+    let mut src = d.pinned(len).unwrap();
+    src.copy_from_slice(&data);
+    let src_at = src.as_ptr();
+    // SAFETY: pinned, `len` bytes, unchanged until the copy completes (the drop below hands
+    // the memory to the copy, which keeps it).
+    let fence = unsafe { d.upload_async_at(b, 0, src.as_ptr(), len) }.unwrap();
+    drop(src);
+    assert!(!fence.is_complete().unwrap(), "the model has not carried the copy out yet");
+    assert_eq!(d.telemetry().pinned.lent_bytes, len as u64, "the copy still holds the memory");
+    let mut other = d.pinned(len).unwrap();
+    assert_ne!(other.as_ptr(), src_at, "the memory the copy reads was lent again");
+    other.fill(0xEE);
+    fence.wait().unwrap();
+    assert!(d.download(b).unwrap() == data, "the upload read another user's bytes");
+    drop(other);
+    d.synchronize().unwrap();
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0, "back to the pool once the copy is done");
+
+    // Download: a reuse before the copy completes would be written by the copy.
+    let mut dst = d.pinned(len).unwrap();
+    let dst_at = dst.as_mut_ptr();
+    // SAFETY: pinned, `len` bytes, untouched until the copy completes (as above).
+    let fence = unsafe { d.download_async_at(b, 0, dst.as_mut_ptr(), len) }.unwrap();
+    drop(dst);
+    let mut other = d.pinned(len).unwrap();
+    assert_ne!(other.as_mut_ptr(), dst_at, "the memory the copy writes was lent again");
+    other.fill(0x55);
+    fence.wait().unwrap();
+    assert!(other.iter().all(|&x| x == 0x55), "the download wrote into another user's buffer");
+    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+}
+
+#[test]
+fn a_range_over_two_pinned_regions_with_a_pageable_gap_is_refused_naming_the_gap() {
+    let (_driver, d) = device(Config::default());
+    let b = d.allocate(3 * 4096).unwrap();
+    let mut host = vec![7u8; 3 * 4096];
+    let base = host.as_mut_ptr();
+    // SAFETY: two pages of the vector, which outlives the registrations (undone below); the
+    // page between them stays pageable.
+    unsafe {
+        d.pin_host(base, 4096).unwrap();
+        d.pin_host(base.add(2 * 4096), 4096).unwrap();
+    }
+    for (at, len) in [(0, 3 * 4096), (4000, 5000), (0, 4097)] {
+        // SAFETY: refused before anything is enqueued.
+        let e = unsafe { d.upload_async_at(b, 0, base.add(at).cast_const(), len) }.unwrap_err();
+        assert!(
+            matches!(e, Error::NotPinned { unpinned, .. } if unpinned == base as usize + 4096),
+            "[{at}, +{len}): {e}"
+        );
+        // SAFETY: as above.
+        let e = unsafe { d.download_async_at(b, 0, base.add(at), len) }.unwrap_err();
+        assert!(matches!(e, Error::NotPinned { unpinned, .. } if unpinned == base as usize + 4096), "{e}");
+    }
+    assert_eq!(d.telemetry().upload_submissions + d.telemetry().readback_submissions, 0, "nothing enqueued");
+    // Each region alone is fine.
+    // SAFETY: pinned, alive and unchanged until the fence is waited on.
+    unsafe { d.upload_async_at(b, 0, base.add(2 * 4096).cast_const(), 4096) }.unwrap().wait().unwrap();
+    // SAFETY: the registrations made above; no copy is in flight.
+    unsafe {
+        d.unpin_host(base).unwrap();
+        d.unpin_host(base.add(2 * 4096)).unwrap();
+    }
+    assert_eq!(d.download_range(b, 0, 4096).unwrap(), vec![7u8; 4096]);
+}
