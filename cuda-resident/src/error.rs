@@ -214,7 +214,7 @@ pub enum Error {
     /// [`Device::upload`](crate::Device::upload) was given data of another length than the
     /// buffer's.
     #[error(
-        "Device::upload writes a whole buffer, but {buffer:?} holds {buffer_len} bytes and the data has \
+        "Device::upload writes whole buffers, but {buffer:?} holds {buffer_len} bytes and the data has \
          {data_len}; nothing was uploaded. Fix: pass exactly {buffer_len} bytes, or use upload_at for a \
          partial write."
     )]

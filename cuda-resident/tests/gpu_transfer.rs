@@ -241,7 +241,9 @@ fn the_seed_operations_each_work() {
     let vb = random_vec(&mut rng, 300_000);
     d.upload(a, &va).unwrap();
     assert_eq!(d.download(a).unwrap(), va);
-    d.upload_many(&[(a, &va[..5000]), (b, &vb)]).unwrap();
+    let e = d.upload_many(&[(b, &vb), (a, &va[..5000])]).unwrap_err();
+    assert!(matches!(e, Error::UploadLength { data_len: 5000, .. }), "whole buffers only: {e}");
+    d.upload_many(&[(a, &va), (b, &vb)]).unwrap();
     assert_eq!(d.download_many(&[a, b]).unwrap(), vec![va.clone(), vb.clone()]);
     let patch = random_vec(&mut rng, 100);
     d.upload_at(b, 777, &patch).unwrap();

@@ -138,6 +138,7 @@ fn a_write_with_refused_staging_poisons_the_batch_and_returns_its_staging_at_onc
     let e = batch.write(b, 0, &[4u8; 10]).map(drop).unwrap_err();
     assert_poisoned_by(&e, 2, big, 0, 16 << 10, cause);
     assert!(e.to_string().contains("cuMemHostAlloc"), "the refusal's text: {e}");
+    assert_eq!(e.to_string().matches("Fix:").count(), 1, "one Fix, the poisoned batch's: {e}");
     let e = batch.write_with(b, 0, 10, |dst| dst.fill(5)).map(drop).unwrap_err();
     assert_poisoned_by(&e, 2, big, 0, 16 << 10, cause);
     let e = batch.submit().unwrap_err();

@@ -33,8 +33,13 @@ fn a_whole_buffer_upload_of_another_length_is_refused_with_a_fix() {
         let text = e.to_string();
         assert!(text.contains("Fix:") && text.contains("upload_at"), "{text}");
     }
+    // upload_many: whole buffers too, every length checked before anything moves.
+    let c = d.allocate(100).unwrap();
+    let e = d.upload_many(&[(c, &[9u8; 100][..]), (b, &[2u8; 4095][..])]).unwrap_err();
+    assert!(matches!(e, Error::UploadLength { buffer_len: 4096, data_len: 4095, .. }), "{e}");
     assert_eq!(d.telemetry().upload_submissions, before, "nothing moved");
     assert_eq!(d.download(b).unwrap(), vec![1u8; 4096]);
+    assert_eq!(d.download(c).unwrap(), vec![0u8; 100]);
     // A partial write goes through upload_at.
     d.upload_at(b, 0, &[3u8; 10]).unwrap();
     assert_eq!(d.download(b).unwrap()[..11], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 1]);

@@ -200,8 +200,19 @@ impl Device {
         batch.submit()?.wait()
     }
 
-    /// Uploads each `(buffer, data)` to the start of its buffer, as one batch, and waits.
+    /// Uploads each `(buffer, data)` as the whole contents of its buffer, as one batch, and
+    /// waits.
+    ///
+    /// # Errors
+    /// [`Error::UploadLength`] (nothing moved) unless every `data` is exactly as long as its
+    /// buffer, as for [`Device::upload`]; [`Device::upload_at_many`] writes parts.
     pub fn upload_many(&self, writes: &[(ResidentBuffer, &[u8])]) -> Result<()> {
+        for &(buffer, data) in writes {
+            let buffer_len = self.buffer_len(buffer)?;
+            if data.len() as u64 != buffer_len {
+                return Err(Error::UploadLength { buffer, buffer_len, data_len: data.len() });
+            }
+        }
         let mut batch = self.uploads();
         for &(buffer, data) in writes {
             batch.write(buffer, 0, data)?;

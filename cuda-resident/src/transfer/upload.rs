@@ -202,7 +202,11 @@ impl<'a> UploadBatch<'a> {
                 }
                 Err(e) => {
                     let index = self.writes.len() - 1;
-                    self.poison(index, (buffer, offset, len), format!("was refused pinned staging: {e}"));
+                    // What happened, without the refusal's own Fix (the caller had it with the
+                    // refusal; the poisoned batch's error ends with its own).
+                    let text = e.to_string();
+                    let what = text.split(" Fix: ").next().unwrap_or(&text).trim_end_matches('.');
+                    self.poison(index, (buffer, offset, len), format!("was refused pinned staging ({what})"));
                     return Err(e);
                 }
             }
