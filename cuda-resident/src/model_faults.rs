@@ -59,8 +59,8 @@ fn sequence_body(d: &Device, seed: u64, held: &mut Vec<ResidentBuffer>) -> Resul
             v
         })
         .collect();
-    let initial: Vec<_> = held.iter().zip(&model).map(|(&b, v)| (b, v.as_slice())).collect();
-    d.upload_many(&initial)?;
+    let initial: Vec<_> = held.iter().zip(&model).map(|(&b, v)| (b, 0, v.as_slice())).collect();
+    d.upload_at_many(&initial)?;
     let mut batch = d.uploads();
     let writes: Vec<(usize, usize, Vec<u8>)> = (0..60)
         .map(|i| {

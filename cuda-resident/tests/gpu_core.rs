@@ -222,7 +222,8 @@ fn bad_handles_and_ranges_are_errors() {
         d.upload_async_at(b, 0, host.as_ptr(), 4096).unwrap().wait().unwrap();
         let err = d.upload_async_at(b, 0, host.as_ptr().add(100), 4096).unwrap_err();
         match err {
-            Error::NotPinned { unpinned, .. } => assert_eq!(unpinned, host.as_ptr() as usize + 4195),
+            // The first byte past the pinned region.
+            Error::NotPinned { unpinned, .. } => assert_eq!(unpinned, host.as_ptr() as usize + 4096),
             other => panic!("expected NotPinned, got {other}"),
         }
         d.unpin_host(host.as_mut_ptr()).unwrap();
@@ -296,9 +297,22 @@ fn pinned_staging_is_reused_and_capped() {
     let stats = d.telemetry().pinned;
     assert_eq!((stats.hits, stats.misses), (1, 1));
     assert!(matches!(d.pinned(64 << 20), Err(Error::PinnedCapExceeded { .. })));
-    let hold: Vec<_> = (0..15).map(|_| d.pinned(2 << 20).unwrap()).collect();
-    let err = d.pinned(4 << 20).unwrap_err();
+    // Pinned buffers may hold the cap less the reserve kept for transfers (8 chunks here).
+    let hold: Vec<_> = (0..12).map(|_| d.pinned(2 << 20).unwrap()).collect();
+    let err = d.pinned(2 << 20).unwrap_err();
+    assert!(
+        matches!(err, Error::PinnedReserved { held, limit, .. } if held == 24 << 20 && limit == 24 << 20),
+        "{err}"
+    );
+    // The reserve is a transfer's: in-place writes (staging of their own) take it; one past
+    // the cap, with no copy in flight to wait for, is refused and poisons its batch.
+    let buffer = d.allocate(16 << 20).unwrap();
+    let mut batch = d.uploads();
+    batch.write_with(buffer, 0, 4 << 20, |dst| dst.fill(1)).unwrap();
+    let err = batch.write_with(buffer, 4 << 20, 4 << 20, |dst| dst.fill(2)).map(|_| ()).unwrap_err();
     assert!(matches!(err, Error::PinnedExhausted { .. }), "{err}");
+    drop(batch);
+    d.free(buffer).unwrap();
     drop(hold);
     assert!(d.pinned(4 << 20).is_ok(), "free arenas of other sizes make room");
     let _ = cuda_sys::CUDA_SUCCESS;
