@@ -196,8 +196,14 @@ impl Device {
     }
 
     /// `len` bytes of `buffer` at `offset`, read back.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when the range does not lie in the buffer (`offset + len`
+    /// overflowing included), checked before any host memory is reserved for the result.
     pub fn download_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Vec<u8>> {
-        if len <= 4 * self.config().chunk_bytes {
+        // The range first: a length of `u64::MAX` is a bad range, not a host out of memory.
+        self.checked_range(buffer, offset, len)?;
+        if len <= self.config().chunk_bytes.saturating_mul(4) {
             return Ok(self.download_ranges(&[(buffer, offset, len)])?.pop().unwrap_or_default());
         }
         let mut out = zeroed_vec(len)?;
@@ -843,6 +849,8 @@ impl DeviceRegion {
 
 #[cfg(test)]
 pub(crate) mod model_tests;
+#[cfg(test)]
+mod readback_tests;
 
 #[cfg(test)]
 mod tests {
