@@ -34,8 +34,12 @@ impl Slot {
 }
 
 /// A batch of device-to-host reads ([`Device::readbacks`]). Reads of one buffer that overlap
-/// or touch are fused and move once. Every read is checked when it is added; a bad one
-/// returns its error and also fails `submit`.
+/// or touch are fused and move once.
+///
+/// Every read is checked when it is added ([`ReadbackBatch::read`], [`ReadbackBatch::read_all`],
+/// [`ReadbackBatch::read_many`]): a bad one (a freed or foreign handle, a range out of its
+/// buffer) returns its error and poisons the batch: [`ReadbackBatch::submit`] fails with the
+/// first such error and nothing moves, the good reads included.
 pub struct ReadbackBatch<'a> {
     device: &'a Device,
     table: BufferTable,
@@ -151,6 +155,11 @@ impl Device {
 
 impl ReadbackBatch<'_> {
     /// Adds a read of `len` bytes of `buffer` at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::FreedBuffer`], [`Error::ForeignBuffer`], or [`Error::OutOfRange`] (the range
+    /// past the buffer's end, or `offset + len` overflowing); the batch is poisoned then:
+    /// [`ReadbackBatch::submit`] fails with the same error and moves nothing.
     pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
         let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
         let slot = Slot(self.reads.len() as u32);
@@ -159,12 +168,25 @@ impl ReadbackBatch<'_> {
     }
 
     /// Adds a read of the whole buffer.
+    ///
+    /// # Errors
+    /// As [`ReadbackBatch::read`]: a freed or foreign handle poisons the batch.
     pub fn read_all(&mut self, buffer: ResidentBuffer) -> Result<Slot> {
-        let len = self.device.buffer_len(buffer)?;
+        let len = match self.device.buffer_len(buffer) {
+            Ok(len) => len,
+            Err(e) => {
+                self.error.get_or_insert_with(|| e.clone());
+                return Err(e);
+            }
+        };
         self.read(buffer, 0, len)
     }
 
     /// Adds a read of each whole buffer, in order.
+    ///
+    /// # Errors
+    /// As [`ReadbackBatch::read_all`], for the first bad buffer (the reads before it stay
+    /// added, but the batch is poisoned).
     pub fn read_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
         buffers.iter().map(|&b| self.read_all(b)).collect()
     }
@@ -179,9 +201,13 @@ impl ReadbackBatch<'_> {
         self.reads.is_empty()
     }
 
-    /// Starts the reads and returns at once. Fails (with nothing enqueued) if any read was
-    /// bad, a buffer was freed since, or the reads need more pinned staging than the pool's
-    /// cap.
+    /// Starts the reads and returns at once.
+    ///
+    /// # Errors
+    /// The first bad read's error when any read was refused (the batch is poisoned), or
+    /// [`Error::FreedBuffer`] for a buffer freed since its read was added; nothing is
+    /// enqueued then, the good reads included. The reads need more pinned staging than the
+    /// pool's cap: [`Error::PinnedCapExceeded`].
     pub fn submit(mut self) -> Result<PendingReadback> {
         if let Some(e) = self.error.take() {
             return Err(e);

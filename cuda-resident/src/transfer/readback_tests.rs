@@ -1,5 +1,5 @@
 //! Readbacks at the edges, on the model driver: bad ranges refused before host memory is
-//! reserved.
+//! reserved, and bad reads poisoning their batch.
 
 use super::model_tests::Model;
 use crate::fake_driver;
@@ -56,4 +56,65 @@ fn a_download_range_past_the_buffer_is_out_of_range_before_any_host_memory_is_re
     out_of_range("download_async_at at u64::MAX", fence);
     assert_eq!(d.telemetry().pinned.lent_bytes, 0);
     m.check(&d, "after the refused downloads");
+}
+
+#[test]
+fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
+    let driver = fake_driver::driver();
+    let d = Device::open_with(driver.clone(), 0, small_chunks()).expect("the model opens");
+    let other = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(62);
+    let m = Model::new(&d, &mut rng, &[300_000, 4096]);
+    let freed = d.allocate(1000).unwrap();
+    d.free(freed).unwrap();
+    let foreign = other.allocate(1000).unwrap();
+    type Bad = fn(&mut crate::ReadbackBatch<'_>, [crate::ResidentBuffer; 3]) -> crate::Result<()>;
+    let cases: [(&str, Bad); 7] = [
+        ("read_all of a freed handle", |r, [freed, _, _]| r.read_all(freed).map(drop)),
+        ("read of a freed handle", |r, [freed, _, _]| r.read(freed, 0, 10).map(drop)),
+        ("read_many with a freed handle", |r, [freed, _, _]| r.read_many(&[freed]).map(drop)),
+        ("read_all of a foreign handle", |r, [_, foreign, _]| r.read_all(foreign).map(drop)),
+        ("read of a foreign handle", |r, [_, foreign, _]| r.read(foreign, 0, 10).map(drop)),
+        ("a read past the end", |r, [_, _, good]| r.read(good, 4000, 200).map(drop)),
+        ("a read at u64::MAX", |r, [_, _, good]| r.read(good, u64::MAX, 1).map(drop)),
+    ];
+    for (what, bad) in cases {
+        // Many small reads in order (the path that skips the planner) and a few ragged ones
+        // (the planner's): good reads before and after the bad one.
+        for count in [3usize, 200] {
+            let mut reads = d.readbacks();
+            for k in 0..count {
+                reads.read(m.buffers[0], k as u64 * 1000, 100).unwrap();
+            }
+            let e = bad(&mut reads, [freed, foreign, m.buffers[1]]).unwrap_err();
+            assert!(e.to_string().contains("Fix:"), "{what}: {e}");
+            for k in 0..count {
+                reads.read(m.buffers[0], 250_000 + k as u64 * 200, 50).unwrap();
+            }
+            driver.faults().record();
+            let before = d.telemetry();
+            let got = reads.submit().map(drop).unwrap_err();
+            let counts = driver.faults().counts();
+            driver.faults().clear();
+            assert_eq!(got.to_string(), e.to_string(), "{what}: submit fails with the read's error");
+            assert!(counts.values().all(|c| c.calls == 0), "{what}, {count} reads: driver calls {counts:?}");
+            let after = d.telemetry();
+            assert_eq!(after.readback_submissions, before.readback_submissions, "{what}: nothing submitted");
+            assert_eq!(after.pinned.lent_bytes, 0, "{what}: no staging held");
+        }
+    }
+    // A buffer freed between read and submit fails submit too, the good reads with it.
+    let late = d.allocate(1000).unwrap();
+    let mut reads = d.readbacks();
+    reads.read_all(m.buffers[1]).unwrap();
+    reads.read_all(late).unwrap();
+    d.free(late).unwrap();
+    driver.faults().record();
+    assert!(matches!(reads.submit().map(drop), Err(Error::FreedBuffer { .. })));
+    let counts = driver.faults().counts();
+    driver.faults().clear();
+    for entry in ["cuMemcpyDtoHAsync_v2", "cuLaunchKernel", "cuMemcpyHtoDAsync_v2"] {
+        assert!(counts.get(entry).is_none_or(|c| c.calls == 0), "{entry}: {counts:?}");
+    }
+    m.check(&d, "after the poisoned batches");
 }
