@@ -47,8 +47,10 @@ pub struct PreparedReadbacks {
     /// The layout, the views of its readbacks, and each chunk's first read then the count,
     /// for the fast path.
     fast: Option<(Layout, Arc<[ReadView]>, Vec<usize>)>,
-    /// `Slot`s of every range, in order.
+    /// `Slot`s of every range, in order, tagged with the set's identity.
     slots: Vec<Slot>,
+    /// The set's identity: its readbacks redeem its slots (those that move as a batch too).
+    id: u64,
 }
 
 /// Ranges in order and apart, laid out once: the packed bytes at their flat offsets in a
@@ -148,8 +150,9 @@ impl Device {
             let (views, chunks) = layout.views(ranges);
             (layout, views, chunks)
         });
-        let slots = (0..ranges.len()).map(Slot::nth).collect();
-        Ok(PreparedReadbacks { device: self.clone(), ranges: ranges.to_vec(), fast, slots })
+        let id = super::readback::next_batch_id();
+        let slots = (0..ranges.len()).map(|i| Slot::nth(id, i)).collect();
+        Ok(PreparedReadbacks { device: self.clone(), ranges: ranges.to_vec(), fast, slots, id })
     }
 }
 
@@ -415,7 +418,8 @@ impl PreparedReadbacks {
         self.fast.is_some()
     }
 
-    /// The slot of range `index` in every readback of this set.
+    /// The slot of range `index` in every readback of this set (only this set's readbacks
+    /// redeem it: see [`Readback::get`](crate::Readback::get)).
     ///
     /// # Panics
     /// If `index` is not below [`PreparedReadbacks::len`].
@@ -460,13 +464,13 @@ impl PreparedReadbacks {
                     Fence::new(device.clone(), LaneKind::Readback, final_seq),
                     first_seq,
                     Arc::clone(&layout.lease),
-                    Arc::clone(views),
+                    (self.id, Arc::clone(views)),
                     chunks.clone(),
                     layout.requested as usize,
                 ));
             }
         }
-        let mut batch = device.readbacks();
+        let mut batch = device.readbacks_as(self.id);
         for &(buffer, offset, len) in &self.ranges {
             batch.read(buffer, offset, len)?;
         }

@@ -22,15 +22,32 @@ use crate::telemetry::Moves;
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
 
-/// Names one read of a [`ReadbackBatch`]; redeem it with [`Readback::get`].
+/// Names one read of a [`ReadbackBatch`] (or one range of a
+/// [`PreparedReadbacks`](crate::PreparedReadbacks)); redeem it with [`Readback::get`] or
+/// the copying methods of the [`Readback`] that batch's submit produced.
+///
+/// A slot carries the identity of its batch next to the read's index, so that a slot of
+/// another batch is caught (an error, or a panic where the method returns no `Result`)
+/// instead of naming another read's bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Slot(u32);
+pub struct Slot {
+    /// The batch (or prepared set) the slot came from ([`next_batch_id`]).
+    batch: u64,
+    index: u32,
+}
 
 impl Slot {
-    /// The slot of the `index`th read of a batch.
-    pub(crate) fn nth(index: usize) -> Slot {
-        Slot(index as u32)
+    /// The slot of the `index`th read of batch `batch`.
+    pub(crate) fn nth(batch: u64, index: usize) -> Slot {
+        Slot { batch, index: index as u32 }
     }
+}
+
+/// A new batch identity, never handed out before in this process (a `u64` counter does not
+/// wrap in practice): what ties a [`Slot`] to its batch.
+pub(crate) fn next_batch_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// A batch of device-to-host reads ([`Device::readbacks`]). Reads of one buffer that overlap
@@ -45,6 +62,8 @@ pub struct ReadbackBatch<'a> {
     table: BufferTable,
     reads: Vec<ReadRequest>,
     error: Option<Error>,
+    /// This batch's identity, carried by its slots and its readback.
+    id: u64,
 }
 
 impl fmt::Debug for ReadbackBatch<'_> {
@@ -66,6 +85,8 @@ pub struct PendingReadback {
 /// returns the staging to the pool.
 pub struct Readback {
     device: Option<Device>,
+    /// The identity of the batch (or prepared set) whose slots this readback redeems.
+    batch: u64,
     lease: Option<Arc<HostLease>>,
     /// Where flat staging starts in the lease (after the descriptor tables of planned reads;
     /// 0 for reads in order, whose tables follow the packed bytes).
@@ -114,13 +135,14 @@ impl Drop for Readback {
 impl PendingReadback {
     /// A readback of a prepared set's reads in order ([`super::prepared`]): its chunks are
     /// submissions `first_seq..=fence`'s, `chunks` their first reads then the number of reads,
-    /// and the bytes land in `lease` at the views' offsets.
+    /// and the bytes land in `lease` at the views' offsets; `views` comes with the set's
+    /// identity, which its slots carry.
     pub(super) fn prepared(
         device: Device,
         fence: Fence,
         first_seq: u64,
         lease: Arc<HostLease>,
-        views: Arc<[ReadView]>,
+        (batch, views): (u64, Arc<[ReadView]>),
         chunks: Vec<usize>,
         bytes: usize,
     ) -> PendingReadback {
@@ -128,6 +150,7 @@ impl PendingReadback {
             fence,
             readback: Readback {
                 device: Some(device),
+                batch,
                 lease: Some(lease),
                 base: 0,
                 views: Views::Shared(views),
@@ -148,8 +171,14 @@ impl fmt::Debug for Readback {
 impl Device {
     /// Starts a batch of readbacks.
     pub fn readbacks(&self) -> ReadbackBatch<'_> {
+        self.readbacks_as(next_batch_id())
+    }
+
+    /// A batch whose slots and readback carry the identity `id` (a prepared set's, so that
+    /// the set's slots redeem the readbacks it moves as batches).
+    pub(crate) fn readbacks_as(&self, id: u64) -> ReadbackBatch<'_> {
         let (table, reads) = self.core().readback_parts.take();
-        ReadbackBatch { device: self, table, reads, error: None }
+        ReadbackBatch { device: self, table, reads, error: None, id }
     }
 }
 
@@ -162,7 +191,7 @@ impl ReadbackBatch<'_> {
     /// [`ReadbackBatch::submit`] fails with the same error and moves nothing.
     pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
         let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
-        let slot = Slot(self.reads.len() as u32);
+        let slot = Slot::nth(self.id, self.reads.len());
         self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(slot)
     }
@@ -228,12 +257,13 @@ impl PendingReadback {
     /// wire, on the packing threads; replaces each vector's contents (capacity is reused).
     /// Returns the readback for views as well. On error the vectors are left empty.
     ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] unless there is one vector per slot; [`Error::ForeignSlot`]
+    /// for a slot of another batch (checked before any vector is written); a failed wait.
+    ///
     /// Slots are best passed in the order their reads were added: for a batch of small
     /// reads in order, a slot whose read lands in a later chunk than the one its position
     /// falls in is copied once everything has landed, on the calling thread.
-    ///
-    /// # Panics
-    /// If a slot came from another batch with more reads than this one.
     pub fn wait_into(self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Readback> {
         if slots.len() != out.len() {
             return Err(Error::LengthMismatch {
@@ -241,6 +271,10 @@ impl PendingReadback {
                 left: slots.len(),
                 right: out.len(),
             });
+        }
+        if let Err(e) = self.readback.check_slots(slots) {
+            out.iter_mut().for_each(Vec::clear);
+            return Err(e);
         }
         let Some(device) = self.readback.device.clone() else {
             self.readback.copy_all_into(slots, out)?;
@@ -253,19 +287,19 @@ impl PendingReadback {
         // threads, which copy a chunk's reads out as soon as it has landed.
         let views = &self.readback.views;
         let mut order: Vec<usize> = (0..slots.len()).collect();
-        order.sort_unstable_by_key(|&i| views[slots[i].0 as usize].last_chunk);
-        let chunks = order.last().map_or(0, |&i| views[slots[i].0 as usize].last_chunk as usize + 1);
+        order.sort_unstable_by_key(|&i| views[slots[i].index as usize].last_chunk);
+        let chunks = order.last().map_or(0, |&i| views[slots[i].index as usize].last_chunk as usize + 1);
         let mut pieces = Vec::with_capacity(order.len());
         let mut spans = Vec::new();
         let mut total = 0;
-        for same in order
-            .chunk_by(|&a, &b| views[slots[a].0 as usize].last_chunk == views[slots[b].0 as usize].last_chunk)
-        {
+        for same in order.chunk_by(|&a, &b| {
+            views[slots[a].index as usize].last_chunk == views[slots[b].index as usize].last_chunk
+        }) {
             let first = pieces.len();
             for &i in same {
                 total += self.readback.push_copy(slots[i], &mut out[i], &mut pieces);
             }
-            spans.push((views[slots[same[0]].0 as usize].last_chunk as usize, first..pieces.len()));
+            spans.push((views[slots[same[0]].index as usize].last_chunk as usize, first..pieces.len()));
         }
         let threads = device.core().packers().current_num_threads();
         let chunk_bytes = (total / chunks.max(1)) as u64;
@@ -321,7 +355,7 @@ impl PendingReadback {
         let outs = SharedVecs(out.as_mut_ptr());
         let skipped = AtomicBool::new(false);
         let fill = |p: usize| {
-            let view = views[slots[p].0 as usize];
+            let view = views[slots[p].index as usize];
             // SAFETY: positions are distinct across groups and `out` is borrowed mutably for
             // this call: no one else touches this vector.
             let vec = unsafe { &mut *outs.at(p) };
@@ -349,7 +383,7 @@ impl PendingReadback {
             },
             |k, items| {
                 for p in items {
-                    if views[slots[p].0 as usize].last_chunk as usize > k {
+                    if views[slots[p].index as usize].last_chunk as usize > k {
                         skipped.store(true, Ordering::Relaxed);
                     } else {
                         fill(p);
@@ -366,7 +400,7 @@ impl PendingReadback {
         if skipped.load(Ordering::Relaxed) {
             let chunk_of = |p: usize| starts[1..].partition_point(|&s| s <= p).min(chunks - 1);
             for p in 0..slots.len() {
-                if views[slots[p].0 as usize].last_chunk as usize > chunk_of(p) {
+                if views[slots[p].index as usize].last_chunk as usize > chunk_of(p) {
                     fill(p);
                 }
             }
@@ -385,9 +419,11 @@ impl Readback {
     /// The bytes of a read, viewed in pinned staging (no copy).
     ///
     /// # Panics
-    /// If `slot` came from another batch with more reads than this one.
+    /// If `slot` came from another batch (or another prepared set) than this readback's:
+    /// a slot is redeemed only by the readback of its own batch, never for another read's
+    /// bytes. [`Readback::copy_all_into`] reports the same as an error.
     pub fn get(&self, slot: Slot) -> &[u8] {
-        let view = self.views[slot.0 as usize];
+        let view = self.view(slot).unwrap_or_else(|e| panic!("Readback::get: {e}"));
         match &self.lease {
             // SAFETY: the reads completed (this value exists only after the fence), the
             // view lies inside the lease's flat staging, and the lease lives as long as self.
@@ -401,7 +437,8 @@ impl Readback {
     /// Where a read's bytes will be in pinned staging, and their length; no reference is
     /// made, so this may be asked before they land.
     fn address_of(&self, slot: Slot) -> (*const u8, usize) {
-        let view = self.views[slot.0 as usize];
+        let view = self.views[slot.index as usize];
+        debug_assert_eq!(slot.batch, self.batch, "slots are checked before their addresses are taken");
         match &self.lease {
             Some(lease) => {
                 // SAFETY: the view lies inside the lease's flat staging.
@@ -414,13 +451,21 @@ impl Readback {
 
     /// Copies a read into a caller-owned vector, replacing its contents (its capacity is
     /// reused).
+    ///
+    /// # Panics
+    /// As [`Readback::get`], if `slot` came from another batch; `out` is left as it was.
     pub fn copy_into(&self, slot: Slot, out: &mut Vec<u8>) {
+        let bytes = self.get(slot);
         out.clear();
-        out.extend_from_slice(self.get(slot));
+        out.extend_from_slice(bytes);
     }
 
     /// Copies each read into the caller's vector of the same index, replacing its contents
     /// (capacity is reused), on the device's packing threads when there is enough to copy.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] unless there is one vector per slot; [`Error::ForeignSlot`]
+    /// for a slot of another batch. Either leaves every vector as it was.
     pub fn copy_all_into(&self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<()> {
         if slots.len() != out.len() {
             return Err(Error::LengthMismatch {
@@ -429,6 +474,7 @@ impl Readback {
                 right: out.len(),
             });
         }
+        self.check_slots(slots)?;
         let Some(device) = &self.device else {
             out.iter_mut().for_each(Vec::clear);
             return Ok(());
@@ -463,13 +509,26 @@ impl Readback {
     unsafe fn set_lengths(&self, slots: &[Slot], out: &mut [Vec<u8>]) {
         for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
             // SAFETY: the copies initialised exactly this many bytes, as the caller promises.
-            unsafe { vec.set_len(self.views[slot.0 as usize].len as usize) };
+            unsafe { vec.set_len(self.views[slot.index as usize].len as usize) };
         }
     }
 
     /// Number of reads.
     pub fn len(&self) -> usize {
         self.views.len()
+    }
+
+    /// The view of `slot`, or [`Error::ForeignSlot`] unless it is one of this readback's.
+    fn view(&self, slot: Slot) -> Result<ReadView> {
+        match self.views.get(slot.index as usize) {
+            Some(&view) if slot.batch == self.batch => Ok(view),
+            _ => Err(Error::ForeignSlot { index: slot.index, slot_batch: slot.batch, batch: self.batch }),
+        }
+    }
+
+    /// Fails with [`Error::ForeignSlot`] for the first slot that is not this readback's.
+    fn check_slots(&self, slots: &[Slot]) -> Result<()> {
+        slots.iter().try_for_each(|&slot| self.view(slot).map(drop))
     }
 
     /// Whether there are no reads.
@@ -512,6 +571,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
             fence: Fence::completed(),
             readback: Readback {
                 device: None,
+                batch: batch.id,
                 lease: None,
                 base: 0,
                 views: Views::Pooled(views),
@@ -630,6 +690,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
         readback: Readback {
             device: Some(device.clone()),
+            batch: batch.id,
             lease: Some(lease),
             base: tables as usize,
             views: Views::Pooled(views),
@@ -771,6 +832,7 @@ fn execute_in_order(
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
         readback: Readback {
             device: Some(device.clone()),
+            batch: batch.id,
             lease: Some(lease),
             base: 0,
             views: Views::Pooled(views),

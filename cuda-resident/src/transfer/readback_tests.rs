@@ -1,5 +1,8 @@
 //! Readbacks at the edges, on the model driver: bad ranges refused before host memory is
-//! reserved, and bad reads poisoning their batch.
+//! reserved, bad reads poisoning their batch, and slots redeemed only by their own batch's
+//! readback.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use super::model_tests::Model;
 use crate::fake_driver;
@@ -117,4 +120,76 @@ fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
         assert!(counts.get(entry).is_none_or(|c| c.calls == 0), "{entry}: {counts:?}");
     }
     m.check(&d, "after the poisoned batches");
+}
+
+/// Whether `f` panics with a message naming the slot's batch and a fix.
+fn panics_naming_the_batch(what: &str, f: impl FnOnce()) {
+    let panic = catch_unwind(AssertUnwindSafe(f)).expect_err(what);
+    let text = panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(text.contains("another batch") && text.contains("Fix:"), "{what}: {text}");
+}
+
+#[test]
+fn a_slot_of_another_batch_is_refused_never_redeemed_for_another_reads_bytes() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(63);
+    let m = Model::new(&d, &mut rng, &[300_000, 70_000]);
+    // A large batch and a smaller one: slot 0 and slot 2 of the large one exist in the
+    // small one's numbering too (slot 2 does not).
+    let mut big = d.readbacks();
+    let big_slots: Vec<_> = (0..3).map(|k| big.read(m.buffers[0], k * 5000, 1000).unwrap()).collect();
+    let mut small = d.readbacks();
+    let small_slots = [small.read(m.buffers[1], 7, 33).unwrap(), small.read(m.buffers[1], 100, 10).unwrap()];
+    let big_done = big.submit().unwrap().wait().unwrap();
+    let small_done = small.submit().unwrap().wait().unwrap();
+    assert_eq!(small_done.get(small_slots[0]), &m.expect[1][7..40]);
+    assert_eq!(big_done.get(big_slots[2]), &m.expect[0][10_000..11_000]);
+    for &slot in &big_slots {
+        panics_naming_the_batch("get", || {
+            let _ = small_done.get(slot);
+        });
+        let mut v = vec![1, 2, 3];
+        panics_naming_the_batch("copy_into", || small_done.copy_into(slot, &mut v));
+        assert_eq!(v, [1, 2, 3], "copy_into left the vector as it was");
+        let mut out = vec![vec![9u8; 4], vec![9u8; 4]];
+        let e = small_done.copy_all_into(&[small_slots[0], slot], &mut out).unwrap_err();
+        assert!(matches!(e, Error::ForeignSlot { .. }) && e.to_string().contains("Fix:"), "{e}");
+        assert_eq!(out, [vec![9u8; 4], vec![9u8; 4]], "copy_all_into wrote nothing");
+    }
+    // wait_into: on a batch laid out by the planner and on one of small reads in order.
+    for count in [2u64, 100] {
+        let mut reads = d.readbacks();
+        let slots: Vec<_> = (0..count).map(|k| reads.read(m.buffers[0], k * 2000, 500).unwrap()).collect();
+        let mut out = vec![Vec::new(); 2];
+        let e = reads.submit().unwrap().wait_into(&[slots[0], big_slots[1]], &mut out).unwrap_err();
+        assert!(matches!(e, Error::ForeignSlot { .. }), "{count} reads: {e}");
+    }
+    // Prepared sets: their slots redeem their own readbacks only (the fast path and the
+    // batches they move as while a readback is held), and a batch's slot not theirs.
+    let ranges: Vec<_> = (0..100).map(|k| (m.buffers[0], k * 2000, 300)).collect();
+    let mut set = d.prepare_readbacks(&ranges).unwrap();
+    let mut other = d.prepare_readbacks(&ranges).unwrap();
+    let held = set.submit().unwrap().wait().unwrap();
+    let second = set.submit().unwrap().wait().unwrap();
+    for readback in [&held, &second] {
+        assert_eq!(readback.get(set.slot(5)), &m.expect[0][10_000..10_300]);
+        panics_naming_the_batch("a batch's slot on a prepared readback", || {
+            let _ = readback.get(big_slots[0]);
+        });
+        panics_naming_the_batch("another set's slot", || {
+            let _ = readback.get(other.slot(5));
+        });
+    }
+    panics_naming_the_batch("a set's slot on a batch's readback", || {
+        let _ = big_done.get(set.slot(0));
+    });
+    let mut out = vec![Vec::new(); ranges.len()];
+    let e = other.submit().unwrap().wait_into(set.slots(), &mut out).unwrap_err();
+    assert!(matches!(e, Error::ForeignSlot { .. }), "{e}");
+    other.read_into(&mut out).unwrap();
+    assert_eq!(out[5], &m.expect[0][10_000..10_300]);
 }
