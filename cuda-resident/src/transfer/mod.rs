@@ -285,7 +285,8 @@ impl Device {
         Ok(())
     }
 
-    /// Each whole buffer, read back as one batch.
+    /// Each whole buffer, read back as one batch (of any size: a batch larger than the
+    /// pinned pool streams through it, see [`ReadbackBatch`](crate::ReadbackBatch)).
     pub fn download_many(&self, buffers: &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> {
         let mut batch = self.readbacks();
         let slots = batch.read_many(buffers)?;
@@ -293,7 +294,8 @@ impl Device {
         Ok(slots.into_iter().map(|s| done.get(s).to_vec()).collect())
     }
 
-    /// Each `(buffer, offset, len)` range, read back as one batch.
+    /// Each `(buffer, offset, len)` range, read back as one batch (of any size, as
+    /// [`Device::download_many`]).
     pub fn download_ranges(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<Vec<Vec<u8>>> {
         let mut batch = self.readbacks();
         let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
@@ -302,7 +304,8 @@ impl Device {
     }
 
     /// Reads each `(buffer, offset, len)` range into the caller's vector of the same index,
-    /// replacing its contents and reusing its capacity; one batch, one wait.
+    /// replacing its contents and reusing its capacity; one batch (of any size, as
+    /// [`Device::download_many`]), one wait.
     pub fn download_into(&self, ranges: &[(ResidentBuffer, u64, u64)], out: &mut [Vec<u8>]) -> Result<()> {
         if ranges.len() != out.len() {
             return Err(Error::LengthMismatch {

@@ -141,10 +141,14 @@ impl Device {
     /// point into that region. While one readback of the set is alive (or in flight), the
     /// next moves as a [`ReadbackBatch`](crate::ReadbackBatch) of its own, so views never
     /// change under a caller: drop a readback before the next submit to stay on the fast
-    /// path. Other sets move as a batch each time.
+    /// path. Other sets move as a batch each time, and so does a set whose region the
+    /// pinned pool cannot lend (larger than
+    /// [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes), or more than is free):
+    /// such a batch streams through the pool (see [`ReadbackBatch`](crate::ReadbackBatch)).
     ///
     /// # Errors
-    /// As [`Device::prepare_uploads`].
+    /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept. The
+    /// allocator's errors for the table.
     pub fn prepare_readbacks(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedReadbacks> {
         let fast = Layout::new(self, ranges, LaneKind::Readback)?.map(|layout| {
             let (views, chunks) = layout.views(ranges);
@@ -186,7 +190,17 @@ impl Layout {
         } else {
             cut_apart(&apart.offsets, |i| ranges[i].2, |_| chunk_bytes, &mut spans);
         }
-        let lease = device.acquire_staging(apart.end as usize)?;
+        let lease = match device.acquire_staging(apart.end as usize) {
+            Ok(lease) => lease,
+            // A readback set larger than the pool can lend moves as a batch each time, which
+            // streams through the pool.
+            Err(Error::PinnedCapExceeded { .. } | Error::PinnedExhausted { .. })
+                if kind == LaneKind::Readback =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
         let base = lease.as_ptr() as u64;
         let descriptors: Vec<CopyDescriptor> = keys
             .iter()

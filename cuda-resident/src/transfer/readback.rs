@@ -1,7 +1,8 @@
 //! Readbacks: a batch of reads, fused, gathered by the kernel (small ranges: into device
 //! staging and moved by one DMA, or, many small reads in order, straight into pinned staging
 //! over the bus) or copied directly (large ones), into one pinned region that the caller
-//! reads as `&[u8]` views.
+//! reads as `&[u8]` views. A batch larger than the pinned pool can lend streams through a
+//! ring of pinned chunks into one ordinary host allocation instead ([`execute_streamed`]).
 
 use std::fmt;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_by
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::Moves;
+use crate::telemetry::{Moves, Telemetry};
 
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
@@ -57,6 +58,12 @@ pub(crate) fn next_batch_id() -> u64 {
 /// [`ReadbackBatch::read_many`]): a bad one (a freed or foreign handle, a range out of its
 /// buffer) returns its error and poisons the batch: [`ReadbackBatch::submit`] fails with the
 /// first such error and nothing moves, the good reads included.
+///
+/// A batch of any size works, whatever [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes):
+/// one whose staging the pool cannot lend at once (more than the cap, or more than is free
+/// of what callers hold) streams through a ring of pinned chunks into one ordinary host
+/// allocation owned by its [`Readback`] (see there): same API and same bytes, one more host
+/// copy, and its `submit` returns only once every byte has landed.
 pub struct ReadbackBatch<'a> {
     device: &'a Device,
     table: BufferTable,
@@ -83,11 +90,21 @@ pub struct PendingReadback {
 
 /// Completed reads: views into pinned staging, valid while this value lives. Dropping it
 /// returns the staging to the pool.
+///
+/// A batch whose reads need more pinned staging than the pool can lend at once (more than
+/// [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes), or more than is free of
+/// what callers hold) is not refused: it streams through a ring of pinned chunks, each
+/// copied out as it lands into one ordinary host allocation that this value owns, and the
+/// views point there. The API is the same; such a batch costs one more host copy, holds no
+/// pinned staging once submitted, and its `submit` returns once every byte has landed.
 pub struct Readback {
     device: Option<Device>,
     /// The identity of the batch (or prepared set) whose slots this readback redeems.
     batch: u64,
     lease: Option<Arc<HostLease>>,
+    /// A streamed batch's flat staging, in ordinary host memory ([`execute_streamed`]);
+    /// empty otherwise.
+    host: Vec<u8>,
     /// Where flat staging starts in the lease (after the descriptor tables of planned reads;
     /// 0 for reads in order, whose tables follow the packed bytes).
     base: usize,
@@ -152,6 +169,7 @@ impl PendingReadback {
                 device: Some(device),
                 batch,
                 lease: Some(lease),
+                host: Vec::new(),
                 base: 0,
                 views: Views::Shared(views),
                 chunks,
@@ -235,8 +253,10 @@ impl ReadbackBatch<'_> {
     /// # Errors
     /// The first bad read's error when any read was refused (the batch is poisoned), or
     /// [`Error::FreedBuffer`] for a buffer freed since its read was added; nothing is
-    /// enqueued then, the good reads included. The reads need more pinned staging than the
-    /// pool's cap: [`Error::PinnedCapExceeded`].
+    /// enqueued then, the good reads included. A batch too large for the pinned pool is not
+    /// an error: it streams (see [`ReadbackBatch`]), and this returns once it has landed;
+    /// [`Error::PinnedExhausted`] only when the caller holds so much staging that not even
+    /// one chunk of the ring is left.
     pub fn submit(mut self) -> Result<PendingReadback> {
         if let Some(e) = self.error.take() {
             return Err(e);
@@ -276,8 +296,12 @@ impl PendingReadback {
             out.iter_mut().for_each(Vec::clear);
             return Err(e);
         }
-        let Some(device) = self.readback.device.clone() else {
-            self.readback.copy_all_into(slots, out)?;
+        let Some(device) = self.readback.device.clone().filter(|_| self.readback.lease.is_some()) else {
+            // Nothing moved, or a streamed batch: its bytes are in host memory already.
+            if let Err(e) = self.fence.wait().and_then(|()| self.readback.copy_all_into(slots, out)) {
+                out.iter_mut().for_each(Vec::clear);
+                return Err(e);
+            }
             return Ok(self.readback);
         };
         if !self.readback.chunks.is_empty() {
@@ -424,13 +448,13 @@ impl Readback {
     /// bytes. [`Readback::copy_all_into`] reports the same as an error.
     pub fn get(&self, slot: Slot) -> &[u8] {
         let view = self.view(slot).unwrap_or_else(|e| panic!("Readback::get: {e}"));
+        let (at, len) = (view.stage_offset as usize, view.len as usize);
         match &self.lease {
             // SAFETY: the reads completed (this value exists only after the fence), the
             // view lies inside the lease's flat staging, and the lease lives as long as self.
-            Some(lease) => unsafe {
-                &lease.as_slice()[self.base + view.stage_offset as usize..][..view.len as usize]
-            },
-            None => &[],
+            Some(lease) => unsafe { &lease.as_slice()[self.base + at..][..len] },
+            // A streamed batch (or one that moved nothing, whose views are empty).
+            None => self.host.get(at..at + len).unwrap_or(&[]),
         }
     }
 
@@ -445,6 +469,8 @@ impl Readback {
                 let at = unsafe { lease.as_ptr().add(self.base + view.stage_offset as usize) };
                 (at, view.len as usize)
             }
+            // A streamed batch: its views lie in `host` (an empty one: views of no bytes).
+            None if view.len > 0 => (self.host[view.stage_offset as usize..].as_ptr(), view.len as usize),
             None => (std::ptr::null(), 0),
         }
     }
@@ -552,16 +578,16 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
     if in_order && apart.longest < plan_config.direct_threshold {
-        return execute_in_order(
-            batch,
-            super::in_order_chunk(
-                config.chunk_bytes,
-                total,
-                if device.small_copies_over_bus() { super::READ_DEPTH } else { super::PIPELINE_DEPTH },
-            ),
-            &lane_batch,
-            scratch,
+        let chunk = super::in_order_chunk(
+            config.chunk_bytes,
+            total,
+            if device.small_copies_over_bus() { super::READ_DEPTH } else { super::PIPELINE_DEPTH },
         );
+        return match execute_in_order(batch, chunk, &lane_batch, scratch) {
+            // Refused before anything was enqueued: the batch streams instead.
+            Err(e) if refused_staging(&e) => execute_streamed(batch, &lane_batch, scratch),
+            done => done,
+        };
     }
     scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
     let plan = &scratch.readback_plan;
@@ -573,6 +599,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
                 device: None,
                 batch: batch.id,
                 lease: None,
+                host: Vec::new(),
                 base: 0,
                 views: Views::Pooled(views),
                 chunks: Vec::new(),
@@ -590,7 +617,12 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         )
         .collect();
     let tables: u64 = areas.iter().sum();
-    let lease = Arc::new(device.acquire_staging((tables + plan.total_staging) as usize)?);
+    let lease = match device.acquire_staging((tables + plan.total_staging) as usize) {
+        Ok(lease) => Arc::new(lease),
+        // Nothing enqueued yet: the batch streams instead.
+        Err(e) if refused_staging(&e) => return execute_streamed(batch, &lane_batch, scratch),
+        Err(e) => return Err(e),
+    };
     let base = lease.as_ptr();
 
     let first_seq = lane_batch.next_seq();
@@ -692,12 +724,186 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
             device: Some(device.clone()),
             batch: batch.id,
             lease: Some(lease),
+            host: Vec::new(),
             base: tables as usize,
             views: Views::Pooled(views),
             chunks: Vec::new(),
             in_order_bytes: 0,
         },
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
+    })
+}
+
+/// Whether `e` is the pinned pool refusing a batch's staging (more than the cap, or more
+/// than is free of what callers hold): such a batch streams ([`execute_streamed`]).
+fn refused_staging(e: &Error) -> bool {
+    matches!(e, Error::PinnedCapExceeded { .. } | Error::PinnedExhausted { .. })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Batches this thread moved by [`execute_streamed`].
+    pub(crate) static STREAMED_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// A batch whose staging the pool cannot lend at once: planned in chunks of half the
+/// configured chunk (a chunk's lease, its bytes plus a descriptor table of up to 1.5 times
+/// them for the smallest reads, then stays within the cap, which holds two configured
+/// chunks), moved through a ring of such leases (up to [`super::RING`], as many as the pool
+/// gives), each chunk copied into one ordinary host allocation as soon as it has landed,
+/// its lease then reused by a later chunk. Returns once every chunk has landed and been
+/// copied out; the readback's views point into the host allocation.
+fn execute_streamed(
+    batch: &ReadbackBatch<'_>,
+    lane_batch: &crate::stream::LaneBatch<'_>,
+    scratch: &mut DeviceStaging,
+) -> Result<PendingReadback> {
+    #[cfg(test)]
+    STREAMED_BATCHES.with(|n| n.set(n.get() + 1));
+    let device = batch.device;
+    let core = device.core();
+    let config = device.config();
+    let lane = core.lane(LaneKind::Readback);
+    let chunk_bytes = config.chunk_bytes / 2;
+    let plan_config =
+        PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
+    scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
+    let DeviceStaging { readback_plan: plan, region, descriptors, pieces, .. } = scratch;
+    let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
+    let area_of = |c: &crate::plan::ReadbackChunk| {
+        if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 }
+    };
+    // Each ring lease: the largest table (a multiple of 256 bytes), then a chunk's staging.
+    let room = plan.chunks.iter().map(area_of).max().unwrap_or(0);
+    let ring_bytes = usize::try_from(room + plan.chunk_capacity)
+        .map_err(|_| Error::HostOutOfMemory { bytes: room + plan.chunk_capacity })?;
+    let mut host = super::zeroed_vec(plan.total_staging)?;
+    let chunks = plan.chunks.len();
+    // The ring is taken before anything is enqueued: the first lease waits for room as any
+    // staging does, the others take only what is free.
+    let most = chunks.min(super::RING).min(core.pinned.leases_within_cap(ring_bytes as u64)).max(1);
+    let mut ring = vec![Arc::new(device.acquire_staging(ring_bytes)?)];
+    while ring.len() < most {
+        match core.pinned.try_acquire(ring_bytes)? {
+            Some(lease) => ring.push(Arc::new(lease)),
+            None => break,
+        }
+    }
+    let first_seq = lane_batch.next_seq();
+    let final_seq = device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), chunks as u64)?;
+    let device_need = plan.chunks.iter().filter(|c| area_of(c) > 0).map(|c| area_of(c) + c.packed_len).max();
+    let kernels = if device_need.is_some() { Some(core.kernels()?) } else { None };
+    let dev = match device_need {
+        Some(need) => region.ensure(device, LaneKind::Readback, need, first_seq - 1)?,
+        None => 0,
+    };
+    let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
+    // Waits for chunk `k` (submission `seqs[k]`) and copies its staging out of its lease
+    // into the host allocation, on the packing threads.
+    let mut unpack = |k: usize, seqs: &[u64], host: &mut [u8]| -> Result<()> {
+        if lane.wait(seqs[k])? {
+            Telemetry::add(&core.telemetry.host_waits, 1);
+        }
+        let chunk = &plan.chunks[k];
+        pieces.clear();
+        // SAFETY: the lease holds `room + chunk_capacity >= room + staging_len` bytes.
+        let src = unsafe { ring[k % ring.len()].as_ptr().add(room as usize) };
+        let dst = host[chunk.stage_start as usize..][..chunk.staging_len as usize].as_mut_ptr();
+        Piece::push_split(pieces, Piece { dst, src, len: chunk.staging_len as usize });
+        // SAFETY: the chunk's DMAs completed (waited above); the lease and the host
+        // allocation are disjoint and hold these bytes.
+        unsafe { Piece::copy_out_all(device, pieces) };
+        Ok(())
+    };
+    let mut seqs = Vec::with_capacity(chunks);
+    let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
+    for (k, chunk) in plan.chunks.iter().enumerate() {
+        if k >= ring.len() {
+            // The lease this chunk takes is free once the chunk before it there is out.
+            unpack(k - ring.len(), &seqs, &mut host)?;
+        }
+        let lease = &ring[k % ring.len()];
+        let base = lease.as_ptr();
+        let area = area_of(chunk);
+        // SAFETY: flat offsets of this chunk lie in its staging, after the table room.
+        let staged = |flat: u64| unsafe { base.add((room + chunk.local_offset(flat)) as usize) };
+        descriptors.clear();
+        if area > 0 {
+            for c in &chunk.packed {
+                let dst = dev + area + (c.stage_offset - chunk.packed_offset);
+                push_descriptors(descriptors, ptr_of(c.buffer) + c.buffer_offset, dst, c.len);
+            }
+            let bytes = descriptors.len() * size_of::<CopyDescriptor>();
+            // SAFETY: the table room holds `area >= bytes`; the chunk that used this lease
+            // before was waited for and copied out.
+            unsafe { std::ptr::copy_nonoverlapping(descriptors.as_ptr().cast::<u8>(), base, bytes) };
+        }
+        let count = descriptors.len() as u64;
+        seqs.push(lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+            if area > 0 {
+                // SAFETY: the table is pinned and stays alive (kept by this submission);
+                // device staging holds area + packed_len bytes.
+                unsafe { raw.memcpy_htod_async(dev, base, area as usize, stream) }?;
+                let kernels = kernels.expect("loaded when a chunk uses it");
+                // SAFETY: sources are live, marked buffers; destinations are disjoint ranges
+                // of device staging.
+                unsafe { kernels.copy(raw, stream, dev, count) }?;
+                // SAFETY: the packed region of this chunk lies inside the lease.
+                unsafe {
+                    raw.memcpy_dtoh_async(
+                        staged(chunk.packed_offset),
+                        dev + area,
+                        chunk.packed_len as usize,
+                        stream,
+                    )
+                }?;
+            }
+            let singles = if area > 0 { &chunk.packed[..0] } else { &chunk.packed[..] };
+            for c in singles.iter().chain(&chunk.direct) {
+                // SAFETY: a range of a live, marked buffer into the lease.
+                unsafe {
+                    raw.memcpy_dtoh_async(
+                        staged(c.stage_offset),
+                        ptr_of(c.buffer) + c.buffer_offset,
+                        c.len as usize,
+                        stream,
+                    )
+                }?;
+            }
+            Ok(())
+        })?);
+        if area > 0 {
+            dmas += 2 + chunk.direct.len() as u64;
+            launches += 1;
+            moved += area + chunk.packed_len;
+        } else {
+            dmas += (chunk.packed.len() + chunk.direct.len()) as u64;
+            moved += chunk.packed.iter().map(|c| c.len).sum::<u64>();
+        }
+        moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
+    }
+    for k in chunks.saturating_sub(ring.len())..chunks {
+        unpack(k, &seqs, &mut host)?;
+    }
+    core.telemetry.record(
+        LaneKind::Readback,
+        Moves { submissions: chunks as u64, requested: plan.requested_bytes, moved, dmas, launches },
+    );
+    let mut views = core.readback_views.take();
+    views.extend_from_slice(&plan.views);
+    Ok(PendingReadback {
+        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        readback: Readback {
+            device: Some(device.clone()),
+            batch: batch.id,
+            lease: None,
+            host,
+            base: 0,
+            views: Views::Pooled(views),
+            chunks: Vec::new(),
+            in_order_bytes: 0,
+        },
+        first_seq,
     })
 }
 
@@ -834,6 +1040,7 @@ fn execute_in_order(
             device: Some(device.clone()),
             batch: batch.id,
             lease: Some(lease),
+            host: Vec::new(),
             base: 0,
             views: Views::Pooled(views),
             chunks,
