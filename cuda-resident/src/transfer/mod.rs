@@ -286,21 +286,26 @@ impl Device {
     }
 
     /// Each whole buffer, read back as one batch (of any size: a batch larger than the
-    /// pinned pool streams through it, see [`ReadbackBatch`](crate::ReadbackBatch)).
+    /// pinned pool streams through it, see [`ReadbackBatch`](crate::ReadbackBatch), each
+    /// chunk copied into the result vectors as it lands).
     pub fn download_many(&self, buffers: &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> {
         let mut batch = self.readbacks();
-        let slots = batch.read_many(buffers)?;
-        let done = batch.submit()?.wait()?;
-        Ok(slots.into_iter().map(|s| done.get(s).to_vec()).collect())
+        batch.read_many(buffers)?;
+        let mut out = vec![Vec::new(); buffers.len()];
+        batch.submit_into(&mut out, false)?;
+        Ok(out)
     }
 
     /// Each `(buffer, offset, len)` range, read back as one batch (of any size, as
     /// [`Device::download_many`]).
     pub fn download_ranges(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<Vec<Vec<u8>>> {
         let mut batch = self.readbacks();
-        let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
-        let done = batch.submit()?.wait()?;
-        Ok(slots.into_iter().map(|s| done.get(s).to_vec()).collect())
+        for &(b, o, l) in ranges {
+            batch.read(b, o, l)?;
+        }
+        let mut out = vec![Vec::new(); ranges.len()];
+        batch.submit_into(&mut out, false)?;
+        Ok(out)
     }
 
     /// Reads each `(buffer, offset, len)` range into the caller's vector of the same index,
@@ -315,8 +320,10 @@ impl Device {
             });
         }
         let mut batch = self.readbacks();
-        let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
-        batch.submit()?.wait_into(&slots, out).map(drop)
+        for &(b, o, l) in ranges {
+            batch.read(b, o, l)?;
+        }
+        batch.submit_into(out, true)
     }
 
     /// Blocks until every upload submitted so far has completed.

@@ -97,6 +97,8 @@ pub struct PendingReadback {
 /// copied out as it lands into one ordinary host allocation that this value owns, and the
 /// views point there. The API is the same; such a batch costs one more host copy, holds no
 /// pinned staging once submitted, and its `submit` returns once every byte has landed.
+/// ([`Device::download_many`], [`Device::download_ranges`] and [`Device::download_into`]
+/// skip the host allocation: each chunk goes straight into the result vectors.)
 pub struct Readback {
     device: Option<Device>,
     /// The identity of the batch (or prepared set) whose slots this readback redeems.
@@ -261,7 +263,40 @@ impl ReadbackBatch<'_> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        execute(&self)
+        execute(&self, &mut None)
+    }
+
+    /// Submits and reads read `i` into `out[i]` for every read, replacing each vector's
+    /// contents, and waits: [`ReadbackBatch::submit`] then [`PendingReadback::wait_into`]
+    /// (`pipelined`) or a wait and a copy of each read, except that a batch too large for
+    /// the pinned pool streams each chunk straight into the vectors as it lands (no host
+    /// allocation of the whole batch, no second copy).
+    pub(crate) fn submit_into(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<()> {
+        if out.len() != self.reads.len() {
+            return Err(Error::LengthMismatch {
+                what: "reads and output vectors",
+                left: self.reads.len(),
+                right: out.len(),
+            });
+        }
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        let mut sink = Some(&mut *out);
+        let pending = execute(&self, &mut sink)?;
+        if sink.is_none() {
+            // Streamed into the vectors.
+            return Ok(());
+        }
+        let slots = (0..out.len()).map(|i| Slot::nth(self.id, i));
+        if pipelined {
+            return pending.wait_into(&slots.collect::<Vec<_>>(), out).map(drop);
+        }
+        let done = pending.wait()?;
+        for (slot, vec) in slots.zip(out.iter_mut()) {
+            done.copy_into(slot, vec);
+        }
+        Ok(())
     }
 }
 
@@ -563,7 +598,9 @@ impl Readback {
     }
 }
 
-fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
+/// Moves the batch. A batch that streams ([`execute_streamed`]) copies its reads into the
+/// vectors of `sink` (read `i` into the `i`th) when there are some, and takes them then.
+fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Result<PendingReadback> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
@@ -585,7 +622,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         );
         return match execute_in_order(batch, chunk, &lane_batch, scratch) {
             // Refused before anything was enqueued: the batch streams instead.
-            Err(e) if refused_staging(&e) => execute_streamed(batch, &lane_batch, scratch),
+            Err(e) if refused_staging(&e) => execute_streamed(batch, &lane_batch, scratch, sink.take()),
             done => done,
         };
     }
@@ -620,7 +657,7 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let lease = match device.acquire_staging((tables + plan.total_staging) as usize) {
         Ok(lease) => Arc::new(lease),
         // Nothing enqueued yet: the batch streams instead.
-        Err(e) if refused_staging(&e) => return execute_streamed(batch, &lane_batch, scratch),
+        Err(e) if refused_staging(&e) => return execute_streamed(batch, &lane_batch, scratch, sink.take()),
         Err(e) => return Err(e),
     };
     let base = lease.as_ptr();
@@ -744,6 +781,8 @@ fn refused_staging(e: &Error) -> bool {
 thread_local! {
     /// Batches this thread moved by [`execute_streamed`].
     pub(crate) static STREAMED_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Of those, batches streamed straight into the caller's vectors.
+    pub(crate) static STREAMED_INTO_VECTORS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// A batch whose staging the pool cannot lend at once: planned in chunks of half the
@@ -753,10 +792,15 @@ thread_local! {
 /// gives), each chunk copied into one ordinary host allocation as soon as it has landed,
 /// its lease then reused by a later chunk. Returns once every chunk has landed and been
 /// copied out; the readback's views point into the host allocation.
+///
+/// With `out` (one vector a read, in read order), each chunk's share of every read goes
+/// straight into the read's vector instead, and no host allocation is made: the readback
+/// returned then has no views (the bytes are in `out`; on error every vector is empty).
 fn execute_streamed(
     batch: &ReadbackBatch<'_>,
     lane_batch: &crate::stream::LaneBatch<'_>,
     scratch: &mut DeviceStaging,
+    mut out: Option<&mut [Vec<u8>]>,
 ) -> Result<PendingReadback> {
     #[cfg(test)]
     STREAMED_BATCHES.with(|n| n.set(n.get() + 1));
@@ -777,7 +821,25 @@ fn execute_streamed(
     let room = plan.chunks.iter().map(area_of).max().unwrap_or(0);
     let ring_bytes = usize::try_from(room + plan.chunk_capacity)
         .map_err(|_| Error::HostOutOfMemory { bytes: room + plan.chunk_capacity })?;
-    let mut host = super::zeroed_vec(plan.total_staging)?;
+    let views = &plan.views[..];
+    // Into the caller's vectors: each emptied with room for its read (and its address
+    // kept, for the packing threads); reads with bytes by the chunk of their first byte.
+    let mut dsts = Vec::new();
+    let mut order = Vec::new();
+    if let Some(out) = out.as_deref_mut() {
+        #[cfg(test)]
+        STREAMED_INTO_VECTORS.with(|n| n.set(n.get() + 1));
+        for (vec, view) in out.iter_mut().zip(views) {
+            vec.clear();
+            vec.reserve(view.len as usize);
+            dsts.push(vec.as_mut_ptr() as usize);
+        }
+        order.extend((0..views.len()).filter(|&i| views[i].len > 0));
+        order.sort_unstable_by_key(|&i| views[i].chunk);
+    }
+    let mut host = if out.is_some() { Vec::new() } else { super::zeroed_vec(plan.total_staging)? };
+    // Reads with bytes in the chunk being copied out, and the next read of `order`.
+    let (mut active, mut next) = (Vec::new(), 0);
     let chunks = plan.chunks.len();
     // The ring is taken before anything is enqueued: the first lease waits for room as any
     // staging does, the others take only what is free.
@@ -808,10 +870,36 @@ fn execute_streamed(
         pieces.clear();
         // SAFETY: the lease holds `room + chunk_capacity >= room + staging_len` bytes.
         let src = unsafe { ring[k % ring.len()].as_ptr().add(room as usize) };
-        let dst = host[chunk.stage_start as usize..][..chunk.staging_len as usize].as_mut_ptr();
-        Piece::push_split(pieces, Piece { dst, src, len: chunk.staging_len as usize });
+        if dsts.is_empty() {
+            let dst = host[chunk.stage_start as usize..][..chunk.staging_len as usize].as_mut_ptr();
+            Piece::push_split(pieces, Piece { dst, src, len: chunk.staging_len as usize });
+        } else {
+            // Every read with bytes in this chunk: those begun before and those that begin.
+            active.retain(|&i: &usize| views[i].last_chunk as usize >= k);
+            while next < order.len() && views[order[next]].chunk as usize <= k {
+                active.push(order[next]);
+                next += 1;
+            }
+            for &i in &active {
+                let view = views[i];
+                let from = view.stage_offset.max(chunk.stage_start);
+                let to = view.stage_end().min(chunk.stage_end());
+                if from < to {
+                    // SAFETY: `from..to` lies in the chunk's staging (in the lease after the
+                    // table room) and in the read (inside its vector's reserved capacity).
+                    let (src, dst) = unsafe {
+                        (
+                            src.add((from - chunk.stage_start) as usize),
+                            (dsts[i] as *mut u8).add((from - view.stage_offset) as usize),
+                        )
+                    };
+                    Piece::push_split(pieces, Piece { dst, src, len: (to - from) as usize });
+                }
+            }
+        }
         // SAFETY: the chunk's DMAs completed (waited above); the lease and the host
-        // allocation are disjoint and hold these bytes.
+        // allocation (or the caller's vectors, each its own) are disjoint and hold these
+        // bytes; no two destinations overlap.
         unsafe { Piece::copy_out_all(device, pieces) };
         Ok(())
     };
@@ -885,12 +973,21 @@ fn execute_streamed(
     for k in chunks.saturating_sub(ring.len())..chunks {
         unpack(k, &seqs, &mut host)?;
     }
+    if let Some(out) = out.as_deref_mut() {
+        for (vec, view) in out.iter_mut().zip(views) {
+            // SAFETY: every chunk was copied out: each read's bytes, all of them, are in
+            // its vector (the chunks' staging covers every read).
+            unsafe { vec.set_len(view.len as usize) };
+        }
+    }
     core.telemetry.record(
         LaneKind::Readback,
         Moves { submissions: chunks as u64, requested: plan.requested_bytes, moved, dmas, launches },
     );
     let mut views = core.readback_views.take();
-    views.extend_from_slice(&plan.views);
+    if out.is_none() {
+        views.extend_from_slice(&plan.views);
+    }
     Ok(PendingReadback {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
         readback: Readback {

@@ -246,10 +246,13 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     reads.submit().unwrap().wait_into(&slots, &mut out).unwrap();
     same(&out, "wait_into");
     let bufs: Vec<_> = ranges.iter().map(|&(i, at, len)| (m.buffers[i], at as u64, len as u64)).collect();
+    let into = || super::readback::STREAMED_INTO_VECTORS.with(|n| n.get());
+    let before = into();
     same(&d.download_ranges(&bufs).unwrap(), "download_ranges");
     let mut out = poisoned();
     d.download_into(&bufs, &mut out).unwrap();
     same(&out, "download_into");
+    assert_eq!(into(), before + 2, "{what}: the helpers streamed straight into the vectors");
     let mut set = d.prepare_readbacks(&bufs).unwrap();
     let mut out = poisoned();
     set.read_into(&mut out).unwrap();
@@ -311,4 +314,41 @@ fn a_readback_the_pool_cannot_lend_while_the_caller_holds_staging_streams_instea
     let ranges: Vec<_> = (0..600).map(|k| (0, k * 2300 + 5, 2250)).collect();
     read_every_way(&d, &m, &ranges, "with most of the pool held");
     drop(held);
+}
+
+#[test]
+fn a_fault_in_the_middle_of_a_streamed_readback_fails_it_and_the_next_one_works() {
+    use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Fault};
+    let driver = fake_driver::driver();
+    let d = Device::open_with(driver.clone(), 0, tiny_pool()).expect("the model opens");
+    let mut rng = fastrand::Rng::with_seed(66);
+    let m = Model::new(&d, &mut rng, &[2 << 20]);
+    let ranges: Vec<_> = (0..3000).map(|k| (0, k * 600 + 3, 500)).collect();
+    let bufs: Vec<_> = ranges.iter().map(|&(i, at, len)| (m.buffers[i], at as u64, len as u64)).collect();
+    // A launch, a copy and a wait of the tenth chunk or so, as views and into vectors.
+    for (entry, nth) in [("cuLaunchKernel", 10), ("cuMemcpyDtoHAsync_v2", 10), ("cuEventSynchronize", 5)] {
+        for into_vectors in [false, true] {
+            driver.faults().clear();
+            let fault = Fault { entry, nth, code: CUDA_ERROR_LAUNCH_FAILED, times: 1 };
+            driver.faults().inject(fault).unwrap();
+            let mut out = vec![vec![7u8; 5]; ranges.len()];
+            let e = if into_vectors {
+                d.download_into(&bufs, &mut out).unwrap_err()
+            } else {
+                let (reads, _) = m.reads(&d, &ranges);
+                reads.submit().map(drop).unwrap_err()
+            };
+            assert!(e.to_string().contains(entry.trim_end_matches("_v2")), "{entry}: {e}");
+            if into_vectors {
+                assert!(out.iter().all(Vec::is_empty), "{entry}: the vectors are left empty");
+            }
+            driver.faults().clear();
+            d.synchronize().unwrap();
+            assert_eq!(d.telemetry().pinned.lent_bytes, 0, "{entry}: the ring went back");
+            d.download_into(&bufs, &mut out).unwrap();
+            for (k, (&(_, at, len), got)) in ranges.iter().zip(&out).enumerate() {
+                assert!(got[..] == m.expect[0][at..at + len], "{entry}: read {k} after the fault");
+            }
+        }
+    }
 }
