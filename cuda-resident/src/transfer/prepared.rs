@@ -493,7 +493,9 @@ impl PreparedReadbacks {
 
     /// Reads every range into the caller's vector of the same index, replacing its contents
     /// (capacity is reused), and waits; each vector is filled on the packing threads as soon
-    /// as its chunk has landed.
+    /// as its chunk has landed. A set that is not laid out and streams through the pinned
+    /// pool (see [`ReadbackBatch`](crate::ReadbackBatch)) copies each chunk straight into the
+    /// vectors.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`] unless there is one vector per range (nothing enqueued);
@@ -505,6 +507,15 @@ impl PreparedReadbacks {
                 left: self.ranges.len(),
                 right: out.len(),
             });
+        }
+        if self.fast.is_none() {
+            // A batch each time: one that streams through the pinned pool goes straight into
+            // the vectors.
+            let mut batch = self.device.readbacks_as(self.id);
+            for &(buffer, offset, len) in &self.ranges {
+                batch.read(buffer, offset, len)?;
+            }
+            return batch.submit_into(out, true);
         }
         let pending = self.submit()?;
         pending.wait_into(&self.slots, out).map(drop)

@@ -257,6 +257,7 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     let mut out = poisoned();
     set.read_into(&mut out).unwrap();
     same(&out, "a prepared set");
+    assert_eq!(into(), before + 3, "{what}: the prepared set streamed straight into the vectors");
     let got = set.submit().unwrap().wait().unwrap();
     for (k, w) in want.iter().enumerate() {
         assert!(got.get(set.slot(k)) == *w, "{what}: prepared view {k}");
