@@ -27,7 +27,9 @@ pub struct Config {
     /// allocation. At least 4 MiB, a multiple of 256; default 64 MiB.
     pub slab_bytes: u64,
     /// The most pinned host memory the staging pool holds. At least `2 * chunk_bytes`;
-    /// default 1 GiB.
+    /// default 1 GiB. Batches larger than this still move: uploads pipeline through it in
+    /// chunks, and a readback the pool cannot hold at once streams through a ring of chunks
+    /// (see [`ReadbackBatch`](crate::ReadbackBatch)).
     pub pinned_cap_bytes: u64,
     /// Pinned staging allocated when the device opens, so that the first copies do not pay
     /// for `cuMemHostAlloc` (about 0.5 ms per MiB). Default 0.
