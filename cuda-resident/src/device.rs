@@ -27,10 +27,13 @@ pub struct Config {
     /// allocation. At least 4 MiB, a multiple of 256; default 64 MiB.
     pub slab_bytes: u64,
     /// The most pinned host memory the staging pool holds. At least `2 * chunk_bytes`;
-    /// default 1 GiB. Of it, `min(8 * chunk_bytes, pinned_cap_bytes / 2)` (128 MiB by
-    /// default) is kept for transfers: pinned buffers ([`Device::pinned`]), prepared sets'
-    /// regions and unreleased readback views may hold the rest, so that transfers always
-    /// find staging (a prepared set that finds no room moves as batches do).
+    /// default 1 GiB. Batches larger than this still move: uploads pipeline through it in
+    /// chunks, and a readback the pool cannot hold at once streams through a ring of chunks
+    /// (see [`ReadbackBatch`](crate::ReadbackBatch)). Of the cap,
+    /// `min(8 * chunk_bytes, pinned_cap_bytes / 2)` (128 MiB by default) is kept for
+    /// transfers: pinned buffers ([`Device::pinned`]), prepared sets' regions and unreleased
+    /// readback views may hold the rest, so that transfers always find staging (a prepared
+    /// set that finds no room moves as batches do).
     pub pinned_cap_bytes: u64,
     /// Pinned staging allocated when the device opens, so that the first copies do not pay
     /// for `cuMemHostAlloc` (about 0.5 ms per MiB). Default 0.

@@ -156,6 +156,21 @@ pub enum Error {
         buffer_len: u64,
     },
 
+    /// A readback slot redeemed by the readback of another batch than the one that gave it.
+    #[error(
+        "slot {index} of readback batch {slot_batch} was given to the readback of batch {batch}: it names a read of \
+         another batch, whose bytes are not here. Fix: redeem each Slot with the Readback (or PendingReadback) of \
+         the batch that returned it; for a prepared set, use its own slots (PreparedReadbacks::slot) with its readbacks."
+    )]
+    ForeignSlot {
+        /// The slot's index in its batch.
+        index: u32,
+        /// The identity of the slot's batch.
+        slot_batch: u64,
+        /// The identity of the readback's batch.
+        batch: u64,
+    },
+
     /// Host memory for a result could not be reserved.
     #[error(
         "could not reserve {bytes} bytes of host memory for the result. Fix: read in smaller ranges, or into a slice you own (Device::read_into_slice)."
@@ -420,6 +435,7 @@ mod tests {
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
             Error::HostOutOfMemory { bytes: 1 },
+            Error::ForeignSlot { index: 3, slot_batch: 7, batch: 9 },
             Error::NotPinned { operation: "Device::upload_async_at", address: 4096, len: 10, unpinned: 4105 },
             Error::BatchPoisoned {
                 write: 2,

@@ -497,3 +497,68 @@ fn prepared_sets_move_new_bytes_every_round_and_read_them_back() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn readback_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_right() {
+    // A pool of 64 MiB (four 16 MiB chunks) and batches of 256 MiB: 1 MiB reads, 16 KiB
+    // reads in order and apart (the path that skips the planner), and 16 KiB reads that
+    // touch (fused by the planner into one interval); views, vectors, the download helpers
+    // and a prepared set, outputs pre-filled with garbage; every byte compared.
+    let config = Config { chunk_bytes: 16 << 20, pinned_cap_bytes: 64 << 20, ..Config::default() };
+    let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
+    let mut rng = fastrand::Rng::with_seed(91);
+    let m = Model::new(&d, &mut rng, &[300 << 20]);
+    let b = m.buffers[0];
+    const SMALL: u64 = 16 << 10;
+    let cases: [(&str, Vec<(u64, u64)>); 3] = [
+        ("1 MiB reads", (0..256).map(|k| (k << 20, 1 << 20)).collect()),
+        ("16 KiB reads apart", (0..16384).map(|k| (k * (SMALL + 64) + 16, SMALL)).collect()),
+        ("16 KiB reads touching", (0..16384).map(|k| (k * SMALL, SMALL)).collect()),
+    ];
+    for (what, ranges) in &cases {
+        let lent = d.telemetry().pinned.lent_bytes;
+        let want: Vec<&[u8]> =
+            ranges.iter().map(|&(at, len)| &m.expect[0][at as usize..][..len as usize]).collect();
+        let same = |got: &[Vec<u8>], how: &str| {
+            for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g == w,
+                    "{what}: {how}: read {k} differs at {:?}",
+                    g.iter().zip(*w).position(|(a, b)| a != b)
+                );
+            }
+        };
+        let poisoned = || vec![vec![0x5Au8; 100]; ranges.len()];
+        // Views.
+        let mut reads = d.readbacks();
+        let slots: Vec<_> = ranges.iter().map(|&(at, len)| reads.read(b, at, len).unwrap()).collect();
+        let done = reads.submit().unwrap().wait().unwrap();
+        for (k, (&slot, w)) in slots.iter().zip(&want).enumerate() {
+            assert!(done.get(slot) == *w, "{what}: view {k}");
+        }
+        let mut out = poisoned();
+        done.copy_all_into(&slots, &mut out).unwrap();
+        same(&out, "copy_all_into");
+        drop(done);
+        // Into vectors.
+        let mut reads = d.readbacks();
+        let slots: Vec<_> = ranges.iter().map(|&(at, len)| reads.read(b, at, len).unwrap()).collect();
+        let mut out = poisoned();
+        reads.submit().unwrap().wait_into(&slots, &mut out).unwrap();
+        same(&out, "wait_into");
+        let triples: Vec<_> = ranges.iter().map(|&(at, len)| (b, at, len)).collect();
+        let mut out = poisoned();
+        d.download_into(&triples, &mut out).unwrap();
+        same(&out, "download_into");
+        same(&d.download_ranges(&triples).unwrap(), "download_ranges");
+        let mut set = d.prepare_readbacks(&triples).unwrap();
+        let mut out = poisoned();
+        set.read_into(&mut out).unwrap();
+        same(&out, "a prepared set");
+        drop(set);
+        d.synchronize().unwrap();
+        assert_eq!(d.telemetry().pinned.lent_bytes, lent, "{what}: pinned staging back after the readbacks");
+    }
+    d.free(b).unwrap();
+}

@@ -237,8 +237,14 @@ impl Device {
     }
 
     /// `len` bytes of `buffer` at `offset`, read back.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when the range does not lie in the buffer (`offset + len`
+    /// overflowing included), checked before any host memory is reserved for the result.
     pub fn download_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Vec<u8>> {
-        if len <= 4 * self.config().chunk_bytes {
+        // The range first: a length of `u64::MAX` is a bad range, not a host out of memory.
+        self.checked_range(buffer, offset, len)?;
+        if len <= self.config().chunk_bytes.saturating_mul(4) {
             return Ok(self.download_ranges(&[(buffer, offset, len)])?.pop().unwrap_or_default());
         }
         let mut out = zeroed_vec(len)?;
@@ -320,24 +326,32 @@ impl Device {
         Ok(())
     }
 
-    /// Each whole buffer, read back as one batch.
+    /// Each whole buffer, read back as one batch (of any size: a batch larger than the
+    /// pinned pool streams through it, see [`ReadbackBatch`](crate::ReadbackBatch), each
+    /// chunk copied into the result vectors as it lands).
     pub fn download_many(&self, buffers: &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> {
         let mut batch = self.readbacks();
-        let slots = batch.read_many(buffers)?;
-        let done = batch.submit()?.wait()?;
-        Ok(slots.into_iter().map(|s| done.get(s).to_vec()).collect())
+        batch.read_many(buffers)?;
+        let mut out = vec![Vec::new(); buffers.len()];
+        batch.submit_into(&mut out, false)?;
+        Ok(out)
     }
 
-    /// Each `(buffer, offset, len)` range, read back as one batch.
+    /// Each `(buffer, offset, len)` range, read back as one batch (of any size, as
+    /// [`Device::download_many`]).
     pub fn download_ranges(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<Vec<Vec<u8>>> {
         let mut batch = self.readbacks();
-        let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
-        let done = batch.submit()?.wait()?;
-        Ok(slots.into_iter().map(|s| done.get(s).to_vec()).collect())
+        for &(b, o, l) in ranges {
+            batch.read(b, o, l)?;
+        }
+        let mut out = vec![Vec::new(); ranges.len()];
+        batch.submit_into(&mut out, false)?;
+        Ok(out)
     }
 
     /// Reads each `(buffer, offset, len)` range into the caller's vector of the same index,
-    /// replacing its contents and reusing its capacity; one batch, one wait.
+    /// replacing its contents and reusing its capacity; one batch (of any size, as
+    /// [`Device::download_many`]), one wait.
     pub fn download_into(&self, ranges: &[(ResidentBuffer, u64, u64)], out: &mut [Vec<u8>]) -> Result<()> {
         if ranges.len() != out.len() {
             return Err(Error::LengthMismatch {
@@ -347,8 +361,10 @@ impl Device {
             });
         }
         let mut batch = self.readbacks();
-        let slots = ranges.iter().map(|&(b, o, l)| batch.read(b, o, l)).collect::<Result<Vec<_>>>()?;
-        batch.submit()?.wait_into(&slots, out).map(drop)
+        for &(b, o, l) in ranges {
+            batch.read(b, o, l)?;
+        }
+        batch.submit_into(out, true)
     }
 
     /// Blocks until every upload submitted so far has completed.
@@ -895,6 +911,8 @@ mod callback_tests;
 mod edge_tests;
 #[cfg(test)]
 pub(crate) mod model_tests;
+#[cfg(test)]
+mod readback_tests;
 
 #[cfg(test)]
 mod tests {

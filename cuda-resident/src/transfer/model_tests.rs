@@ -1201,8 +1201,43 @@ fn held_staging_leaves_the_reserve_to_transfers() {
         m.expect[1][*at as usize..][..bytes.len()].copy_from_slice(bytes);
     }
     m.check(&d, "transfers beside held staging");
+    // A readback with views finds no held staging left: it streams into memory of its own,
+    // with the same views.
+    let mut reads = d.readbacks();
+    let slots: Vec<_> = (0..3).map(|i| reads.read_all(m.buffers[i]).unwrap()).collect();
+    let done = reads.submit().unwrap().wait().unwrap();
+    for (i, &slot) in slots.iter().enumerate() {
+        assert!(done.get(slot) == &m.expect[i][..], "view {i}");
+    }
+    assert_eq!(d.telemetry().pinned.held_bytes, (8 << 20) - reserve, "the views hold no pinned staging");
+    drop(done);
     assert!(held[..7].iter().all(|b| b.iter().all(|&x| x == 0xA5)), "held buffers untouched");
     drop(held);
     drop(up);
+    assert_eq!(d.telemetry().pinned.held_bytes, 0);
+}
+
+/// Unreleased readbacks hold their staging as held staging: many of them stop at the held
+/// limit (later ones stream into memory of their own), and transfers still move.
+#[test]
+fn unreleased_readbacks_leave_the_reserve_to_transfers() {
+    let config = small_chunks();
+    let limit = config.pinned_cap_bytes - config.pinned_reserve();
+    let d = device(config);
+    let mut rng = fastrand::Rng::with_seed(73);
+    let m = Model::new(&d, &mut rng, &[60_000, 50_000]);
+    let mut kept = Vec::new();
+    for _ in 0..200 {
+        let mut reads = d.readbacks();
+        let a = reads.read_all(m.buffers[0]).unwrap();
+        let b = reads.read(m.buffers[1], 1000, 40_000).unwrap();
+        let done = reads.submit().unwrap().wait().unwrap();
+        assert!(done.get(a) == &m.expect[0][..] && done.get(b) == &m.expect[1][1000..41_000]);
+        kept.push(done);
+        assert!(d.telemetry().pinned.held_bytes <= limit);
+    }
+    assert!(d.telemetry().pinned.held_bytes * 10 >= limit * 9, "the readbacks filled the held limit");
+    m.check(&d, "transfers beside 200 unreleased readbacks");
+    drop(kept);
     assert_eq!(d.telemetry().pinned.held_bytes, 0);
 }

@@ -47,8 +47,10 @@ pub struct PreparedReadbacks {
     /// The layout, the views of its readbacks, and each chunk's first read then the count,
     /// for the fast path.
     fast: Option<(Layout, Arc<[ReadView]>, Vec<usize>)>,
-    /// `Slot`s of every range, in order.
+    /// `Slot`s of every range, in order, tagged with the set's identity.
     slots: Vec<Slot>,
+    /// The set's identity: its readbacks redeem its slots (those that move as a batch too).
+    id: u64,
 }
 
 /// Ranges in order and apart, laid out once: the packed bytes at their flat offsets in a
@@ -139,17 +141,22 @@ impl Device {
     /// point into that region. While one readback of the set is alive (or in flight), the
     /// next moves as a [`ReadbackBatch`](crate::ReadbackBatch) of its own, so views never
     /// change under a caller: drop a readback before the next submit to stay on the fast
-    /// path. Other sets move as a batch each time.
+    /// path. Other sets move as a batch each time, and so does a set whose region the
+    /// pinned pool cannot lend (larger than
+    /// [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes), or more than is free):
+    /// such a batch streams through the pool (see [`ReadbackBatch`](crate::ReadbackBatch)).
     ///
     /// # Errors
-    /// As [`Device::prepare_uploads`].
+    /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept. The
+    /// allocator's errors for the table.
     pub fn prepare_readbacks(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedReadbacks> {
         let fast = Layout::new(self, ranges, LaneKind::Readback)?.map(|layout| {
             let (views, chunks) = layout.views(ranges);
             (layout, views, chunks)
         });
-        let slots = (0..ranges.len()).map(Slot::nth).collect();
-        Ok(PreparedReadbacks { device: self.clone(), ranges: ranges.to_vec(), fast, slots })
+        let id = super::readback::next_batch_id();
+        let slots = (0..ranges.len()).map(|i| Slot::nth(id, i)).collect();
+        Ok(PreparedReadbacks { device: self.clone(), ranges: ranges.to_vec(), fast, slots, id })
     }
 }
 
@@ -183,11 +190,18 @@ impl Layout {
         } else {
             cut_apart(&apart.offsets, |i| ranges[i].2, |_| chunk_bytes, &mut spans);
         }
-        // Held staging: past its limit (the pool's reserve for transfers), the set moves as
-        // batches do.
+        // Held staging: a set that finds no room for it (past the held limit, the pool's
+        // reserve for transfers, or larger than the pool can lend) moves as batches do, which
+        // stream through the pool.
         let lease = match device.acquire_held_staging(apart.end as usize) {
             Ok(lease) => lease,
-            Err(Error::PinnedReserved { .. }) => return Ok(None),
+            Err(
+                Error::PinnedReserved { .. }
+                | Error::PinnedCapExceeded { .. }
+                | Error::PinnedExhausted { .. },
+            ) => {
+                return Ok(None);
+            }
             Err(e) => return Err(e),
         };
         let base = lease.as_ptr() as u64;
@@ -420,7 +434,8 @@ impl PreparedReadbacks {
         self.fast.is_some()
     }
 
-    /// The slot of range `index` in every readback of this set.
+    /// The slot of range `index` in every readback of this set (only this set's readbacks
+    /// redeem it: see [`Readback::get`](crate::Readback::get)).
     ///
     /// # Panics
     /// If `index` is not below [`PreparedReadbacks::len`].
@@ -465,13 +480,13 @@ impl PreparedReadbacks {
                     Fence::new(device.clone(), LaneKind::Readback, final_seq),
                     first_seq,
                     Arc::clone(&layout.lease),
-                    Arc::clone(views),
+                    (self.id, Arc::clone(views)),
                     chunks.clone(),
                     layout.requested as usize,
                 ));
             }
         }
-        let mut batch = device.readbacks();
+        let mut batch = device.readbacks_as(self.id);
         for &(buffer, offset, len) in &self.ranges {
             batch.read(buffer, offset, len)?;
         }
@@ -480,7 +495,9 @@ impl PreparedReadbacks {
 
     /// Reads every range into the caller's vector of the same index, replacing its contents
     /// (capacity is reused), and waits; each vector is filled on the packing threads as soon
-    /// as its chunk has landed.
+    /// as its chunk has landed. A set that is not laid out and streams through the pinned
+    /// pool (see [`ReadbackBatch`](crate::ReadbackBatch)) copies each chunk straight into the
+    /// vectors.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`] unless there is one vector per range (nothing enqueued);
@@ -492,6 +509,15 @@ impl PreparedReadbacks {
                 left: self.ranges.len(),
                 right: out.len(),
             });
+        }
+        if self.fast.is_none() {
+            // A batch each time: one that streams through the pinned pool goes straight into
+            // the vectors.
+            let mut batch = self.device.readbacks_as(self.id);
+            for &(buffer, offset, len) in &self.ranges {
+                batch.read(buffer, offset, len)?;
+            }
+            return batch.submit_into(out, true);
         }
         let pending = self.submit()?;
         pending.wait_into(&self.slots, out).map(drop)

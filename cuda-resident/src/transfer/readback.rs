@@ -1,7 +1,8 @@
 //! Readbacks: a batch of reads, fused, gathered by the kernel (small ranges: into device
 //! staging and moved by one DMA, or, many small reads in order, straight into pinned staging
 //! over the bus) or copied directly (large ones), into one pinned region that the caller
-//! reads as `&[u8]` views.
+//! reads as `&[u8]` views. A batch larger than the pinned pool can lend streams through a
+//! ring of pinned chunks into one ordinary host allocation instead ([`execute_streamed`]).
 
 use std::fmt;
 use std::sync::Arc;
@@ -17,30 +18,59 @@ use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_by
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::Moves;
+use crate::telemetry::{Moves, Telemetry};
 
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
 
-/// Names one read of a [`ReadbackBatch`]; redeem it with [`Readback::get`].
+/// Names one read of a [`ReadbackBatch`] (or one range of a
+/// [`PreparedReadbacks`](crate::PreparedReadbacks)); redeem it with [`Readback::get`] or
+/// the copying methods of the [`Readback`] that batch's submit produced.
+///
+/// A slot carries the identity of its batch next to the read's index, so that a slot of
+/// another batch is caught (an error, or a panic where the method returns no `Result`)
+/// instead of naming another read's bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Slot(u32);
+pub struct Slot {
+    /// The batch (or prepared set) the slot came from ([`next_batch_id`]).
+    batch: u64,
+    index: u32,
+}
 
 impl Slot {
-    /// The slot of the `index`th read of a batch.
-    pub(crate) fn nth(index: usize) -> Slot {
-        Slot(index as u32)
+    /// The slot of the `index`th read of batch `batch`.
+    pub(crate) fn nth(batch: u64, index: usize) -> Slot {
+        Slot { batch, index: index as u32 }
     }
 }
 
+/// A new batch identity, never handed out before in this process (a `u64` counter does not
+/// wrap in practice): what ties a [`Slot`] to its batch.
+pub(crate) fn next_batch_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 /// A batch of device-to-host reads ([`Device::readbacks`]). Reads of one buffer that overlap
-/// or touch are fused and move once. Every read is checked when it is added; a bad one
-/// returns its error and also fails `submit`.
+/// or touch are fused and move once.
+///
+/// Every read is checked when it is added ([`ReadbackBatch::read`], [`ReadbackBatch::read_all`],
+/// [`ReadbackBatch::read_many`]): a bad one (a freed or foreign handle, a range out of its
+/// buffer) returns its error and poisons the batch: [`ReadbackBatch::submit`] fails with the
+/// first such error and nothing moves, the good reads included.
+///
+/// A batch of any size works, whatever [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes):
+/// one whose staging the pool cannot lend at once (more than the cap, or more than is free
+/// of what callers hold) streams through a ring of pinned chunks into one ordinary host
+/// allocation owned by its [`Readback`] (see there): same API and same bytes, one more host
+/// copy, and its `submit` returns only once every byte has landed.
 pub struct ReadbackBatch<'a> {
     device: &'a Device,
     table: BufferTable,
     reads: Vec<ReadRequest>,
     error: Option<Error>,
+    /// This batch's identity, carried by its slots and its readback.
+    id: u64,
 }
 
 impl fmt::Debug for ReadbackBatch<'_> {
@@ -60,9 +90,23 @@ pub struct PendingReadback {
 
 /// Completed reads: views into pinned staging, valid while this value lives. Dropping it
 /// returns the staging to the pool.
+///
+/// A batch whose reads need more pinned staging than the pool can lend at once (more than
+/// [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes), or more than is free of
+/// what callers hold) is not refused: it streams through a ring of pinned chunks, each
+/// copied out as it lands into one ordinary host allocation that this value owns, and the
+/// views point there. The API is the same; such a batch costs one more host copy, holds no
+/// pinned staging once submitted, and its `submit` returns once every byte has landed.
+/// ([`Device::download_many`], [`Device::download_ranges`] and [`Device::download_into`]
+/// skip the host allocation: each chunk goes straight into the result vectors.)
 pub struct Readback {
     device: Option<Device>,
+    /// The identity of the batch (or prepared set) whose slots this readback redeems.
+    batch: u64,
     lease: Option<Arc<HostLease>>,
+    /// A streamed batch's flat staging, in ordinary host memory ([`execute_streamed`]);
+    /// empty otherwise.
+    host: Vec<u8>,
     /// Where flat staging starts in the lease (after the descriptor tables of planned reads;
     /// 0 for reads in order, whose tables follow the packed bytes).
     base: usize,
@@ -110,13 +154,14 @@ impl Drop for Readback {
 impl PendingReadback {
     /// A readback of a prepared set's reads in order ([`super::prepared`]): its chunks are
     /// submissions `first_seq..=fence`'s, `chunks` their first reads then the number of reads,
-    /// and the bytes land in `lease` at the views' offsets.
+    /// and the bytes land in `lease` at the views' offsets; `views` comes with the set's
+    /// identity, which its slots carry.
     pub(super) fn prepared(
         device: Device,
         fence: Fence,
         first_seq: u64,
         lease: Arc<HostLease>,
-        views: Arc<[ReadView]>,
+        (batch, views): (u64, Arc<[ReadView]>),
         chunks: Vec<usize>,
         bytes: usize,
     ) -> PendingReadback {
@@ -124,7 +169,9 @@ impl PendingReadback {
             fence,
             readback: Readback {
                 device: Some(device),
+                batch,
                 lease: Some(lease),
+                host: Vec::new(),
                 base: 0,
                 views: Views::Shared(views),
                 chunks,
@@ -144,27 +191,51 @@ impl fmt::Debug for Readback {
 impl Device {
     /// Starts a batch of readbacks.
     pub fn readbacks(&self) -> ReadbackBatch<'_> {
+        self.readbacks_as(next_batch_id())
+    }
+
+    /// A batch whose slots and readback carry the identity `id` (a prepared set's, so that
+    /// the set's slots redeem the readbacks it moves as batches).
+    pub(crate) fn readbacks_as(&self, id: u64) -> ReadbackBatch<'_> {
         let (table, reads) = self.core().readback_parts.take();
-        ReadbackBatch { device: self, table, reads, error: None }
+        ReadbackBatch { device: self, table, reads, error: None, id }
     }
 }
 
 impl ReadbackBatch<'_> {
     /// Adds a read of `len` bytes of `buffer` at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::FreedBuffer`], [`Error::ForeignBuffer`], or [`Error::OutOfRange`] (the range
+    /// past the buffer's end, or `offset + len` overflowing); the batch is poisoned then:
+    /// [`ReadbackBatch::submit`] fails with the same error and moves nothing.
     pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
         let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
-        let slot = Slot(self.reads.len() as u32);
+        let slot = Slot::nth(self.id, self.reads.len());
         self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(slot)
     }
 
     /// Adds a read of the whole buffer.
+    ///
+    /// # Errors
+    /// As [`ReadbackBatch::read`]: a freed or foreign handle poisons the batch.
     pub fn read_all(&mut self, buffer: ResidentBuffer) -> Result<Slot> {
-        let len = self.device.buffer_len(buffer)?;
+        let len = match self.device.buffer_len(buffer) {
+            Ok(len) => len,
+            Err(e) => {
+                self.error.get_or_insert_with(|| e.clone());
+                return Err(e);
+            }
+        };
         self.read(buffer, 0, len)
     }
 
     /// Adds a read of each whole buffer, in order.
+    ///
+    /// # Errors
+    /// As [`ReadbackBatch::read_all`], for the first bad buffer (the reads before it stay
+    /// added, but the batch is poisoned).
     pub fn read_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
         buffers.iter().map(|&b| self.read_all(b)).collect()
     }
@@ -179,14 +250,53 @@ impl ReadbackBatch<'_> {
         self.reads.is_empty()
     }
 
-    /// Starts the reads and returns at once. Fails (with nothing enqueued) if any read was
-    /// bad, a buffer was freed since, or the reads need more pinned staging than the pool's
-    /// cap.
+    /// Starts the reads and returns at once.
+    ///
+    /// # Errors
+    /// The first bad read's error when any read was refused (the batch is poisoned), or
+    /// [`Error::FreedBuffer`] for a buffer freed since its read was added; nothing is
+    /// enqueued then, the good reads included. A batch too large for the pinned pool is not
+    /// an error: it streams (see [`ReadbackBatch`]), and this returns once it has landed;
+    /// [`Error::PinnedExhausted`] only when the caller holds so much staging that not even
+    /// one chunk of the ring is left.
     pub fn submit(mut self) -> Result<PendingReadback> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        execute(&self)
+        execute(&self, &mut None)
+    }
+
+    /// Submits and reads read `i` into `out[i]` for every read, replacing each vector's
+    /// contents, and waits: [`ReadbackBatch::submit`] then [`PendingReadback::wait_into`]
+    /// (`pipelined`) or a wait and a copy of each read, except that a batch too large for
+    /// the pinned pool streams each chunk straight into the vectors as it lands (no host
+    /// allocation of the whole batch, no second copy).
+    pub(crate) fn submit_into(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<()> {
+        if out.len() != self.reads.len() {
+            return Err(Error::LengthMismatch {
+                what: "reads and output vectors",
+                left: self.reads.len(),
+                right: out.len(),
+            });
+        }
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        let mut sink = Some(&mut *out);
+        let pending = execute(&self, &mut sink)?;
+        if sink.is_none() {
+            // Streamed into the vectors.
+            return Ok(());
+        }
+        let slots = (0..out.len()).map(|i| Slot::nth(self.id, i));
+        if pipelined {
+            return pending.wait_into(&slots.collect::<Vec<_>>(), out).map(drop);
+        }
+        let done = pending.wait()?;
+        for (slot, vec) in slots.zip(out.iter_mut()) {
+            done.copy_into(slot, vec);
+        }
+        Ok(())
     }
 }
 
@@ -202,12 +312,13 @@ impl PendingReadback {
     /// wire, on the packing threads; replaces each vector's contents (capacity is reused).
     /// Returns the readback for views as well. On error the vectors are left empty.
     ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] unless there is one vector per slot; [`Error::ForeignSlot`]
+    /// for a slot of another batch (checked before any vector is written); a failed wait.
+    ///
     /// Slots are best passed in the order their reads were added: for a batch of small
     /// reads in order, a slot whose read lands in a later chunk than the one its position
     /// falls in is copied once everything has landed, on the calling thread.
-    ///
-    /// # Panics
-    /// If a slot came from another batch with more reads than this one.
     pub fn wait_into(self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Readback> {
         if slots.len() != out.len() {
             return Err(Error::LengthMismatch {
@@ -216,8 +327,16 @@ impl PendingReadback {
                 right: out.len(),
             });
         }
-        let Some(device) = self.readback.device.clone() else {
-            self.readback.copy_all_into(slots, out)?;
+        if let Err(e) = self.readback.check_slots(slots) {
+            out.iter_mut().for_each(Vec::clear);
+            return Err(e);
+        }
+        let Some(device) = self.readback.device.clone().filter(|_| self.readback.lease.is_some()) else {
+            // Nothing moved, or a streamed batch: its bytes are in host memory already.
+            if let Err(e) = self.fence.wait().and_then(|()| self.readback.copy_all_into(slots, out)) {
+                out.iter_mut().for_each(Vec::clear);
+                return Err(e);
+            }
             return Ok(self.readback);
         };
         if !self.readback.chunks.is_empty() {
@@ -227,19 +346,19 @@ impl PendingReadback {
         // threads, which copy a chunk's reads out as soon as it has landed.
         let views = &self.readback.views;
         let mut order: Vec<usize> = (0..slots.len()).collect();
-        order.sort_unstable_by_key(|&i| views[slots[i].0 as usize].last_chunk);
-        let chunks = order.last().map_or(0, |&i| views[slots[i].0 as usize].last_chunk as usize + 1);
+        order.sort_unstable_by_key(|&i| views[slots[i].index as usize].last_chunk);
+        let chunks = order.last().map_or(0, |&i| views[slots[i].index as usize].last_chunk as usize + 1);
         let mut pieces = Vec::with_capacity(order.len());
         let mut spans = Vec::new();
         let mut total = 0;
-        for same in order
-            .chunk_by(|&a, &b| views[slots[a].0 as usize].last_chunk == views[slots[b].0 as usize].last_chunk)
-        {
+        for same in order.chunk_by(|&a, &b| {
+            views[slots[a].index as usize].last_chunk == views[slots[b].index as usize].last_chunk
+        }) {
             let first = pieces.len();
             for &i in same {
                 total += self.readback.push_copy(slots[i], &mut out[i], &mut pieces);
             }
-            spans.push((views[slots[same[0]].0 as usize].last_chunk as usize, first..pieces.len()));
+            spans.push((views[slots[same[0]].index as usize].last_chunk as usize, first..pieces.len()));
         }
         let threads = device.core().packers().current_num_threads();
         let chunk_bytes = (total / chunks.max(1)) as u64;
@@ -295,7 +414,7 @@ impl PendingReadback {
         let outs = SharedVecs(out.as_mut_ptr());
         let skipped = AtomicBool::new(false);
         let fill = |p: usize| {
-            let view = views[slots[p].0 as usize];
+            let view = views[slots[p].index as usize];
             // SAFETY: positions are distinct across groups and `out` is borrowed mutably for
             // this call: no one else touches this vector.
             let vec = unsafe { &mut *outs.at(p) };
@@ -323,7 +442,7 @@ impl PendingReadback {
             },
             |k, items| {
                 for p in items {
-                    if views[slots[p].0 as usize].last_chunk as usize > k {
+                    if views[slots[p].index as usize].last_chunk as usize > k {
                         skipped.store(true, Ordering::Relaxed);
                     } else {
                         fill(p);
@@ -340,7 +459,7 @@ impl PendingReadback {
         if skipped.load(Ordering::Relaxed) {
             let chunk_of = |p: usize| starts[1..].partition_point(|&s| s <= p).min(chunks - 1);
             for p in 0..slots.len() {
-                if views[slots[p].0 as usize].last_chunk as usize > chunk_of(p) {
+                if views[slots[p].index as usize].last_chunk as usize > chunk_of(p) {
                     fill(p);
                 }
             }
@@ -359,42 +478,55 @@ impl Readback {
     /// The bytes of a read, viewed in pinned staging (no copy).
     ///
     /// # Panics
-    /// If `slot` came from another batch with more reads than this one.
+    /// If `slot` came from another batch (or another prepared set) than this readback's:
+    /// a slot is redeemed only by the readback of its own batch, never for another read's
+    /// bytes. [`Readback::copy_all_into`] reports the same as an error.
     pub fn get(&self, slot: Slot) -> &[u8] {
-        let view = self.views[slot.0 as usize];
+        let view = self.view(slot).unwrap_or_else(|e| panic!("Readback::get: {e}"));
+        let (at, len) = (view.stage_offset as usize, view.len as usize);
         match &self.lease {
             // SAFETY: the reads completed (this value exists only after the fence), the
             // view lies inside the lease's flat staging, and the lease lives as long as self.
-            Some(lease) => unsafe {
-                &lease.as_slice()[self.base + view.stage_offset as usize..][..view.len as usize]
-            },
-            None => &[],
+            Some(lease) => unsafe { &lease.as_slice()[self.base + at..][..len] },
+            // A streamed batch (or one that moved nothing, whose views are empty).
+            None => self.host.get(at..at + len).unwrap_or(&[]),
         }
     }
 
     /// Where a read's bytes will be in pinned staging, and their length; no reference is
     /// made, so this may be asked before they land.
     fn address_of(&self, slot: Slot) -> (*const u8, usize) {
-        let view = self.views[slot.0 as usize];
+        let view = self.views[slot.index as usize];
+        debug_assert_eq!(slot.batch, self.batch, "slots are checked before their addresses are taken");
         match &self.lease {
             Some(lease) => {
                 // SAFETY: the view lies inside the lease's flat staging.
                 let at = unsafe { lease.as_ptr().add(self.base + view.stage_offset as usize) };
                 (at, view.len as usize)
             }
+            // A streamed batch: its views lie in `host` (an empty one: views of no bytes).
+            None if view.len > 0 => (self.host[view.stage_offset as usize..].as_ptr(), view.len as usize),
             None => (std::ptr::null(), 0),
         }
     }
 
     /// Copies a read into a caller-owned vector, replacing its contents (its capacity is
     /// reused).
+    ///
+    /// # Panics
+    /// As [`Readback::get`], if `slot` came from another batch; `out` is left as it was.
     pub fn copy_into(&self, slot: Slot, out: &mut Vec<u8>) {
+        let bytes = self.get(slot);
         out.clear();
-        out.extend_from_slice(self.get(slot));
+        out.extend_from_slice(bytes);
     }
 
     /// Copies each read into the caller's vector of the same index, replacing its contents
     /// (capacity is reused), on the device's packing threads when there is enough to copy.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] unless there is one vector per slot; [`Error::ForeignSlot`]
+    /// for a slot of another batch. Either leaves every vector as it was.
     pub fn copy_all_into(&self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<()> {
         if slots.len() != out.len() {
             return Err(Error::LengthMismatch {
@@ -403,6 +535,7 @@ impl Readback {
                 right: out.len(),
             });
         }
+        self.check_slots(slots)?;
         let Some(device) = &self.device else {
             out.iter_mut().for_each(Vec::clear);
             return Ok(());
@@ -437,7 +570,7 @@ impl Readback {
     unsafe fn set_lengths(&self, slots: &[Slot], out: &mut [Vec<u8>]) {
         for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
             // SAFETY: the copies initialised exactly this many bytes, as the caller promises.
-            unsafe { vec.set_len(self.views[slot.0 as usize].len as usize) };
+            unsafe { vec.set_len(self.views[slot.index as usize].len as usize) };
         }
     }
 
@@ -446,13 +579,28 @@ impl Readback {
         self.views.len()
     }
 
+    /// The view of `slot`, or [`Error::ForeignSlot`] unless it is one of this readback's.
+    fn view(&self, slot: Slot) -> Result<ReadView> {
+        match self.views.get(slot.index as usize) {
+            Some(&view) if slot.batch == self.batch => Ok(view),
+            _ => Err(Error::ForeignSlot { index: slot.index, slot_batch: slot.batch, batch: self.batch }),
+        }
+    }
+
+    /// Fails with [`Error::ForeignSlot`] for the first slot that is not this readback's.
+    fn check_slots(&self, slots: &[Slot]) -> Result<()> {
+        slots.iter().try_for_each(|&slot| self.view(slot).map(drop))
+    }
+
     /// Whether there are no reads.
     pub fn is_empty(&self) -> bool {
         self.views.is_empty()
     }
 }
 
-fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
+/// Moves the batch. A batch that streams ([`execute_streamed`]) copies its reads into the
+/// vectors of `sink` (read `i` into the `i`th) when there are some, and takes them then.
+fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Result<PendingReadback> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
@@ -467,16 +615,16 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
     if in_order && apart.longest < plan_config.direct_threshold {
-        return execute_in_order(
-            batch,
-            super::in_order_chunk(
-                config.chunk_bytes,
-                total,
-                if device.small_copies_over_bus() { super::READ_DEPTH } else { super::PIPELINE_DEPTH },
-            ),
-            &lane_batch,
-            scratch,
+        let chunk = super::in_order_chunk(
+            config.chunk_bytes,
+            total,
+            if device.small_copies_over_bus() { super::READ_DEPTH } else { super::PIPELINE_DEPTH },
         );
+        return match execute_in_order(batch, chunk, &lane_batch, scratch) {
+            // Refused before anything was enqueued: the batch streams instead.
+            Err(e) if refused_staging(&e) => execute_streamed(batch, &lane_batch, scratch, sink.take()),
+            done => done,
+        };
     }
     scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
     let plan = &scratch.readback_plan;
@@ -486,7 +634,9 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
             fence: Fence::completed(),
             readback: Readback {
                 device: None,
+                batch: batch.id,
                 lease: None,
+                host: Vec::new(),
                 base: 0,
                 views: Views::Pooled(views),
                 chunks: Vec::new(),
@@ -504,7 +654,13 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         )
         .collect();
     let tables: u64 = areas.iter().sum();
-    let lease = Arc::new(device.acquire_staging((tables + plan.total_staging) as usize)?);
+    // Held staging: the readback's views keep it after the copy.
+    let lease = match device.acquire_held_staging((tables + plan.total_staging) as usize) {
+        Ok(lease) => Arc::new(lease),
+        // Nothing enqueued yet: the batch streams instead.
+        Err(e) if refused_staging(&e) => return execute_streamed(batch, &lane_batch, scratch, sink.take()),
+        Err(e) => return Err(e),
+    };
     let base = lease.as_ptr();
 
     let first_seq = lane_batch.next_seq();
@@ -604,13 +760,252 @@ fn execute(batch: &ReadbackBatch<'_>) -> Result<PendingReadback> {
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
         readback: Readback {
             device: Some(device.clone()),
+            batch: batch.id,
             lease: Some(lease),
+            host: Vec::new(),
             base: tables as usize,
             views: Views::Pooled(views),
             chunks: Vec::new(),
             in_order_bytes: 0,
         },
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
+    })
+}
+
+/// Whether `e` is the pinned pool refusing a batch's staging (more than the cap, more than
+/// is free of what callers hold, or more held staging than the pool's reserve for transfers
+/// leaves): such a batch streams ([`execute_streamed`]).
+fn refused_staging(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::PinnedCapExceeded { .. } | Error::PinnedExhausted { .. } | Error::PinnedReserved { .. }
+    )
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Batches this thread moved by [`execute_streamed`].
+    pub(crate) static STREAMED_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Of those, batches streamed straight into the caller's vectors.
+    pub(crate) static STREAMED_INTO_VECTORS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// A batch whose staging the pool cannot lend at once: planned in chunks of half the
+/// configured chunk (a chunk's lease, its bytes plus a descriptor table of up to 1.5 times
+/// them for the smallest reads, then stays within the cap, which holds two configured
+/// chunks), moved through a ring of such leases (up to [`super::RING`], as many as the pool
+/// gives), each chunk copied into one ordinary host allocation as soon as it has landed,
+/// its lease then reused by a later chunk. Returns once every chunk has landed and been
+/// copied out; the readback's views point into the host allocation.
+///
+/// With `out` (one vector a read, in read order), each chunk's share of every read goes
+/// straight into the read's vector instead, and no host allocation is made: the readback
+/// returned then has no views (the bytes are in `out`; on error every vector is empty).
+fn execute_streamed(
+    batch: &ReadbackBatch<'_>,
+    lane_batch: &crate::stream::LaneBatch<'_>,
+    scratch: &mut DeviceStaging,
+    mut out: Option<&mut [Vec<u8>]>,
+) -> Result<PendingReadback> {
+    #[cfg(test)]
+    STREAMED_BATCHES.with(|n| n.set(n.get() + 1));
+    let device = batch.device;
+    let core = device.core();
+    let config = device.config();
+    let lane = core.lane(LaneKind::Readback);
+    let chunk_bytes = config.chunk_bytes / 2;
+    let plan_config =
+        PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
+    scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
+    let DeviceStaging { readback_plan: plan, region, descriptors, pieces, .. } = scratch;
+    let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
+    let area_of = |c: &crate::plan::ReadbackChunk| {
+        if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 }
+    };
+    // Each ring lease: the largest table (a multiple of 256 bytes), then a chunk's staging.
+    let room = plan.chunks.iter().map(area_of).max().unwrap_or(0);
+    let ring_bytes = usize::try_from(room + plan.chunk_capacity)
+        .map_err(|_| Error::HostOutOfMemory { bytes: room + plan.chunk_capacity })?;
+    let views = &plan.views[..];
+    // Into the caller's vectors: each emptied with room for its read (and its address
+    // kept, for the packing threads); reads with bytes by the chunk of their first byte.
+    let mut dsts = Vec::new();
+    let mut order = Vec::new();
+    if let Some(out) = out.as_deref_mut() {
+        #[cfg(test)]
+        STREAMED_INTO_VECTORS.with(|n| n.set(n.get() + 1));
+        for (vec, view) in out.iter_mut().zip(views) {
+            vec.clear();
+            vec.reserve(view.len as usize);
+            dsts.push(vec.as_mut_ptr() as usize);
+        }
+        order.extend((0..views.len()).filter(|&i| views[i].len > 0));
+        order.sort_unstable_by_key(|&i| views[i].chunk);
+    }
+    let mut host = if out.is_some() { Vec::new() } else { super::zeroed_vec(plan.total_staging)? };
+    // Reads with bytes in the chunk being copied out, and the next read of `order`.
+    let (mut active, mut next) = (Vec::new(), 0);
+    let chunks = plan.chunks.len();
+    // The ring is taken before anything is enqueued: the first lease waits for room as any
+    // staging does, the others take only what is free.
+    let most = chunks.min(super::RING).min(core.pinned.leases_within_cap(ring_bytes as u64)).max(1);
+    let mut ring = vec![Arc::new(device.acquire_staging(ring_bytes)?)];
+    while ring.len() < most {
+        match core.pinned.try_acquire(ring_bytes)? {
+            Some(lease) => ring.push(Arc::new(lease)),
+            None => break,
+        }
+    }
+    let first_seq = lane_batch.next_seq();
+    let final_seq = device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), chunks as u64)?;
+    let device_need = plan.chunks.iter().filter(|c| area_of(c) > 0).map(|c| area_of(c) + c.packed_len).max();
+    let kernels = if device_need.is_some() { Some(core.kernels()?) } else { None };
+    let dev = match device_need {
+        Some(need) => region.ensure(device, LaneKind::Readback, need, first_seq - 1)?,
+        None => 0,
+    };
+    let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
+    // Waits for chunk `k` (submission `seqs[k]`) and copies its staging out of its lease
+    // into the host allocation, on the packing threads.
+    let mut unpack = |k: usize, seqs: &[u64], host: &mut [u8]| -> Result<()> {
+        if lane.wait(seqs[k])? {
+            Telemetry::add(&core.telemetry.host_waits, 1);
+        }
+        let chunk = &plan.chunks[k];
+        pieces.clear();
+        // SAFETY: the lease holds `room + chunk_capacity >= room + staging_len` bytes.
+        let src = unsafe { ring[k % ring.len()].as_ptr().add(room as usize) };
+        if dsts.is_empty() {
+            let dst = host[chunk.stage_start as usize..][..chunk.staging_len as usize].as_mut_ptr();
+            Piece::push_split(pieces, Piece { dst, src, len: chunk.staging_len as usize });
+        } else {
+            // Every read with bytes in this chunk: those begun before and those that begin.
+            active.retain(|&i: &usize| views[i].last_chunk as usize >= k);
+            while next < order.len() && views[order[next]].chunk as usize <= k {
+                active.push(order[next]);
+                next += 1;
+            }
+            for &i in &active {
+                let view = views[i];
+                let from = view.stage_offset.max(chunk.stage_start);
+                let to = view.stage_end().min(chunk.stage_end());
+                if from < to {
+                    // SAFETY: `from..to` lies in the chunk's staging (in the lease after the
+                    // table room) and in the read (inside its vector's reserved capacity).
+                    let (src, dst) = unsafe {
+                        (
+                            src.add((from - chunk.stage_start) as usize),
+                            (dsts[i] as *mut u8).add((from - view.stage_offset) as usize),
+                        )
+                    };
+                    Piece::push_split(pieces, Piece { dst, src, len: (to - from) as usize });
+                }
+            }
+        }
+        // SAFETY: the chunk's DMAs completed (waited above); the lease and the host
+        // allocation (or the caller's vectors, each its own) are disjoint and hold these
+        // bytes; no two destinations overlap.
+        unsafe { Piece::copy_out_all(device, pieces) };
+        Ok(())
+    };
+    let mut seqs = Vec::with_capacity(chunks);
+    let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
+    for (k, chunk) in plan.chunks.iter().enumerate() {
+        if k >= ring.len() {
+            // The lease this chunk takes is free once the chunk before it there is out.
+            unpack(k - ring.len(), &seqs, &mut host)?;
+        }
+        let lease = &ring[k % ring.len()];
+        let base = lease.as_ptr();
+        let area = area_of(chunk);
+        // SAFETY: flat offsets of this chunk lie in its staging, after the table room.
+        let staged = |flat: u64| unsafe { base.add((room + chunk.local_offset(flat)) as usize) };
+        descriptors.clear();
+        if area > 0 {
+            for c in &chunk.packed {
+                let dst = dev + area + (c.stage_offset - chunk.packed_offset);
+                push_descriptors(descriptors, ptr_of(c.buffer) + c.buffer_offset, dst, c.len);
+            }
+            let bytes = descriptors.len() * size_of::<CopyDescriptor>();
+            // SAFETY: the table room holds `area >= bytes`; the chunk that used this lease
+            // before was waited for and copied out.
+            unsafe { std::ptr::copy_nonoverlapping(descriptors.as_ptr().cast::<u8>(), base, bytes) };
+        }
+        let count = descriptors.len() as u64;
+        seqs.push(lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+            if area > 0 {
+                // SAFETY: the table is pinned and stays alive (kept by this submission);
+                // device staging holds area + packed_len bytes.
+                unsafe { raw.memcpy_htod_async(dev, base, area as usize, stream) }?;
+                let kernels = kernels.expect("loaded when a chunk uses it");
+                // SAFETY: sources are live, marked buffers; destinations are disjoint ranges
+                // of device staging.
+                unsafe { kernels.copy(raw, stream, dev, count) }?;
+                // SAFETY: the packed region of this chunk lies inside the lease.
+                unsafe {
+                    raw.memcpy_dtoh_async(
+                        staged(chunk.packed_offset),
+                        dev + area,
+                        chunk.packed_len as usize,
+                        stream,
+                    )
+                }?;
+            }
+            let singles = if area > 0 { &chunk.packed[..0] } else { &chunk.packed[..] };
+            for c in singles.iter().chain(&chunk.direct) {
+                // SAFETY: a range of a live, marked buffer into the lease.
+                unsafe {
+                    raw.memcpy_dtoh_async(
+                        staged(c.stage_offset),
+                        ptr_of(c.buffer) + c.buffer_offset,
+                        c.len as usize,
+                        stream,
+                    )
+                }?;
+            }
+            Ok(())
+        })?);
+        if area > 0 {
+            dmas += 2 + chunk.direct.len() as u64;
+            launches += 1;
+            moved += area + chunk.packed_len;
+        } else {
+            dmas += (chunk.packed.len() + chunk.direct.len()) as u64;
+            moved += chunk.packed.iter().map(|c| c.len).sum::<u64>();
+        }
+        moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
+    }
+    for k in chunks.saturating_sub(ring.len())..chunks {
+        unpack(k, &seqs, &mut host)?;
+    }
+    if let Some(out) = out.as_deref_mut() {
+        for (vec, view) in out.iter_mut().zip(views) {
+            // SAFETY: every chunk was copied out: each read's bytes, all of them, are in
+            // its vector (the chunks' staging covers every read).
+            unsafe { vec.set_len(view.len as usize) };
+        }
+    }
+    core.telemetry.record(
+        LaneKind::Readback,
+        Moves { submissions: chunks as u64, requested: plan.requested_bytes, moved, dmas, launches },
+    );
+    let mut views = core.readback_views.take();
+    if out.is_none() {
+        views.extend_from_slice(&plan.views);
+    }
+    Ok(PendingReadback {
+        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        readback: Readback {
+            device: Some(device.clone()),
+            batch: batch.id,
+            lease: None,
+            host,
+            base: 0,
+            views: Views::Pooled(views),
+            chunks: Vec::new(),
+            in_order_bytes: 0,
+        },
+        first_seq,
     })
 }
 
@@ -662,8 +1057,9 @@ fn execute_in_order(
     // The lease holds the flat packed bytes, then the chunks' tables: one descriptor a read,
     // in read order (chunk `k`'s table starts at its first read's).
     let tables = apart.end.next_multiple_of(256);
+    // Held staging: the readback's views keep it after the copy.
     let lease =
-        Arc::new(device.acquire_staging(tables as usize + reads.len() * size_of::<CopyDescriptor>())?);
+        Arc::new(device.acquire_held_staging(tables as usize + reads.len() * size_of::<CopyDescriptor>())?);
     let base = lease.as_ptr();
     let first_seq = lane_batch.next_seq();
     let final_seq =
@@ -745,7 +1141,9 @@ fn execute_in_order(
         fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
         readback: Readback {
             device: Some(device.clone()),
+            batch: batch.id,
             lease: Some(lease),
+            host: Vec::new(),
             base: 0,
             views: Views::Pooled(views),
             chunks,
