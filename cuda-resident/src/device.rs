@@ -213,7 +213,7 @@ pub(crate) struct Core {
     packers: OnceLock<rayon::ThreadPool>,
     /// Packing runs under way: the packing threads lingering after the last one stop when
     /// another starts ([`crate::transfer::pipeline::linger`]).
-    pub(crate) packing: Arc<std::sync::atomic::AtomicUsize>,
+    pub(crate) packing: Arc<crate::sync::shim::atomic::AtomicUsize>,
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,

@@ -18,7 +18,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use cuda_sys::{CUevent, CUstream};
 
@@ -28,6 +28,8 @@ use crate::error::{Result, release_retrying};
 use crate::host_pool::HostLease;
 use crate::raw::Raw;
 use crate::sync::lock;
+// The timeline's counter is model-checked with loom (the `loom` tests at the end).
+use crate::sync::shim::atomic::AtomicU64;
 
 /// The two directions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -98,8 +100,15 @@ impl LaneState {
     /// own, after a failure), the newest in flight, which is never too early. `None` when
     /// nothing is in flight.
     fn event_for(&self, seq: u64) -> Option<(u64, CUevent)> {
-        self.inflight.iter().find(|f| f.seq >= seq).or(self.inflight.back()).map(|f| (f.seq, f.event))
+        covering(&self.inflight, |f| f.seq, seq).map(|f| (f.seq, f.event))
     }
+}
+
+/// The submission of `inflight` (numbered by `seq_of`, in increasing order) after which
+/// submission `seq` is done: the first at or after it, failing that the newest, which is
+/// never too early. `None` when nothing is in flight.
+fn covering<T>(inflight: &VecDeque<T>, seq_of: impl Fn(&T) -> u64, seq: u64) -> Option<&T> {
+    inflight.iter().find(|f| seq_of(f) >= seq).or(inflight.back())
 }
 
 /// One stream and its timeline.
@@ -112,7 +121,7 @@ pub(crate) struct Lane {
     /// submissions are known before the first one is enqueued.
     submitting: crate::sync::Mutex<()>,
     /// Every sequence number up to this one has completed.
-    completed: AtomicU64,
+    completed: Completed,
 }
 
 // SAFETY: the stream and event handles are driver handles usable from any thread; the
@@ -125,7 +134,7 @@ impl fmt::Debug for Lane {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lane")
             .field("kind", &self.kind)
-            .field("completed", &self.completed.load(Ordering::Relaxed))
+            .field("completed", &self.completed.get())
             .finish_non_exhaustive()
     }
 }
@@ -146,7 +155,7 @@ impl Lane {
                 stranded: Vec::new(),
             }),
             submitting: crate::sync::Mutex::new(()),
-            completed: AtomicU64::new(0),
+            completed: Completed::new(),
         })
     }
 
@@ -179,7 +188,7 @@ impl Lane {
 
     /// Whether submission `seq` is known to have completed, without asking the driver.
     pub(crate) fn is_known_done(&self, seq: u64) -> bool {
-        seq <= self.completed.load(Ordering::Acquire)
+        self.completed.covers(seq)
     }
 
     /// Whether submission `seq` has completed, asking the driver if need be.
@@ -199,29 +208,23 @@ impl Lane {
 
     /// Retires submissions from the head of the timeline while `done` says they have
     /// completed, releasing what they kept alive.
-    fn retire_while(&self, mut done: impl FnMut(&InFlight) -> Result<bool>) -> Result<()> {
+    fn retire_while(&self, done: impl FnMut(&InFlight) -> Result<bool>) -> Result<()> {
         let mut released: Vec<KeepAlive> = Vec::new();
         let result = {
             let mut state = lock(&self.state);
-            let mut result = Ok(());
-            while let Some(front) = state.inflight.front() {
-                match done(front) {
-                    Ok(true) => {
-                        let done = state.inflight.pop_front().expect("front exists");
-                        state.spare_events.push(done.event);
-                        self.completed.store(done.seq, Ordering::Release);
-                        if !done.keep.is_empty() {
-                            released.push(done.keep);
-                        }
+            let LaneState { inflight, spare_events, .. } = &mut *state;
+            retire_front(
+                inflight,
+                |f| f.seq,
+                &self.completed,
+                done,
+                |done| {
+                    spare_events.push(done.event);
+                    if !done.keep.is_empty() {
+                        released.push(done.keep);
                     }
-                    Ok(false) => break,
-                    Err(e) => {
-                        result = Err(e);
-                        break;
-                    }
-                }
-            }
-            result
+                },
+            )
         };
         // Released staging goes back to its pool outside the lane's lock.
         drop(released);
@@ -266,6 +269,58 @@ impl Lane {
             None => Ok(()),
         }
     }
+}
+
+/// How far a lane's timeline has completed: every submission numbered up to it is done.
+/// Advanced by the thread that learned that submissions completed (a poll or a wait, which
+/// asked the driver), read by any thread without a lock: one that sees a number covered
+/// also sees what the advancing thread saw before (the bytes a readback brought, say).
+struct Completed(AtomicU64);
+
+impl Completed {
+    /// Nothing completed yet (numbers start at 1).
+    fn new() -> Completed {
+        Completed(AtomicU64::new(0))
+    }
+
+    /// Whether submission `seq` is known to have completed. Acquire: pairs with
+    /// [`advance`](Completed::advance).
+    fn covers(&self, seq: u64) -> bool {
+        seq <= self.0.load(Ordering::Acquire)
+    }
+
+    /// Records that every submission up to `seq` has completed. Never goes back, whatever
+    /// order concurrent retirements land in.
+    fn advance(&self, seq: u64) {
+        self.0.fetch_max(seq, Ordering::AcqRel);
+    }
+
+    /// The number, for display.
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Retires submissions from the head of `inflight` (numbered by `seq`, in increasing order)
+/// while `done` says they have completed: pops each, advances `completed` to its number and
+/// hands it to `retired`. Stops at the first not done, or at the first error of `done`,
+/// which it returns. The caller holds the lock that guards `inflight`.
+fn retire_front<T>(
+    inflight: &mut VecDeque<T>,
+    seq: impl Fn(&T) -> u64,
+    completed: &Completed,
+    mut done: impl FnMut(&T) -> Result<bool>,
+    mut retired: impl FnMut(T),
+) -> Result<()> {
+    while let Some(front) = inflight.front() {
+        if !done(front)? {
+            break;
+        }
+        let front = inflight.pop_front().expect("front exists");
+        completed.advance(seq(&front));
+        retired(front);
+    }
+    Ok(())
 }
 
 /// Exclusive use of a lane for a batch of submissions.
@@ -483,7 +538,7 @@ impl Lane {
             state.spare_events.extend(retired.iter().map(|f| f.event));
             retired
         };
-        self.completed.fetch_max(seq, Ordering::AcqRel);
+        self.completed.advance(seq);
         // Released staging goes back to its pool outside the lane's lock.
         drop((retired, keep));
     }
@@ -843,5 +898,146 @@ mod tests {
         assert_eq!(with(|g| g.stream_syncs), 1);
         drop(lease);
         assert_eq!(pool.stats().lent_bytes, 0);
+    }
+}
+
+/// Model checks of the timeline's protocol under every interleaving loom explores (run with
+/// `RUSTFLAGS="--cfg loom"`, docs/reliability.md): the lane's own [`Completed`],
+/// [`retire_front`] and [`covering`], with the driver replaced by a thread that plays the
+/// device (it writes a submission's bytes, then sets its event).
+#[cfg(all(test, loom))]
+mod loom {
+    use std::collections::VecDeque;
+
+    use loom::cell::UnsafeCell;
+
+    use super::{Completed, covering, retire_front};
+    use crate::sync::shim::atomic::{AtomicBool, Ordering};
+    use crate::sync::shim::{Arc, Mutex, lock, thread};
+
+    /// A submission in flight: its number and its event.
+    struct Work {
+        seq: u64,
+        event: usize,
+    }
+
+    /// What the lane's lock guards (the part the model needs).
+    #[derive(Default)]
+    struct State {
+        inflight: VecDeque<Work>,
+        retired: Vec<u64>,
+    }
+
+    /// A lane of two submissions and the device that runs them.
+    struct Lane {
+        state: Mutex<State>,
+        completed: Completed,
+        /// The events of submissions 1 and 2: set by the device once their work is done.
+        events: [AtomicBool; 2],
+        /// The bytes each submission brings (a readback into pinned memory).
+        bytes: [UnsafeCell<u8>; 2],
+    }
+
+    // SAFETY: `bytes[i]` is written by the device thread alone, before it sets `events[i]`,
+    // and read only by threads that learned that submission `i + 1` completed; loom checks
+    // that every such read happens after the write.
+    unsafe impl Sync for Lane {}
+
+    impl Lane {
+        fn new() -> Lane {
+            Lane {
+                state: Mutex::new(State::default()),
+                completed: Completed::new(),
+                events: [AtomicBool::new(false), AtomicBool::new(false)],
+                bytes: [UnsafeCell::new(0), UnsafeCell::new(0)],
+            }
+        }
+
+        /// Records submission `seq` (`Lane::submit`: under the lock, in order).
+        fn record(&self, seq: u64) {
+            lock(&self.state).inflight.push_back(Work { seq, event: seq as usize - 1 });
+        }
+
+        /// The device runs submission `i + 1`: its bytes, then its event.
+        fn complete(&self, i: usize) {
+            // SAFETY: the device thread is the only writer (see `Sync` above).
+            self.bytes[i].with_mut(|b| unsafe { *b = i as u8 + 1 });
+            self.events[i].store(true, Ordering::Release);
+        }
+
+        /// Retires while `done` (`Lane::retire_while`).
+        fn retire_while(&self, done: impl FnMut(&Work) -> crate::error::Result<bool>) {
+            let mut state = lock(&self.state);
+            let State { inflight, retired } = &mut *state;
+            retire_front(inflight, |w| w.seq, &self.completed, done, |w| retired.push(w.seq)).unwrap();
+        }
+
+        /// `Lane::poll`: asks each event at the head.
+        fn poll(&self) {
+            self.retire_while(|w| Ok(self.events[w.event].load(Ordering::Acquire)));
+        }
+
+        /// `Lane::wait`: the fast path, else the covering event, waited for, then retires
+        /// through it.
+        fn wait(&self, seq: u64) {
+            if self.completed.covers(seq) {
+                return;
+            }
+            let Some((through, event)) =
+                covering(&lock(&self.state).inflight, |w| w.seq, seq).map(|w| (w.seq, w.event))
+            else {
+                return;
+            };
+            // `cuEventSynchronize`.
+            while !self.events[event].load(Ordering::Acquire) {
+                thread::yield_now();
+            }
+            self.retire_while(|w| Ok(w.seq <= through));
+        }
+
+        /// The bytes of submission `i + 1`, which the caller knows completed.
+        fn read(&self, i: usize) -> u8 {
+            // SAFETY: read after the write, or loom reports the race (see `Sync` above).
+            self.bytes[i].with(|b| unsafe { *b })
+        }
+    }
+
+    /// While a poller races the submitter and a waiter: a waiter for submission 2 returns
+    /// only once 2 is done, and sees its bytes and those of 1 (stream order); a thread that
+    /// finds a number covered sees that submission's bytes; the completed number never goes
+    /// back; each submission retires once, in order.
+    #[test]
+    fn loom_timeline_wait_poll_and_record() {
+        loom::model(|| {
+            let lane = Arc::new(Lane::new());
+            lane.record(1);
+            let poller = {
+                let lane = Arc::clone(&lane);
+                thread::spawn(move || {
+                    lane.poll();
+                    let seen = lane.completed.get();
+                    if lane.completed.covers(1) {
+                        assert_eq!(lane.read(0), 1, "covered, so its bytes are in");
+                    }
+                    lane.poll();
+                    assert!(lane.completed.get() >= seen, "the completed number went back");
+                })
+            };
+            lane.record(2);
+            let device = {
+                let lane = Arc::clone(&lane);
+                thread::spawn(move || {
+                    lane.complete(0);
+                    lane.complete(1);
+                })
+            };
+            lane.wait(2);
+            assert!(lane.completed.covers(2), "a wait returned before its submission was done");
+            assert_eq!((lane.read(0), lane.read(1)), (1, 2));
+            poller.join().unwrap();
+            device.join().unwrap();
+            assert_eq!(lock(&lane.state).retired, vec![1, 2]);
+            assert!(lock(&lane.state).inflight.is_empty());
+        });
     }
 }

@@ -4,14 +4,15 @@
 //! the pool for a chunk cost about 100 µs, as much as packing a megabyte.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::PARALLEL_MIN;
 use crate::device::Device;
 use crate::error::Result;
-use crate::sync::lock;
+// The signalling below is model-checked with loom (the `loom` tests at the end).
+use crate::sync::shim::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+use crate::sync::shim::{Condvar, Mutex, hint, lock, thread};
 
 /// A batch's items cut into groups for the packing threads: contiguous ranges of items in
 /// chunk order, none across two chunks.
@@ -241,7 +242,11 @@ pub(crate) struct Packing<'a>(&'a AtomicUsize);
 impl Packing<'_> {
     /// Starts one: lingering threads stop spinning and take its work.
     pub(crate) fn start(device: &Device) -> Packing<'_> {
-        let active = &*device.core().packing;
+        Packing::enter(&device.core().packing)
+    }
+
+    /// Starts one counted in `active` (the device's count of packing runs under way).
+    fn enter(active: &AtomicUsize) -> Packing<'_> {
         active.fetch_add(1, Ordering::AcqRel);
         Packing(active)
     }
@@ -269,18 +274,8 @@ fn linger_for(pool: &rayon::ThreadPool, packing: &Arc<AtomicUsize>, linger: Dura
         return;
     }
     let until = Instant::now() + linger;
-    // Spinning, with a yield now and then, so that a thread of the caller's made runnable
-    // meanwhile (the one waiting for the device, say) gets a core.
     let spin = move |active: &AtomicUsize| {
-        let mut spins = 0u32;
-        while active.load(Ordering::Relaxed) == 0 && Instant::now() < until {
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        linger_spin(active, || Instant::now() >= until);
     };
     let active = Arc::clone(packing);
     // One thread fewer than the pool's: one core is left to the caller's threads.
@@ -291,6 +286,23 @@ fn linger_for(pool: &rayon::ThreadPool, packing: &Arc<AtomicUsize>, linger: Dura
         }
         spin(&active);
     });
+}
+
+/// One lingering thread's wait: spins until packing is under way (`active` above zero) or
+/// `expired`, with a yield now and then, so that a thread of the caller's made runnable
+/// meanwhile (the one waiting for the device, say) gets a core. Returns how many times it
+/// spun (none when packing was already under way).
+fn linger_spin(active: &AtomicUsize, mut expired: impl FnMut() -> bool) -> u32 {
+    let mut spins = 0u32;
+    while active.load(Ordering::Relaxed) == 0 && !expired() {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(64) {
+            thread::yield_now();
+        } else {
+            hint::spin_loop();
+        }
+    }
+    spins
 }
 
 /// Takes the next group for the calling thread if it belongs to chunk `k` (the packing
@@ -326,31 +338,63 @@ struct Signal {
 
 /// Waits that went to sleep, in every run of this process.
 #[cfg(test)]
-pub(crate) static SLEEPS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static SLEEPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Waits shorter than this spin and yield; longer ones sleep until notified.
+#[cfg_attr(loom, allow(dead_code))]
 const SPIN: Duration = Duration::from_micros(50);
+
+/// How a [`Signal`] waiter waits before it sleeps: it spins briefly, then yields the core
+/// until [`SPIN`] has passed. Under loom, where time is not modelled, it spins once and
+/// then sleeps: the model checks the sleeping, where a wake-up could be lost.
+struct Backoff {
+    spins: u32,
+    #[cfg(not(loom))]
+    start: Instant,
+}
+
+impl Backoff {
+    /// Spins before yielding.
+    const SPINS: u32 = if cfg!(loom) { 1 } else { 100 };
+
+    fn new() -> Backoff {
+        Backoff {
+            spins: 0,
+            #[cfg(not(loom))]
+            start: Instant::now(),
+        }
+    }
+
+    /// Waits a little; false once the waiter should sleep instead.
+    fn snooze(&mut self) -> bool {
+        if self.spins < Backoff::SPINS {
+            hint::spin_loop();
+            self.spins += 1;
+            return true;
+        }
+        #[cfg(not(loom))]
+        if self.start.elapsed() < SPIN {
+            thread::yield_now();
+            return true;
+        }
+        false
+    }
+}
 
 impl Signal {
     /// Waits until `ready`: spinning briefly, then yielding the core, then (past [`SPIN`])
     /// sleeping until a [`notify`](Signal::notify); false if the run stops first.
     fn wait_until(&self, ready: impl Fn() -> bool) -> bool {
-        let start = Instant::now();
-        let mut spins = 0u32;
+        let mut backoff = Backoff::new();
         while !ready() {
             if self.stop.load(Ordering::Relaxed) {
                 return false;
             }
-            if spins < 100 {
-                std::hint::spin_loop();
-                spins += 1;
-            } else if start.elapsed() < SPIN {
-                std::thread::yield_now();
-            } else {
+            if !backoff.snooze() {
                 // Counted as a sleeper, then checked under the lock: a notifier that changed
                 // the state after that check sees the count (the fences order the two) and
                 // takes the lock, so no wake-up is lost. The timeout only bounds the cost of
-                // a missed one.
+                // a missed one (loom's never times out: there a lost one hangs the model).
                 let guard = lock(&self.lock);
                 self.sleepers.fetch_add(1, Ordering::Relaxed);
                 fence(Ordering::SeqCst);
@@ -413,7 +457,7 @@ mod tests {
 
     #[test]
     fn the_calling_thread_takes_only_untaken_groups_of_the_chunk_it_waits_for() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
+        use crate::sync::shim::atomic::{AtomicUsize, Ordering};
         // Chunk 0: groups 0..2, chunk 1: groups 2..4.
         let g = Groups::by_count(2, [(0, 0..4), (1, 4..8)].into_iter(), 2);
         let next = AtomicUsize::new(0);
@@ -430,7 +474,7 @@ mod tests {
 
     #[test]
     fn lingering_threads_stop_when_packing_starts() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
+        use crate::sync::shim::atomic::{AtomicUsize, Ordering};
         use std::sync::{Arc, Barrier};
         use std::time::{Duration, Instant};
         let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
@@ -465,5 +509,132 @@ mod tests {
         assert_eq!(Groups::target(1 << 20, 64), 32 << 10, "never below 32 KiB");
         assert_eq!(Groups::target(1 << 30, 1), 256 << 10, "never above 256 KiB");
         assert_eq!(Groups::target(1 << 20, 0), 256 << 10, "no threads counts as one");
+    }
+}
+
+/// Model checks of the signalling above under every interleaving loom explores (run with
+/// `RUSTFLAGS="--cfg loom"`, docs/reliability.md). Loom's condition variable never times
+/// out, so a lost wake-up hangs the model, which loom reports as a deadlock.
+#[cfg(all(test, loom))]
+mod loom {
+    use super::{Packing, Signal, linger_spin};
+    use crate::sync::shim::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use crate::sync::shim::{Arc, thread};
+
+    /// A waiter always sees a change made before or while it waits: it sleeps only if the
+    /// notifier will wake it.
+    #[test]
+    fn loom_signal_loses_no_wakeup() {
+        loom::model(|| {
+            let signal = Arc::new(Signal::default());
+            let ready = Arc::new(AtomicBool::new(false));
+            let notifier = {
+                let (signal, ready) = (Arc::clone(&signal), Arc::clone(&ready));
+                thread::spawn(move || {
+                    ready.store(true, Ordering::Release);
+                    signal.notify();
+                })
+            };
+            assert!(signal.wait_until(|| ready.load(Ordering::Acquire)));
+            notifier.join().unwrap();
+        });
+    }
+
+    /// Two threads each finish a group and notify; the waiter for both (the calling thread
+    /// waiting for a chunk) returns once both are done, never before.
+    #[test]
+    fn loom_signal_waiter_for_two_groups_wakes_after_both() {
+        loom::model(|| {
+            let signal = Arc::new(Signal::default());
+            let finished = Arc::new(AtomicUsize::new(0));
+            let workers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (signal, finished) = (Arc::clone(&signal), Arc::clone(&finished));
+                    thread::spawn(move || {
+                        finished.fetch_add(1, Ordering::Release);
+                        signal.notify();
+                    })
+                })
+                .collect();
+            assert!(signal.wait_until(|| finished.load(Ordering::Acquire) == 2));
+            assert_eq!(finished.load(Ordering::Relaxed), 2);
+            for worker in workers {
+                worker.join().unwrap();
+            }
+        });
+    }
+
+    /// A stop releases a waiter whose condition will never hold (a failed `step` or a
+    /// panicking worker), asleep or not.
+    #[test]
+    fn loom_signal_stop_releases_a_waiter() {
+        loom::model(|| {
+            let signal = Arc::new(Signal::default());
+            let stopper = {
+                let signal = Arc::clone(&signal);
+                thread::spawn(move || signal.stop())
+            };
+            assert!(!signal.wait_until(|| false));
+            stopper.join().unwrap();
+        });
+    }
+
+    /// A lingering thread with no deadline (a linger longer than any run) stops spinning
+    /// once packing starts, so a job that needs every thread of the pool (here: both)
+    /// runs: were it deaf to packing, the model would spin for ever, which loom reports.
+    #[test]
+    fn loom_lingering_thread_stops_when_packing_starts() {
+        loom::model(|| {
+            let active = Arc::new(AtomicUsize::new(0));
+            let arrived = Arc::new(AtomicUsize::new(0));
+            let lingering = {
+                let (active, arrived) = (Arc::clone(&active), Arc::clone(&arrived));
+                thread::spawn(move || {
+                    linger_spin(&active, || false);
+                    // Now free: takes its part of the job that needs both threads.
+                    arrived.fetch_add(1, Ordering::AcqRel);
+                    while arrived.load(Ordering::Acquire) < 2 {
+                        thread::yield_now();
+                    }
+                })
+            };
+            let packing = Packing::enter(&active);
+            arrived.fetch_add(1, Ordering::AcqRel);
+            while arrived.load(Ordering::Acquire) < 2 {
+                thread::yield_now();
+            }
+            drop(packing);
+            lingering.join().unwrap();
+            assert_eq!(active.load(Ordering::Relaxed), 0, "the guard counted its run out");
+        });
+    }
+
+    /// A thread that starts lingering after packing started returns without a spin, and one
+    /// whose linger ends (two spins here) returns though nothing packs; while two runs
+    /// overlap, the count stays raised until the last ends.
+    #[test]
+    fn loom_linger_returns_at_once_while_packing_and_at_its_deadline() {
+        loom::model(|| {
+            let active = Arc::new(AtomicUsize::new(0));
+            let first = Packing::enter(&active);
+            let late = {
+                let active = Arc::clone(&active);
+                thread::spawn(move || linger_spin(&active, || false))
+            };
+            let second = {
+                let active = Arc::clone(&active);
+                thread::spawn(move || drop(Packing::enter(&active)))
+            };
+            assert_eq!(late.join().unwrap(), 0, "packing was under way when it started");
+            drop(first);
+            second.join().unwrap();
+            assert_eq!(active.load(Ordering::Relaxed), 0);
+            let mut left = 2;
+            let spins = linger_spin(&active, || {
+                left -= 1;
+                left < 0
+            });
+            assert_eq!(spins, 2, "spun until its deadline");
+        });
     }
 }
