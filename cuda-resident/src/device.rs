@@ -30,10 +30,12 @@ pub struct Config {
     /// default 1 GiB. Batches larger than this still move: uploads pipeline through it in
     /// chunks, and a readback the pool cannot hold at once streams through a ring of chunks
     /// (see [`ReadbackBatch`](crate::ReadbackBatch)). Of the cap,
-    /// `min(8 * chunk_bytes, pinned_cap_bytes / 2)` (128 MiB by default) is kept for
-    /// transfers: pinned buffers ([`Device::pinned`]), prepared sets' regions and unreleased
+    /// `min(8 * chunk_bytes, pinned_cap_bytes / 2)`, but at least two chunks (128 MiB by
+    /// default), is kept for transfers: pinned buffers ([`Device::pinned`]), prepared sets' regions and unreleased
     /// readback views may hold the rest, so that transfers always find staging (a prepared
-    /// set that finds no room moves as batches do).
+    /// set that finds no room moves as batches do, a readback streams). At a cap of two
+    /// chunks that is the whole pool: [`Device::pinned`] then fails with
+    /// [`Error::PinnedReserved`].
     pub pinned_cap_bytes: u64,
     /// Pinned staging allocated when the device opens, so that the first copies do not pay
     /// for `cuMemHostAlloc` (about 0.5 ms per MiB). Default 0.
@@ -152,8 +154,12 @@ impl Config {
     }
 
     /// The pinned bytes kept for transfers: held staging may take the rest of the cap.
+    /// At least two chunks (the largest lease a transfer takes is a chunk and its descriptor
+    /// table, under 1.5 chunks), or the whole cap where it is smaller.
     pub(crate) fn pinned_reserve(&self) -> u64 {
-        (8 * self.chunk_bytes).min(self.pinned_cap_bytes / 2)
+        (8 * self.chunk_bytes)
+            .min(self.pinned_cap_bytes / 2)
+            .max((2 * self.chunk_bytes).min(self.pinned_cap_bytes))
     }
 
     /// The packing threads this config asks for, with 0 resolved.

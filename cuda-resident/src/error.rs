@@ -67,7 +67,7 @@ pub enum Error {
         "allocating {requested} bytes needs {needed} more bytes from the driver, but this device holds {held} \
          bytes already and its budget allows {limit} ({fraction} of {total} total){driver_oom}. Of the {held} \
          bytes held, {in_use} are in your buffers, {library} in the library's own (device staging, prepared \
-         sets' tables), and the rest free in slabs and caches. \
+         sets' tables), and the rest free in slabs and caches or freed but still used by copies in flight. \
          Fix: free buffers you no longer need, or raise Config::budget_fraction."
     , driver_oom = if *.driver_out_of_memory { ", and cuMemAlloc_v2 reported out of memory" } else { "" })]
     OverBudget {
@@ -490,7 +490,8 @@ mod tests {
             "allocating 4096 bytes needs 8192 more bytes from the driver, but this device holds 1500 bytes \
              already and its budget allows 2000 (0.2 of 10000 total). Of the 1500 bytes held, 1000 are in your \
              buffers, 256 in the library's own (device staging, prepared sets' tables), and the rest free in \
-             slabs and caches. Fix: free buffers you no longer need, or raise Config::budget_fraction."
+             slabs and caches or freed but still used by copies in flight. Fix: free buffers you no \
+             longer need, or raise Config::budget_fraction."
         );
     }
 

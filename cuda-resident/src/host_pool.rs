@@ -101,10 +101,27 @@ pub(crate) struct HostPool {
     hits: AtomicU64,
     misses: AtomicU64,
     released: AtomicU64,
-    /// The [`PinnedBuffer`]s lent out: arena start -> (arena bytes, lease), so that an
-    /// `unsafe` copy given their memory keeps the lease alive until it completes
-    /// ([`HostPool::buffers_in`]).
-    buffers: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>>,
+}
+
+/// The [`PinnedBuffer`]s lent out by every pool of the process: arena start -> (arena bytes,
+/// lease), so that an `unsafe` copy given their memory, on any device (arenas are portable),
+/// keeps the lease alive until it completes ([`pinned_buffers_in`]).
+static LENT_BUFFERS: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>> = Mutex::new(BTreeMap::new());
+
+/// The leases of the [`PinnedBuffer`]s lent out (by any device's pool) whose arenas overlap
+/// `[ptr, ptr + len)`: a copy that uses that memory keeps them, so that a buffer dropped
+/// before the copy completes is not lent again while the copy still reads or writes it.
+pub(crate) fn pinned_buffers_in(ptr: usize, len: usize) -> Vec<Arc<HostLease>> {
+    let end = ptr.saturating_add(len);
+    let buffers = lock(&LENT_BUFFERS);
+    // Arenas do not overlap: walk back from the last one starting before the end while
+    // they reach past the start.
+    buffers
+        .range(..end)
+        .rev()
+        .take_while(|&(&start, &(bytes, _))| start.saturating_add(bytes) > ptr)
+        .filter_map(|(_, (_, lease))| lease.upgrade())
+        .collect()
 }
 
 impl fmt::Debug for HostPool {
@@ -143,24 +160,7 @@ impl HostPool {
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             released: AtomicU64::new(0),
-            buffers: Mutex::new(BTreeMap::new()),
         }
-    }
-
-    /// The leases of the [`PinnedBuffer`]s lent out whose arenas overlap `[ptr, ptr + len)`:
-    /// a copy that uses that memory keeps them, so that a buffer dropped before the copy
-    /// completes is not lent again while the copy still reads or writes it.
-    pub(crate) fn buffers_in(&self, ptr: usize, len: usize) -> Vec<Arc<HostLease>> {
-        let end = ptr.saturating_add(len);
-        let buffers = lock(&self.buffers);
-        // Arenas do not overlap: walk back from the last one starting before the end while
-        // they reach past the start.
-        buffers
-            .range(..end)
-            .rev()
-            .take_while(|&(&start, &(bytes, _))| start.saturating_add(bytes) > ptr)
-            .filter_map(|(_, (_, lease))| lease.upgrade())
-            .collect()
     }
 
     /// How many leases of `len` bytes the cap holds at once (at least 1: a single lease
@@ -438,7 +438,7 @@ impl PinnedBuffer {
     pub(crate) fn new(lease: HostLease) -> PinnedBuffer {
         let lease = Arc::new(lease);
         let (start, bytes) = (lease.as_ptr() as usize, lease.arena_bytes() as usize);
-        lock(&lease.pool.buffers).insert(start, (bytes, Arc::downgrade(&lease)));
+        lock(&LENT_BUFFERS).insert(start, (bytes, Arc::downgrade(&lease)));
         PinnedBuffer { lease }
     }
 }
@@ -447,7 +447,7 @@ impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         // Unlisted first: a copy in flight keeps its own reference, and the arena goes back
         // to the pool when the last one drops.
-        lock(&self.lease.pool.buffers).remove(&(self.lease.as_ptr() as usize));
+        lock(&LENT_BUFFERS).remove(&(self.lease.as_ptr() as usize));
     }
 }
 

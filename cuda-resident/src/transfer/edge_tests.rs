@@ -158,3 +158,31 @@ fn a_range_over_two_pinned_regions_with_a_pageable_gap_is_refused_naming_the_gap
     }
     assert_eq!(d.download_range(b, 0, 4096).unwrap(), vec![7u8; 4096]);
 }
+
+/// A `PinnedBuffer` of one device given to another device's asynchronous copy (arenas are
+/// portable) and dropped before the copy completes stays out of its pool too.
+#[test]
+fn a_pinned_buffer_of_another_device_dropped_during_its_copy_is_not_lent_again() {
+    let driver = fake_driver::driver();
+    let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
+    let d1 = Device::open_with(driver, 1, Config::default()).unwrap();
+    let len = 1 << 20;
+    let b = d1.allocate(len as u64).unwrap();
+    let data = super::model_tests::random_vec(&mut fastrand::Rng::with_seed(83), len);
+    let mut src = d0.pinned(len).unwrap();
+    src.copy_from_slice(&data);
+    let src_at = src.as_ptr();
+    // SAFETY: pinned, `len` bytes, unchanged until the copy completes (the drop hands the
+    // memory to the copy, which keeps it).
+    let fence = unsafe { d1.upload_async_at(b, 0, src.as_ptr(), len) }.unwrap();
+    drop(src);
+    assert_eq!(d0.telemetry().pinned.lent_bytes, len as u64, "d1's copy still holds d0's memory");
+    let mut other = d0.pinned(len).unwrap();
+    assert_ne!(other.as_ptr(), src_at, "the memory d1's copy reads was lent again");
+    other.fill(0xEE);
+    fence.wait().unwrap();
+    assert!(d1.download(b).unwrap() == data, "the upload read another user's bytes");
+    drop(other);
+    d1.synchronize().unwrap();
+    assert_eq!(d0.telemetry().pinned.lent_bytes, 0);
+}

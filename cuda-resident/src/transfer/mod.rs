@@ -66,8 +66,10 @@ impl Device {
     /// # Errors
     ///
     /// [`Error::NotPinned`] (nothing enqueued) when the range is not pinned: pin it with
-    /// [`Device::pin_host`] or use memory from [`Device::pinned`]. Every byte is checked (a
-    /// range over two pinned regions with a pageable gap between them is refused). Memory of
+    /// [`Device::pin_host`] or use memory from [`Device::pinned`]. Every byte is checked
+    /// where the driver reports the extent of pinned regions, as it does for `cuMemHostAlloc`
+    /// and `cuMemHostRegister` (a range over two pinned regions with a pageable gap between
+    /// them is refused); where it does not, the first and last byte. Memory of
     /// a [`PinnedBuffer`](crate::PinnedBuffer) is kept out of the pool until the copy
     /// completes, even if the buffer is dropped first. Managed memory (`cuMemAllocManaged`) is not pinned host memory and is
     /// refused too.
@@ -163,13 +165,13 @@ impl Device {
             // Nothing to copy: no driver call, and a fence that is already complete.
             return Ok(Fence::completed());
         }
+        // Memory of a PinnedBuffer (of any device's pool) stays out of its pool until the copy
+        // completes, even if the buffer is dropped first: held from before the check on.
+        let keep = crate::host_pool::pinned_buffers_in(host.1 as usize, len);
         self.check_pinned(host.0, host.1, len)?;
         let core = self.core();
         let batch = core.lane(kind).batch();
         self.claim(&batch, kind, std::iter::once(buffer), 1)?;
-        // Memory of a PinnedBuffer stays out of the pool until the copy completes, even if the
-        // buffer is dropped first.
-        let keep = core.pinned.buffers_in(host.1 as usize, len);
         let seq = batch.submit(keep, |raw, stream, _| copy(raw, stream, address))?;
         let bytes = len as u64;
         core.telemetry.record(

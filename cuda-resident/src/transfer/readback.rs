@@ -836,7 +836,12 @@ fn execute_streamed(
         STREAMED_INTO_VECTORS.with(|n| n.set(n.get() + 1));
         for (vec, view) in out.iter_mut().zip(views) {
             vec.clear();
-            vec.reserve(view.len as usize);
+            // A batch that streams may be larger than host memory: an error, not an abort
+            // (nothing is enqueued yet).
+            if vec.try_reserve_exact(view.len as usize).is_err() {
+                out.iter_mut().for_each(Vec::clear);
+                return Err(Error::HostOutOfMemory { bytes: view.len });
+            }
             dsts.push(vec.as_mut_ptr() as usize);
         }
         order.extend((0..views.len()).filter(|&i| views[i].len > 0));

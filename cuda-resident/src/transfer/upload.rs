@@ -151,13 +151,14 @@ impl<'a> UploadBatch<'a> {
     /// part-way for `cause`: drops the write, returns every pinned lease of the batch to the
     /// pool at once, and keeps the error that every later call and `submit` return.
     fn poison(&mut self, index: usize, (buffer, offset, len): (ResidentBuffer, u64, usize), cause: String) {
+        // The error first: whatever follows, the batch refuses every later call.
+        self.error = Some(Error::BatchPoisoned { write: index, buffer, offset, len: len as u64, cause });
         self.writes.truncate(index);
         self.sources.truncate(index);
         self.arena.clear();
         self.arena_used.clear();
         self.arena_descriptors.clear();
         self.table.apart.broken = true;
-        self.error = Some(Error::BatchPoisoned { write: index, buffer, offset, len: len as u64, cause });
     }
 
     /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
