@@ -12,7 +12,7 @@ use crate::host_pool::{HostPool, PinnedBuffer};
 use crate::kernels::Kernels;
 use crate::raw::Raw;
 use crate::stream::{Lane, LaneKind};
-use crate::sync::Mutex;
+use crate::sync::{Mutex, lock};
 use crate::telemetry::{Telemetry, TelemetrySnapshot};
 use crate::transfer::DeviceStaging;
 
@@ -230,6 +230,10 @@ pub(crate) struct Core {
     pub(crate) readback_parts:
         crate::recycle::Recycler<(crate::transfer::BufferTable, Vec<crate::plan::ReadRequest>)>,
     pub(crate) readback_views: crate::recycle::Recycler<Vec<crate::plan::ReadView>>,
+    /// The host memory of the last streamed readback with views that was dropped (its
+    /// length is its size; its bytes are initialised), for the next one: fresh memory of
+    /// gigabytes costs its page faults on every readback. Released by [`Device::trim`].
+    pub(crate) streamed_host: Mutex<Vec<u8>>,
 }
 
 impl Core {
@@ -379,6 +383,7 @@ impl Device {
             upload_parts: Default::default(),
             readback_parts: Default::default(),
             readback_views: Default::default(),
+            streamed_host: Mutex::new(Vec::new()),
         };
         Ok(Device { core: Arc::new(core) })
     }
@@ -500,10 +505,12 @@ impl Device {
         Ok(self.core.ctx.bind()?.mem_get_info()?.0)
     }
 
-    /// Releases cached device memory and free pinned staging back to the driver. Returns
-    /// the bytes of device memory released.
+    /// Releases cached device memory and free pinned staging back to the driver, and the
+    /// host memory kept from the last readback that streamed into memory of its own (see
+    /// [`Readback`](crate::Readback)). Returns the bytes of device memory released.
     pub fn trim(&self) -> Result<u64> {
         let released = self.core.alloc.trim(&|last| self.core.is_idle(last))?;
+        drop(std::mem::take(&mut *lock(&self.core.streamed_host)));
         self.core.pinned.trim()?;
         Ok(released)
     }

@@ -335,7 +335,7 @@ impl Device {
         let mut batch = self.readbacks();
         batch.read_many(buffers)?;
         let mut out = vec![Vec::new(); buffers.len()];
-        batch.submit_into(&mut out, false)?;
+        batch.submit_into_as(&mut out, false)?;
         Ok(out)
     }
 
@@ -347,7 +347,7 @@ impl Device {
             batch.read(b, o, l)?;
         }
         let mut out = vec![Vec::new(); ranges.len()];
-        batch.submit_into(&mut out, false)?;
+        batch.submit_into_as(&mut out, false)?;
         Ok(out)
     }
 
@@ -366,7 +366,7 @@ impl Device {
         for &(b, o, l) in ranges {
             batch.read(b, o, l)?;
         }
-        batch.submit_into(out, true)
+        batch.submit_into(out)
     }
 
     /// Blocks until every upload submitted so far has completed.

@@ -517,7 +517,7 @@ impl PreparedReadbacks {
             for &(buffer, offset, len) in &self.ranges {
                 batch.read(buffer, offset, len)?;
             }
-            return batch.submit_into(out, true);
+            return batch.submit_into(out);
         }
         let pending = self.submit()?;
         pending.wait_into(&self.slots, out).map(drop)

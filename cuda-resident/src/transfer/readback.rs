@@ -60,10 +60,12 @@ pub(crate) fn next_batch_id() -> u64 {
 /// first such error and nothing moves, the good reads included.
 ///
 /// A batch of any size works, whatever [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes):
-/// one whose staging the pool cannot lend at once (more than the cap, or more than is free
-/// of what callers hold) streams through a ring of pinned chunks into one ordinary host
-/// allocation owned by its [`Readback`] (see there): same API and same bytes, one more host
-/// copy, and its `submit` returns only once every byte has landed.
+/// one whose staging the pool cannot lend at once (more than the cap, more than is free of
+/// what callers hold, or more held staging than the pool's reserve for transfers leaves)
+/// streams through a ring of pinned chunks into one ordinary host allocation owned by its
+/// [`Readback`] (see there): same API and same bytes, one more host copy, and its `submit`
+/// returns only once every byte has landed. [`ReadbackBatch::submit_into`] streams such a
+/// batch straight into the caller's vectors instead.
 pub struct ReadbackBatch<'a> {
     device: &'a Device,
     table: BufferTable,
@@ -97,7 +99,10 @@ pub struct PendingReadback {
 /// copied out as it lands into one ordinary host allocation that this value owns, and the
 /// views point there. The API is the same; such a batch costs one more host copy, holds no
 /// pinned staging once submitted, and its `submit` returns once every byte has landed.
-/// ([`Device::download_many`], [`Device::download_ranges`] and [`Device::download_into`]
+/// When it drops, the device keeps that host memory for the next such readback (the larger
+/// of two; fresh gigabytes cost their page faults on each one) until
+/// [`Device::trim`](crate::Device::trim). ([`ReadbackBatch::submit_into`],
+/// [`Device::download_many`], [`Device::download_ranges`] and [`Device::download_into`]
 /// skip the host allocation: each chunk goes straight into the result vectors.)
 pub struct Readback {
     device: Option<Device>,
@@ -147,6 +152,15 @@ impl Drop for Readback {
     fn drop(&mut self) {
         if let (Some(device), Views::Pooled(views)) = (&self.device, &mut self.views) {
             device.core().readback_views.give(std::mem::take(views));
+        }
+        // A streamed readback's host memory goes to the next one, the larger of two kept.
+        if let Some(device) = &self.device
+            && !self.host.is_empty()
+        {
+            let mut spare = lock(&device.core().streamed_host);
+            if spare.len() < self.host.len() {
+                *spare = std::mem::take(&mut self.host);
+            }
         }
     }
 }
@@ -266,12 +280,23 @@ impl ReadbackBatch<'_> {
         execute(&self, &mut None)
     }
 
-    /// Submits and reads read `i` into `out[i]` for every read, replacing each vector's
-    /// contents, and waits: [`ReadbackBatch::submit`] then [`PendingReadback::wait_into`]
-    /// (`pipelined`) or a wait and a copy of each read, except that a batch too large for
-    /// the pinned pool streams each chunk straight into the vectors as it lands (no host
-    /// allocation of the whole batch, no second copy).
-    pub(crate) fn submit_into(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<()> {
+    /// Submits, waits, and reads read `i` (in the order the reads were added) into `out[i]`
+    /// for every read, replacing each vector's contents and reusing its capacity: as
+    /// [`ReadbackBatch::submit`] then [`PendingReadback::wait_into`] with every slot, except
+    /// that a batch too large for the pinned pool streams each chunk straight into the
+    /// vectors as it lands (no host allocation of the whole batch, no second copy): the way
+    /// to read batches of gigabytes into vectors.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] (nothing moved) unless `out` has one vector per read; else
+    /// as [`ReadbackBatch::submit`].
+    pub fn submit_into(self, out: &mut [Vec<u8>]) -> Result<()> {
+        self.submit_into_as(out, true)
+    }
+
+    /// [`ReadbackBatch::submit_into`]; without `pipelined`, a wait and then a copy of each
+    /// read (for batches whose vectors the caller does not keep).
+    pub(crate) fn submit_into_as(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<()> {
         if out.len() != self.reads.len() {
             return Err(Error::LengthMismatch {
                 what: "reads and output vectors",
@@ -847,7 +872,7 @@ fn execute_streamed(
         order.extend((0..views.len()).filter(|&i| views[i].len > 0));
         order.sort_unstable_by_key(|&i| views[i].chunk);
     }
-    let mut host = if out.is_some() { Vec::new() } else { super::zeroed_vec(plan.total_staging)? };
+    let mut host = if out.is_some() { Vec::new() } else { streamed_host(device, plan.total_staging)? };
     // Reads with bytes in the chunk being copied out, and the next read of `order`.
     let (mut active, mut next) = (Vec::new(), 0);
     let chunks = plan.chunks.len();
@@ -1012,6 +1037,21 @@ fn execute_streamed(
         },
         first_seq,
     })
+}
+
+/// Host memory of `len` bytes for a streamed readback's views: the last one's, kept by the
+/// device, when it is large enough (its bytes are initialised: those of an earlier readback,
+/// all overwritten where a view reads), else fresh zeroed memory.
+fn streamed_host(device: &Device, len: u64) -> Result<Vec<u8>> {
+    let spare = std::mem::take(&mut *lock(&device.core().streamed_host));
+    match usize::try_from(len) {
+        Ok(n) if spare.len() >= n => Ok(spare),
+        _ => {
+            // Too small: freed before the new one is taken.
+            drop(spare);
+            super::zeroed_vec(len)
+        }
+    }
 }
 
 /// The caller's vectors, for the packing threads of [`PendingReadback::wait_into`]: each

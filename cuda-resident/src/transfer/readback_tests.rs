@@ -239,7 +239,17 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     let mut one = vec![1u8; 3];
     done.copy_into(slots[ranges.len() / 2], &mut one);
     assert!(one == want[ranges.len() / 2], "{what}: copy_into");
+    let first_place = done.get(slots[0]).as_ptr();
     drop(done);
+    // The next streamed readback with views reuses the last one's host memory (no fresh
+    // gigabytes to fault in), with the right bytes.
+    let (reads, slots) = m.reads(d, ranges);
+    let again = reads.submit().unwrap().wait().unwrap();
+    assert_eq!(again.get(slots[0]).as_ptr(), first_place, "{what}: host memory reused");
+    for (k, (&slot, w)) in slots.iter().zip(&want).enumerate() {
+        assert!(again.get(slot) == *w, "{what}: view {k} in reused memory");
+    }
+    drop(again);
     // Into vectors.
     let (reads, slots) = m.reads(d, ranges);
     let mut out = poisoned();
@@ -252,12 +262,16 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     let mut out = poisoned();
     d.download_into(&bufs, &mut out).unwrap();
     same(&out, "download_into");
-    assert_eq!(into(), before + 2, "{what}: the helpers streamed straight into the vectors");
+    let (reads, _) = m.reads(d, ranges);
+    let mut out = poisoned();
+    reads.submit_into(&mut out).unwrap();
+    same(&out, "submit_into");
+    assert_eq!(into(), before + 3, "{what}: the helpers streamed straight into the vectors");
     let mut set = d.prepare_readbacks(&bufs).unwrap();
     let mut out = poisoned();
     set.read_into(&mut out).unwrap();
     same(&out, "a prepared set");
-    assert_eq!(into(), before + 3, "{what}: the prepared set streamed straight into the vectors");
+    assert_eq!(into(), before + 4, "{what}: the prepared set streamed straight into the vectors");
     let got = set.submit().unwrap().wait().unwrap();
     for (k, w) in want.iter().enumerate() {
         assert!(got.get(set.slot(k)) == *w, "{what}: prepared view {k}");
@@ -265,6 +279,12 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     drop((got, set));
     d.synchronize().unwrap();
     assert_eq!(d.telemetry().pinned.lent_bytes, lent, "{what}: pinned staging back after the readbacks");
+    d.trim().unwrap();
+    assert!(fake_driver::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
+    let (reads, slots) = m.reads(d, ranges);
+    let fresh = reads.submit().unwrap().wait().unwrap();
+    assert!(fresh.get(slots[0]) == want[0], "{what}: after trim released the host memory");
+    drop(fresh);
     assert!(fake_driver::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
 }
 
