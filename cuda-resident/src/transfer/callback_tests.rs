@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::model_tests::{Model, random_vec};
+use super::model_tests::{Model, random_vec, small_chunks};
 use crate::fake_driver;
 use crate::{Config, Device, Error, ResidentBuffer};
 
@@ -17,15 +17,6 @@ fn device(config: Config) -> (Arc<cuda_sys::Driver>, Device) {
     let driver = fake_driver::driver();
     let d = Device::open_with(Arc::clone(&driver), 0, config).expect("the model opens");
     (driver, d)
-}
-
-fn small_chunks() -> Config {
-    Config {
-        chunk_bytes: 64 << 10,
-        direct_threshold: 8 << 10,
-        pinned_cap_bytes: 8 << 20,
-        ..Config::default()
-    }
 }
 
 /// Copies and launches the driver was asked for since `record()`.

@@ -7,12 +7,12 @@
 use crate::fake_driver;
 use crate::{Config, Device, Error, ReadbackBatch, ResidentBuffer, Slot};
 
-fn device(config: Config) -> Device {
+pub(crate) fn device(config: Config) -> Device {
     Device::open_with(fake_driver::driver(), 0, config).expect("the model opens")
 }
 
 /// Small chunks and a low threshold: batches split into chunks and mix packed and direct.
-fn small_chunks() -> Config {
+pub(crate) fn small_chunks() -> Config {
     Config {
         chunk_bytes: 64 << 10,
         direct_threshold: 8 << 10,

@@ -724,49 +724,16 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             };
         }
         let count = scratch.descriptors.len() as u64;
+        let places =
+            ChunkPlaces { table: base.wrapping_add(table as usize), area, count, dev, staged: &staged };
         lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
-            if area > 0 {
-                // SAFETY: the table is pinned and stays alive (kept by this submission);
-                // device staging holds area + packed_len bytes.
-                unsafe { raw.memcpy_htod_async(dev, base.add(table as usize), area as usize, stream) }?;
-                let kernels = kernels.expect("loaded when a chunk uses it");
-                // SAFETY: sources are live, marked buffers; destinations are disjoint ranges
-                // of device staging.
-                unsafe { kernels.copy(raw, stream, dev, count) }?;
-                // SAFETY: the packed region of this chunk lies inside the lease.
-                unsafe {
-                    raw.memcpy_dtoh_async(
-                        staged(chunk.packed_offset),
-                        dev + area,
-                        chunk.packed_len as usize,
-                        stream,
-                    )
-                }?;
-            }
-            // Packed ranges without the kernel, and direct ones: one DMA each.
-            let singles = if area > 0 { &chunk.packed[..0] } else { &chunk.packed[..] };
-            for c in singles.iter().chain(&chunk.direct) {
-                // SAFETY: a range of a live, marked buffer into the lease.
-                unsafe {
-                    raw.memcpy_dtoh_async(
-                        staged(c.stage_offset),
-                        ptr_of(c.buffer) + c.buffer_offset,
-                        c.len as usize,
-                        stream,
-                    )
-                }?;
-            }
-            Ok(())
+            // SAFETY: the table and the chunk's staging lie in the lease, kept alive by this
+            // submission; device staging holds area + packed_len bytes; sources are live,
+            // marked buffers.
+            unsafe { enqueue_planned(raw, stream, chunk, &places, kernels, &ptr_of) }
         })?;
-        if area > 0 {
-            dmas += 2 + chunk.direct.len() as u64;
-            launches += 1;
-            moved += area + chunk.packed_len;
-        } else {
-            dmas += (chunk.packed.len() + chunk.direct.len()) as u64;
-            moved += chunk.packed.iter().map(|c| c.len).sum::<u64>();
-        }
-        moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
+        let (d, l, m) = planned_moves(chunk, area);
+        (dmas, launches, moved) = (dmas + d, launches + l, moved + m);
     }
     core.telemetry.record(
         LaneKind::Readback,
@@ -795,6 +762,81 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         },
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
     })
+}
+
+/// Where a planned readback chunk's work reads and writes: its descriptor table (`area`
+/// bytes of `count` descriptors) in pinned staging, device staging at `dev`, and `staged`,
+/// the pinned address of a flat staging offset of the chunk.
+struct ChunkPlaces<'a> {
+    table: *const u8,
+    area: u64,
+    count: u64,
+    dev: u64,
+    staged: &'a dyn Fn(u64) -> *mut u8,
+}
+
+/// Enqueues a planned readback chunk on `stream`: with a table (`area > 0`), the table up
+/// into device staging, one gather launch and one DMA of the packed bytes down; then one DMA
+/// for each packed range moved without the kernel and each direct one.
+///
+/// # Safety
+/// The table and every staged address stay alive and untouched by the host until the work
+/// completes; device staging at `dev` holds `area + packed_len` bytes; `ptr_of` gives live
+/// buffers (marked for this work) whose ranges the chunk reads.
+unsafe fn enqueue_planned(
+    raw: &crate::raw::Raw,
+    stream: cuda_sys::CUstream,
+    chunk: &crate::plan::ReadbackChunk,
+    at: &ChunkPlaces<'_>,
+    kernels: Option<&crate::kernels::Kernels>,
+    ptr_of: &dyn Fn(u64) -> u64,
+) -> Result<()> {
+    if at.area > 0 {
+        // SAFETY: the table is pinned and stays alive (the caller's promise); device staging
+        // holds area + packed_len bytes.
+        unsafe { raw.memcpy_htod_async(at.dev, at.table, at.area as usize, stream) }?;
+        let kernels = kernels.expect("loaded when a chunk uses it");
+        // SAFETY: sources are live, marked buffers; destinations are disjoint ranges of device
+        // staging.
+        unsafe { kernels.copy(raw, stream, at.dev, at.count) }?;
+        // SAFETY: the packed region of this chunk lies in its staging.
+        unsafe {
+            raw.memcpy_dtoh_async(
+                (at.staged)(chunk.packed_offset),
+                at.dev + at.area,
+                chunk.packed_len as usize,
+                stream,
+            )
+        }?;
+    }
+    // Packed ranges without the kernel, and direct ones: one DMA each.
+    let singles = if at.area > 0 { &chunk.packed[..0] } else { &chunk.packed[..] };
+    for c in singles.iter().chain(&chunk.direct) {
+        // SAFETY: a range of a live, marked buffer into the chunk's staging.
+        unsafe {
+            raw.memcpy_dtoh_async(
+                (at.staged)(c.stage_offset),
+                ptr_of(c.buffer) + c.buffer_offset,
+                c.len as usize,
+                stream,
+            )
+        }?;
+    }
+    Ok(())
+}
+
+/// What [`enqueue_planned`] moves for a chunk: `(dmas, launches, bytes over the bus)`.
+fn planned_moves(chunk: &crate::plan::ReadbackChunk, area: u64) -> (u64, u64, u64) {
+    let direct: u64 = chunk.direct.iter().map(|c| c.len).sum();
+    if area > 0 {
+        (2 + chunk.direct.len() as u64, 1, area + chunk.packed_len + direct)
+    } else {
+        (
+            (chunk.packed.len() + chunk.direct.len()) as u64,
+            0,
+            chunk.packed.iter().map(|c| c.len).sum::<u64>() + direct,
+        )
+    }
 }
 
 /// Whether `e` is the pinned pool refusing a batch's staging (more than the cap, more than
@@ -962,48 +1004,15 @@ fn execute_streamed(
             unsafe { std::ptr::copy_nonoverlapping(descriptors.as_ptr().cast::<u8>(), base, bytes) };
         }
         let count = descriptors.len() as u64;
+        let places = ChunkPlaces { table: base, area, count, dev, staged: &staged };
         seqs.push(lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
-            if area > 0 {
-                // SAFETY: the table is pinned and stays alive (kept by this submission);
-                // device staging holds area + packed_len bytes.
-                unsafe { raw.memcpy_htod_async(dev, base, area as usize, stream) }?;
-                let kernels = kernels.expect("loaded when a chunk uses it");
-                // SAFETY: sources are live, marked buffers; destinations are disjoint ranges
-                // of device staging.
-                unsafe { kernels.copy(raw, stream, dev, count) }?;
-                // SAFETY: the packed region of this chunk lies inside the lease.
-                unsafe {
-                    raw.memcpy_dtoh_async(
-                        staged(chunk.packed_offset),
-                        dev + area,
-                        chunk.packed_len as usize,
-                        stream,
-                    )
-                }?;
-            }
-            let singles = if area > 0 { &chunk.packed[..0] } else { &chunk.packed[..] };
-            for c in singles.iter().chain(&chunk.direct) {
-                // SAFETY: a range of a live, marked buffer into the lease.
-                unsafe {
-                    raw.memcpy_dtoh_async(
-                        staged(c.stage_offset),
-                        ptr_of(c.buffer) + c.buffer_offset,
-                        c.len as usize,
-                        stream,
-                    )
-                }?;
-            }
-            Ok(())
+            // SAFETY: the table and the chunk's staging lie in the lease, kept alive by this
+            // submission (the chunk that used it before was waited for and copied out);
+            // device staging holds area + packed_len bytes; sources are live, marked buffers.
+            unsafe { enqueue_planned(raw, stream, chunk, &places, kernels, &ptr_of) }
         })?);
-        if area > 0 {
-            dmas += 2 + chunk.direct.len() as u64;
-            launches += 1;
-            moved += area + chunk.packed_len;
-        } else {
-            dmas += (chunk.packed.len() + chunk.direct.len()) as u64;
-            moved += chunk.packed.iter().map(|c| c.len).sum::<u64>();
-        }
-        moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
+        let (d, l, m) = planned_moves(chunk, area);
+        (dmas, launches, moved) = (dmas + d, launches + l, moved + m);
     }
     for k in chunks.saturating_sub(ring.len())..chunks {
         unpack(k, &seqs, &mut host)?;

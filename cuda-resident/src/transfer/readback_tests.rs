@@ -4,22 +4,9 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use super::model_tests::Model;
+use super::model_tests::{Model, device, small_chunks};
 use crate::fake_driver;
 use crate::{Config, Device, Error};
-
-fn device(config: Config) -> Device {
-    Device::open_with(fake_driver::driver(), 0, config).expect("the model opens")
-}
-
-fn small_chunks() -> Config {
-    Config {
-        chunk_bytes: 64 << 10,
-        direct_threshold: 8 << 10,
-        pinned_cap_bytes: 8 << 20,
-        ..Config::default()
-    }
-}
 
 fn out_of_range<T: std::fmt::Debug>(what: &str, result: crate::Result<T>) {
     match result {
