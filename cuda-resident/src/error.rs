@@ -281,6 +281,16 @@ pub enum Error {
         lent: u64,
     },
 
+    /// A readback batch or prepared set given more reads than a slot can number.
+    #[error(
+        "a readback batch holds at most {most} reads (a Slot numbers them in 32 bits), and this one \
+         would hold more; nothing was added. Fix: split the reads into several batches."
+    )]
+    TooManyReads {
+        /// The most reads a batch holds.
+        most: usize,
+    },
+
     /// Held pinned staging (pinned buffers, prepared sets' regions, readback views) would take
     /// the part of the pool kept for transfers.
     #[error(
@@ -432,6 +442,7 @@ mod tests {
             Error::PinnedCapExceeded { requested: 2, cap: 1 },
             Error::PinnedExhausted { requested: 2, cap: 4, lent: 3 },
             Error::PinnedReserved { requested: 2, held: 3, limit: 4, cap: 5 },
+            Error::TooManyReads { most: 7 },
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
             Error::HostOutOfMemory { bytes: 1 },

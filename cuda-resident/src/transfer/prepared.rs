@@ -150,6 +150,9 @@ impl Device {
     /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept. The
     /// allocator's errors for the table.
     pub fn prepare_readbacks(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedReadbacks> {
+        if ranges.len() > super::readback::MAX_READS {
+            return Err(Error::TooManyReads { most: super::readback::MAX_READS });
+        }
         let fast = Layout::new(self, ranges, LaneKind::Readback)?.map(|layout| {
             let (views, chunks) = layout.views(ranges);
             (layout, views, chunks)

@@ -37,10 +37,16 @@ pub struct Slot {
     index: u32,
 }
 
+/// The most reads a batch or prepared set holds: a slot's index is 32 bits, so that no index
+/// wraps around to name another read.
+pub(crate) const MAX_READS: usize = u32::MAX as usize;
+
 impl Slot {
-    /// The slot of the `index`th read of batch `batch`.
+    /// The slot of the `index`th read of batch `batch` (`index < MAX_READS`: checked where
+    /// reads are added).
     pub(crate) fn nth(batch: u64, index: usize) -> Slot {
-        Slot { batch, index: index as u32 }
+        let index = u32::try_from(index).expect("reads are counted below MAX_READS where they are added");
+        Slot { batch, index }
     }
 }
 
@@ -224,6 +230,11 @@ impl ReadbackBatch<'_> {
     /// past the buffer's end, or `offset + len` overflowing); the batch is poisoned then:
     /// [`ReadbackBatch::submit`] fails with the same error and moves nothing.
     pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
+        if self.reads.len() >= MAX_READS {
+            let e = Error::TooManyReads { most: MAX_READS };
+            self.error.get_or_insert_with(|| e.clone());
+            return Err(e);
+        }
         let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
         let slot = Slot::nth(self.id, self.reads.len());
         self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
