@@ -103,12 +103,13 @@ pub(crate) struct HostPool {
     released: AtomicU64,
 }
 
-/// The [`PinnedBuffer`]s lent out by every pool of the process: arena start -> (arena bytes,
-/// lease), so that an `unsafe` copy given their memory, on any device (arenas are portable),
-/// keeps the lease alive until it completes ([`pinned_buffers_in`]).
+/// The pinned memory lent out that the caller can reach ([`PinnedBuffer`]s, readbacks'
+/// views, prepared sets' regions), of every pool of the process: arena start -> (arena
+/// bytes, lease), so that an `unsafe` copy given that memory, on any device (arenas are
+/// portable), keeps the lease alive until it completes ([`pinned_buffers_in`]).
 static LENT_BUFFERS: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>> = Mutex::new(BTreeMap::new());
 
-/// The leases of the [`PinnedBuffer`]s lent out (by any device's pool) whose arenas overlap
+/// The leases of the listed memory (by any device's pool: see [`LENT_BUFFERS`]) whose arenas overlap
 /// `[ptr, ptr + len)`: a copy that uses that memory keeps them, so that a buffer dropped
 /// before the copy completes is not lent again while the copy still reads or writes it.
 pub(crate) fn pinned_buffers_in(ptr: usize, len: usize) -> Vec<Arc<HostLease>> {
@@ -137,6 +138,8 @@ pub(crate) struct HostLease {
     len: usize,
     /// Counted as held staging.
     held: bool,
+    /// Listed in [`LENT_BUFFERS`] (unlisted when it drops).
+    listed: bool,
 }
 
 // SAFETY: through `&HostLease` only the address and length are read; the bytes are reached
@@ -269,7 +272,7 @@ impl HostPool {
     }
 
     fn lease(self: &Arc<Self>, arena: Arena, len: usize, held: bool) -> HostLease {
-        HostLease { pool: Arc::clone(self), arena: Some(arena), len, held }
+        HostLease { pool: Arc::clone(self), arena: Some(arena), len, held, listed: false }
     }
 
     fn give_back(&self, arena: Arena, held: bool) {
@@ -382,6 +385,18 @@ impl HostLease {
         self.arena.as_ref().map_or(0, |a| a.bytes)
     }
 
+    /// Shares the lease and lists it among the pinned memory the caller can reach (a
+    /// [`PinnedBuffer`], a readback's views, a prepared set's region), so that an `unsafe`
+    /// asynchronous copy given that memory keeps the lease until it completes
+    /// ([`pinned_buffers_in`]), even if its holder lets go first.
+    pub(crate) fn into_listed(mut self) -> Arc<HostLease> {
+        self.listed = true;
+        let lease = Arc::new(self);
+        let (start, bytes) = (lease.as_ptr() as usize, lease.arena_bytes() as usize);
+        lock(&LENT_BUFFERS).insert(start, (bytes, Arc::downgrade(&lease)));
+        lease
+    }
+
     /// The start of the region.
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.arena.as_ref().expect("present until drop").ptr.as_ptr()
@@ -409,6 +424,10 @@ impl HostLease {
 
 impl Drop for HostLease {
     fn drop(&mut self) {
+        if self.listed {
+            // Before the arena goes back: no copy can find it once it may be lent again.
+            lock(&LENT_BUFFERS).remove(&(self.as_ptr() as usize));
+        }
         if let Some(arena) = self.arena.take() {
             self.pool.give_back(arena, self.held);
         }
@@ -436,18 +455,7 @@ impl fmt::Debug for PinnedBuffer {
 
 impl PinnedBuffer {
     pub(crate) fn new(lease: HostLease) -> PinnedBuffer {
-        let lease = Arc::new(lease);
-        let (start, bytes) = (lease.as_ptr() as usize, lease.arena_bytes() as usize);
-        lock(&LENT_BUFFERS).insert(start, (bytes, Arc::downgrade(&lease)));
-        PinnedBuffer { lease }
-    }
-}
-
-impl Drop for PinnedBuffer {
-    fn drop(&mut self) {
-        // Unlisted first: a copy in flight keeps its own reference, and the arena goes back
-        // to the pool when the last one drops.
-        lock(&LENT_BUFFERS).remove(&(self.lease.as_ptr() as usize));
+        PinnedBuffer { lease: lease.into_listed() }
     }
 }
 

@@ -241,7 +241,8 @@ impl Layout {
             buffers,
             offsets: std::mem::take(&mut table.apart.offsets),
             spans,
-            lease: Arc::new(lease),
+            // Listed: the caller can reach its views.
+            lease: lease.into_listed(),
             table: table_buffer,
             table_ptr,
             requested: table.apart.requested,

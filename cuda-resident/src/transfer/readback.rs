@@ -692,7 +692,8 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     let tables: u64 = areas.iter().sum();
     // Held staging: the readback's views keep it after the copy.
     let lease = match device.acquire_held_staging((tables + plan.total_staging) as usize) {
-        Ok(lease) => Arc::new(lease),
+        // Listed: the caller can reach its views.
+        Ok(lease) => lease.into_listed(),
         // Nothing enqueued yet: the batch streams instead.
         Err(e) if refused_staging(&e) => return execute_streamed(batch, &lane_batch, scratch, sink.take()),
         Err(e) => return Err(e),
@@ -1123,8 +1124,9 @@ fn execute_in_order(
     // in read order (chunk `k`'s table starts at its first read's).
     let tables = apart.end.next_multiple_of(256);
     // Held staging: the readback's views keep it after the copy.
-    let lease =
-        Arc::new(device.acquire_held_staging(tables as usize + reads.len() * size_of::<CopyDescriptor>())?);
+    let lease = device
+        .acquire_held_staging(tables as usize + reads.len() * size_of::<CopyDescriptor>())?
+        .into_listed();
     let base = lease.as_ptr();
     let first_seq = lane_batch.next_seq();
     let final_seq =
