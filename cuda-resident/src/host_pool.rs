@@ -103,8 +103,8 @@ pub(crate) struct HostPool {
     released: AtomicU64,
 }
 
-/// The pinned memory lent out that the caller can reach ([`PinnedBuffer`]s, readbacks'
-/// views, prepared sets' regions), of every pool of the process: arena start -> (arena
+/// The pinned memory lent out that the caller can reach ([`PinnedBuffer`]s, batch
+/// readbacks' views), of every pool of the process: arena start -> (arena
 /// bytes, lease), so that an `unsafe` copy given that memory, on any device (arenas are
 /// portable), keeps the lease alive until it completes ([`pinned_buffers_in`]).
 static LENT_BUFFERS: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>> = Mutex::new(BTreeMap::new());
@@ -386,7 +386,7 @@ impl HostLease {
     }
 
     /// Shares the lease and lists it among the pinned memory the caller can reach (a
-    /// [`PinnedBuffer`], a readback's views, a prepared set's region), so that an `unsafe`
+    /// [`PinnedBuffer`], a batch readback's views), so that an `unsafe`
     /// asynchronous copy given that memory keeps the lease until it completes
     /// ([`pinned_buffers_in`]), even if its holder lets go first.
     pub(crate) fn into_listed(mut self) -> Arc<HostLease> {

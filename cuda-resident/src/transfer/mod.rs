@@ -60,9 +60,9 @@ impl Device {
     /// # Safety
     ///
     /// `[src, src + len)` must be readable host memory that stays valid and unchanged until
-    /// the copy completes. (A [`PinnedBuffer`](crate::PinnedBuffer), a
-    /// [`Readback`](crate::Readback) whose view it is, or a prepared set whose region it is,
-    /// may be dropped before then: the copy keeps that memory.)
+    /// the copy completes. (A [`PinnedBuffer`](crate::PinnedBuffer), or the
+    /// [`Readback`](crate::Readback) of a batch whose view it is, may be dropped before
+    /// then: the copy keeps that memory. Not so a prepared set's readback.)
     ///
     /// # Errors
     ///
@@ -71,9 +71,9 @@ impl Device {
     /// where the driver reports the extent of pinned regions, as it does for `cuMemHostAlloc`
     /// and `cuMemHostRegister` (a range over two pinned regions with a pageable gap between
     /// them is refused); where it does not, the first and last byte. Pinned memory of
-    /// this crate (a [`PinnedBuffer`](crate::PinnedBuffer), a readback's views, a prepared
-    /// set's region, of any device) is kept out of its pool until the copy completes, even
-    /// if its holder is dropped first. Managed memory (`cuMemAllocManaged`) is not pinned
+    /// this crate (a [`PinnedBuffer`](crate::PinnedBuffer), a batch readback's views, of any
+    /// device) is kept out of its pool until the copy completes, even if its holder is
+    /// dropped first. Managed memory (`cuMemAllocManaged`) is not pinned
     /// host memory and is refused too.
     pub unsafe fn upload_async_at(
         &self,
@@ -167,8 +167,8 @@ impl Device {
             // Nothing to copy: no driver call, and a fence that is already complete.
             return Ok(Fence::completed());
         }
-        // Pinned memory of this crate the caller can reach (a PinnedBuffer, a readback's views,
-        // a prepared set's region; of any device's pool) stays out of its pool until the copy
+        // Pinned memory of this crate the caller can reach (a PinnedBuffer, a batch readback's
+        // views; of any device's pool) stays out of its pool until the copy
         // completes, even if the buffer is dropped first: held from before the check on.
         let keep = crate::host_pool::pinned_buffers_in(host.1 as usize, len);
         self.check_pinned(host.0, host.1, len)?;

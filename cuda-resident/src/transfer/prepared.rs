@@ -241,8 +241,9 @@ impl Layout {
             buffers,
             offsets: std::mem::take(&mut table.apart.offsets),
             spans,
-            // Listed: the caller can reach its views.
-            lease: lease.into_listed(),
+            // Not listed for the unsafe copies (`into_listed`): the set decides that the
+            // region is its own again by `Arc::get_mut`, which a listing's `Weak` would fail.
+            lease: Arc::new(lease),
             table: table_buffer,
             table_ptr,
             requested: table.apart.requested,
