@@ -332,6 +332,16 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether this is the pinned pool refusing staging: more than the cap, more than is free
+    /// of what callers hold, or more held staging than the reserve for transfers leaves. A
+    /// readback so refused streams through the pool; a prepared set moves as batches.
+    pub(crate) fn is_staging_refusal(&self) -> bool {
+        matches!(
+            self,
+            Error::PinnedCapExceeded { .. } | Error::PinnedExhausted { .. } | Error::PinnedReserved { .. }
+        )
+    }
+
     /// The `CUresult` of a driver error, if this is one.
     pub fn cuda_code(&self) -> Option<CUresult> {
         match self {

@@ -106,13 +106,13 @@ pub(crate) struct HostPool {
 /// The pinned memory lent out that the caller can reach ([`PinnedBuffer`]s, batch
 /// readbacks' views), of every pool of the process: arena start -> (arena
 /// bytes, lease), so that an `unsafe` copy given that memory, on any device (arenas are
-/// portable), keeps the lease alive until it completes ([`pinned_buffers_in`]).
+/// portable), keeps the lease alive until it completes ([`listed_leases_in`]).
 static LENT_BUFFERS: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>> = Mutex::new(BTreeMap::new());
 
 /// The leases of the listed memory (by any device's pool: see [`LENT_BUFFERS`]) whose arenas overlap
 /// `[ptr, ptr + len)`: a copy that uses that memory keeps them, so that a buffer dropped
 /// before the copy completes is not lent again while the copy still reads or writes it.
-pub(crate) fn pinned_buffers_in(ptr: usize, len: usize) -> Vec<Arc<HostLease>> {
+pub(crate) fn listed_leases_in(ptr: usize, len: usize) -> Vec<Arc<HostLease>> {
     let end = ptr.saturating_add(len);
     let buffers = lock(&LENT_BUFFERS);
     // Arenas do not overlap: walk back from the last one starting before the end while
@@ -388,7 +388,7 @@ impl HostLease {
     /// Shares the lease and lists it among the pinned memory the caller can reach (a
     /// [`PinnedBuffer`], a batch readback's views), so that an `unsafe`
     /// asynchronous copy given that memory keeps the lease until it completes
-    /// ([`pinned_buffers_in`]), even if its holder lets go first.
+    /// ([`listed_leases_in`]), even if its holder lets go first.
     pub(crate) fn into_listed(mut self) -> Arc<HostLease> {
         self.listed = true;
         let lease = Arc::new(self);

@@ -170,7 +170,7 @@ impl Device {
         // Pinned memory of this crate the caller can reach (a PinnedBuffer, a batch readback's
         // views; of any device's pool) stays out of its pool until the copy
         // completes, even if the buffer is dropped first: held from before the check on.
-        let keep = crate::host_pool::pinned_buffers_in(host.1 as usize, len);
+        let keep = crate::host_pool::listed_leases_in(host.1 as usize, len);
         self.check_pinned(host.0, host.1, len)?;
         let core = self.core();
         let batch = core.lane(kind).batch();
@@ -191,11 +191,7 @@ impl Device {
     /// a shorter slice would leave the buffer's tail as it was, which is rarely what a caller
     /// of a whole-buffer upload means. Use [`Device::upload_at`] for a partial write.
     pub fn upload(&self, buffer: ResidentBuffer, data: &[u8]) -> Result<()> {
-        let buffer_len = self.buffer_len(buffer)?;
-        if data.len() as u64 != buffer_len {
-            return Err(Error::UploadLength { buffer, buffer_len, data_len: data.len() });
-        }
-        self.upload_at(buffer, 0, data)
+        self.upload_many(&[(buffer, data)])
     }
 
     /// Uploads `data` to `buffer` at `offset` and waits until it has landed.

@@ -37,6 +37,9 @@ pub struct PreparedUploads {
     fast: Option<(Layout, Groups)>,
     /// The last submission that reads the set's pinned region.
     last_seq: Option<u64>,
+    /// The slices of an upload's data, empty between uploads: kept for their capacity (a
+    /// fresh vector of thousands of slices costs its page faults on every upload).
+    slices: Vec<&'static [u8]>,
 }
 
 /// A set of readback ranges checked and laid out once ([`Device::prepare_readbacks`]), read
@@ -129,7 +132,13 @@ impl Device {
             );
             (layout, groups)
         });
-        Ok(PreparedUploads { device: self.clone(), ranges: ranges.to_vec(), fast, last_seq: None })
+        Ok(PreparedUploads {
+            device: self.clone(),
+            ranges: ranges.to_vec(),
+            fast,
+            last_seq: None,
+            slices: Vec::new(),
+        })
     }
 
     /// Checks `ranges` (`(buffer, offset, len)` each) once, for reading them again and again
@@ -198,13 +207,7 @@ impl Layout {
         // stream through the pool.
         let lease = match device.acquire_held_staging(apart.end as usize) {
             Ok(lease) => lease,
-            Err(
-                Error::PinnedReserved { .. }
-                | Error::PinnedCapExceeded { .. }
-                | Error::PinnedExhausted { .. },
-            ) => {
-                return Ok(None);
-            }
+            Err(e) if e.is_staging_refusal() => return Ok(None),
             Err(e) => return Err(e),
         };
         let base = lease.as_ptr() as u64;
@@ -351,12 +354,19 @@ impl PreparedUploads {
         // nothing held and nothing enqueued, and one that uses the device itself (uploads,
         // downloads, allocates) does not wait for a lane this upload holds. The packing
         // threads then only copy these slices.
-        let slices: Vec<&[u8]> = data.iter().map(AsRef::as_ref).collect();
+        let mut slices: Vec<&[u8]> = crate::recycle::relabel(std::mem::take(&mut self.slices));
+        slices.extend(data.iter().map(AsRef::as_ref));
+        let moved = self.upload_slices(&slices);
+        self.slices = crate::recycle::relabel(slices);
+        moved
+    }
+
+    /// [`PreparedUploads::upload`] of the data's slices, one per range.
+    fn upload_slices(&mut self, slices: &[&[u8]]) -> Result<Fence> {
         let ranges = &self.ranges;
-        if let Some(i) = ranges.iter().zip(&slices).position(|(r, d)| d.len() as u64 != r.2) {
+        if let Some(i) = ranges.iter().zip(slices).position(|(r, d)| d.len() as u64 != r.2) {
             return Err(Error::PreparedDataLength { index: i, expected: ranges[i].2, got: slices[i].len() });
         }
-        let slices = &slices[..];
         let device = &self.device;
         let core = device.core();
         let lane = core.lane(LaneKind::Upload);
@@ -491,11 +501,16 @@ impl PreparedReadbacks {
                 ));
             }
         }
-        let mut batch = device.readbacks_as(self.id);
+        self.as_batch()?.submit()
+    }
+
+    /// The set's reads as a batch of its own (whose slots are the set's).
+    fn as_batch(&self) -> Result<crate::ReadbackBatch<'_>> {
+        let mut batch = self.device.readbacks_as(self.id);
         for &(buffer, offset, len) in &self.ranges {
             batch.read(buffer, offset, len)?;
         }
-        batch.submit()
+        Ok(batch)
     }
 
     /// Reads every range into the caller's vector of the same index, replacing its contents
@@ -518,11 +533,7 @@ impl PreparedReadbacks {
         if self.fast.is_none() {
             // A batch each time: one that streams through the pinned pool goes straight into
             // the vectors.
-            let mut batch = self.device.readbacks_as(self.id);
-            for &(buffer, offset, len) in &self.ranges {
-                batch.read(buffer, offset, len)?;
-            }
-            return batch.submit_into(out);
+            return self.as_batch()?.submit_into(out);
         }
         let pending = self.submit()?;
         pending.wait_into(&self.slots, out).map(drop)

@@ -658,7 +658,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         );
         return match execute_in_order(batch, chunk, &lane_batch, scratch) {
             // Refused before anything was enqueued: the batch streams instead.
-            Err(e) if refused_staging(&e) => execute_streamed(batch, &lane_batch, scratch, sink.take()),
+            Err(e) if e.is_staging_refusal() => execute_streamed(batch, &lane_batch, scratch, sink.take()),
             done => done,
         };
     }
@@ -695,7 +695,9 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         // Listed: the caller can reach its views.
         Ok(lease) => lease.into_listed(),
         // Nothing enqueued yet: the batch streams instead.
-        Err(e) if refused_staging(&e) => return execute_streamed(batch, &lane_batch, scratch, sink.take()),
+        Err(e) if e.is_staging_refusal() => {
+            return execute_streamed(batch, &lane_batch, scratch, sink.take());
+        }
         Err(e) => return Err(e),
     };
     let base = lease.as_ptr();
@@ -849,16 +851,6 @@ fn planned_moves(chunk: &crate::plan::ReadbackChunk, area: u64) -> (u64, u64, u6
             chunk.packed.iter().map(|c| c.len).sum::<u64>() + direct,
         )
     }
-}
-
-/// Whether `e` is the pinned pool refusing a batch's staging (more than the cap, more than
-/// is free of what callers hold, or more held staging than the pool's reserve for transfers
-/// leaves): such a batch streams ([`execute_streamed`]).
-fn refused_staging(e: &Error) -> bool {
-    matches!(
-        e,
-        Error::PinnedCapExceeded { .. } | Error::PinnedExhausted { .. } | Error::PinnedReserved { .. }
-    )
 }
 
 #[cfg(test)]
