@@ -1,9 +1,13 @@
 //! SVG line charts of the results: bandwidth against size, a color per group of cases
-//! (a copy count, a direction) and a line style per method.
+//! (a copy count, a direction) and a line style per method; [`plots`] picks the charts from
+//! the rows of a run.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
+
+use crate::BenchResult;
+use crate::report::Row;
 
 /// How a line is drawn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,7 +65,7 @@ pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<()
             .configure_mesh()
             .x_desc("bytes per copy")
             .y_desc("GB/s")
-            .x_label_formatter(&|x| super::human(*x as usize))
+            .x_label_formatter(&|x| crate::report::human(*x as usize))
             .draw()?;
         for s in series {
             let color = Palette99::pick(s.color).to_rgba();
@@ -90,4 +94,120 @@ pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<()
         Ok(())
     };
     draw().map_err(|e| format!("could not draw {}: {e}", path.display()))
+}
+
+/// The SVG plots, bandwidth against bytes per copy: many small copies (a color per count)
+/// and the size sweep (a color per direction), the line's style telling the method.
+pub(crate) fn plots(rows: &[Row], out: &Path) -> BenchResult<Vec<PathBuf>> {
+    type Pick = fn(&Row) -> Option<f64>;
+    let methods: [(&str, Pick, Stroke); 3] = [
+        ("raw driver", |r| r.raw, Stroke::Dashed),
+        ("cuMemcpyBatchAsync", |r| r.batch, Stroke::Dotted),
+        ("cuda-resident", |r| Some(r.ours), Stroke::Solid),
+    ];
+    // One line per method over the rows that `matches`, in color `color`.
+    let series = |matches: &dyn Fn(&Row) -> bool, label: &str, color: usize| -> Vec<Series> {
+        let matching: Vec<&Row> = rows.iter().filter(|r| r.size.is_some() && matches(r)).collect();
+        methods
+            .iter()
+            .map(|&(method, pick, stroke)| Series {
+                name: format!("{method}, {label}"),
+                points: matching.iter().filter_map(|r| Some((r.size? as f64, pick(r)?))).collect(),
+                color,
+                stroke,
+            })
+            .filter(|s| !s.points.is_empty())
+            .collect()
+    };
+    let mut counts: Vec<usize> = rows.iter().filter_map(|r| r.count).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let many_small = |starts: &str, ends: &str| -> Vec<Series> {
+        counts
+            .iter()
+            .enumerate()
+            .flat_map(|(color, &count)| {
+                let matches =
+                    |r: &Row| r.count == Some(count) && r.case.starts_with(starts) && r.case.ends_with(ends);
+                series(&matches, &format!("{count} copies"), color)
+            })
+            .collect()
+    };
+    let sweep = |memory: &str| -> Vec<Series> {
+        ["H2D", "D2H", "both"]
+            .iter()
+            .enumerate()
+            .flat_map(|(color, dir)| {
+                let prefix = format!("sweep {dir} {memory} ");
+                series(&|r: &Row| r.case.starts_with(&prefix), dir, color)
+            })
+            .collect()
+    };
+    let charts = [
+        (
+            "many-small-h2d.svg",
+            "many small copies, H2D from pageable: bandwidth by copy size",
+            many_small("H2D", "from pageable"),
+        ),
+        (
+            "many-small-d2h.svg",
+            "many small copies, D2H into caller Vecs: bandwidth by copy size",
+            many_small("D2H", "into caller Vecs"),
+        ),
+        ("sweep-pageable.svg", "single copies, pageable memory: bandwidth by size", sweep("pageable")),
+        ("sweep-pinned.svg", "single copies, pinned memory: bandwidth by size", sweep("pinned")),
+    ];
+    let mut written = Vec::new();
+    for (file, title, lines) in charts {
+        if !lines.is_empty() {
+            let path = out.join(file);
+            bandwidth_chart(&path, title, &lines)?;
+            written.push(path);
+        }
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plots;
+    use crate::report::{Row, human};
+
+    #[test]
+    fn plots_are_written_for_measured_rows() {
+        let mut rows = Vec::new();
+        for (i, size) in [256usize, 4096, 65536].into_iter().enumerate() {
+            for count in [1024, 8192] {
+                for case in [
+                    format!("H2D {count} x {} from pageable", human(size)),
+                    format!("D2H {count} x {} into caller Vecs", human(size)),
+                ] {
+                    let mut r = Row::gbps(case, size * count, Some(0.1 * (i + 1) as f64), Some(0.2), 1.0);
+                    (r.count, r.size) = (Some(count), Some(size));
+                    rows.push(r);
+                }
+            }
+            for dir in ["H2D", "D2H", "both"] {
+                for memory in ["pinned", "pageable"] {
+                    let case = format!("sweep {dir} {memory} {}", human(size));
+                    rows.push(Row::gbps(case, size, Some(1.0), None, 2.0 + i as f64).sized(size));
+                }
+            }
+        }
+        let out = std::env::temp_dir().join(format!("xfer-bench-plot-test-{}", std::process::id()));
+        std::fs::create_dir_all(&out).unwrap();
+        let files = plots(&rows, &out).unwrap();
+        let names: Vec<_> = files.iter().filter_map(|f| f.file_name()?.to_str()).collect();
+        assert_eq!(
+            names,
+            ["many-small-h2d.svg", "many-small-d2h.svg", "sweep-pageable.svg", "sweep-pinned.svg"]
+        );
+        for f in &files {
+            let svg = std::fs::read_to_string(f).unwrap();
+            assert!(svg.starts_with("<svg") && svg.contains("cuda-resident"), "{}", f.display());
+        }
+        let h2d = std::fs::read_to_string(&files[0]).unwrap();
+        assert!(h2d.contains("1024 copies") && h2d.contains("8192 copies"), "a series per count");
+        std::fs::remove_dir_all(&out).unwrap();
+    }
 }

@@ -72,7 +72,24 @@ pub fn measure(device: &Device, threads: usize) -> Result<AllocReport, String> {
     let e = |e: cuda_resident::Error| e.to_string();
     let pair = |d: &Device| d.allocate(MIB).and_then(|b| d.free(b)).map_err(e);
     let one_thread_ns = time_ns(200_000, || pair(device))?;
+    let many_threads_ns = many_threads_ns(device, threads)?;
+    let pinned_ns = time_ns(200_000, || device.pinned(MIB as usize).map(drop).map_err(e))?;
+    let [raw_alloc_ns, raw_async_ns, raw_host_ns] = raw_driver_ns(device)?;
+    Ok(AllocReport {
+        threads,
+        one_thread_ns,
+        many_threads_ns,
+        pinned_ns,
+        raw_alloc_ns,
+        raw_async_ns,
+        raw_host_ns,
+        waste_percent: waste_percent(device)?,
+    })
+}
 
+/// `allocate` + `free` on `threads` threads at once, released together: the median over
+/// repetitions of the median thread's time per pair.
+fn many_threads_ns(device: &Device, threads: usize) -> Result<f64, String> {
     let mut per_thread = Vec::with_capacity(REPS);
     for _ in 0..REPS {
         let barrier = Arc::new(Barrier::new(threads));
@@ -101,11 +118,14 @@ pub fn measure(device: &Device, threads: usize) -> Result<AllocReport, String> {
             .collect::<Result<Vec<_>, _>>()?;
         per_thread.push(median(times));
     }
-    let many_threads_ns = median(per_thread);
-    let pinned_ns = time_ns(200_000, || device.pinned(MIB as usize).map(drop).map_err(e))?;
+    Ok(median(per_thread))
+}
 
+/// The raw driver's pairs: `cuMemAlloc` + `cuMemFree`, `cuMemAllocAsync` +
+/// `cuMemFreeAsync` and `cuMemHostAlloc` + `cuMemFreeHost`, nanoseconds each.
+fn raw_driver_ns(device: &Device) -> Result<[f64; 3], String> {
     let driver = Arc::clone(device.driver());
-    device.make_current().map_err(e)?;
+    device.make_current().map_err(|e| e.to_string())?;
     let raw_alloc_ns = time_ns(2000, || {
         let mut p = 0;
         // SAFETY: allocates and frees 1 MiB on the current context.
@@ -114,6 +134,22 @@ pub fn measure(device: &Device, threads: usize) -> Result<AllocReport, String> {
             check("cuMemFree", call!(driver, cuMemFree_v2(p)))
         }
     })?;
+    let raw_async_ns = raw_async_ns(&driver)?;
+    let raw_host_ns = time_ns(50, || {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: allocates and frees 1 MiB of pinned host memory.
+        unsafe {
+            let flags = cuda_sys::CU_MEMHOSTALLOC_PORTABLE;
+            check("cuMemHostAlloc", call!(driver, cuMemHostAlloc(&mut p, MIB as usize, flags)))?;
+            check("cuMemFreeHost", call!(driver, cuMemFreeHost(p)))
+        }
+    })?;
+    Ok([raw_alloc_ns, raw_async_ns, raw_host_ns])
+}
+
+/// `cuMemAllocAsync` + `cuMemFreeAsync` on a stream of its own, a synchronize every 1000
+/// pairs, on the current context.
+fn raw_async_ns(driver: &cuda_sys::Driver) -> Result<f64, String> {
     let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
     // SAFETY: creates a stream on the current context.
     check("cuStreamCreate", unsafe {
@@ -138,16 +174,13 @@ pub fn measure(device: &Device, threads: usize) -> Result<AllocReport, String> {
         check("cuStreamSynchronize", call!(driver, cuStreamSynchronize(stream)))?;
         check("cuStreamDestroy", call!(driver, cuStreamDestroy_v2(stream)))?;
     }
-    let raw_host_ns = time_ns(50, || {
-        let mut p = std::ptr::null_mut();
-        // SAFETY: allocates and frees 1 MiB of pinned host memory.
-        unsafe {
-            let flags = cuda_sys::CU_MEMHOSTALLOC_PORTABLE;
-            check("cuMemHostAlloc", call!(driver, cuMemHostAlloc(&mut p, MIB as usize, flags)))?;
-            check("cuMemFreeHost", call!(driver, cuMemFreeHost(p)))
-        }
-    })?;
+    Ok(raw_async_ns)
+}
 
+/// Internal waste of the size classes on 4000 buffers of uniform random size, 1 B to
+/// 4 MiB: percent of the bytes requested.
+fn waste_percent(device: &Device) -> Result<f64, String> {
+    let e = |e: cuda_resident::Error| e.to_string();
     let mut rng = fastrand::Rng::with_seed(42);
     let before = device.telemetry().memory;
     let buffers = (0..4000)
@@ -160,14 +193,5 @@ pub fn measure(device: &Device, threads: usize) -> Result<AllocReport, String> {
     for b in buffers {
         device.free(b).map_err(e)?;
     }
-    Ok(AllocReport {
-        threads,
-        one_thread_ns,
-        many_threads_ns,
-        pinned_ns,
-        raw_alloc_ns,
-        raw_async_ns,
-        raw_host_ns,
-        waste_percent: 100.0 * (footprint - requested) as f64 / requested as f64,
-    })
+    Ok(100.0 * (footprint - requested) as f64 / requested as f64)
 }

@@ -17,10 +17,12 @@ use cuda_resident::cuda_sys::{CUstream, call};
 use cuda_resident::{Device, DeviceSet, FanOutPath, Fence, ResidentBuffer};
 use indicatif::ProgressBar;
 
-use super::{
-    Args, BenchResult, Raw, Row, Scatter, baseline_reps, check, error, human, median_secs, phase_medians,
-    random_vec, sync, verify_scatter,
-};
+use crate::baselines::{DriverBaseline, check, sync};
+use crate::cli::Args;
+use crate::report::{Row, human};
+use crate::timing::{baseline_reps, median_secs, phase_medians};
+use crate::workload::{Scatter, random_vec, verify_scatter};
+use crate::{BenchResult, error};
 
 /// Bytes per copy of the many-small cases also measured before peer access is enabled.
 const STAGED_SIZE: usize = 4096;
@@ -49,11 +51,11 @@ struct Pair<'a> {
     dir: String,
 }
 
-/// Runs the suite; `gpus` (at least 2) is how many the driver sees, and `d` with `raw`
-/// the source device and its raw streams.
+/// Runs the suite; `gpus` (at least 2) is how many the driver sees, and `d` with
+/// `baseline` the source device and its raw streams.
 pub(super) fn run(
     d: &Device,
-    raw: &Raw,
+    baseline: &DriverBaseline,
     args: &Args,
     gpus: usize,
     cases: &[(usize, usize)],
@@ -65,25 +67,15 @@ pub(super) fn run(
     let set = DeviceSet::from_devices(vec![d.clone(), other]);
     let (src, dst) = (set.get(0).map_err(error)?, set.get(1).map_err(error)?);
     dst.make_current().map_err(error)?;
-    let dst_raw = Raw::new(dst)?;
-    let (si, di) = (src.info(), dst.info());
+    let dst_baseline = DriverBaseline::new(dst)?;
     let p = Pair {
         src,
         dst,
-        src_stream: raw.stream,
-        dst_stream: dst_raw.stream,
-        dir: format!("{}->{}", si.ordinal, di.ordinal),
+        src_stream: baseline.stream,
+        dst_stream: dst_baseline.stream,
+        dir: format!("{}->{}", src.info().ordinal, dst.info().ordinal),
     };
-    let possible = src.can_access_peer(dst).map_err(error)?;
-    progress.println(format!(
-        "peer: device {} ({}) -> device {} ({}) | {} | peer access {}",
-        si.ordinal,
-        si.pci_bus_id,
-        di.ordinal,
-        di.pci_bus_id,
-        di.name,
-        if possible { "possible" } else { "impossible: every case stages through the host" }
-    ));
+    progress.println(describe(&p)?);
     for &case in cases.iter().filter(|c| c.1 == STAGED_SIZE) {
         progress.set_message(format!("peer {} x {}, before peer access", case.0, human(case.1)));
         many_small(&p, args, case, true, rows)?;
@@ -91,7 +83,43 @@ pub(super) fn run(
     }
     set.enable_all_peers().map_err(error)?;
     let first = rows.len();
+    with_peer_access(&set, &p, args, cases, rows, progress)?;
+    if !dst.is_peer_enabled(src) {
+        for r in &mut rows[first..] {
+            add_note(r, "no peer access between these GPUs: copies between them stage through the host");
+        }
+    }
+    drop(dst_baseline);
+    // The other suites' raw calls expect their device current.
+    d.make_current().map_err(error)
+}
 
+/// The line that names the two devices and whether peer access is possible.
+fn describe(p: &Pair) -> BenchResult<String> {
+    let (si, di) = (p.src.info(), p.dst.info());
+    let possible = p.src.can_access_peer(p.dst).map_err(error)?;
+    Ok(format!(
+        "peer: device {} ({}) -> device {} ({}) | {} | peer access {}",
+        si.ordinal,
+        si.pci_bus_id,
+        di.ordinal,
+        di.pci_bus_id,
+        di.name,
+        if possible { "possible" } else { "impossible: every case stages through the host" }
+    ))
+}
+
+/// The cases after peer access is enabled, on a `--large` buffer of each device: one large
+/// copy, the many-small `cases`, both directions at once and the fan-out.
+fn with_peer_access(
+    set: &DeviceSet,
+    p: &Pair,
+    args: &Args,
+    cases: &[(usize, usize)],
+    rows: &mut Vec<Row>,
+    progress: &ProgressBar,
+) -> BenchResult<()> {
+    let (src, dst) = (p.src, p.dst);
     let n = args.large;
     let data = random_vec(&mut fastrand::Rng::with_seed(101), n);
     let a = src.allocate(n as u64).map_err(error)?;
@@ -105,32 +133,24 @@ pub(super) fn run(
     let result = (|| -> BenchResult<()> {
         progress.set_message(format!("peer {}", human(n)));
         src.upload(a, &data).map_err(error)?;
-        large(&p, args, (a, b), &data, rows)?;
+        large(p, args, (a, b), &data, rows)?;
         progress.inc(1);
         for &case in cases {
             progress.set_message(format!("peer {} x {}", case.0, human(case.1)));
-            many_small(&p, args, case, false, rows)?;
+            many_small(p, args, case, false, rows)?;
             progress.inc(1);
         }
         progress.set_message("peer both directions");
-        both_ways(&p, args, (a, b), &data, rows)?;
+        both_ways(p, args, (a, b), &data, rows)?;
         progress.inc(1);
         progress.set_message("fan-out");
-        fan_out(&set, &p, args, (a, b), &data, rows)?;
+        fan_out(set, p, args, (a, b), &data, rows)?;
         progress.inc(1);
         Ok(())
     })();
     let freed = src.free(a).and(dst.free(b)).map_err(error);
     result?;
-    freed?;
-    if !dst.is_peer_enabled(src) {
-        for r in &mut rows[first..] {
-            add_note(r, "no peer access between these GPUs: copies between them stage through the host");
-        }
-    }
-    drop(dst_raw);
-    // The other suites' raw calls expect their device current.
-    d.make_current().map_err(error)
+    freed
 }
 
 fn add_note(row: &mut Row, note: &str) {
@@ -226,92 +246,116 @@ fn many_small(
             return Err(e);
         }
     };
-    let result = (|| {
-        let mut up = src.uploads();
-        for (data, &(b, o)) in sources.iter().zip(&from.places) {
-            up.write(from.buffers[b], o, data).map_err(error)?;
-        }
-        up.submit().map_err(error)?.wait().map_err(error)?;
-        let base_reps = baseline_reps(args, count);
-        dst.make_current().map_err(error)?;
-        let raw = median_secs(base_reps, || {
-            for (&s, &t) in from.ptrs.iter().zip(&to.ptrs) {
-                raw_copy(dst, t, src, s, size, p.dst_stream)?;
-            }
-            sync(dst, p.dst_stream)
-        })?;
-        let len = dst.buffer_len(to.buffers[0]).map_err(error)? as usize;
-        for &b in &to.buffers {
-            poison(dst, p.dst_stream, b, 0, len)?;
-        }
-        let ours = median_secs(args.reps, || {
-            let copies = from
-                .places
-                .iter()
-                .zip(&to.places)
-                .map(|(&(b, o), &(c, q))| (from.buffers[b], o, to.buffers[c], q, size as u64));
-            ours(dst, src, copies)?.wait().map_err(error)
-        })?;
-        let case =
-            format!("peer {count} x {} {}{}", human(size), p.dir, if staged { ", staged" } else { "" });
-        verify_scatter(dst, &to, &sources, size, &case)?;
-        if !staged {
-            // The same copies as a block table per buffer pair (as a paged cache keeps
-            // them), one copy_ranges call per pair; the tables are the caller's data,
-            // built before the clock starts.
-            let mut tables: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); from.buffers.len()];
-            let mut pairs = vec![usize::MAX; from.buffers.len()];
-            for (&(b, o), &(c, q)) in from.places.iter().zip(&to.places) {
-                tables[b].push((o, q, size as u64));
-                pairs[b] = c;
-            }
-            for &b in &to.buffers {
-                poison(dst, p.dst_stream, b, 0, len)?;
-            }
-            let batch = || {
-                let mut batch = dst.peer_copies(src);
-                for (b, table) in tables.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
-                    batch.copy_ranges(from.buffers[b], to.buffers[pairs[b]], table).map_err(error)?;
-                }
-                BenchResult::Ok(batch)
-            };
-            let ranges = median_secs(args.reps, || batch()?.submit().map_err(error)?.wait().map_err(error))?;
-            let case = format!("{case}, copy_ranges");
-            verify_scatter(dst, &to, &sources, size, &case)?;
-            if args.breakdown {
-                // Where one batch's time goes: adding the tables, submit, waiting.
-                let [add, submit, wait] = phase_medians(args.reps, || {
-                    let t = Instant::now();
-                    let batch = batch()?;
-                    let t1 = Instant::now();
-                    let fence = batch.submit().map_err(error)?;
-                    let t2 = Instant::now();
-                    fence.wait().map_err(error)?;
-                    Ok([t, t1, t2, Instant::now()])
-                })?;
-                eprintln!("breakdown {case}: add {add:.0} µs, submit {submit:.0} µs, wait {wait:.0} µs");
-            }
-            let mut row = Row::gbps(case, count * size, Some(raw), None, ranges);
-            (row.count, row.size) = (Some(count), Some(size));
-            rows.push(row);
-        }
-        let mut row = Row::gbps(case, count * size, Some(raw), None, ours);
-        (row.count, row.size) = (Some(count), Some(size));
-        if base_reps < args.reps {
-            add_note(&mut row, &format!("raw: median of {base_reps} repetitions"));
-        }
-        if staged {
-            add_note(
-                &mut row,
-                "before peer access was enabled: the driver and cuda-resident stage through the host",
-            );
-        }
-        rows.push(row);
-        Ok(())
-    })();
+    let result = many_small_rows(p, args, (&from, &to), &sources, staged, rows);
     from.free(src);
     to.free(dst);
     result
+}
+
+/// The rows of [`many_small`] between the scatters `from` and `to`, `sources` the copies'
+/// bytes: one batch of copies, and (with peer access) the same as block tables.
+fn many_small_rows(
+    p: &Pair,
+    args: &Args,
+    (from, to): (&Scatter, &Scatter),
+    sources: &[Vec<u8>],
+    staged: bool,
+    rows: &mut Vec<Row>,
+) -> BenchResult<()> {
+    let (src, dst, count, size) = (p.src, p.dst, sources.len(), sources[0].len());
+    let mut up = src.uploads();
+    for (data, &(b, o)) in sources.iter().zip(&from.places) {
+        up.write(from.buffers[b], o, data).map_err(error)?;
+    }
+    up.submit().map_err(error)?.wait().map_err(error)?;
+    let base_reps = baseline_reps(args, count);
+    dst.make_current().map_err(error)?;
+    let raw = median_secs(base_reps, || {
+        for (&s, &t) in from.ptrs.iter().zip(&to.ptrs) {
+            raw_copy(dst, t, src, s, size, p.dst_stream)?;
+        }
+        sync(dst, p.dst_stream)
+    })?;
+    let len = dst.buffer_len(to.buffers[0]).map_err(error)? as usize;
+    for &b in &to.buffers {
+        poison(dst, p.dst_stream, b, 0, len)?;
+    }
+    let ours = median_secs(args.reps, || {
+        let copies = from
+            .places
+            .iter()
+            .zip(&to.places)
+            .map(|(&(b, o), &(c, q))| (from.buffers[b], o, to.buffers[c], q, size as u64));
+        ours(dst, src, copies)?.wait().map_err(error)
+    })?;
+    let case = format!("peer {count} x {} {}{}", human(size), p.dir, if staged { ", staged" } else { "" });
+    verify_scatter(dst, to, sources, size, &case)?;
+    if !staged {
+        let ranges = copy_ranges_secs(p, args, (from, to), sources, &case)?;
+        let mut row = Row::gbps(format!("{case}, copy_ranges"), count * size, Some(raw), None, ranges);
+        (row.count, row.size) = (Some(count), Some(size));
+        rows.push(row);
+    }
+    let mut row = Row::gbps(case, count * size, Some(raw), None, ours);
+    (row.count, row.size) = (Some(count), Some(size));
+    if base_reps < args.reps {
+        add_note(&mut row, &format!("raw: median of {base_reps} repetitions"));
+    }
+    if staged {
+        add_note(
+            &mut row,
+            "before peer access was enabled: the driver and cuda-resident stage through the host",
+        );
+    }
+    rows.push(row);
+    Ok(())
+}
+
+/// The copies of [`many_small_rows`] as a block table per buffer pair (as a paged cache
+/// keeps them), one `copy_ranges` call per pair: the median seconds, verified. The tables
+/// are the caller's data, built before the clock starts.
+fn copy_ranges_secs(
+    p: &Pair,
+    args: &Args,
+    (from, to): (&Scatter, &Scatter),
+    sources: &[Vec<u8>],
+    case: &str,
+) -> BenchResult<f64> {
+    let (src, dst, size) = (p.src, p.dst, sources[0].len());
+    let mut tables: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); from.buffers.len()];
+    let mut pairs = vec![usize::MAX; from.buffers.len()];
+    for (&(b, o), &(c, q)) in from.places.iter().zip(&to.places) {
+        tables[b].push((o, q, size as u64));
+        pairs[b] = c;
+    }
+    let len = dst.buffer_len(to.buffers[0]).map_err(error)? as usize;
+    for &b in &to.buffers {
+        poison(dst, p.dst_stream, b, 0, len)?;
+    }
+    let batch = || {
+        let mut batch = dst.peer_copies(src);
+        for (b, table) in tables.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
+            batch.copy_ranges(from.buffers[b], to.buffers[pairs[b]], table).map_err(error)?;
+        }
+        BenchResult::Ok(batch)
+    };
+    let ranges = median_secs(args.reps, || batch()?.submit().map_err(error)?.wait().map_err(error))?;
+    let case = format!("{case}, copy_ranges");
+    verify_scatter(dst, to, sources, size, &case)?;
+    if args.breakdown {
+        // Where one batch's time goes: adding the tables, submit, waiting.
+        let [add, submit, wait] = phase_medians(args.reps, || {
+            let t = Instant::now();
+            let batch = batch()?;
+            let t1 = Instant::now();
+            let fence = batch.submit().map_err(error)?;
+            let t2 = Instant::now();
+            fence.wait().map_err(error)?;
+            Ok([t, t1, t2, Instant::now()])
+        })?;
+        eprintln!("breakdown {case}: add {add:.0} µs, submit {submit:.0} µs, wait {wait:.0} µs");
+    }
+    Ok(ranges)
 }
 
 /// Both directions at once, `data.len() / 2` bytes each way: the first half of `a` into

@@ -1,0 +1,213 @@
+//! The suites: what each runs, worked out from the flags ([`SuitePlan`]), and the run of
+//! its cases in order, one file per kind of case. The default suite is many small copies,
+//! `--large` single copies and one 4 KiB upload's latency; grid is many small copies over
+//! every count and size; sweep, latency, alloc and peer run their own file's cases; all runs
+//! every one.
+
+mod alloc;
+mod large;
+mod latency;
+mod many_small;
+mod peer;
+mod sweep;
+
+use std::sync::Arc;
+
+use cuda_resident::Device;
+use cuda_resident::cuda_sys::Driver;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::baselines::DriverBaseline;
+use crate::cli::{Args, Suite};
+use crate::report::{self, Row, human};
+use crate::{BenchResult, error};
+
+/// Copy counts of the many-small grid when `--counts` is not given.
+const GRID_COUNTS: [usize; 3] = [1024, 8192, 65536];
+/// Copy count of the default suite's many-small cases when `--counts` is not given.
+const DEFAULT_COUNT: usize = 8192;
+
+/// What a suite runs, worked out from the flags before any device is touched.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SuitePlan {
+    /// Many-small cases, `(count, size)`.
+    many_small: Vec<(usize, usize)>,
+    /// Many-small cases over `--max-case-mib`, said in the report.
+    pub(crate) skipped: Vec<String>,
+    large: bool,
+    /// Latency sizes, and whether only uploads from pageable memory are timed.
+    latency: Option<(Vec<usize>, bool)>,
+    sweep: bool,
+    alloc: bool,
+    /// The peer suite's many-small cases, `(count, size)`, when it runs.
+    peer: Option<Vec<(usize, usize)>>,
+}
+
+impl SuitePlan {
+    pub(crate) fn new(args: &Args) -> SuitePlan {
+        use Suite::*;
+        let s = args.suite;
+        let counts = match (&args.counts, s) {
+            (_, Sweep | Latency | Alloc) => Vec::new(),
+            (Some(counts), _) => counts.clone(),
+            (None, Default | Peer) => vec![DEFAULT_COUNT],
+            (None, _) => GRID_COUNTS.to_vec(),
+        };
+        let limit = args.max_case_mib.saturating_mul(1 << 20);
+        let (mut many_small, mut skipped) = (Vec::new(), Vec::new());
+        for &count in &counts {
+            for &size in &args.sizes {
+                match count.checked_mul(size) {
+                    Some(bytes) if bytes <= limit => many_small.push((count, size)),
+                    _ => skipped.push(format!(
+                        "{count} x {}: more than --max-case-mib {} MiB",
+                        human(size),
+                        args.max_case_mib
+                    )),
+                }
+            }
+        }
+        let latency = match s {
+            Default => Some((vec![4096], true)),
+            Latency | All => Some((args.latency_sizes.clone(), false)),
+            _ => None,
+        };
+        let peer = matches!(s, Peer | All).then(|| many_small.clone());
+        SuitePlan {
+            many_small: if s == Peer { Vec::new() } else { many_small },
+            skipped,
+            large: matches!(s, Default | All),
+            latency,
+            sweep: matches!(s, Sweep | All),
+            alloc: matches!(s, Alloc | All),
+            peer,
+        }
+    }
+
+    /// Steps of the progress bar.
+    fn steps(&self, args: &Args) -> u64 {
+        let sweep = if self.sweep { 2 * sweep::sweep_sizes(args.large).len() } else { 0 };
+        (self.many_small.len()
+            + usize::from(self.large)
+            + self.latency.as_ref().map_or(0, |(sizes, _)| sizes.len())
+            + sweep
+            + usize::from(self.alloc)
+            + self.peer.as_deref().map_or(0, peer::steps)) as u64
+    }
+}
+
+/// Opens the device, prints the header and runs every case of `plan`: the rows, and what
+/// the report says about the device. A peer case on a host of one GPU is dropped from
+/// `plan` (and listed as skipped) unless the peer suite itself was asked for.
+pub(crate) fn run(
+    args: &Args,
+    plan: &mut SuitePlan,
+    config: cuda_resident::Config,
+) -> BenchResult<(Vec<Row>, serde_json::Value)> {
+    let driver = Driver::load().map(Arc::new).map_err(|e| e.to_string())?;
+    let d = Device::open_with(driver, args.device, config).map_err(error)?;
+    d.make_current().map_err(error)?;
+    let baseline = DriverBaseline::new(&d)?;
+    let gpus = count_peers(args, plan)?;
+    report::print_header(&d, plan);
+    let mut rows = Vec::new();
+    let progress = ProgressBar::new(plan.steps(args)).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    run_cases(&d, &baseline, args, plan, gpus, &mut rows, &progress)?;
+    progress.finish_and_clear();
+    drop(baseline);
+    Ok((rows, report::device_json(&d)))
+}
+
+/// How many GPUs the driver sees where the peer suite runs (0 where it does not); with
+/// fewer than two, the peer suite fails and `all` skips its peer cases.
+fn count_peers(args: &Args, plan: &mut SuitePlan) -> BenchResult<usize> {
+    // Counted only where the peer suite runs, which needs two.
+    let gpus = if plan.peer.is_some() { Device::count().map_err(error)? } else { 0 };
+    if plan.peer.is_some() && gpus < 2 {
+        if args.suite == Suite::Peer {
+            return Err(format!("{}. {}", peer::too_few(gpus), peer::FEW_FIX));
+        }
+        plan.peer = None;
+        plan.skipped.push(format!("peer: {}", peer::too_few(gpus)));
+    }
+    Ok(gpus)
+}
+
+/// Every case of `plan`, in order, a progress step each.
+fn run_cases(
+    d: &Device,
+    baseline: &DriverBaseline,
+    args: &Args,
+    plan: &SuitePlan,
+    gpus: usize,
+    rows: &mut Vec<Row>,
+    progress: &ProgressBar,
+) -> BenchResult<()> {
+    for &(count, size) in &plan.many_small {
+        progress.set_message(format!("{count} x {}", human(size)));
+        many_small::run(d, baseline, args, (count, size), rows)?;
+        progress.inc(1);
+    }
+    if plan.large {
+        progress.set_message(format!("{} single copies", human(args.large)));
+        large::run(d, baseline, args, rows)?;
+        progress.inc(1);
+    }
+    if let Some((sizes, upload_only)) = &plan.latency {
+        for &size in sizes {
+            progress.set_message(format!("latency {}", human(size)));
+            latency::run(d, baseline, args, &[size], *upload_only, rows)?;
+            progress.inc(1);
+        }
+    }
+    if plan.sweep {
+        sweep::run(d, baseline, args, rows, progress)?;
+    }
+    if plan.alloc {
+        progress.set_message("allocation");
+        alloc::run(d, rows)?;
+        progress.inc(1);
+    }
+    if let Some(cases) = &plan.peer {
+        peer::run(d, baseline, args, gpus, cases, rows, progress)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SuitePlan;
+    use crate::cli::parse;
+
+    #[test]
+    fn suites_plan_their_cases() {
+        let default = SuitePlan::new(&parse(&[]).unwrap());
+        assert_eq!(default.many_small, [(8192, 256), (8192, 4096), (8192, 65536)]);
+        assert!(default.large && !default.sweep && !default.alloc && default.skipped.is_empty());
+        assert_eq!(default.latency, Some((vec![4096], true)));
+
+        let grid = SuitePlan::new(&parse(&["--suite", "grid"]).unwrap());
+        assert_eq!(grid.many_small.len(), 8, "65536 x 64 KiB is 4 GiB, over the 1 GiB limit");
+        assert_eq!(grid.skipped, ["65536 x 64 KiB: more than --max-case-mib 1024 MiB"]);
+        assert!(!grid.large && grid.latency.is_none() && !grid.sweep);
+
+        let all = SuitePlan::new(&parse(&["--suite", "all", "--max-case-mib", "4096"]).unwrap());
+        assert_eq!(all.many_small.len(), 9);
+        assert!(all.large && all.sweep && all.alloc);
+        assert_eq!(all.latency, Some((vec![4, 256, 4096, 65536], false)));
+
+        let counts = SuitePlan::new(&parse(&["--count", "100", "--sizes", "8"]).unwrap());
+        assert_eq!(counts.many_small, [(100, 8)]);
+        let latency = SuitePlan::new(&parse(&["--suite", "latency", "--counts", "5"]).unwrap());
+        assert!(latency.many_small.is_empty() && latency.latency.is_some());
+
+        let peer = SuitePlan::new(&parse(&["--suite", "peer"]).unwrap());
+        assert_eq!(peer.peer.as_deref(), Some(&default.many_small[..]));
+        assert!(peer.many_small.is_empty() && !peer.large && peer.latency.is_none() && !peer.alloc);
+        assert_eq!(all.peer.as_ref().map(Vec::len), Some(9), "the grid's cases");
+        assert!(default.peer.is_none() && grid.peer.is_none());
+    }
+}

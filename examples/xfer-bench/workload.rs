@@ -1,0 +1,118 @@
+//! The data the cases move: random host bytes, and the scattered device places of the
+//! many-small cases with their check.
+
+use cuda_resident::{Device, Readback, ReadbackBatch, ResidentBuffer, Slot, UploadBatch};
+
+use crate::BenchResult;
+
+/// `len` random bytes.
+pub(crate) fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v);
+    v
+}
+
+/// Random source and zeroed destination of `n` bytes for the single-copy cases.
+pub(crate) fn host_pair(seed: u64, n: usize) -> (Vec<u8>, Vec<u8>) {
+    (random_vec(&mut fastrand::Rng::with_seed(seed), n), vec![0u8; n])
+}
+
+/// Many small copies: `count` copies of `size` bytes spread over 64 buffers with gaps, so
+/// that none fuse.
+pub(crate) struct Scatter {
+    pub(crate) buffers: Vec<ResidentBuffer>,
+    /// Each copy's `(buffer index, offset)`.
+    pub(crate) places: Vec<(usize, u64)>,
+    /// Each copy's device address.
+    pub(crate) ptrs: Vec<u64>,
+}
+
+impl Scatter {
+    /// Allocates the 64 buffers on `d` and lays out `count` places of `size` bytes.
+    pub(crate) fn new(d: &Device, count: usize, size: usize) -> BenchResult<Scatter> {
+        let per = count.div_ceil(64);
+        let stride = size as u64 + 64;
+        let buffers = (0..64)
+            .map(|_| d.allocate(per as u64 * stride))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let places: Vec<(usize, u64)> = (0..count).map(|i| (i % 64, (i / 64) as u64 * stride)).collect();
+        let ptrs = places
+            .iter()
+            .map(|&(b, o)| d.device_ptr(buffers[b]).map(|p| p + o))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        Ok(Scatter { buffers, places, ptrs })
+    }
+
+    /// An upload batch of every copy from `sources` (one per copy), by `write`.
+    pub(crate) fn copied_batch<'d>(
+        &self,
+        d: &'d Device,
+        sources: &'d [Vec<u8>],
+    ) -> cuda_resident::Result<UploadBatch<'d>> {
+        let mut batch = d.uploads();
+        for (src, &(b, o)) in sources.iter().zip(&self.places) {
+            batch.write(self.buffers[b], o, src)?;
+        }
+        Ok(batch)
+    }
+
+    /// The same by `write_with`: each copy filled in place from its source.
+    pub(crate) fn in_place_batch<'d>(
+        &self,
+        d: &'d Device,
+        sources: &[Vec<u8>],
+    ) -> cuda_resident::Result<UploadBatch<'d>> {
+        let mut batch = d.uploads();
+        for (src, &(b, o)) in sources.iter().zip(&self.places) {
+            batch.write_with(self.buffers[b], o, src.len(), |dst| dst.copy_from_slice(src))?;
+        }
+        Ok(batch)
+    }
+
+    /// A readback batch of every copy's range, not yet submitted, and its slots.
+    pub(crate) fn reads<'d>(
+        &self,
+        d: &'d Device,
+        size: usize,
+    ) -> cuda_resident::Result<(ReadbackBatch<'d>, Vec<Slot>)> {
+        let mut reads = d.readbacks();
+        let slots = self
+            .places
+            .iter()
+            .map(|&(b, o)| reads.read(self.buffers[b], o, size as u64))
+            .collect::<Result<_, _>>()?;
+        Ok((reads, slots))
+    }
+
+    /// Reads every copy's range back as one batch.
+    pub(crate) fn read_all(&self, d: &Device, size: usize) -> cuda_resident::Result<(Vec<Slot>, Readback)> {
+        let (reads, slots) = self.reads(d, size)?;
+        Ok((slots, reads.submit()?.wait()?))
+    }
+
+    /// Frees the buffers.
+    pub(crate) fn free(self, d: &Device) {
+        for b in self.buffers {
+            let _ = d.free(b);
+        }
+    }
+}
+
+/// Checks that every copy of `s` holds its source, reading all of `s`'s buffers back.
+pub(crate) fn verify_scatter(
+    d: &Device,
+    s: &Scatter,
+    sources: &[Vec<u8>],
+    size: usize,
+    what: &str,
+) -> BenchResult<()> {
+    let back = d.download_many(&s.buffers).map_err(|e| e.to_string())?;
+    for (src, &(b, o)) in sources.iter().zip(&s.places) {
+        if back[b][o as usize..][..size] != src[..] {
+            return Err(format!("{what}: a copy of {size} bytes to buffer {b} at {o} differs"));
+        }
+    }
+    Ok(())
+}
