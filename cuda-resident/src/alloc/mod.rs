@@ -802,7 +802,7 @@ impl<M: DeviceMemory> Allocator<M> {
         // report the first failure.
         let mut result = Ok(());
         for ptr in ptrs {
-            result = result.and(crate::error::release_retrying(|| self.memory.mem_free(ptr)));
+            result = result.and(crate::raw::release_retrying(|| self.memory.mem_free(ptr)));
         }
         result
     }
