@@ -2,7 +2,7 @@
 
 use cuda_sys::CUresult;
 
-use crate::alloc::ResidentBuffer;
+use crate::handle::ResidentBuffer;
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -70,6 +70,7 @@ mod device;
 mod error;
 #[cfg(test)]
 mod fake_driver;
+mod handle;
 mod host_pool;
 mod hostcopy;
 mod kernels;
