@@ -692,13 +692,13 @@ mod tests {
     use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Driver, Fault};
 
     use super::*;
-    use crate::fake_driver::{self, complete_all, with};
     use crate::host_pool::HostPool;
+    use crate::testing::model::{self, complete_all, with};
 
     /// A lane on the model GPU, and its driver (for faults).
     fn lane() -> (Arc<Driver>, Lane) {
-        let driver = fake_driver::driver();
-        let lane = Lane::new(LaneKind::Upload, fake_driver::context(&driver)).unwrap();
+        let driver = model::driver();
+        let lane = Lane::new(LaneKind::Upload, model::context(&driver)).unwrap();
         (driver, lane)
     }
 
@@ -742,7 +742,7 @@ mod tests {
         let first = {
             let state = lock(&lane.state);
             assert_eq!(state.inflight.iter().map(|f| f.seq).collect::<Vec<_>>(), vec![1]);
-            fake_driver::id(state.inflight[0].event)
+            model::id(state.inflight[0].event)
         };
         assert!(!lane.is_known_done(3));
         // Number 3 has no event of its own: waiting for it waits for submission 1, the
@@ -755,7 +755,7 @@ mod tests {
     #[test]
     fn staging_of_a_submission_whose_record_and_synchronize_fail_is_never_lent_again() {
         let (driver, lane) = lane();
-        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20, 0));
+        let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
         let lease = Arc::new(pool.try_acquire(4096).unwrap().expect("room in the pool"));
         driver.faults().inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
         driver.faults().inject(Fault::new("cuStreamSynchronize", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
@@ -770,7 +770,7 @@ mod tests {
     #[test]
     fn a_wait_retires_everything_up_to_its_submission_without_querying_each() {
         let (driver, lane) = lane();
-        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20, 0));
+        let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
         let leases: Vec<_> = (0..3).map(|_| Arc::new(pool.try_acquire(4096).unwrap().unwrap())).collect();
         let seqs: Vec<u64> = leases
             .iter()
@@ -931,7 +931,7 @@ mod tests {
     #[test]
     fn a_failed_submission_with_a_working_stream_returns_its_staging_after_waiting() {
         let (driver, lane) = lane();
-        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20, 0));
+        let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
         let lease = Arc::new(pool.try_acquire(4096).unwrap().expect("room in the pool"));
         driver.faults().inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
         lane.batch().submit(vec![Arc::clone(&lease)], |_, _, _| Ok(())).unwrap_err();

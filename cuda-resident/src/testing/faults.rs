@@ -12,9 +12,9 @@ use cuda_sys::{
     CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_OUT_OF_MEMORY, CUresult, Driver, Fault,
 };
 
-use crate::fake_driver;
+use crate::testing::model;
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 use crate::{Config, Device, Error, ResidentBuffer};
 
@@ -185,7 +185,7 @@ fn case(driver: &Arc<Driver>, fault: Fault, reference: [u64; 5]) -> Result<bool,
 
 #[test]
 fn every_call_of_the_sequence_can_fail_on_the_model_without_panics_leaks_or_corruption() {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     driver.faults().record();
     let (reference, recorded) = {
         let d = Device::open_with(Arc::clone(&driver), 0, config()).unwrap();
