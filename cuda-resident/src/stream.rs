@@ -929,6 +929,31 @@ mod tests {
     }
 
     #[test]
+    fn a_fence_outlives_its_device_and_its_wait_counts_as_a_host_wait() {
+        let d = crate::testing::device(crate::testing::small_chunks());
+        let b = d.allocate(4096).unwrap();
+        let fence = {
+            let mut batch = d.uploads();
+            batch.write(b, 0, &[7u8; 4096]).unwrap();
+            batch.submit().unwrap()
+        };
+        let early = fence.clone();
+        assert!(!fence.is_complete().unwrap(), "the model runs nothing until the host waits");
+        early.wait().unwrap();
+        assert_eq!(d.telemetry().host_waits, 1);
+        let mut batch = d.uploads();
+        batch.write(b, 0, &[8u8; 4096]).unwrap();
+        let late = batch.submit().unwrap();
+        drop(d);
+        // The device went first; its lanes and context stay with the fences.
+        assert!(late.is_complete().unwrap(), "dropping the device waited for its copies");
+        late.wait().unwrap();
+        // SAFETY: the null stream of a context that is still alive.
+        unsafe { late.make_stream_wait(std::ptr::null_mut()) }.unwrap();
+        assert!(fence.is_complete().unwrap());
+    }
+
+    #[test]
     fn a_failed_submission_with_a_working_stream_returns_its_staging_after_waiting() {
         let (driver, lane) = lane();
         let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
