@@ -40,6 +40,6 @@ impl Drop for Context {
     fn drop(&mut self) {
         // Nothing can be reported from a drop; the release fails only if the driver is
         // already gone, and then there is nothing left to release.
-        let _ = crate::error::release_retrying(|| self.raw.primary_ctx_release(self.device));
+        let _ = crate::raw::release_retrying(|| self.raw.primary_ctx_release(self.device));
     }
 }

@@ -7,11 +7,11 @@ use cuda_sys::{CUcontext, Driver, DriverVersion};
 
 use crate::alloc::{Allocator, AllocatorConfig, LastUse, ResidentBuffer};
 use crate::context::Context;
-use crate::error::{Error, Result, release_retrying};
+use crate::error::{Error, Result};
 use crate::host_pool::{HostPool, PinnedBuffer};
 use crate::kernels::Kernels;
-use crate::raw::Raw;
-use crate::stream::{Lane, LaneKind};
+use crate::raw::{Raw, release_retrying};
+use crate::stream::{Lane, LaneKind, Lanes};
 use crate::sync::{Mutex, lock};
 use crate::telemetry::{Telemetry, TelemetrySnapshot};
 use crate::transfer::DeviceStaging;
@@ -203,15 +203,16 @@ pub struct DeviceInfo {
     pub driver_version: DriverVersion,
 }
 
-/// The shared state of a device. Fences and lent staging hold it (or its context) so that
-/// nothing they refer to goes away early.
+/// The shared state of a device. Fences hold its lanes and lent staging its context, so
+/// that nothing they refer to goes away early; dropping it waits for the copies in flight
+/// before their memory is freed.
 pub(crate) struct Core {
     pub(crate) ctx: Arc<Context>,
     pub(crate) info: DeviceInfo,
     pub(crate) config: Config,
     pub(crate) alloc: Allocator<Arc<Context>>,
     pub(crate) pinned: Arc<HostPool>,
-    pub(crate) lanes: [Lane; 2],
+    pub(crate) lanes: Arc<Lanes>,
     pub(crate) telemetry: Telemetry,
     /// Device staging per lane, used under that lane's batch lock.
     pub(crate) staging: [Mutex<DeviceStaging>; 2],
@@ -238,7 +239,7 @@ pub(crate) struct Core {
 
 impl Core {
     pub(crate) fn lane(&self, kind: LaneKind) -> &Lane {
-        &self.lanes[kind.index()]
+        self.lanes.lane(kind)
     }
 
     /// The scatter/gather kernel, loaded on first use.
@@ -285,7 +286,7 @@ impl Core {
 impl Drop for Core {
     fn drop(&mut self) {
         // Copies in flight finish before the memory they use is freed.
-        for lane in &self.lanes {
+        for lane in self.lanes.iter() {
             let _ = lane.synchronize();
         }
         let _ = release_retrying(|| self.ctx.bind().map(drop));
@@ -350,10 +351,8 @@ impl Device {
         let ctx = Arc::new(Context::retain(raw, cu_device)?);
         let raw = ctx.bind()?;
         let info = query_info(raw, cu_device, ordinal)?;
-        let lanes = [
-            Lane::new(LaneKind::Upload, Arc::clone(&ctx))?,
-            Lane::new(LaneKind::Readback, Arc::clone(&ctx))?,
-        ];
+        let telemetry = Telemetry::default();
+        let lanes = Arc::new(Lanes::new(Arc::clone(&ctx), Arc::clone(&telemetry.host_waits))?);
         let pinned =
             Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes, config.pinned_reserve()));
         pinned.prewarm(config.chunk_bytes as usize, config.pinned_prewarm_bytes)?;
@@ -373,7 +372,7 @@ impl Device {
             alloc,
             pinned,
             lanes,
-            telemetry: Telemetry::default(),
+            telemetry,
             staging: Default::default(),
             kernels: OnceLock::new(),
             packers: OnceLock::new(),
@@ -547,7 +546,7 @@ impl Device {
             // Full: retire completed copies, and wait for the oldest one on each lane, which
             // releases its staging. Once nothing is in flight, one more try, then give up.
             let mut waited = false;
-            for lane in &self.core.lanes {
+            for lane in self.core.lanes.iter() {
                 lane.poll()?;
                 if let Some(seq) = lane.oldest_in_flight() {
                     waited |= lane.wait(seq)?;
@@ -569,7 +568,7 @@ impl Device {
 
     /// Blocks until every copy submitted so far, in both directions, has completed.
     pub fn synchronize(&self) -> Result<()> {
-        for lane in &self.core.lanes {
+        for lane in self.core.lanes.iter() {
             lane.synchronize()?;
         }
         Ok(())

@@ -2,7 +2,7 @@
 
 use cuda_sys::CUresult;
 
-use crate::alloc::ResidentBuffer;
+use crate::handle::ResidentBuffer;
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -385,19 +385,6 @@ fn driver_fix(code: CUresult) -> &'static str {
         CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED => "pin the range with Device::pin_host before this call",
         _ => "check the driver's health (nvidia-smi); if it is healthy, report this with the message above",
     }
-}
-
-/// Runs a release step, and once more if it fails: for teardown, where no error can be
-/// returned and one refused call must not leak what it was releasing.
-///
-/// The release calls retried this way (`cuMemFree`, `cuMemFreeHost`, `cuEventDestroy`,
-/// `cuStreamDestroy`, `cuModuleUnload`, `cuDevicePrimaryCtxRelease`) are not idempotent, and
-/// the driver documents that they may also return the error of an earlier asynchronous
-/// launch. Such errors are sticky (the context is lost and every later call fails, the
-/// retry included), so a retry does not release twice; a refusal that is not sticky (out of
-/// resources, an injected fault) did not release, and the retry does.
-pub(crate) fn release_retrying(mut step: impl FnMut() -> Result<()>) -> Result<()> {
-    step().or_else(|_| step())
 }
 
 /// A `Fix:`-terminated error from a driver result, for the one place each entry point is

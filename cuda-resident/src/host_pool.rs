@@ -512,12 +512,12 @@ mod tests {
 
     use cuda_sys::{CUDA_ERROR_INVALID_CONTEXT, Fault};
 
-    use crate::fake_driver;
+    use crate::testing::model;
 
     /// A pool of `cap` bytes on the model driver, and the driver (for faults).
     fn pool(cap: u64) -> (Arc<cuda_sys::Driver>, Arc<HostPool>) {
-        let driver = fake_driver::driver();
-        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), cap, 0));
+        let driver = model::driver();
+        let pool = Arc::new(HostPool::new(model::context(&driver), cap, 0));
         driver.faults().record();
         (driver, pool)
     }

@@ -65,7 +65,7 @@ impl Kernels {
                 bus_blocks: multiprocessors.max(1),
             }),
             Err(e) => {
-                let _ = crate::error::release_retrying(|| raw.module_unload(module));
+                let _ = crate::raw::release_retrying(|| raw.module_unload(module));
                 Err(e)
             }
         }

@@ -68,13 +68,10 @@ pub mod budget;
 mod context;
 mod device;
 mod error;
-#[cfg(test)]
-mod fake_driver;
+mod handle;
 mod host_pool;
 mod hostcopy;
 mod kernels;
-#[cfg(test)]
-mod model_faults;
 mod peer;
 pub mod plan;
 mod raw;
@@ -82,6 +79,8 @@ mod recycle;
 mod stream;
 mod sync;
 mod telemetry;
+#[cfg(test)]
+mod testing;
 mod transfer;
 
 pub use alloc::classes::{GRANULE, MAX_CLASS_BYTES};

@@ -19,6 +19,19 @@ macro_rules! cu {
     };
 }
 
+/// Runs a release step, and once more if it fails: for teardown, where no error can be
+/// returned and one refused call must not leak what it was releasing.
+///
+/// The release calls retried this way (`cuMemFree`, `cuMemFreeHost`, `cuEventDestroy`,
+/// `cuStreamDestroy`, `cuModuleUnload`, `cuDevicePrimaryCtxRelease`) are not idempotent, and
+/// the driver documents that they may also return the error of an earlier asynchronous
+/// launch. Such errors are sticky (the context is lost and every later call fails, the
+/// retry included), so a retry does not release twice; a refusal that is not sticky (out of
+/// resources, an injected fault) did not release, and the retry does.
+pub(crate) fn release_retrying(mut step: impl FnMut() -> Result<()>) -> Result<()> {
+    step().or_else(|_| step())
+}
+
 /// The driver, shared.
 #[derive(Clone, Debug)]
 pub(crate) struct Raw {

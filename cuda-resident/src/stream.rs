@@ -23,10 +23,9 @@ use std::sync::atomic::Ordering;
 use cuda_sys::{CUevent, CUstream};
 
 use crate::context::Context;
-use crate::device::Device;
-use crate::error::{Result, release_retrying};
+use crate::error::Result;
 use crate::host_pool::HostLease;
-use crate::raw::Raw;
+use crate::raw::{Raw, release_retrying};
 use crate::sync::lock;
 // The timeline's counter is model-checked with loom (the `loom` tests at the end).
 use crate::sync::shim::atomic::AtomicU64;
@@ -582,13 +581,54 @@ impl Drop for Lane {
     }
 }
 
-/// Completion of submitted work: an event on one lane, and the device that keeps it valid.
+/// A device's two lanes and the context they live in: what a [`Fence`] keeps alive.
+///
+/// The lanes drop (their streams and events destroyed, after the work in flight) before the
+/// context is released: each lane holds the context too.
+pub(crate) struct Lanes {
+    lanes: [Lane; 2],
+    ctx: Arc<Context>,
+    /// Fences waited on by the host that were not already complete (shared with the
+    /// device's telemetry).
+    host_waits: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl fmt::Debug for Lanes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(&self.lanes).finish()
+    }
+}
+
+impl Lanes {
+    /// The upload and readback lanes on new non-blocking streams of `ctx`, which must be
+    /// current; host waits on their fences count in `host_waits`.
+    pub(crate) fn new(ctx: Arc<Context>, host_waits: Arc<std::sync::atomic::AtomicU64>) -> Result<Lanes> {
+        let lanes = [
+            Lane::new(LaneKind::Upload, Arc::clone(&ctx))?,
+            Lane::new(LaneKind::Readback, Arc::clone(&ctx))?,
+        ];
+        Ok(Lanes { lanes, ctx, host_waits })
+    }
+
+    /// The lane of direction `kind`.
+    pub(crate) fn lane(&self, kind: LaneKind) -> &Lane {
+        &self.lanes[kind.index()]
+    }
+
+    /// Both lanes, upload first.
+    pub(crate) fn iter(&self) -> std::slice::Iter<'_, Lane> {
+        self.lanes.iter()
+    }
+}
+
+/// Completion of submitted work: an event on one lane, and the lanes and context that keep
+/// it valid.
 ///
 /// Dropping a fence does not cancel or wait for anything: the work completes on its own and
-/// what it needs stays alive until then. A fence keeps its `Device`'s context alive.
+/// what it needs stays alive until then. A fence keeps its device's context and lanes alive.
 #[derive(Clone)]
 pub struct Fence {
-    device: Option<Device>,
+    lanes: Option<Arc<Lanes>>,
     lane: LaneKind,
     seq: u64,
 }
@@ -600,30 +640,30 @@ impl fmt::Debug for Fence {
 }
 
 impl Fence {
-    pub(crate) fn new(device: Device, lane: LaneKind, seq: u64) -> Fence {
-        Fence { device: Some(device), lane, seq }
+    pub(crate) fn new(lanes: Arc<Lanes>, lane: LaneKind, seq: u64) -> Fence {
+        Fence { lanes: Some(lanes), lane, seq }
     }
 
     /// A fence with nothing to wait for (an empty batch).
     pub fn completed() -> Fence {
-        Fence { device: None, lane: LaneKind::Upload, seq: 0 }
+        Fence { lanes: None, lane: LaneKind::Upload, seq: 0 }
     }
 
     /// Blocks until the work has completed on the GPU. Fails if the GPU reported an error
     /// for that work (or earlier work on its stream).
     pub fn wait(&self) -> Result<()> {
-        let Some(device) = &self.device else { return Ok(()) };
-        if device.core().lane(self.lane).wait(self.seq)? {
-            device.core().telemetry.host_waits.fetch_add(1, Ordering::Relaxed);
+        let Some(lanes) = &self.lanes else { return Ok(()) };
+        if lanes.lane(self.lane).wait(self.seq)? {
+            lanes.host_waits.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }
 
     /// Whether the work has completed, without blocking.
     pub fn is_complete(&self) -> Result<bool> {
-        match &self.device {
+        match &self.lanes {
             None => Ok(true),
-            Some(device) => device.core().lane(self.lane).is_done(self.seq),
+            Some(lanes) => lanes.lane(self.lane).is_done(self.seq),
         }
     }
 
@@ -635,11 +675,11 @@ impl Fence {
     /// `stream` must be a live stream (or null, the legacy default stream) of this device's
     /// primary context.
     pub unsafe fn make_stream_wait(&self, stream: CUstream) -> Result<()> {
-        match &self.device {
+        match &self.lanes {
             None => Ok(()),
-            Some(device) => {
-                device.core().ctx.bind()?;
-                device.core().lane(self.lane).make_stream_wait(self.seq, stream)
+            Some(lanes) => {
+                lanes.ctx.bind()?;
+                lanes.lane(self.lane).make_stream_wait(self.seq, stream)
             }
         }
     }
@@ -652,13 +692,13 @@ mod tests {
     use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Driver, Fault};
 
     use super::*;
-    use crate::fake_driver::{self, complete_all, with};
     use crate::host_pool::HostPool;
+    use crate::testing::model::{self, complete_all, with};
 
     /// A lane on the model GPU, and its driver (for faults).
     fn lane() -> (Arc<Driver>, Lane) {
-        let driver = fake_driver::driver();
-        let lane = Lane::new(LaneKind::Upload, fake_driver::context(&driver)).unwrap();
+        let driver = model::driver();
+        let lane = Lane::new(LaneKind::Upload, model::context(&driver)).unwrap();
         (driver, lane)
     }
 
@@ -702,7 +742,7 @@ mod tests {
         let first = {
             let state = lock(&lane.state);
             assert_eq!(state.inflight.iter().map(|f| f.seq).collect::<Vec<_>>(), vec![1]);
-            fake_driver::id(state.inflight[0].event)
+            model::id(state.inflight[0].event)
         };
         assert!(!lane.is_known_done(3));
         // Number 3 has no event of its own: waiting for it waits for submission 1, the
@@ -715,7 +755,7 @@ mod tests {
     #[test]
     fn staging_of_a_submission_whose_record_and_synchronize_fail_is_never_lent_again() {
         let (driver, lane) = lane();
-        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20, 0));
+        let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
         let lease = Arc::new(pool.try_acquire(4096).unwrap().expect("room in the pool"));
         driver.faults().inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
         driver.faults().inject(Fault::new("cuStreamSynchronize", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
@@ -730,7 +770,7 @@ mod tests {
     #[test]
     fn a_wait_retires_everything_up_to_its_submission_without_querying_each() {
         let (driver, lane) = lane();
-        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20, 0));
+        let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
         let leases: Vec<_> = (0..3).map(|_| Arc::new(pool.try_acquire(4096).unwrap().unwrap())).collect();
         let seqs: Vec<u64> = leases
             .iter()
@@ -889,9 +929,34 @@ mod tests {
     }
 
     #[test]
+    fn a_fence_outlives_its_device_and_its_wait_counts_as_a_host_wait() {
+        let d = crate::testing::device(crate::testing::small_chunks());
+        let b = d.allocate(4096).unwrap();
+        let fence = {
+            let mut batch = d.uploads();
+            batch.write(b, 0, &[7u8; 4096]).unwrap();
+            batch.submit().unwrap()
+        };
+        let early = fence.clone();
+        assert!(!fence.is_complete().unwrap(), "the model runs nothing until the host waits");
+        early.wait().unwrap();
+        assert_eq!(d.telemetry().host_waits, 1);
+        let mut batch = d.uploads();
+        batch.write(b, 0, &[8u8; 4096]).unwrap();
+        let late = batch.submit().unwrap();
+        drop(d);
+        // The device went first; its lanes and context stay with the fences.
+        assert!(late.is_complete().unwrap(), "dropping the device waited for its copies");
+        late.wait().unwrap();
+        // SAFETY: the null stream of a context that is still alive.
+        unsafe { late.make_stream_wait(std::ptr::null_mut()) }.unwrap();
+        assert!(fence.is_complete().unwrap());
+    }
+
+    #[test]
     fn a_failed_submission_with_a_working_stream_returns_its_staging_after_waiting() {
         let (driver, lane) = lane();
-        let pool = Arc::new(HostPool::new(fake_driver::context(&driver), 1 << 20, 0));
+        let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
         let lease = Arc::new(pool.try_acquire(4096).unwrap().expect("room in the pool"));
         driver.faults().inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
         lane.batch().submit(vec![Arc::clone(&lease)], |_, _, _| Ok(())).unwrap_err();

@@ -3,6 +3,7 @@
 //! Counters are relaxed atomics bumped on paths that already cost a driver call or a batch;
 //! the allocator's hot-path counts live in its shards. A snapshot gathers both.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::alloc::AllocatorStats;
@@ -12,8 +13,9 @@ use crate::stream::LaneKind;
 /// The device's own counters.
 #[derive(Debug, Default)]
 pub(crate) struct Telemetry {
-    /// Fences waited on by the host that were not already complete.
-    pub(crate) host_waits: AtomicU64,
+    /// Fences waited on by the host that were not already complete (shared with the lanes,
+    /// whose fences count their waits).
+    pub(crate) host_waits: Arc<AtomicU64>,
     /// Submissions on the upload lane.
     pub(crate) upload_submissions: AtomicU64,
     /// Submissions on the readback lane.

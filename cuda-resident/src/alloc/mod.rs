@@ -39,47 +39,8 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::sync::{Mutex, lock};
 
-/// Number of shards (a power of two).
-pub const SHARDS: usize = 32;
-const SHARD_BITS: u32 = SHARDS.trailing_zeros();
-
-/// A buffer of device memory owned by a [`Device`](crate::Device): a small `Copy` handle.
-///
-/// Pass it by value to the device's methods. It stays valid until
-/// [`Device::free`](crate::Device::free); using it afterwards, or with another device, is an
-/// error.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ResidentBuffer {
-    owner: u32,
-    index: u32,
-    generation: u32,
-}
-
-impl fmt::Debug for ResidentBuffer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "ResidentBuffer(allocator {}, shard {}, slot {}, generation {})",
-            self.owner,
-            self.index as usize % SHARDS,
-            self.index >> SHARD_BITS,
-            self.generation
-        )
-    }
-}
-
-impl ResidentBuffer {
-    /// A well-mixed hash of the handle, for per-batch lookup tables.
-    pub(crate) fn mix(self) -> u64 {
-        let raw = (u64::from(self.owner) << 32 | u64::from(self.index)) ^ (u64::from(self.generation) << 48);
-        raw.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-    }
-
-    #[cfg(test)]
-    pub(crate) fn test_handle(owner: u32, index: u32, generation: u32) -> ResidentBuffer {
-        ResidentBuffer { owner, index, generation }
-    }
-}
+pub use crate::handle::ResidentBuffer;
+use crate::handle::{SHARD_BITS, SHARDS};
 
 /// For each lane, the sequence number of the last submission that used a buffer (0: none).
 pub(crate) type LastUse = [u64; 2];
@@ -802,7 +763,7 @@ impl<M: DeviceMemory> Allocator<M> {
         // report the first failure.
         let mut result = Ok(());
         for ptr in ptrs {
-            result = result.and(crate::error::release_retrying(|| self.memory.mem_free(ptr)));
+            result = result.and(crate::raw::release_retrying(|| self.memory.mem_free(ptr)));
         }
         result
     }

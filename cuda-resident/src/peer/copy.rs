@@ -711,7 +711,7 @@ impl PeerBatch<'_> {
         );
         Telemetry::add(&dst_core.telemetry.peer_bytes, landed);
         drop(lane_batch);
-        Ok(Fence::new(dst.clone(), LaneKind::Upload, final_seq))
+        Ok(Fence::new(dst.core().lanes.clone(), LaneKind::Upload, final_seq))
     }
 
     /// No peer access: groups of copies read back from the source into pinned staging and

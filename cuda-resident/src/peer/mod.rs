@@ -254,7 +254,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
         .iter()
         .map(|p| {
             let i = devices.iter().position(|d| std::ptr::eq(d.core(), p.0.core())).expect("listed above");
-            Fence::new(p.0.clone(), LaneKind::Upload, finals[i])
+            Fence::new(p.0.core().lanes.clone(), LaneKind::Upload, finals[i])
         })
         .collect())
 }

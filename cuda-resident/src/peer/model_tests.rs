@@ -1,12 +1,12 @@
-//! Peer copies and fan-out on the two-GPU model driver (`fake_driver`): the model carries
+//! Peer copies and fan-out on the two-GPU model driver (`testing::model`): the model carries
 //! work out only when the host waits, stream by stream, following cross-stream waits, and a
 //! kernel of one device touching another's memory without peer access is an illegal
 //! access. So a missing wait between the devices shows as wrong bytes, and a direct path
 //! taken without access as an error. No GPU needed: these run in CI.
 
 use super::PeerBatch;
-use crate::fake_driver::{self, with};
-use crate::transfer::model_tests::{Model, random_vec};
+use crate::testing::model::{self, with};
+use crate::testing::{Model, random_vec};
 use crate::{Config, Device, DeviceSet, Error, FanOutPath, ResidentBuffer};
 
 fn config() -> Config {
@@ -20,7 +20,7 @@ fn config() -> Config {
 
 /// Devices 0 and 1 of one model driver.
 fn pair() -> (Device, Device) {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
     let d1 = Device::open_with(driver, 1, config()).unwrap();
     (d0, d1)
@@ -79,7 +79,7 @@ fn ragged_peer_batches_match_the_byte_model_with_peer_access() {
 
 #[test]
 fn without_unified_addressing_the_descriptor_table_is_uploaded_before_the_kernel() {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     with(|g| g.no_unified_addressing = true);
     let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
     let d1 = Device::open_with(driver, 1, config()).unwrap();
@@ -357,7 +357,7 @@ fn block_tables_in_order_take_the_fast_path_and_match() {
 
 #[test]
 fn small_pinned_pools_still_serve_fan_out_and_staged_copies() {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     // The smallest pool the config allows: two chunks.
     let small = Config { chunk_bytes: 64 << 10, pinned_cap_bytes: 128 << 10, ..config() };
     let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, small).unwrap();
@@ -474,7 +474,7 @@ fn telemetry_counts_what_landed_and_empty_batches_still_check_their_buffers() {
 
 #[test]
 fn descriptor_tables_live_in_pinned_staging_or_on_the_heap_only_while_a_batch_needs_them() {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let small = Config { chunk_bytes: 64 << 10, pinned_cap_bytes: 1 << 20, ..config() };
     let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, small.clone()).unwrap();
     let d1 = Device::open_with(driver, 1, small).unwrap();

@@ -83,14 +83,14 @@ pub enum Fused {
 
 impl Fused {
     /// How the planner fuses `requests`: by the same rule it uses to choose its path.
-    fn of<R: super::fuse::Request>(requests: &[R]) -> Fused {
+    fn of<R: super::request::Request>(requests: &[R]) -> Fused {
         if super::in_order(requests, &mut Vec::new()) { Fused::Consecutive } else { Fused::All }
     }
 }
 
 /// The checks both directions share: the chunks, and the totals the plan stores against
 /// those of its copies. Returns the bytes moved.
-fn check_plan<R: super::fuse::Request>(
+fn check_plan<R: super::request::Request>(
     (chunks, chunk_capacity, stored, requested): (&[Chunk], u64, super::layout::Layout, u64),
     requests: &[R],
     cfg: &PlanConfig,

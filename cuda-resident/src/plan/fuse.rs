@@ -1,49 +1,9 @@
 //! Validation and fusion: the requests, checked, sorted by buffer and offset, and swept into
 //! disjoint intervals.
 
+use super::request::{Collected, Entry, Request};
 use super::sort::{SortScratch, Sorted, position_bits};
-use super::{BufferKey, PlanError, ReadRequest, WriteRequest};
-
-/// What validation and fusion need of a request; writes and reads have the same shape.
-pub(super) trait Request {
-    fn buffer(&self) -> BufferKey;
-    fn buffer_len(&self) -> u64;
-    fn offset(&self) -> u64;
-    fn len(&self) -> u64;
-}
-
-macro_rules! impl_request {
-    ($t:ty) => {
-        impl Request for $t {
-            fn buffer(&self) -> BufferKey {
-                self.buffer
-            }
-            fn buffer_len(&self) -> u64 {
-                self.buffer_len
-            }
-            fn offset(&self) -> u64 {
-                self.offset
-            }
-            fn len(&self) -> u64 {
-                self.len
-            }
-        }
-    };
-}
-
-impl_request!(WriteRequest);
-impl_request!(ReadRequest);
-
-/// A validated, non-empty request: `[start, end)` of the buffer that `place` names (see
-/// [`Sorted::buffer_of`]), request number `index`.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Entry {
-    /// Equal for entries of one buffer, different for different buffers.
-    pub(super) place: u64,
-    pub(super) start: u64,
-    pub(super) end: u64,
-    pub(super) index: u32,
-}
+use super::{BufferKey, PlanError};
 
 /// A fused run `[start, end)` of one buffer, made of the sorted entries `first..last`,
 /// placed at flat staging offset `stage`, in chunk `chunk`, by the layout.
@@ -64,18 +24,6 @@ impl Interval {
     pub(super) fn len(&self) -> u64 {
         self.end - self.start
     }
-}
-
-/// What validation found, besides what it left in the sort scratch.
-pub(super) struct Collected {
-    /// Sum of the requests' lengths (saturating: it is a statistic, and the layout checks
-    /// the sums that become offsets).
-    pub(super) requested_bytes: u64,
-    /// The bitwise or of the requests' offsets: its bit count (that of the largest offset)
-    /// sizes the sort key.
-    pub(super) start_bits: u64,
-    /// Whether a request is longer than `u32::MAX` bytes, too long for the sort's `lens`.
-    pub(super) wide: bool,
 }
 
 /// Validates every request, in order, and leaves in `scratch` what the sort needs: every

@@ -77,6 +77,7 @@
 mod fuse;
 mod layout;
 mod readback;
+mod request;
 mod sort;
 mod upload;
 
@@ -487,7 +488,7 @@ pub struct Planner {
 /// below `requests.len() + 64` (dense keys, such as a table's indices), with one pass over
 /// `ends`; other keys, and requests that overflow, answer `false` (the general path then
 /// plans or reports them).
-fn in_order<R: fuse::Request>(requests: &[R], ends: &mut Vec<u64>) -> bool {
+fn in_order<R: request::Request>(requests: &[R], ends: &mut Vec<u64>) -> bool {
     let bound = requests.len() as u64 + 64;
     ends.clear();
     for r in requests {
@@ -578,7 +579,7 @@ impl Planner {
     }
 
     /// Checks an in-order batch and lists its non-empty requests when some are empty.
-    fn in_order<'a, R: fuse::Request>(
+    fn in_order<'a, R: request::Request>(
         requests: &'a [R],
         non_empty: &'a mut Vec<u32>,
     ) -> Result<(u64, fuse::InOrder<'a, R>), PlanError> {
@@ -703,7 +704,7 @@ impl_store!(ReadbackPlan);
 
 /// The direction-independent start: validate, and sort the non-empty requests. Returns the
 /// sum of the requests' lengths and the sorted requests.
-fn prepare<'a, R: fuse::Request>(
+fn prepare<'a, R: request::Request>(
     requests: &[R],
     scratch: &'a mut sort::SortScratch,
 ) -> Result<(u64, sort::Order<'a>), PlanError> {

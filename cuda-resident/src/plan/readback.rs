@@ -1,7 +1,8 @@
 //! Readback emission: the chunks' copies, and for every read the place of its bytes.
 
-use super::fuse::{Entry, Interval};
+use super::fuse::Interval;
 use super::layout::{Emit, Layout, lay_out};
+use super::request::Entry;
 use super::sort::Sorted;
 use super::{Chunk, Geometry, PlanError, ReadView};
 

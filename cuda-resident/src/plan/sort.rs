@@ -33,7 +33,7 @@
 //! `u32` lengths) falls back to sorting entries by the tuple, with the same result.
 
 use super::BufferKey;
-use super::fuse::{Collected, Entry, Request};
+use super::request::{Collected, Entry, Request};
 
 /// Gives each distinct buffer of a batch a dense rank.
 #[derive(Debug, Default)]
@@ -499,7 +499,8 @@ mod tests {
 
     use super::{Order, SortScratch, Sorted, sort};
     use crate::plan::WriteRequest;
-    use crate::plan::fuse::{Entry, collect};
+    use crate::plan::fuse::collect;
+    use crate::plan::request::Entry;
 
     /// An entry with its buffer.
     type Buffered = (u64, Entry);

@@ -3,8 +3,9 @@
 
 use std::collections::BinaryHeap;
 
-use super::fuse::{Entry, Interval};
+use super::fuse::Interval;
 use super::layout::{Emit, Layout, lay_out};
+use super::request::Entry;
 use super::sort::Sorted;
 use super::{Chunk, Fill, Geometry, PlanError};
 

@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::model_tests::{Model, random_vec, small_chunks};
-use crate::fake_driver;
+use crate::testing::model;
+use crate::testing::{Model, random_vec, small_chunks};
 use crate::{Config, Device, Error, ResidentBuffer};
 
 /// A device on a fresh model driver, and the driver (for faults and call counts).
 fn device(config: Config) -> (Arc<cuda_sys::Driver>, Device) {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let d = Device::open_with(Arc::clone(&driver), 0, config).expect("the model opens");
     (driver, d)
 }
@@ -76,7 +76,7 @@ fn a_panic_in_write_with_poisons_the_batch_returns_its_staging_and_moves_nothing
     // The device goes on.
     d.upload_at(a, 0, &ones).unwrap();
     assert_eq!(&d.download(a).unwrap()[..300], &ones[..]);
-    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+    assert!(model::with(|g| g.errors.is_empty()), "the model found illegal accesses");
 }
 
 #[test]

@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use crate::fake_driver;
+use crate::testing::model;
 use crate::{Config, Device, Error, Fence};
 
 fn device(config: Config) -> (Arc<cuda_sys::Driver>, Device) {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let d = Device::open_with(Arc::clone(&driver), 0, config).expect("the model opens");
     (driver, d)
 }
@@ -88,7 +88,7 @@ fn a_pinned_buffer_dropped_during_its_copy_is_not_lent_again_before_the_copy_com
     let len = 1 << 20;
     let b = d.allocate(len as u64).unwrap();
     let mut rng = fastrand::Rng::with_seed(81);
-    let data = super::model_tests::random_vec(&mut rng, len);
+    let data = crate::testing::random_vec(&mut rng, len);
 
     // Upload: the model carries the copy out only when the host waits, so a reuse of the
     // dropped buffer's memory before then would change what the copy reads.
@@ -121,7 +121,7 @@ fn a_pinned_buffer_dropped_during_its_copy_is_not_lent_again_before_the_copy_com
     other.fill(0x55);
     fence.wait().unwrap();
     assert!(other.iter().all(|&x| x == 0x55), "the download wrote into another user's buffer");
-    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+    assert!(model::with(|g| g.errors.is_empty()), "the model found illegal accesses");
 }
 
 #[test]
@@ -163,12 +163,12 @@ fn a_range_over_two_pinned_regions_with_a_pageable_gap_is_refused_naming_the_gap
 /// portable) and dropped before the copy completes stays out of its pool too.
 #[test]
 fn a_pinned_buffer_of_another_device_dropped_during_its_copy_is_not_lent_again() {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
     let d1 = Device::open_with(driver, 1, Config::default()).unwrap();
     let len = 1 << 20;
     let b = d1.allocate(len as u64).unwrap();
-    let data = super::model_tests::random_vec(&mut fastrand::Rng::with_seed(83), len);
+    let data = crate::testing::random_vec(&mut fastrand::Rng::with_seed(83), len);
     let mut src = d0.pinned(len).unwrap();
     src.copy_from_slice(&data);
     let src_at = src.as_ptr();
@@ -195,7 +195,7 @@ fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_t
     let len = 64 << 10;
     let (a, b) = (d.allocate(len as u64).unwrap(), d.allocate(len as u64).unwrap());
     let mut rng = fastrand::Rng::with_seed(85);
-    let data = super::model_tests::random_vec(&mut rng, len);
+    let data = crate::testing::random_vec(&mut rng, len);
     d.upload(a, &data).unwrap();
     let mut reads = d.readbacks();
     let slot = reads.read_all(a).unwrap();

@@ -181,7 +181,7 @@ impl Device {
             kind,
             Moves { submissions: 1, requested: bytes, moved: bytes, dmas: 1, ..Moves::default() },
         );
-        Ok(Fence::new(self.clone(), kind, seq))
+        Ok(Fence::new(self.core().lanes.clone(), kind, seq))
     }
 
     /// Uploads `data` as the whole contents of `buffer` and waits until it has landed.

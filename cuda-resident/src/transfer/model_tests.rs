@@ -1,106 +1,11 @@
-//! The whole transfer engine on the model driver (`fake_driver`): a `Device` opened on it
+//! The whole transfer engine on the model driver (`testing::model`): a `Device` opened on it
 //! plans, stages, packs, "DMAs" and "scatters" exactly as on a GPU, and the model carries
 //! the copies and kernels out only when the host waits, stream by stream, following the
 //! waits between streams: staging reused too early, or a read not ordered after the writes
 //! of the other lane, shows as wrong bytes. No GPU needed: these run in CI.
 
-use crate::fake_driver;
-use crate::{Config, Device, Error, ReadbackBatch, ResidentBuffer, Slot};
-
-pub(crate) fn device(config: Config) -> Device {
-    Device::open_with(fake_driver::driver(), 0, config).expect("the model opens")
-}
-
-/// Small chunks and a low threshold: batches split into chunks and mix packed and direct.
-pub(crate) fn small_chunks() -> Config {
-    Config {
-        chunk_bytes: 64 << 10,
-        direct_threshold: 8 << 10,
-        pinned_cap_bytes: 8 << 20,
-        ..Config::default()
-    }
-}
-
-pub(crate) fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rng.fill(&mut v);
-    v
-}
-
-/// Buffers of one device and what they must hold (also for the peer tests).
-pub(crate) struct Model {
-    pub(crate) buffers: Vec<ResidentBuffer>,
-    pub(crate) expect: Vec<Vec<u8>>,
-}
-
-impl Model {
-    pub(crate) fn new(d: &Device, rng: &mut fastrand::Rng, sizes: &[usize]) -> Model {
-        let buffers: Vec<_> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
-        let expect: Vec<_> = sizes.iter().map(|&n| random_vec(rng, n)).collect();
-        let writes: Vec<_> = buffers.iter().zip(&expect).map(|(&b, v)| (b, v.as_slice())).collect();
-        d.upload_many(&writes).unwrap();
-        Model { buffers, expect }
-    }
-
-    pub(crate) fn check(&self, d: &Device, what: &str) {
-        assert!(fake_driver::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
-        for (i, got) in d.download_many(&self.buffers).unwrap().iter().enumerate() {
-            assert!(
-                got == &self.expect[i],
-                "{what}: buffer {i} differs at {:?}",
-                got.iter().zip(&self.expect[i]).position(|(a, b)| a != b)
-            );
-        }
-    }
-
-    /// Up to `most` random ranges `(buffer, offset, len)` of 1 byte to 8 KiB, at rising
-    /// offsets per buffer with gaps of 1 to 99 bytes (odd ones too), interleaved across
-    /// buffers: in order and apart.
-    pub(crate) fn in_order_ranges(&self, rng: &mut fastrand::Rng, most: usize) -> Vec<(usize, usize, usize)> {
-        let mut next = vec![0usize; self.buffers.len()];
-        let mut ranges = Vec::new();
-        for _ in 0..rng.usize(64..most) {
-            let i = rng.usize(..self.buffers.len());
-            let len = match rng.u8(..4) {
-                0 => rng.usize(1..16),
-                1 => rng.usize(1..=4096),
-                _ => rng.usize(1..=(8 << 10) - 1),
-            };
-            let at = next[i] + rng.usize(1..100);
-            if at + len <= self.expect[i].len() {
-                next[i] = at + len;
-                ranges.push((i, at, len));
-            }
-        }
-        ranges
-    }
-
-    /// A readback batch of `ranges` `(buffer, offset, len)`, not yet submitted, and its slots.
-    pub(crate) fn reads<'d>(
-        &self,
-        d: &'d Device,
-        ranges: &[(usize, usize, usize)],
-    ) -> (ReadbackBatch<'d>, Vec<Slot>) {
-        let mut reads = d.readbacks();
-        let slots = ranges
-            .iter()
-            .map(|&(i, at, len)| reads.read(self.buffers[i], at as u64, len as u64).unwrap())
-            .collect();
-        (reads, slots)
-    }
-
-    /// A random range: 1 byte to the whole buffer, mostly small (at most `max` bytes).
-    pub(crate) fn range(&self, rng: &mut fastrand::Rng, max: usize) -> (usize, usize, usize) {
-        let i = rng.usize(..self.buffers.len());
-        let n = self.expect[i].len();
-        let len = match rng.u8(0..10) {
-            0 => rng.usize(1..=n),
-            1..=4 => rng.usize(1..=n.min(64)),
-            _ => rng.usize(1..=n.min(max)),
-        };
-        (i, rng.usize(0..=n - len), len)
-    }
-}
+use crate::testing::{Model, device, model, random_vec, small_chunks};
+use crate::{Config, Device, Error, ResidentBuffer};
 
 fn ragged_rounds(config: Config, seed: u64) {
     let d = device(config);
@@ -384,7 +289,7 @@ fn in_order_reads(config: Config) {
             assert_eq!(got.get(slot), &m.expect[i][at..at + len], "round {round}: a view");
         }
     }
-    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+    assert!(model::with(|g| g.errors.is_empty()), "the model found illegal accesses");
     d.synchronize().unwrap();
 }
 
@@ -420,13 +325,13 @@ fn reads_in_order_copy_into_vectors_for_slots_in_any_order_a_subset_or_named_twi
                 assert_eq!(got.get(slots[r]), &v[..], "{what}: its view");
             }
         }
-        assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+        assert!(model::with(|g| g.errors.is_empty()), "the model found illegal accesses");
     }
 }
 
 #[test]
 fn a_write_in_place_refused_for_want_of_staging_poisons_the_batch_and_a_new_one_takes_writes_in_order() {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let d = Device::open_with(std::sync::Arc::clone(&driver), 0, Config::default()).expect("the model opens");
     let mut rng = fastrand::Rng::with_seed(45);
     let target = d.allocate(1 << 20).unwrap();
@@ -458,7 +363,7 @@ fn a_write_in_place_refused_for_want_of_staging_poisons_the_batch_and_a_new_one_
     for (k, bytes) in data.iter().enumerate() {
         assert_eq!(&back[k * 400..k * 400 + 300], &bytes[..], "write {k}");
     }
-    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+    assert!(model::with(|g| g.errors.is_empty()), "the model found illegal accesses");
 }
 
 #[test]
@@ -580,7 +485,7 @@ fn a_fault_in_the_middle_of_a_pipelined_batch_fails_it_and_the_next_batch_works(
 
 fn pipelined_fault(over_bus: bool, chunk_call: &'static str) {
     use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Fault};
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let config = Config { small_copies_over_bus: over_bus, ..small_chunks() };
     let d = Device::open_with(driver.clone(), 0, config).expect("the model opens");
     let mut rng = fastrand::Rng::with_seed(37);
@@ -649,11 +554,11 @@ fn through_device_staging_a_few_thousand_small_copies_cost_one_launch_and_a_dma_
 fn without_unified_addressing_small_copies_go_through_device_staging() {
     // The model refuses a kernel that touches pinned memory here: the default configuration
     // must fall back to DMAs.
-    fake_driver::with(|g| g.no_unified_addressing = true);
+    model::with(|g| g.no_unified_addressing = true);
     let d = device(Config::default());
     assert!(!d.info().unified_addressing && !d.small_copies_over_bus());
     let counts = few_thousand_in_order(&d);
-    fake_driver::with(|g| g.no_unified_addressing = false);
+    model::with(|g| g.no_unified_addressing = false);
     assert_eq!(counts.map(|(dmas, launches, _)| (dmas, launches)), [(1, 1), (2, 1)]);
 }
 
@@ -688,7 +593,7 @@ fn few_thousand_in_order(d: &Device) -> [(u64, u64, u64); 2] {
     for (k, &slot) in slots.iter().enumerate() {
         assert_eq!(got.get(slot), &m.expect[0][k * 512 + 3..][..256]);
     }
-    assert!(fake_driver::with(|g| g.errors.is_empty()), "the model found illegal accesses");
+    assert!(model::with(|g| g.errors.is_empty()), "the model found illegal accesses");
     [writes, reads]
 }
 

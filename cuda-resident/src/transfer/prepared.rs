@@ -422,7 +422,7 @@ impl PreparedUploads {
                 moved?;
                 let final_seq = final_seq.expect("chunk 0 opened: the run succeeded");
                 core.telemetry.record(LaneKind::Upload, layout.moves());
-                return Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq));
+                return Ok(Fence::new(device.core().lanes.clone(), LaneKind::Upload, final_seq));
             }
         }
         let mut batch = device.uploads();
@@ -492,7 +492,7 @@ impl PreparedReadbacks {
                 drop(lane_batch);
                 return Ok(PendingReadback::prepared(
                     device.clone(),
-                    Fence::new(device.clone(), LaneKind::Readback, final_seq),
+                    Fence::new(device.core().lanes.clone(), LaneKind::Readback, final_seq),
                     first_seq,
                     Arc::clone(&layout.lease),
                     (self.id, Arc::clone(views)),

@@ -763,7 +763,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     views.extend_from_slice(&plan.views);
     drop(lane_batch);
     Ok(PendingReadback {
-        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        fence: Fence::new(device.core().lanes.clone(), LaneKind::Readback, final_seq),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,
@@ -1037,7 +1037,7 @@ fn execute_streamed(
         views.extend_from_slice(&plan.views);
     }
     Ok(PendingReadback {
-        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        fence: Fence::new(device.core().lanes.clone(), LaneKind::Readback, final_seq),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,
@@ -1197,7 +1197,7 @@ fn execute_in_order(
         },
     );
     Ok(PendingReadback {
-        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        fence: Fence::new(device.core().lanes.clone(), LaneKind::Readback, final_seq),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,

@@ -4,8 +4,8 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use super::model_tests::{Model, device, small_chunks};
-use crate::fake_driver;
+use crate::testing::model;
+use crate::testing::{Model, device, small_chunks};
 use crate::{Config, Device, Error};
 
 fn out_of_range<T: std::fmt::Debug>(what: &str, result: crate::Result<T>) {
@@ -50,7 +50,7 @@ fn a_download_range_past_the_buffer_is_out_of_range_before_any_host_memory_is_re
 
 #[test]
 fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let d = Device::open_with(driver.clone(), 0, small_chunks()).expect("the model opens");
     let other = device(small_chunks());
     let mut rng = fastrand::Rng::with_seed(62);
@@ -267,12 +267,12 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     d.synchronize().unwrap();
     assert_eq!(d.telemetry().pinned.lent_bytes, lent, "{what}: pinned staging back after the readbacks");
     d.trim().unwrap();
-    assert!(fake_driver::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
+    assert!(model::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
     let (reads, slots) = m.reads(d, ranges);
     let fresh = reads.submit().unwrap().wait().unwrap();
     assert!(fresh.get(slots[0]) == want[0], "{what}: after trim released the host memory");
     drop(fresh);
-    assert!(fake_driver::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
+    assert!(model::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
 }
 
 #[test]
@@ -327,7 +327,7 @@ fn a_readback_the_pool_cannot_lend_while_the_caller_holds_staging_streams_instea
 #[test]
 fn a_fault_in_the_middle_of_a_streamed_readback_fails_it_and_the_next_one_works() {
     use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Fault};
-    let driver = fake_driver::driver();
+    let driver = model::driver();
     let d = Device::open_with(driver.clone(), 0, tiny_pool()).expect("the model opens");
     let mut rng = fastrand::Rng::with_seed(66);
     let m = Model::new(&d, &mut rng, &[2 << 20]);

@@ -318,7 +318,7 @@ fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data:
         LaneKind::Upload,
         Moves { submissions: 1, requested: write.len, moved: write.len, dmas: 1, ..Moves::default() },
     );
-    Ok(Fence::new(device.clone(), LaneKind::Upload, seq))
+    Ok(Fence::new(device.core().lanes.clone(), LaneKind::Upload, seq))
 }
 
 /// The in-place fast path: every write was made with `write_with` and no two fuse, so the
@@ -476,7 +476,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     }
     core.telemetry.record(LaneKind::Upload, Moves { submissions, requested, moved, dmas, launches });
     drop(lane_batch);
-    Ok(Some(Fence::new(device.clone(), LaneKind::Upload, final_seq)))
+    Ok(Some(Fence::new(device.core().lanes.clone(), LaneKind::Upload, final_seq)))
 }
 
 fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
@@ -608,7 +608,7 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     );
     debug_assert_eq!(seqs.last().copied(), Some(final_seq));
     drop(lane_batch);
-    Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq))
+    Ok(Fence::new(device.core().lanes.clone(), LaneKind::Upload, final_seq))
 }
 
 #[cfg(test)]
@@ -767,5 +767,5 @@ fn execute_in_order(
     core.telemetry
         .record(LaneKind::Upload, Moves { submissions: chunks, requested, moved, dmas, launches: chunks });
     debug_assert_eq!(seqs.last().copied(), Some(final_seq));
-    Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq))
+    Ok(Fence::new(device.core().lanes.clone(), LaneKind::Upload, final_seq))
 }

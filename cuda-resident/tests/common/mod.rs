@@ -1,5 +1,5 @@
 //! Helpers shared by the tests that count driver calls: the GPU tests here, and the crate's
-//! own tests on the model driver (`src/model_faults.rs` includes this file).
+//! own tests on the model driver (`src/testing/faults.rs` includes this file).
 
 use std::collections::BTreeMap;
 
