@@ -280,6 +280,60 @@ impl Core {
     pub(crate) fn is_known_idle(&self, last: LastUse) -> bool {
         LaneKind::ALL.iter().all(|&k| self.lane(k).is_known_done(last[k.index()]))
     }
+
+    /// Pinned staging of `len` bytes for a transfer, waiting for copies in flight when the
+    /// pool is full.
+    pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        self.acquire_staging_as(len, false)
+    }
+
+    /// Pinned staging of `len` bytes, held past any transfer (`held`: see
+    /// [`Device::pinned`]) or for one, waiting for copies in flight when the pool is full.
+    pub(crate) fn acquire_staging_as(&self, len: usize, held: bool) -> Result<crate::host_pool::HostLease> {
+        let mut retried = false;
+        loop {
+            if let Some(lease) = self.pinned.try_acquire_as(len, held)? {
+                return Ok(lease);
+            }
+            // Full: retire completed copies, and wait for the oldest one on each lane, which
+            // releases its staging. Once nothing is in flight, one more try, then give up.
+            let mut waited = false;
+            for &kind in &LaneKind::ALL {
+                let lane = self.lane(kind);
+                lane.poll()?;
+                if let Some(seq) = lane.oldest_in_flight() {
+                    waited |= lane.wait(seq)?;
+                }
+            }
+            if !waited {
+                if retried {
+                    let stats = self.pinned.stats();
+                    return Err(Error::PinnedExhausted {
+                        requested: len as u64,
+                        cap: stats.cap_bytes,
+                        lent: stats.lent_bytes,
+                    });
+                }
+                retried = true;
+            }
+        }
+    }
+
+    /// Allocates a buffer of the library's own (device staging, prepared sets' tables):
+    /// under the same budget, counted apart from the caller's bytes.
+    pub(crate) fn allocate_for_library(&self, bytes: u64) -> Result<ResidentBuffer> {
+        self.alloc.allocate_as(bytes, true, &|last| self.is_idle(last))
+    }
+
+    /// Checks that `[offset, offset + len)` lies in `buffer`; returns the buffer's device
+    /// address of `offset`.
+    pub(crate) fn checked_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<u64> {
+        let (ptr, buffer_len) = self.alloc.resolve(buffer)?;
+        match offset.checked_add(len) {
+            Some(end) if end <= buffer_len => Ok(ptr + offset),
+            _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len }),
+        }
+    }
 }
 
 impl Drop for Core {
@@ -388,8 +442,13 @@ impl Device {
         Ok(Device { core: Arc::new(core) })
     }
 
-    pub(crate) fn core(&self) -> &Core {
+    pub(crate) fn core(&self) -> &Arc<Core> {
         &self.core
+    }
+
+    /// The handle of a device's shared state.
+    pub(crate) fn from_core(core: Arc<Core>) -> Device {
+        Device { core }
     }
 
     /// What the device is and can do.
@@ -467,7 +526,7 @@ impl Device {
     /// Allocates a buffer of the library's own (device staging, prepared sets' tables):
     /// under the same budget, counted apart from the caller's bytes.
     pub(crate) fn allocate_for_library(&self, bytes: u64) -> Result<ResidentBuffer> {
-        self.core.alloc.allocate_as(bytes, true, &|last| self.core.is_idle(last))
+        self.core.allocate_for_library(bytes)
     }
 
     /// Frees a buffer. The handle is invalid at once; if a copy still uses the buffer, its
@@ -529,42 +588,13 @@ impl Device {
     /// Pinned staging of `len` bytes for a transfer, waiting for copies in flight when the
     /// pool is full.
     pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
-        self.acquire_staging_as(len, false)
+        self.core.acquire_staging(len)
     }
 
     /// Held pinned staging of `len` bytes (kept past any transfer: see
     /// [`Device::pinned`]), waiting for copies in flight when the pool is full.
     pub(crate) fn acquire_held_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
-        self.acquire_staging_as(len, true)
-    }
-
-    fn acquire_staging_as(&self, len: usize, held: bool) -> Result<crate::host_pool::HostLease> {
-        let mut retried = false;
-        loop {
-            if let Some(lease) = self.core.pinned.try_acquire_as(len, held)? {
-                return Ok(lease);
-            }
-            // Full: retire completed copies, and wait for the oldest one on each lane, which
-            // releases its staging. Once nothing is in flight, one more try, then give up.
-            let mut waited = false;
-            for lane in &self.core.lanes {
-                lane.poll()?;
-                if let Some(seq) = lane.oldest_in_flight() {
-                    waited |= lane.wait(seq)?;
-                }
-            }
-            if !waited {
-                if retried {
-                    let stats = self.core.pinned.stats();
-                    return Err(Error::PinnedExhausted {
-                        requested: len as u64,
-                        cap: stats.cap_bytes,
-                        lent: stats.lent_bytes,
-                    });
-                }
-                retried = true;
-            }
-        }
+        self.core.acquire_staging_as(len, true)
     }
 
     /// Blocks until every copy submitted so far, in both directions, has completed.

@@ -67,6 +67,7 @@ mod alloc;
 pub mod budget;
 mod context;
 mod device;
+mod engine;
 mod error;
 #[cfg(test)]
 mod fake_driver;

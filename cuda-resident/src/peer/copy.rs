@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
+use crate::engine::Exec;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{self, CopyDescriptor, PEER_SEGMENT, SEGMENT, segments};
@@ -27,7 +28,7 @@ use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
 use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::{Moves, Telemetry};
+use crate::telemetry::Telemetry;
 use crate::transfer::BufferTable;
 
 /// A copy of at least this many bytes moves by its own `cuMemcpyPeerAsync`; smaller ones
@@ -579,8 +580,7 @@ impl PeerBatch<'_> {
     fn submit_direct(&mut self) -> Result<Fence> {
         let (src, dst) = (self.src, self.dst);
         let (src_core, dst_core) = (src.core(), dst.core());
-        let lane = dst_core.lane(LaneKind::Upload);
-        let lane_batch = lane.batch();
+        let mut exec = Exec::begin(dst_core, LaneKind::Upload);
         let mut scratch = lock(&dst_core.staging[LaneKind::Upload.index()]);
         let scratch = &mut *scratch;
         if self.parts.out_of_order {
@@ -597,9 +597,10 @@ impl PeerBatch<'_> {
         } else {
             self.parts.bytes
         };
+        // What the kernel moves: what lands less what the DMAs move.
+        let by_kernel = landed - self.parts.dmas.iter().map(|m| m.len).sum::<u64>();
         let table = self.parts.descriptors.take(dst)?;
         let parts = &self.parts;
-        let first_seq = lane_batch.next_seq();
         let mut keep = Vec::new();
         let mut kernel = None;
         if let Some(table) = table.filter(|_| count > 0) {
@@ -608,79 +609,69 @@ impl PeerBatch<'_> {
             // With unified addressing the kernel reads the table where it is, in pinned
             // memory (mapped for every device): no upload of the table first, whose DMA and
             // wait cost more than the warps' reads over the bus (8192 x 256 B peer copies:
-            // 37 µs against 45 on two H200s). Otherwise it is uploaded to device staging.
+            // see BENCHMARKS.md). Otherwise it is uploaded to device staging.
             let dev = if dst.info().unified_addressing {
                 None
             } else {
                 let area = kernels::table_bytes(count);
-                Some(scratch.region.ensure(dst, LaneKind::Upload, area, first_seq - 1)?)
+                Some(exec.region(&mut scratch.region, area)?)
             };
-            kernel = Some((dst_core.kernels()?, dev, table.as_ptr()));
+            kernel = Some((exec.kernels()?, dev, table.as_ptr()));
             keep.push(table);
         }
 
         // Lock order: an upload lane (and its staging) before a readback lane. Nothing
         // takes them the other way round.
-        let proxy = (!std::ptr::eq(src_core, dst_core)).then(|| src_core.lane(LaneKind::Readback).batch());
-        let final_seq = match &proxy {
-            None => dst.claim(
-                &lane_batch,
-                LaneKind::Upload,
-                parts.src_table.buffers().chain(parts.dst_table.buffers()),
-                1,
-            )?,
+        let mut proxy =
+            (!std::ptr::eq(&**src_core, &**dst_core)).then(|| Exec::begin(src_core, LaneKind::Readback));
+        let final_seq = match &mut proxy {
+            None => exec.claim(parts.src_table.buffers().chain(parts.dst_table.buffers()), 1)?,
             Some(proxy) => {
                 // The source buffers are read by the proxy submission's number on the
                 // source's readback lane; the copy waits for the source's uploads into them.
-                let proxy_seq = proxy.next_seq();
-                proxy.reserve(proxy_seq);
-                let uploads = src_core.alloc.mark_used_many(
-                    parts.src_table.buffers(),
-                    LaneKind::Readback.index(),
-                    proxy_seq,
-                )?;
-                let seq = dst.claim(&lane_batch, LaneKind::Upload, parts.dst_table.buffers(), 1)?;
-                src_core.lane(LaneKind::Upload).make_stream_wait(uploads, lane.stream())?;
+                let uploads = proxy.claim_for_other(parts.src_table.buffers())?;
+                let seq = exec.claim(parts.dst_table.buffers(), 1)?;
+                proxy.make_wait_other(uploads, exec.stream())?;
                 seq
             }
         };
+        exec.requested(parts.bytes);
         let contexts = (dst_core.ctx.ctx, src_core.ctx.ctx);
-        let enqueued = lane_batch.submit(keep, |raw, stream, _| {
+        let enqueued = exec.submit(keep, |q| {
             if let Some((kernels, dev, table)) = kernel {
                 let at = match dev {
                     Some(dev) => {
                         // SAFETY: the pinned table is kept alive by this submission; device
                         // staging holds at least table_bytes bytes.
-                        unsafe { raw.memcpy_htod_async(dev, table, table_bytes, stream) }?;
+                        unsafe { q.htod(dev, table, table_bytes) }?;
                         dev
                     }
                     None => table as u64,
                 };
+                // The table crosses the bus whether uploaded (counted above) or read in place.
+                let read_in_place = if dev.is_none() { table_bytes as u64 } else { 0 };
                 // SAFETY: the table is in device staging by stream order, or in pinned
                 // memory that this submission keeps alive; sources are live,
                 // marked buffers this device may read; destinations are disjoint ranges of
                 // live, marked buffers (a destination overlapping a source of the same batch,
                 // inside one device, reads unspecified bytes but stays in bounds).
-                unsafe { kernels.copy(raw, stream, at, count) }?;
+                unsafe { q.launch(kernels, at, count, by_kernel + read_in_place) }?;
             }
             for m in &parts.dmas {
                 // SAFETY: as above, by one DMA.
-                unsafe {
-                    raw.memcpy_peer_async((m.dst, contexts.0), (m.src, contexts.1), m.len as usize, stream)
-                }?;
+                unsafe { q.peer((m.dst, contexts.0), (m.src, contexts.1), m.len as usize) }?;
             }
             Ok(())
         });
-        if let Some(proxy) = proxy {
+        if let Some(mut proxy) = proxy {
             // The source's readback lane waits for the copy, on the device; if that cannot be
             // enqueued, the host waits for it instead.
-            let src_stream = src_core.lane(LaneKind::Readback).stream();
             let ordered = src_core
                 .ctx
                 .bind()
-                .and_then(|_| lane.make_stream_wait(final_seq, src_stream))
-                .or_else(|_| lane.wait(final_seq).map(drop))
-                .or_else(|_| dst_core.ctx.bind().and_then(|raw| raw.stream_synchronize(lane.stream())));
+                .and_then(|_| exec.make_wait(final_seq, proxy.stream()))
+                .or_else(|_| dst_core.lane(LaneKind::Upload).wait(final_seq).map(drop))
+                .or_else(|_| dst_core.ctx.bind().and_then(|raw| raw.stream_synchronize(exec.stream())));
             if let Err(e) = ordered {
                 // Nothing can order later uses of the sources after the copy, which may still
                 // run: their memory is never reused (freeing them defers forever).
@@ -691,27 +682,13 @@ impl PeerBatch<'_> {
                 );
                 return Err(e);
             }
-            proxy.submit(Vec::new(), |_, _, _| Ok(()))?;
-            src_core.telemetry.record(LaneKind::Readback, Moves { submissions: 1, ..Moves::default() });
+            proxy.submit(Vec::new(), |_| Ok(()))?;
+            proxy.end().record();
         }
         let seq = enqueued?;
         debug_assert_eq!(seq, final_seq);
-        let table_uploaded = kernel.is_some_and(|k| k.1.is_some());
-        // The table crosses the bus whether uploaded or read in place.
-        let table_moved = if count > 0 { table_bytes as u64 } else { 0 };
-        dst_core.telemetry.record(
-            LaneKind::Upload,
-            Moves {
-                submissions: 1,
-                requested: parts.bytes,
-                moved: landed + table_moved,
-                dmas: parts.dmas.len() as u64 + u64::from(table_uploaded),
-                launches: u64::from(count > 0),
-            },
-        );
         Telemetry::add(&dst_core.telemetry.peer_bytes, landed);
-        drop(lane_batch);
-        Ok(Fence::new(dst.clone(), LaneKind::Upload, final_seq))
+        Ok(exec.finish())
     }
 
     /// No peer access: groups of copies read back from the source into pinned staging and

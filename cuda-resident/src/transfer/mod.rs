@@ -17,39 +17,17 @@ pub(crate) use upload::{RING, UploadParts};
 use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
+use crate::device::Core;
 use crate::device::Device;
+use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
-use crate::stream::{Fence, LaneBatch, LaneKind};
-use crate::telemetry::{Moves, Telemetry};
+use crate::stream::{Fence, LaneKind};
 
 impl Device {
-    /// Readies a batch of `submissions` on `batch`'s lane: checks every buffer and marks it
-    /// as used by the batch's last submission (so that freeing it waits), and makes the lane
-    /// wait, on the device, for work of the other lane that uses them. Nothing is enqueued
-    /// if a buffer is stale. Returns the last submission's sequence number.
-    pub(crate) fn claim(
-        &self,
-        batch: &LaneBatch<'_>,
-        kind: LaneKind,
-        buffers: impl Iterator<Item = ResidentBuffer>,
-        submissions: u64,
-    ) -> Result<u64> {
-        let core = self.core();
-        let final_seq = batch.next_seq() + submissions.max(1) - 1;
-        batch.reserve(final_seq);
-        let last_other = core.alloc.mark_used_many(buffers, kind.index(), final_seq)?;
-        core.lane(kind.other()).make_stream_wait(last_other, core.lane(kind).stream())?;
-        Ok(final_seq)
-    }
-
     /// Checks that `[offset, offset + len)` lies in `buffer`; returns the buffer's device
     /// address of `offset`.
     pub(crate) fn checked_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<u64> {
-        let (ptr, buffer_len) = self.core().alloc.resolve(buffer)?;
-        match offset.checked_add(len) {
-            Some(end) if end <= buffer_len => Ok(ptr + offset),
-            _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len }),
-        }
+        self.core().checked_range(buffer, offset, len)
     }
 
     /// Starts copying `len` bytes from host memory at `src` into `buffer` at `offset`, on the
@@ -83,10 +61,10 @@ impl Device {
         len: usize,
     ) -> Result<Fence> {
         let host = ("Device::upload_async_at", src);
-        self.single_copy(LaneKind::Upload, buffer, offset, len, host, |raw, stream, dst| {
+        self.single_copy(LaneKind::Upload, buffer, offset, len, host, |q, dst| {
             // SAFETY: dst..dst+len lies in a live buffer (checked, and marked so that it is
             // not reused before this copy completes); the caller vouches for the source.
-            unsafe { raw.memcpy_htod_async(dst, src, len, stream) }
+            unsafe { q.htod(dst, src, len) }
         })
     }
 
@@ -108,9 +86,9 @@ impl Device {
         len: usize,
     ) -> Result<Fence> {
         let host = ("Device::download_async_at", dst.cast_const());
-        self.single_copy(LaneKind::Readback, buffer, offset, len, host, |raw, stream, src| {
+        self.single_copy(LaneKind::Readback, buffer, offset, len, host, |q, src| {
             // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
-            unsafe { raw.memcpy_dtoh_async(dst, src, len, stream) }
+            unsafe { q.dtoh(dst, src, len) }
         })
     }
 
@@ -160,7 +138,7 @@ impl Device {
         offset: u64,
         len: usize,
         host: (&'static str, *const u8),
-        copy: impl FnOnce(&crate::raw::Raw, cuda_sys::CUstream, u64) -> Result<()>,
+        copy: impl FnOnce(&mut Enqueue<'_>, u64) -> Result<()>,
     ) -> Result<Fence> {
         let address = self.checked_range(buffer, offset, len as u64)?;
         if len == 0 {
@@ -172,16 +150,11 @@ impl Device {
         // completes, even if the buffer is dropped first: held from before the check on.
         let keep = crate::host_pool::listed_leases_in(host.1 as usize, len);
         self.check_pinned(host.0, host.1, len)?;
-        let core = self.core();
-        let batch = core.lane(kind).batch();
-        self.claim(&batch, kind, std::iter::once(buffer), 1)?;
-        let seq = batch.submit(keep, |raw, stream, _| copy(raw, stream, address))?;
-        let bytes = len as u64;
-        core.telemetry.record(
-            kind,
-            Moves { submissions: 1, requested: bytes, moved: bytes, dmas: 1, ..Moves::default() },
-        );
-        Ok(Fence::new(self.clone(), kind, seq))
+        let mut exec = Exec::begin(self.core(), kind);
+        exec.claim(std::iter::once(buffer), 1)?;
+        exec.requested(len as u64);
+        exec.submit(keep, |q| copy(q, address))?;
+        Ok(exec.finish())
     }
 
     /// Uploads `data` as the whole contents of `buffer` and waits until it has landed.
@@ -265,14 +238,14 @@ impl Device {
         let core = self.core();
         let chunk = pipeline_chunk(self.config().chunk_bytes, len, PIPELINE_DEPTH);
         let chunks = len.div_ceil(chunk) as usize;
-        let lane = core.lane(LaneKind::Readback);
-        let batch = lane.batch();
-        self.claim(&batch, LaneKind::Readback, std::iter::once(buffer), chunks as u64)?;
+        let mut exec = Exec::begin(core, LaneKind::Readback);
+        exec.claim(std::iter::once(buffer), chunks as u64)?;
+        exec.requested(len);
         // The ring's leases are all taken before any copy of this read is in flight to wait
         // for: the first waits for room as any staging does, the others take only what is
         // free (the cap may hold as few as two chunks, and the caller may hold staging too).
         let most = chunks.min(upload::RING).min(core.pinned.leases_within_cap(chunk));
-        let mut ring = vec![Arc::new(self.acquire_staging(chunk as usize)?)];
+        let mut ring = vec![Arc::new(exec.lease(chunk as usize)?)];
         while ring.len() < most {
             match core.pinned.try_acquire(chunk as usize)? {
                 Some(lease) => ring.push(Arc::new(lease)),
@@ -283,9 +256,7 @@ impl Device {
         let mut seqs = Vec::with_capacity(chunks);
         let mut pieces = Vec::new();
         let mut unpack = |k: usize, seqs: &[u64], out: &mut [u8]| -> Result<()> {
-            if lane.wait(seqs[k])? {
-                Telemetry::add(&core.telemetry.host_waits, 1);
-            }
+            crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
             let start = k as u64 * chunk;
             let n = (len - start).min(chunk) as usize;
             pieces.clear();
@@ -293,7 +264,7 @@ impl Device {
             Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
             // SAFETY: the chunk's DMA completed (waited above); the ring lease and `out`
             // are disjoint and hold n bytes at these places.
-            unsafe { Piece::copy_out_all(self, &pieces) };
+            unsafe { Piece::copy_out_all(core, &pieces) };
             Ok(())
         };
         for k in 0..chunks {
@@ -304,26 +275,17 @@ impl Device {
             let start = k as u64 * chunk;
             let n = (len - start).min(chunk) as usize;
             let dst = lease.as_ptr();
-            seqs.push(batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+            seqs.push(exec.submit(vec![Arc::clone(lease)], |q| {
                 // SAFETY: a range of a live, marked buffer into a pinned lease of >= n bytes
                 // that this submission keeps alive.
-                unsafe { raw.memcpy_dtoh_async(dst, src + start, n, stream) }
+                unsafe { q.dtoh(dst, src + start, n) }
             })?);
         }
-        drop(batch);
+        let ended = exec.end();
         for k in chunks.saturating_sub(ring_len)..chunks {
             unpack(k, &seqs, out)?;
         }
-        core.telemetry.record(
-            LaneKind::Readback,
-            Moves {
-                submissions: chunks as u64,
-                requested: len,
-                moved: len,
-                dmas: chunks as u64,
-                ..Moves::default()
-            },
-        );
+        ended.record();
         Ok(())
     }
 
@@ -741,9 +703,9 @@ impl Piece {
     /// # Safety
     /// Each piece's source must be readable and its destination writable for `len` bytes,
     /// and no destination may overlap another piece's source or destination.
-    pub(crate) unsafe fn copy_all(device: &Device, pieces: &[Piece]) {
+    pub(crate) unsafe fn copy_all(core: &Core, pieces: &[Piece]) {
         // SAFETY: as the caller promises.
-        unsafe { Piece::run_all(device, pieces, std::ptr::copy_nonoverlapping::<u8>) }
+        unsafe { Piece::run_all(core, pieces, std::ptr::copy_nonoverlapping::<u8>) }
     }
 
     /// [`Piece::copy_all`] out of landed staging into the caller's memory
@@ -751,19 +713,19 @@ impl Piece {
     ///
     /// # Safety
     /// As [`Piece::copy_all`].
-    pub(crate) unsafe fn copy_out_all(device: &Device, pieces: &[Piece]) {
+    pub(crate) unsafe fn copy_out_all(core: &Core, pieces: &[Piece]) {
         // SAFETY: as the caller promises.
-        unsafe { Piece::run_all(device, pieces, crate::hostcopy::copy_out) }
+        unsafe { Piece::run_all(core, pieces, crate::hostcopy::copy_out) }
     }
 
     /// Performs every piece with `copy`, publishing each group's streaming stores.
     ///
     /// # Safety
     /// As [`Piece::copy_all`]; `copy(src, dst, len)` must copy `len` bytes from `src` to `dst`.
-    unsafe fn run_all(device: &Device, pieces: &[Piece], copy: unsafe fn(*const u8, *mut u8, usize)) {
+    unsafe fn run_all(core: &Core, pieces: &[Piece], copy: unsafe fn(*const u8, *mut u8, usize)) {
         let total: usize = pieces.iter().map(|p| p.len).sum();
         in_groups(
-            device,
+            core,
             pieces.len(),
             total,
             |i| pieces[i].len,
@@ -783,7 +745,7 @@ impl Piece {
 /// enough to do: one task per range, not per item (thousands of tiny tasks cost more than
 /// the copies). Returns when every range is done.
 pub(crate) fn in_groups(
-    device: &Device,
+    core: &Core,
     count: usize,
     total: usize,
     bytes: impl Fn(usize) -> usize,
@@ -792,15 +754,15 @@ pub(crate) fn in_groups(
     if total < PARALLEL_MIN || count < 2 {
         return work(0..count);
     }
-    let pool = device.core().packers();
+    let pool = core.packers();
     let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
     let mut groups = Vec::new();
     pipeline::split_by_bytes(0..count, bytes, target, |group| groups.push(group));
     use rayon::prelude::*;
-    let packing = pipeline::Packing::start(device);
+    let packing = pipeline::Packing::start(core);
     pool.install(|| groups.into_par_iter().for_each(work));
     drop(packing);
-    pipeline::linger(device);
+    pipeline::linger(core);
 }
 
 /// What a lane's batches reuse, used only under the lane's batch lock: the planner and its
@@ -883,24 +845,24 @@ impl DeviceRegion {
     /// The address of at least `len` bytes of device staging for `lane`, growing it if need
     /// be. Must be called under the lane's batch lock; `last_seq` is the lane's last
     /// submission, which may still use the old staging.
-    pub(crate) fn ensure(&mut self, device: &Device, lane: LaneKind, len: u64, last_seq: u64) -> Result<u64> {
+    pub(crate) fn ensure(&mut self, core: &Core, lane: LaneKind, len: u64, last_seq: u64) -> Result<u64> {
         if let Some((_, ptr, have)) = self.buffer
             && have >= len
         {
             return Ok(ptr);
         }
         let want = len.max(1 << 20).next_power_of_two();
-        let new = device.allocate_for_library(want)?;
-        let ptr = device.device_ptr(new)?;
-        let staging = &device.core().telemetry.staging_bytes;
+        let new = core.allocate_for_library(want)?;
+        let (ptr, _) = core.alloc.resolve(new)?;
+        let staging = &core.telemetry.staging_bytes;
         staging.fetch_add(want, std::sync::atomic::Ordering::Relaxed);
         if let Some((old, _, old_len)) = self.buffer.replace((new, ptr, want)) {
             staging.fetch_sub(old_len, std::sync::atomic::Ordering::Relaxed);
             // Work already enqueued may still use it: free after that work.
-            device.core().alloc.mark_used(old, lane.index(), last_seq)?;
+            core.alloc.mark_used(old, lane.index(), last_seq)?;
             // A refused driver free is not this batch's failure: the memory stays listed
             // and the next trim retries it.
-            let _ = device.free(old);
+            let _ = core.alloc.free(old, &|last| core.is_known_idle(last));
         }
         Ok(ptr)
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::PARALLEL_MIN;
-use crate::device::Device;
+use crate::device::Core;
 use crate::error::Result;
 // The signalling below is model-checked with loom (the `loom` tests at the end).
 use crate::sync::shim::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
@@ -132,7 +132,7 @@ pub(crate) enum Step {
 /// after it, and the packing threads start no group of a chunk not yet open (groups of
 /// chunks already open may still run; they touch only this batch's staging).
 pub(crate) fn run(
-    device: &Device,
+    core: &Core,
     groups: &Groups,
     total_bytes: usize,
     ahead: usize,
@@ -140,7 +140,7 @@ pub(crate) fn run(
     work: impl Fn(usize, Range<usize>) + Sync,
 ) -> Result<()> {
     let chunks = groups.per_chunk.len();
-    let pool = device.core().packers();
+    let pool = core.packers();
     // On a packing thread (a nested call), jobs spawned here would wait behind this very
     // thread; and the one-thread fallback pool lives on the thread that first used it, which
     // runs jobs only from inside the pool: with it, no other thread's jobs would ever run.
@@ -182,7 +182,7 @@ pub(crate) fn run(
     };
     let worker = &worker;
     let workers = pool.current_num_threads().min(groups.groups.len());
-    let packing = Packing::start(device);
+    let packing = Packing::start(core);
     let result = pool.in_place_scope(|scope| {
         // One job from here, which spawns the others from inside the pool: each spawn from
         // outside wakes a thread first (on the H200 hosts 16 of them kept this thread 30 to
@@ -232,7 +232,7 @@ pub(crate) fn run(
         result
     });
     drop(packing);
-    linger(device);
+    linger(core);
     result
 }
 
@@ -241,8 +241,8 @@ pub(crate) struct Packing<'a>(&'a AtomicUsize);
 
 impl Packing<'_> {
     /// Starts one: lingering threads stop spinning and take its work.
-    pub(crate) fn start(device: &Device) -> Packing<'_> {
-        Packing::enter(&device.core().packing)
+    pub(crate) fn start(core: &Core) -> Packing<'_> {
+        Packing::enter(&core.packing)
     }
 
     /// Starts one counted in `active` (the device's count of packing runs under way).
@@ -263,8 +263,7 @@ impl Drop for Packing<'_> {
 /// batch's packing then starts without waking them (all but one: the one woken first by
 /// the next run's spawn). One job is spawned from here (a spawn from outside the pool wakes
 /// a thread), which spawns the others inside.
-pub(crate) fn linger(device: &Device) {
-    let core = device.core();
+pub(crate) fn linger(core: &Core) {
     linger_for(core.packers(), &core.packing, Duration::from_micros(core.config.pack_linger_us));
 }
 

@@ -20,12 +20,12 @@ use super::pipeline::{self, Groups, Step};
 use super::{BufferTable, Span, cut_apart, in_order_chunk};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
+use crate::engine::Exec;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::CopyDescriptor;
 use crate::plan::ReadView;
 use crate::stream::{Fence, LaneKind};
-use crate::telemetry::Moves;
 use crate::transfer::{PendingReadback, Slot};
 
 /// A set of upload ranges checked and laid out once ([`Device::prepare_uploads`]), uploaded
@@ -269,46 +269,28 @@ impl Layout {
         (views.into(), chunks)
     }
 
-    /// Claims the buffers for `chunks` submissions on `lane_batch`: the last one's sequence.
-    fn claim(
-        &self,
-        device: &Device,
-        lane_batch: &crate::stream::LaneBatch<'_>,
-        kind: LaneKind,
-    ) -> Result<u64> {
-        device.claim(lane_batch, kind, self.buffers.iter().copied(), self.spans.len() as u64)
+    /// Claims the buffers for one submission a chunk: the last one's sequence. Counts what
+    /// a move of the set costs beyond its launches: the payload over the bus.
+    fn claim(&self, exec: &mut Exec<'_>) -> Result<u64> {
+        let final_seq = exec.claim(self.buffers.iter().copied(), self.spans.len() as u64)?;
+        exec.requested(self.requested);
+        exec.moved(self.requested);
+        Ok(final_seq)
     }
 
     /// Enqueues chunk `k`'s launch, which keeps the region alive until it completes.
-    fn launch(
-        &self,
-        lane_batch: &crate::stream::LaneBatch<'_>,
-        kernels: &crate::kernels::Kernels,
-        k: usize,
-    ) -> Result<u64> {
+    fn launch(&self, exec: &mut Exec<'_>, kernels: &crate::kernels::Kernels, k: usize) -> Result<u64> {
         let span = &self.spans[k];
         let table = self.table_ptr + (span.requests.start * size_of::<CopyDescriptor>()) as u64;
         let count = span.requests.len() as u64;
-        lane_batch.submit(vec![Arc::clone(&self.lease)], |raw, stream, _| {
+        exec.submit(vec![Arc::clone(&self.lease)], |q| {
             // SAFETY: the table is the set's device buffer (live and marked: claimed with the
             // ranges' buffers); the host side of every copy lies in the set's pinned region,
             // which this submission keeps alive and the device reaches (unified addressing);
             // the device side of each is a range of a live, marked buffer, and the ranges are
             // disjoint (in order and apart).
-            unsafe { kernels.copy_over_bus(raw, stream, table, count) }
+            unsafe { q.launch_over_bus(kernels, table, count, 0) }
         })
-    }
-
-    /// What a move of the set costs: one launch a chunk, the payload over the bus.
-    fn moves(&self) -> Moves {
-        let chunks = self.spans.len() as u64;
-        Moves {
-            submissions: chunks,
-            requested: self.requested,
-            moved: self.requested,
-            dmas: 0,
-            launches: chunks,
-        }
     }
 }
 
@@ -380,12 +362,12 @@ impl PreparedUploads {
             // (`get_mut` also orders this after the release of every other holder).
             if Arc::get_mut(&mut layout.lease).is_some() {
                 let (layout, groups) = (&*layout, &*groups);
-                let lane_batch = lane.batch();
-                let kernels = core.kernels()?;
+                let mut exec = Exec::begin(core, LaneKind::Upload);
+                let kernels = exec.kernels()?;
                 let base = layout.lease.as_ptr() as usize;
                 let mut final_seq = None;
                 let moved = pipeline::run(
-                    device,
+                    core,
                     groups,
                     layout.requested as usize,
                     layout.spans.len(),
@@ -393,11 +375,11 @@ impl PreparedUploads {
                         // The buffers are claimed while the packing threads wake, before any
                         // byte is copied or anything enqueued.
                         Step::Open(0) => {
-                            final_seq = Some(layout.claim(device, &lane_batch, LaneKind::Upload)?);
+                            final_seq = Some(layout.claim(&mut exec)?);
                             Ok(true)
                         }
                         Step::Open(_) => Ok(true),
-                        Step::Done(k) => layout.launch(&lane_batch, kernels, k).map(|_| true),
+                        Step::Done(k) => layout.launch(&mut exec, kernels, k).map(|_| true),
                     },
                     |_, items| {
                         for i in items {
@@ -420,9 +402,8 @@ impl PreparedUploads {
                     self.last_seq = final_seq;
                 }
                 moved?;
-                let final_seq = final_seq.expect("chunk 0 opened: the run succeeded");
-                core.telemetry.record(LaneKind::Upload, layout.moves());
-                return Ok(Fence::new(device.clone(), LaneKind::Upload, final_seq));
+                debug_assert!(final_seq.is_some(), "chunk 0 opened: the run succeeded");
+                return Ok(exec.finish());
             }
         }
         let mut batch = device.uploads();
@@ -481,18 +462,16 @@ impl PreparedReadbacks {
             // after the release of every other holder, which may have read its views).
             if Arc::get_mut(&mut layout.lease).is_some() {
                 let layout = &*layout;
-                let lane_batch = lane.batch();
-                let first_seq = lane_batch.next_seq();
-                let final_seq = layout.claim(device, &lane_batch, LaneKind::Readback)?;
-                let kernels = core.kernels()?;
+                let mut exec = Exec::begin(core, LaneKind::Readback);
+                layout.claim(&mut exec)?;
+                let first_seq = exec.first_seq();
+                let kernels = exec.kernels()?;
                 for k in 0..layout.spans.len() {
-                    layout.launch(&lane_batch, kernels, k)?;
+                    layout.launch(&mut exec, kernels, k)?;
                 }
-                core.telemetry.record(LaneKind::Readback, layout.moves());
-                drop(lane_batch);
                 return Ok(PendingReadback::prepared(
                     device.clone(),
-                    Fence::new(device.clone(), LaneKind::Readback, final_seq),
+                    exec.finish(),
                     first_seq,
                     Arc::clone(&layout.lease),
                     (self.id, Arc::clone(views)),

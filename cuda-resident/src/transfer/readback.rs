@@ -12,13 +12,13 @@ use super::pipeline::{self, Groups, Step};
 use super::{BufferTable, DeviceStaging, Piece, Span, cut_apart};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
+use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::{Moves, Telemetry};
 
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
@@ -403,7 +403,7 @@ impl PendingReadback {
         let lane = device.core().lane(LaneKind::Readback);
         let first_seq = self.first_seq;
         pipeline::run(
-            &device,
+            device.core(),
             &groups,
             total,
             chunks,
@@ -468,7 +468,7 @@ impl PendingReadback {
             }
         };
         let run = pipeline::run(
-            device,
+            device.core(),
             &groups,
             total,
             chunks,
@@ -582,7 +582,7 @@ impl Readback {
         }
         // SAFETY: each destination is a distinct vector's spare capacity of at least its
         // source's length; sources are views of landed reads.
-        unsafe { Piece::copy_out_all(device, &pieces) };
+        unsafe { Piece::copy_out_all(device.core(), &pieces) };
         // SAFETY: the copies above ran.
         unsafe { self.set_lengths(slots, out) };
         Ok(())
@@ -646,8 +646,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total, super::PIPELINE_DEPTH);
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
-    let lane = core.lane(LaneKind::Readback);
-    let lane_batch = lane.batch();
+    let mut exec = Exec::begin(core, LaneKind::Readback);
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
     if in_order && apart.longest < plan_config.direct_threshold {
@@ -656,10 +655,15 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             total,
             if device.small_copies_over_bus() { super::READ_DEPTH } else { super::PIPELINE_DEPTH },
         );
-        return match execute_in_order(batch, chunk, &lane_batch, scratch) {
+        // Held staging: the readback's views keep it after the copy. The lease holds the
+        // flat packed bytes, then the chunks' tables: one descriptor a read.
+        let len = apart.end.next_multiple_of(256) as usize + batch.reads.len() * size_of::<CopyDescriptor>();
+        return match device.acquire_held_staging(len) {
+            // Listed: the caller can reach its views.
+            Ok(lease) => execute_in_order(batch, chunk, exec, scratch, lease.into_listed()),
             // Refused before anything was enqueued: the batch streams instead.
-            Err(e) if e.is_staging_refusal() => execute_streamed(batch, &lane_batch, scratch, sink.take()),
-            done => done,
+            Err(e) if e.is_staging_refusal() => execute_streamed(batch, exec, scratch, sink.take()),
+            Err(e) => Err(e),
         };
     }
     scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
@@ -696,28 +700,27 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         Ok(lease) => lease.into_listed(),
         // Nothing enqueued yet: the batch streams instead.
         Err(e) if e.is_staging_refusal() => {
-            return execute_streamed(batch, &lane_batch, scratch, sink.take());
+            return execute_streamed(batch, exec, scratch, sink.take());
         }
         Err(e) => return Err(e),
     };
     let base = lease.as_ptr();
 
-    let first_seq = lane_batch.next_seq();
-    let final_seq =
-        device.claim(&lane_batch, LaneKind::Readback, batch.table.buffers(), plan.chunks.len() as u64)?;
+    let final_seq = exec.claim(batch.table.buffers(), plan.chunks.len() as u64)?;
+    exec.requested(plan.requested_bytes);
 
-    let kernels = if areas.iter().any(|&a| a > 0) { Some(core.kernels()?) } else { None };
+    let kernels = if areas.iter().any(|&a| a > 0) { Some(exec.kernels()?) } else { None };
     let device_need =
         plan.chunks.iter().zip(&areas).filter(|(_, a)| **a > 0).map(|(c, a)| a + c.packed_len).max();
     let dev = match device_need {
-        Some(need) => scratch.region.ensure(device, LaneKind::Readback, need, first_seq - 1)?,
+        Some(need) => exec.region(&mut scratch.region, need)?,
         None => 0,
     };
     let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
     // SAFETY: flat offsets of the plan lie inside the lease's staging part.
     let staged = |flat: u64| unsafe { base.add((tables + flat) as usize) };
 
-    let (mut table_at, mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64, 0u64);
+    let mut table_at = 0u64;
     for (chunk, &area) in plan.chunks.iter().zip(&areas) {
         let table = table_at;
         table_at += area;
@@ -740,30 +743,17 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         let count = scratch.descriptors.len() as u64;
         let places =
             ChunkPlaces { table: base.wrapping_add(table as usize), area, count, dev, staged: &staged };
-        lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+        exec.submit(vec![Arc::clone(&lease)], |q| {
             // SAFETY: the table and the chunk's staging lie in the lease, kept alive by this
             // submission; device staging holds area + packed_len bytes; sources are live,
             // marked buffers.
-            unsafe { enqueue_planned(raw, stream, chunk, &places, kernels, &ptr_of) }
+            unsafe { enqueue_planned(q, chunk, &places, kernels, &ptr_of) }
         })?;
-        let (d, l, m) = planned_moves(chunk, area);
-        (dmas, launches, moved) = (dmas + d, launches + l, moved + m);
     }
-    core.telemetry.record(
-        LaneKind::Readback,
-        Moves {
-            submissions: plan.chunks.len() as u64,
-            requested: plan.requested_bytes,
-            moved,
-            dmas,
-            launches,
-        },
-    );
     let mut views = core.readback_views.take();
     views.extend_from_slice(&plan.views);
-    drop(lane_batch);
     Ok(PendingReadback {
-        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        fence: exec.finish(),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,
@@ -798,8 +788,7 @@ struct ChunkPlaces<'a> {
 /// completes; device staging at `dev` holds `area + packed_len` bytes; `ptr_of` gives live
 /// buffers (marked for this work) whose ranges the chunk reads.
 unsafe fn enqueue_planned(
-    raw: &crate::raw::Raw,
-    stream: cuda_sys::CUstream,
+    q: &mut Enqueue<'_>,
     chunk: &crate::plan::ReadbackChunk,
     at: &ChunkPlaces<'_>,
     kernels: Option<&crate::kernels::Kernels>,
@@ -808,49 +797,21 @@ unsafe fn enqueue_planned(
     if at.area > 0 {
         // SAFETY: the table is pinned and stays alive (the caller's promise); device staging
         // holds area + packed_len bytes.
-        unsafe { raw.memcpy_htod_async(at.dev, at.table, at.area as usize, stream) }?;
+        unsafe { q.htod(at.dev, at.table, at.area as usize) }?;
         let kernels = kernels.expect("loaded when a chunk uses it");
         // SAFETY: sources are live, marked buffers; destinations are disjoint ranges of device
         // staging.
-        unsafe { kernels.copy(raw, stream, at.dev, at.count) }?;
+        unsafe { q.launch(kernels, at.dev, at.count, 0) }?;
         // SAFETY: the packed region of this chunk lies in its staging.
-        unsafe {
-            raw.memcpy_dtoh_async(
-                (at.staged)(chunk.packed_offset),
-                at.dev + at.area,
-                chunk.packed_len as usize,
-                stream,
-            )
-        }?;
+        unsafe { q.dtoh((at.staged)(chunk.packed_offset), at.dev + at.area, chunk.packed_len as usize) }?;
     }
     // Packed ranges without the kernel, and direct ones: one DMA each.
     let singles = if at.area > 0 { &chunk.packed[..0] } else { &chunk.packed[..] };
     for c in singles.iter().chain(&chunk.direct) {
         // SAFETY: a range of a live, marked buffer into the chunk's staging.
-        unsafe {
-            raw.memcpy_dtoh_async(
-                (at.staged)(c.stage_offset),
-                ptr_of(c.buffer) + c.buffer_offset,
-                c.len as usize,
-                stream,
-            )
-        }?;
+        unsafe { q.dtoh((at.staged)(c.stage_offset), ptr_of(c.buffer) + c.buffer_offset, c.len as usize) }?;
     }
     Ok(())
-}
-
-/// What [`enqueue_planned`] moves for a chunk: `(dmas, launches, bytes over the bus)`.
-fn planned_moves(chunk: &crate::plan::ReadbackChunk, area: u64) -> (u64, u64, u64) {
-    let direct: u64 = chunk.direct.iter().map(|c| c.len).sum();
-    if area > 0 {
-        (2 + chunk.direct.len() as u64, 1, area + chunk.packed_len + direct)
-    } else {
-        (
-            (chunk.packed.len() + chunk.direct.len()) as u64,
-            0,
-            chunk.packed.iter().map(|c| c.len).sum::<u64>() + direct,
-        )
-    }
 }
 
 #[cfg(test)]
@@ -874,7 +835,7 @@ thread_local! {
 /// returned then has no views (the bytes are in `out`; on error every vector is empty).
 fn execute_streamed(
     batch: &ReadbackBatch<'_>,
-    lane_batch: &crate::stream::LaneBatch<'_>,
+    mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
     mut out: Option<&mut [Vec<u8>]>,
 ) -> Result<PendingReadback> {
@@ -883,7 +844,6 @@ fn execute_streamed(
     let device = batch.device;
     let core = device.core();
     let config = device.config();
-    let lane = core.lane(LaneKind::Readback);
     let chunk_bytes = config.chunk_bytes / 2;
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
@@ -925,28 +885,27 @@ fn execute_streamed(
     // The ring is taken before anything is enqueued: the first lease waits for room as any
     // staging does, the others take only what is free.
     let most = chunks.min(super::RING).min(core.pinned.leases_within_cap(ring_bytes as u64)).max(1);
-    let mut ring = vec![Arc::new(device.acquire_staging(ring_bytes)?)];
+    let mut ring = vec![Arc::new(exec.lease(ring_bytes)?)];
     while ring.len() < most {
         match core.pinned.try_acquire(ring_bytes)? {
             Some(lease) => ring.push(Arc::new(lease)),
             None => break,
         }
     }
-    let first_seq = lane_batch.next_seq();
-    let final_seq = device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), chunks as u64)?;
+    exec.claim(batch.table.buffers(), chunks as u64)?;
+    exec.requested(plan.requested_bytes);
+    let first_seq = exec.first_seq();
     let device_need = plan.chunks.iter().filter(|c| area_of(c) > 0).map(|c| area_of(c) + c.packed_len).max();
-    let kernels = if device_need.is_some() { Some(core.kernels()?) } else { None };
+    let kernels = if device_need.is_some() { Some(exec.kernels()?) } else { None };
     let dev = match device_need {
-        Some(need) => region.ensure(device, LaneKind::Readback, need, first_seq - 1)?,
+        Some(need) => exec.region(region, need)?,
         None => 0,
     };
     let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
     // Waits for chunk `k` (submission `seqs[k]`) and copies its staging out of its lease
     // into the host allocation, on the packing threads.
     let mut unpack = |k: usize, seqs: &[u64], host: &mut [u8]| -> Result<()> {
-        if lane.wait(seqs[k])? {
-            Telemetry::add(&core.telemetry.host_waits, 1);
-        }
+        crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
         let chunk = &plan.chunks[k];
         pieces.clear();
         // SAFETY: the lease holds `room + chunk_capacity >= room + staging_len` bytes.
@@ -981,11 +940,10 @@ fn execute_streamed(
         // SAFETY: the chunk's DMAs completed (waited above); the lease and the host
         // allocation (or the caller's vectors, each its own) are disjoint and hold these
         // bytes; no two destinations overlap.
-        unsafe { Piece::copy_out_all(device, pieces) };
+        unsafe { Piece::copy_out_all(core, pieces) };
         Ok(())
     };
     let mut seqs = Vec::with_capacity(chunks);
-    let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
     for (k, chunk) in plan.chunks.iter().enumerate() {
         if k >= ring.len() {
             // The lease this chunk takes is free once the chunk before it there is out.
@@ -1009,14 +967,12 @@ fn execute_streamed(
         }
         let count = descriptors.len() as u64;
         let places = ChunkPlaces { table: base, area, count, dev, staged: &staged };
-        seqs.push(lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+        seqs.push(exec.submit(vec![Arc::clone(lease)], |q| {
             // SAFETY: the table and the chunk's staging lie in the lease, kept alive by this
             // submission (the chunk that used it before was waited for and copied out);
             // device staging holds area + packed_len bytes; sources are live, marked buffers.
-            unsafe { enqueue_planned(raw, stream, chunk, &places, kernels, &ptr_of) }
+            unsafe { enqueue_planned(q, chunk, &places, kernels, &ptr_of) }
         })?);
-        let (d, l, m) = planned_moves(chunk, area);
-        (dmas, launches, moved) = (dmas + d, launches + l, moved + m);
     }
     for k in chunks.saturating_sub(ring.len())..chunks {
         unpack(k, &seqs, &mut host)?;
@@ -1028,16 +984,12 @@ fn execute_streamed(
             unsafe { vec.set_len(view.len as usize) };
         }
     }
-    core.telemetry.record(
-        LaneKind::Readback,
-        Moves { submissions: chunks as u64, requested: plan.requested_bytes, moved, dmas, launches },
-    );
     let mut views = core.readback_views.take();
     if out.is_none() {
         views.extend_from_slice(&plan.views);
     }
     Ok(PendingReadback {
-        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        fence: exec.finish(),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,
@@ -1100,8 +1052,9 @@ thread_local! {
 fn execute_in_order(
     batch: &ReadbackBatch<'_>,
     chunk_bytes: u64,
-    lane_batch: &crate::stream::LaneBatch<'_>,
+    mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
+    lease: Arc<HostLease>,
 ) -> Result<PendingReadback> {
     #[cfg(test)]
     IN_ORDER_BATCHES.with(|n| n.set(n.get() + 1));
@@ -1115,15 +1068,10 @@ fn execute_in_order(
     // The lease holds the flat packed bytes, then the chunks' tables: one descriptor a read,
     // in read order (chunk `k`'s table starts at its first read's).
     let tables = apart.end.next_multiple_of(256);
-    // Held staging: the readback's views keep it after the copy.
-    let lease = device
-        .acquire_held_staging(tables as usize + reads.len() * size_of::<CopyDescriptor>())?
-        .into_listed();
     let base = lease.as_ptr();
-    let first_seq = lane_batch.next_seq();
-    let final_seq =
-        device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), spans.len() as u64)?;
-    let kernels = core.kernels()?;
+    let final_seq = exec.claim(batch.table.buffers(), spans.len() as u64)?;
+    exec.requested(apart.requested);
+    let kernels = exec.kernels()?;
     // Where the kernel gathers to: the lease itself, or device staging (a chunk's packed
     // bytes, then its table).
     let table_in_staging = |span: &Span| span.len.next_multiple_of(256);
@@ -1135,14 +1083,13 @@ fn execute_in_order(
             .map(|span| table_in_staging(span) + table_bytes(span.requests.len() as u64))
             .max()
             .unwrap_or(0);
-        Some(region.ensure(device, LaneKind::Readback, need, first_seq - 1)?)
+        Some(exec.region(region, need)?)
     };
     let ptr_of = |r: &ReadRequest| batch.table.entries[r.buffer as usize].ptr + r.offset;
     let descriptors = base.wrapping_add(tables as usize).cast::<CopyDescriptor>();
     let mut views = core.readback_views.take();
     views.reserve(reads.len());
     let mut chunks = Vec::with_capacity(spans.len() + 1);
-    let mut staged_bytes = 0u64;
     for (chunk, span) in (0u32..).zip(spans.iter()) {
         chunks.push(span.requests.start);
         for i in span.requests.clone() {
@@ -1158,46 +1105,36 @@ fn execute_in_order(
             unsafe { descriptors.add(i).write(CopyDescriptor { src: ptr_of(r), dst, len: r.len }) };
         }
         let (table, count) = (descriptors.wrapping_add(span.requests.start), span.requests.len() as u64);
-        lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+        let table_len = count as usize * size_of::<CopyDescriptor>();
+        exec.submit(vec![Arc::clone(&lease)], |q| {
             let Some(dev) = dev else {
+                // Over the bus the kernel reads the descriptors and writes the payload
+                // (counted once for the batch below), not the padding between packed reads
+                // that a DMA moves.
                 // SAFETY: the table and the destinations (each read's place in flat staging)
                 // are in the pinned lease, which this submission keeps alive and the device
                 // reaches (unified addressing); sources are disjoint ranges of live, marked
                 // buffers.
-                return unsafe { kernels.copy_over_bus(raw, stream, table as u64, count) };
+                return unsafe { q.launch_over_bus(kernels, table as u64, count, table_len as u64) };
             };
             let dev_table = dev + table_in_staging(span);
-            let table_len = count as usize * size_of::<CopyDescriptor>();
             // SAFETY: the table is pinned and stays alive (kept by this submission); device
             // staging holds the chunk's packed bytes and then its table.
-            unsafe { raw.memcpy_htod_async(dev_table, table.cast(), table_len, stream) }?;
+            unsafe { q.htod(dev_table, table.cast(), table_len) }?;
             // SAFETY: sources are disjoint ranges of live, marked buffers; destinations are
             // disjoint ranges of device staging.
-            unsafe { kernels.copy(raw, stream, dev_table, count) }?;
+            unsafe { q.launch(kernels, dev_table, count, 0) }?;
             // SAFETY: the chunk's packed bytes lie inside the lease.
-            unsafe { raw.memcpy_dtoh_async(base.add(span.start as usize), dev, span.len as usize, stream) }
+            unsafe { q.dtoh(base.add(span.start as usize), dev, span.len as usize) }
         })?;
-        // Through device staging: the table up and the packed bytes (padding included) down.
-        staged_bytes += count * size_of::<CopyDescriptor>() as u64 + span.len;
     }
     chunks.push(reads.len());
     let n = spans.len() as u64;
-    // Over the bus the kernel reads the descriptors and writes the payload, not the padding
-    // between packed reads that a DMA moves.
-    let over_bus = reads.len() as u64 * size_of::<CopyDescriptor>() as u64 + apart.requested;
-    let moved = if dev.is_some() { staged_bytes } else { over_bus };
-    core.telemetry.record(
-        LaneKind::Readback,
-        Moves {
-            submissions: n,
-            requested: apart.requested,
-            moved,
-            dmas: if dev.is_some() { 2 * n } else { 0 },
-            launches: n,
-        },
-    );
+    if dev.is_none() {
+        exec.moved(apart.requested);
+    }
     Ok(PendingReadback {
-        fence: Fence::new(device.clone(), LaneKind::Readback, final_seq),
+        fence: exec.finish(),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,
