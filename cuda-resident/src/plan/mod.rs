@@ -77,6 +77,7 @@
 mod fuse;
 mod layout;
 mod readback;
+pub(crate) mod route;
 mod sort;
 mod upload;
 

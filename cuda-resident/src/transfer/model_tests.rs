@@ -5,6 +5,7 @@
 //! of the other lane, shows as wrong bytes. No GPU needed: these run in CI.
 
 use crate::fake_driver;
+use crate::plan::route::Route;
 use crate::{Config, Device, Error, ReadbackBatch, ResidentBuffer, Slot};
 
 pub(crate) fn device(config: Config) -> Device {
@@ -268,9 +269,7 @@ fn in_order_writes(config: Config) {
     let d = device(config);
     let mut rng = fastrand::Rng::with_seed(33);
     let mut m = Model::new(&d, &mut rng, &[300_000, 70_000, 1 << 20, 4099]);
-    let taken = || super::upload::IN_ORDER_BATCHES.with(|n| n.get());
     for round in 0..8 {
-        let before = taken();
         let ranges = m.in_order_ranges(&mut rng, 600);
         if ranges.len() < 64 {
             continue;
@@ -281,15 +280,14 @@ fn in_order_writes(config: Config) {
             batch.write(m.buffers[*i], *at as u64, bytes).unwrap();
             m.expect[*i][*at..at + bytes.len()].copy_from_slice(bytes);
         }
+        assert_eq!(batch.route(), Route::InOrder, "round {round}: the in-order path");
         let fence = batch.submit().unwrap();
-        assert_eq!(taken(), before + 1, "round {round}: the in-order path");
         if round % 2 == 0 {
             fence.wait().unwrap();
         }
         m.check(&d, &format!("in-order round {round}"));
     }
     // One write out of order sends the batch to the planner, with the same result.
-    let before = taken();
     let mut batch = d.uploads();
     let bytes: Vec<Vec<u8>> = (0..100).map(|_| random_vec(&mut rng, 100)).collect();
     for (k, b) in bytes.iter().enumerate() {
@@ -297,8 +295,8 @@ fn in_order_writes(config: Config) {
         batch.write(m.buffers[0], at as u64, b).unwrap();
         m.expect[0][at..at + 100].copy_from_slice(b);
     }
+    assert_eq!(batch.route(), Route::Planned, "out of order: planned");
     batch.submit().unwrap().wait().unwrap();
-    assert_eq!(taken(), before, "out of order: planned");
     m.check(&d, "a batch out of order");
     d.synchronize().unwrap();
     assert_eq!(d.telemetry().pinned.lent_bytes, 0);
@@ -360,16 +358,14 @@ fn in_order_reads(config: Config) {
     let d = device(config);
     let mut rng = fastrand::Rng::with_seed(34);
     let m = Model::new(&d, &mut rng, &[300_000, 70_000, 1 << 20, 4099]);
-    let taken = || super::readback::IN_ORDER_BATCHES.with(|n| n.get());
     for round in 0..8 {
-        let before = taken();
         let ranges = m.in_order_ranges(&mut rng, 800);
         if ranges.len() < 64 {
             continue;
         }
         let (reads, slots) = m.reads(&d, &ranges);
         let pending = reads.submit().unwrap();
-        assert_eq!(taken(), before + 1, "round {round}: the in-order path");
+        assert_eq!(pending.route, Route::InOrder, "round {round}: the in-order path");
         let got = if round % 2 == 0 {
             pending.wait().unwrap()
         } else {
@@ -394,7 +390,6 @@ fn reads_in_order_copy_into_vectors_for_slots_in_any_order_a_subset_or_named_twi
         let d = device(Config { small_copies_over_bus: over_bus, ..small_chunks() });
         let mut rng = fastrand::Rng::with_seed(44);
         let m = Model::new(&d, &mut rng, &[4 << 20]);
-        let taken = || super::readback::IN_ORDER_BATCHES.with(|n| n.get());
         // Over a megabyte in 64 KiB chunks: many chunks, copied out on the packing threads.
         let ranges = pipelined_ranges(900);
         let mut orders: Vec<(&str, Vec<usize>)> = vec![
@@ -407,10 +402,9 @@ fn reads_in_order_copy_into_vectors_for_slots_in_any_order_a_subset_or_named_twi
         rng.shuffle(&mut shuffled);
         orders.push(("shuffled", shuffled));
         for (what, order) in orders {
-            let before = taken();
             let (reads, slots) = m.reads(&d, &ranges);
             let pending = reads.submit().unwrap();
-            assert_eq!(taken(), before + 1, "{what}: the in-order path");
+            assert_eq!(pending.route, Route::InOrder, "{what}: the in-order path");
             let asked: Vec<_> = order.iter().map(|&r| slots[r]).collect();
             let mut out = vec![vec![0x5a; 7]; asked.len()];
             let got = pending.wait_into(&asked, &mut out).unwrap();
@@ -510,11 +504,6 @@ fn tiny_touching_requests_in_order_are_fused_by_the_planner_within_a_small_pinne
     });
     let mut rng = fastrand::Rng::with_seed(36);
     let mut m = Model::new(&d, &mut rng, &[64 << 10]);
-    let (uploads, reads) = (
-        || super::upload::IN_ORDER_BATCHES.with(|n| n.get()),
-        || super::readback::IN_ORDER_BATCHES.with(|n| n.get()),
-    );
-    let (u0, r0) = (uploads(), reads());
     // 16384 writes of 4 bytes, each touching the last: one descriptor and a padded slot
     // each would need far more staging than the pool holds; fused, they are 64 KiB.
     let data = random_vec(&mut rng, 64 << 10);
@@ -522,16 +511,19 @@ fn tiny_touching_requests_in_order_are_fused_by_the_planner_within_a_small_pinne
     for (k, word) in data.chunks(4).enumerate() {
         batch.write(m.buffers[0], k as u64 * 4, word).unwrap();
     }
+    assert_eq!(batch.route(), Route::Planned, "the upload batch was planned");
     batch.submit().unwrap().wait().unwrap();
     m.expect[0].copy_from_slice(&data);
     let mut batch = d.readbacks();
     let slots: Vec<_> = (0..16384u64).map(|k| batch.read(m.buffers[0], k * 4, 4).unwrap()).collect();
-    let got = batch.submit().unwrap().wait().unwrap();
+    let pending = batch.submit().unwrap();
+    // Planned (here, in half chunks streamed through the small pool), not moved in order.
+    assert_ne!(pending.route, Route::InOrder, "the readback batch was planned");
+    let got = pending.wait().unwrap();
     for (k, &slot) in slots.iter().enumerate() {
         assert_eq!(got.get(slot), &data[k * 4..k * 4 + 4]);
     }
     drop(got);
-    assert_eq!((uploads(), reads()), (u0, r0), "both batches were planned");
     m.check(&d, "tiny touching requests");
 }
 

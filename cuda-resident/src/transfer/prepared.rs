@@ -5,7 +5,7 @@
 //! view, on the calling thread; for thousands of small copies that costs as much as moving
 //! them. A runtime that moves the same ranges every step (a layer's slices, a table's rows,
 //! a simulator's cells) prepares them once: for ranges in order and apart
-//! ([`super::Apart`]), the set takes a pinned region of its own for the bytes and writes
+//! ([`Apart`](crate::plan::route::Apart)), the set takes a pinned region of its own for the bytes and writes
 //! every descriptor once, into a device buffer of its own. An upload then only copies the
 //! bytes in, on the packing threads, and launches one kernel a chunk, which reads them over
 //! the bus; a readback only launches, the kernel writing the bytes into the set's region,
@@ -16,8 +16,8 @@
 
 use std::sync::Arc;
 
+use super::BufferTable;
 use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, Span, cut_apart, in_order_chunk};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::engine::Exec;
@@ -25,6 +25,9 @@ use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::CopyDescriptor;
 use crate::plan::ReadView;
+use crate::plan::route::{
+    FIRST_CHUNK, IN_ORDER_MIN, PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, growing, in_order_chunk,
+};
 use crate::stream::{Fence, LaneKind};
 use crate::transfer::{PendingReadback, Slot};
 
@@ -182,23 +185,18 @@ impl Layout {
             keys.push(table.check(device, buffer, offset, len, &mut first_error)?.0);
         }
         let apart = &table.apart;
-        if ranges.len() < super::IN_ORDER_MIN
+        if ranges.len() < IN_ORDER_MIN
             || apart.broken
             || apart.longest >= device.config().direct_threshold
             || !device.small_copies_over_bus()
         {
             return Ok(None);
         }
-        let depth = if kind == LaneKind::Upload { super::PIPELINE_DEPTH } else { super::READ_DEPTH };
+        let depth = if kind == LaneKind::Upload { PIPELINE_DEPTH } else { READ_DEPTH };
         let chunk_bytes = in_order_chunk(device.config().chunk_bytes, apart.requested, depth);
         let mut spans = Vec::new();
         if kind == LaneKind::Upload {
-            cut_apart(
-                &apart.offsets,
-                |i| ranges[i].2,
-                super::growing(super::FIRST_CHUNK, chunk_bytes),
-                &mut spans,
-            );
+            cut_apart(&apart.offsets, |i| ranges[i].2, growing(FIRST_CHUNK, chunk_bytes), &mut spans);
         } else {
             cut_apart(&apart.offsets, |i| ranges[i].2, |_| chunk_bytes, &mut spans);
         }
@@ -502,6 +500,11 @@ impl PreparedReadbacks {
     /// [`Error::LengthMismatch`] unless there is one vector per range (nothing enqueued);
     /// those of [`PreparedReadbacks::submit`] and [`PendingReadback::wait_into`].
     pub fn read_into(&mut self, out: &mut [Vec<u8>]) -> Result<()> {
+        self.read_into_as(out).map(drop)
+    }
+
+    /// [`PreparedReadbacks::read_into`]; returns the route the reads took.
+    pub(crate) fn read_into_as(&mut self, out: &mut [Vec<u8>]) -> Result<Route> {
         if out.len() != self.ranges.len() {
             return Err(Error::LengthMismatch {
                 what: "prepared ranges and output vectors",
@@ -512,9 +515,10 @@ impl PreparedReadbacks {
         if self.fast.is_none() {
             // A batch each time: one that streams through the pinned pool goes straight into
             // the vectors.
-            return self.as_batch()?.submit_into(out);
+            return self.as_batch()?.submit_into_as(out, true);
         }
         let pending = self.submit()?;
-        pending.wait_into(&self.slots, out).map(drop)
+        let route = pending.route;
+        pending.wait_into(&self.slots, out).map(|_| route)
     }
 }

@@ -9,13 +9,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, Piece, Span, cut_apart};
+use super::{BufferTable, DeviceStaging, Piece};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
+use crate::plan::route::{
+    self, PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, in_order_chunk, pipeline_chunk,
+};
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
@@ -94,6 +97,8 @@ pub struct PendingReadback {
     readback: Readback,
     /// The sequence number of the first chunk's submission (chunk `k` is `first_seq + k`).
     first_seq: u64,
+    /// The route the batch took.
+    pub(crate) route: Route,
 }
 
 /// Completed reads: views into pinned staging, valid while this value lives. Dropping it
@@ -198,6 +203,7 @@ impl PendingReadback {
                 in_order_bytes: bytes,
             },
             first_seq,
+            route: Route::InOrder,
         }
     }
 }
@@ -302,12 +308,13 @@ impl ReadbackBatch<'_> {
     /// [`Error::LengthMismatch`] (nothing moved) unless `out` has one vector per read; else
     /// as [`ReadbackBatch::submit`].
     pub fn submit_into(self, out: &mut [Vec<u8>]) -> Result<()> {
-        self.submit_into_as(out, true)
+        self.submit_into_as(out, true).map(drop)
     }
 
     /// [`ReadbackBatch::submit_into`]; without `pipelined`, a wait and then a copy of each
-    /// read (for batches whose vectors the caller does not keep).
-    pub(crate) fn submit_into_as(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<()> {
+    /// read (for batches whose vectors the caller does not keep). Returns the route the
+    /// batch took.
+    pub(crate) fn submit_into_as(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<Route> {
         if out.len() != self.reads.len() {
             return Err(Error::LengthMismatch {
                 what: "reads and output vectors",
@@ -320,19 +327,20 @@ impl ReadbackBatch<'_> {
         }
         let mut sink = Some(&mut *out);
         let pending = execute(&self, &mut sink)?;
+        let route = pending.route;
         if sink.is_none() {
             // Streamed into the vectors.
-            return Ok(());
+            return Ok(route);
         }
         let slots = (0..out.len()).map(|i| Slot::nth(self.id, i));
         if pipelined {
-            return pending.wait_into(&slots.collect::<Vec<_>>(), out).map(drop);
+            return pending.wait_into(&slots.collect::<Vec<_>>(), out).map(|_| route);
         }
         let done = pending.wait()?;
         for (slot, vec) in slots.zip(out.iter_mut()) {
             done.copy_into(slot, vec);
         }
-        Ok(())
+        Ok(route)
     }
 }
 
@@ -641,19 +649,20 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     let core = device.core();
     let config = device.config();
     let apart = &batch.table.apart;
-    let in_order = batch.reads.len() >= super::IN_ORDER_MIN && !apart.broken;
+    let in_order = batch.reads.len() >= route::IN_ORDER_MIN && !apart.broken;
     let total: u64 = if in_order { apart.requested } else { batch.reads.iter().map(|r| r.len).sum() };
-    let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total, super::PIPELINE_DEPTH);
+    let chunk_bytes = pipeline_chunk(config.chunk_bytes, total, PIPELINE_DEPTH);
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
     let mut exec = Exec::begin(core, LaneKind::Readback);
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
-    if in_order && apart.longest < plan_config.direct_threshold {
-        let chunk = super::in_order_chunk(
+    let route = route::readback_route(batch.reads.len(), apart, plan_config.direct_threshold);
+    if route == Route::InOrder {
+        let chunk = in_order_chunk(
             config.chunk_bytes,
             total,
-            if device.small_copies_over_bus() { super::READ_DEPTH } else { super::PIPELINE_DEPTH },
+            if device.small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH },
         );
         // Held staging: the readback's views keep it after the copy. The lease holds the
         // flat packed bytes, then the chunks' tables: one descriptor a read.
@@ -683,6 +692,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
                 in_order_bytes: 0,
             },
             first_seq: 0,
+            route: Route::Planned,
         });
     }
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
@@ -765,6 +775,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             in_order_bytes: 0,
         },
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
+        route: Route::Planned,
     })
 }
 
@@ -814,14 +825,6 @@ unsafe fn enqueue_planned(
     Ok(())
 }
 
-#[cfg(test)]
-thread_local! {
-    /// Batches this thread moved by [`execute_streamed`].
-    pub(crate) static STREAMED_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    /// Of those, batches streamed straight into the caller's vectors.
-    pub(crate) static STREAMED_INTO_VECTORS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
 /// A batch whose staging the pool cannot lend at once: planned in chunks of half the
 /// configured chunk (a chunk's lease, its bytes plus a descriptor table of up to 1.5 times
 /// them for the smallest reads, then stays within the cap, which holds two configured
@@ -839,8 +842,6 @@ fn execute_streamed(
     scratch: &mut DeviceStaging,
     mut out: Option<&mut [Vec<u8>]>,
 ) -> Result<PendingReadback> {
-    #[cfg(test)]
-    STREAMED_BATCHES.with(|n| n.set(n.get() + 1));
     let device = batch.device;
     let core = device.core();
     let config = device.config();
@@ -863,8 +864,6 @@ fn execute_streamed(
     let mut dsts = Vec::new();
     let mut order = Vec::new();
     if let Some(out) = out.as_deref_mut() {
-        #[cfg(test)]
-        STREAMED_INTO_VECTORS.with(|n| n.set(n.get() + 1));
         for (vec, view) in out.iter_mut().zip(views) {
             vec.clear();
             // A batch that streams may be larger than host memory: an error, not an abort
@@ -1001,6 +1000,7 @@ fn execute_streamed(
             in_order_bytes: 0,
         },
         first_seq,
+        route: if out.is_some() { Route::StreamedInto } else { Route::Streamed },
     })
 }
 
@@ -1033,16 +1033,10 @@ impl SharedVecs {
     }
 }
 
-#[cfg(test)]
-thread_local! {
-    /// Batches this thread moved by [`execute_in_order`].
-    pub(crate) static IN_ORDER_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Reads in order and apart (each past the end of the earlier reads of its buffer, with a
+/// [`Route::InOrder`]: reads in order and apart (each past the end of the earlier reads of its buffer, with a
 /// gap: none overlap and none touch, so the planner would fuse none), none longer than a
 /// kernel segment: the common batch of many small reads, laid out as they were added
-/// ([`super::Apart`]), without the planner. The batch is cut into chunks (each with its
+/// ([`Apart`](crate::plan::route::Apart)), without the planner. The batch is cut into chunks (each with its
 /// descriptor table and packed bytes within `chunk_bytes`); then one pass over the reads
 /// writes each read's view and its descriptor, straight into the pinned lease, and each
 /// chunk moves by one launch as soon as its descriptors are written: the kernel reads the
@@ -1056,8 +1050,6 @@ fn execute_in_order(
     scratch: &mut DeviceStaging,
     lease: Arc<HostLease>,
 ) -> Result<PendingReadback> {
-    #[cfg(test)]
-    IN_ORDER_BATCHES.with(|n| n.set(n.get() + 1));
     let device = batch.device;
     let core = device.core();
     let (reads, apart) = (&batch.reads[..], &batch.table.apart);
@@ -1146,5 +1138,6 @@ fn execute_in_order(
             in_order_bytes: apart.requested as usize,
         },
         first_seq: final_seq + 1 - n,
+        route: Route::InOrder,
     })
 }

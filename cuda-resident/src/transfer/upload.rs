@@ -8,13 +8,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, Piece, Span, cut_apart, in_order_chunk};
+use super::{BufferTable, DeviceStaging, Piece};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::engine::Exec;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
+use crate::plan::route::{
+    self, FIRST_CHUNK, PIPELINE_DEPTH, Route, Span, UploadShape, cut_apart, growing, in_order_chunk,
+};
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
@@ -262,23 +265,40 @@ impl<'a> UploadBatch<'a> {
         submitted
     }
 
+    /// The route the batch takes, as its writes stand ([`route::upload_route`]).
+    pub(crate) fn route(&self) -> Route {
+        let single_slice = match (&self.writes[..], &self.sources[..]) {
+            ([write], [Source::Slice(_)]) => Some(write.len),
+            _ => None,
+        };
+        route::upload_route(&UploadShape {
+            writes: self.writes.len(),
+            single_slice,
+            in_place: !self.arena.is_empty(),
+            slice_writes: self.slice_writes,
+            apart: &self.table.apart,
+            direct_threshold: self.device.config().direct_threshold,
+        })
+    }
+
     fn submit_inner(&mut self) -> Result<Fence> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        if let ([write], [Source::Slice(data)]) = (&self.writes[..], &self.sources[..])
-            && write.len > 0
-            && write.len < self.device.config().direct_threshold
-        {
-            return execute_one(self.device, &self.table, write, data);
+        match self.route() {
+            Route::One => {
+                let ([write], [Source::Slice(data)]) = (&self.writes[..], &self.sources[..]) else {
+                    unreachable!("the route of one write from a slice")
+                };
+                execute_one(self.device, &self.table, write, data)
+            }
+            // Writes that fuse go to the planner.
+            Route::InPlace => match execute_in_place(self)? {
+                Some(fence) => Ok(fence),
+                None => execute(self, Route::Planned),
+            },
+            route => execute(self, route),
         }
-        if !self.arena.is_empty()
-            && self.slice_writes == 0
-            && let Some(fence) = execute_in_place(self)?
-        {
-            return Ok(fence);
-        }
-        execute(self)
     }
 }
 
@@ -461,7 +481,8 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     Ok(Some(exec.finish()))
 }
 
-fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
+/// The routes [`Route::InOrder`] and [`Route::Planned`].
+fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
@@ -472,13 +493,7 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
-    // No arena: no write was made in place, every source is a slice.
-    let apart = &batch.table.apart;
-    if batch.writes.len() >= super::IN_ORDER_MIN
-        && !apart.broken
-        && apart.longest < config.direct_threshold
-        && batch.arena.is_empty()
-    {
+    if route == Route::InOrder {
         return execute_in_order(batch, exec, scratch);
     }
     scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
@@ -566,19 +581,13 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
     Ok(exec.finish())
 }
 
-#[cfg(test)]
-thread_local! {
-    /// Batches this thread moved by [`execute_in_order`].
-    pub(crate) static IN_ORDER_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Writes in order and apart (each past the end of the earlier writes into its buffer, with
+/// [`Route::InOrder`]: writes in order and apart (each past the end of the earlier writes into its buffer, with
 /// a gap: none overlap and none touch, so the planner would fuse none), all from slices and
 /// none longer than a kernel segment: the common batch of many small writes, laid out
-/// as the writes were added ([`super::Apart`]: each at the residue of its destination modulo
+/// as the writes were added ([`Apart`](crate::plan::route::Apart): each at the residue of its destination modulo
 /// 16, so the scatter uses 16-byte accesses), without the planner. The batch is cut into
 /// chunks (each with its descriptor table and packed bytes within `chunk_bytes`, over the
-/// bus growing to it from [`super::FIRST_CHUNK`]; found by binary search); then, per chunk, the packing threads write each write's
+/// bus growing to it from [`FIRST_CHUNK`]; found by binary search); then, per chunk, the packing threads write each write's
 /// descriptor and copy its bytes straight into the pinned lease, and one launch moves it:
 /// the kernel reads table and bytes in the lease, over the bus
 /// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), or after one
@@ -590,8 +599,6 @@ fn execute_in_order(
     mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
 ) -> Result<Fence> {
-    #[cfg(test)]
-    IN_ORDER_BATCHES.with(|n| n.set(n.get() + 1));
     let device = batch.device;
     let core = device.core();
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
@@ -599,11 +606,11 @@ fn execute_in_order(
     let (writes, apart) = (&batch.writes[..], &batch.table.apart);
     let (offsets, requested) = (&apart.offsets[..], apart.requested);
     debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
-    let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, super::PIPELINE_DEPTH);
+    let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, PIPELINE_DEPTH);
     // Over the bus a chunk costs a launch: the first is small and leaves while the rest is
     // packed. Through device staging (a DMA and a launch a chunk) chunks stay equal.
     if device.small_copies_over_bus() {
-        cut_apart(offsets, |i| writes[i].len, super::growing(super::FIRST_CHUNK, chunk_bytes), spans);
+        cut_apart(offsets, |i| writes[i].len, growing(FIRST_CHUNK, chunk_bytes), spans);
     } else {
         cut_apart(offsets, |i| writes[i].len, |_| chunk_bytes, spans);
     }
