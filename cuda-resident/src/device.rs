@@ -7,6 +7,7 @@ use cuda_sys::{CUcontext, Driver, DriverVersion};
 
 use crate::alloc::{Allocator, AllocatorConfig, LastUse, ResidentBuffer};
 use crate::context::Context;
+use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result, release_retrying};
 use crate::host_pool::{HostPool, PinnedBuffer};
 use crate::kernels::Kernels;
@@ -14,7 +15,6 @@ use crate::raw::Raw;
 use crate::stream::{Lane, LaneKind};
 use crate::sync::{Mutex, lock};
 use crate::telemetry::{Telemetry, TelemetrySnapshot};
-use crate::transfer::DeviceStaging;
 
 /// Settings of a [`Device`]. The defaults need no tuning; each field says when to change it.
 #[derive(Clone, Debug, PartialEq)]
@@ -218,7 +218,7 @@ pub(crate) struct Core {
     kernels: OnceLock<Kernels>,
     packers: OnceLock<rayon::ThreadPool>,
     /// Packing runs under way: the packing threads lingering after the last one stop when
-    /// another starts ([`crate::transfer::pipeline::linger`]).
+    /// another starts ([`crate::engine::pipeline::linger`]).
     pub(crate) packing: Arc<crate::sync::shim::atomic::AtomicUsize>,
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.

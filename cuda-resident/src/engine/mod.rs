@@ -9,6 +9,10 @@
 //! [`Fence`]. A path differs from another only in its plan (`crate::plan`) and in how it
 //! packs; the executor decides nothing.
 
+pub(crate) mod host;
+pub(crate) mod pipeline;
+pub(crate) mod staging;
+
 use std::sync::Arc;
 
 use cuda_sys::{CUcontext, CUstream};
@@ -88,7 +92,7 @@ impl<'a> Exec<'a> {
 
     /// The address of at least `len` bytes of the lane's device staging `region` (staging
     /// the lane's earlier work may still use is freed after it).
-    pub(crate) fn region(&self, region: &mut crate::transfer::DeviceRegion, len: u64) -> Result<u64> {
+    pub(crate) fn region(&self, region: &mut staging::DeviceRegion, len: u64) -> Result<u64> {
         // Before the claim, the batch's first number is the lane's next one.
         let first_seq = if self.final_seq == 0 { self.batch.next_seq() } else { self.first_seq };
         region.ensure(self.core, self.kind, len, first_seq - 1)

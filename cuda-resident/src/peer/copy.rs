@@ -701,7 +701,7 @@ impl PeerBatch<'_> {
         // Each group is one readback into the source's pinned pool, whole: at most half its
         // cap, counting what a read takes there (its bytes, rounded for the gather, and its
         // descriptors).
-        let group = (self.dst.config().chunk_bytes.max(1 << 20) * crate::transfer::RING as u64)
+        let group = (self.dst.config().chunk_bytes.max(1 << 20) * crate::plan::route::RING as u64)
             .min(self.src.config().pinned_cap_bytes / 2)
             .max(1);
         let mut fence = Fence::completed();

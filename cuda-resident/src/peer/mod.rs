@@ -18,10 +18,11 @@ use std::sync::Arc;
 use crate::alloc::ResidentBuffer;
 use crate::device::{Config, Device, shared_driver};
 use crate::engine::Exec;
+use crate::engine::host::Piece;
 use crate::error::{Error, Result};
+use crate::plan::route::RING;
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::transfer::{Piece, RING};
 
 /// How [`DeviceSet::fan_out_with`] reaches its devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

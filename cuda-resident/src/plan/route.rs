@@ -111,6 +111,9 @@ pub(crate) const PIPELINE_DEPTH: u64 = 4;
 /// more, smaller chunks pay.
 pub(crate) const READ_DEPTH: u64 = 8;
 
+/// Chunks of one batch in flight at once; packing chunk `k` waits for chunk `k - RING`.
+pub(crate) const RING: usize = 4;
+
 /// Chunks are never cut smaller than this for pipelining.
 const MIN_PIPELINE_CHUNK: u64 = 1 << 20;
 

@@ -460,7 +460,7 @@ fn later_batches_reuse_what_earlier_ones_resolved_until_a_buffer_is_freed() {
     let d = device(Config::default());
     let mut rng = fastrand::Rng::with_seed(35);
     let mut m = Model::new(&d, &mut rng, &[5000, 6000, 7000]);
-    let hits = || super::KEPT_HITS.with(|n| n.get());
+    let hits = || super::table::KEPT_HITS.with(|n| n.get());
     let round = |m: &mut Model, rng: &mut fastrand::Rng, which: &[usize]| {
         let mut batch = d.uploads();
         let data: Vec<_> = which.iter().map(|&i| (i, random_vec(rng, 100))).collect();
@@ -538,7 +538,7 @@ fn large_batches_in_order_pack_and_copy_out_while_chunks_move() {
     let d = device(small_chunks());
     let mut rng = fastrand::Rng::with_seed(36);
     let mut m = Model::new(&d, &mut rng, &[4 << 20]);
-    let runs = || super::pipeline::PARALLEL_RUNS.with(|n| n.get());
+    let runs = || crate::engine::pipeline::PARALLEL_RUNS.with(|n| n.get());
     let ranges = pipelined_ranges(900);
     let data: Vec<_> = ranges.iter().map(|&(_, _, len)| random_vec(&mut rng, len)).collect();
     let before = runs();
@@ -707,8 +707,8 @@ fn large_downloads_and_pipelined_uploads_fit_a_pinned_pool_of_two_chunks() {
 }
 
 /// Groups over `chunks` chunks of 64 items of 32 KiB each (2 MiB a chunk: the parallel path).
-fn big_groups(chunks: usize) -> super::pipeline::Groups {
-    super::pipeline::Groups::new(
+fn big_groups(chunks: usize) -> crate::engine::pipeline::Groups {
+    crate::engine::pipeline::Groups::new(
         chunks,
         (0..chunks).map(|k| (k, k * 64..(k + 1) * 64)),
         |_| 32 << 10,
@@ -718,7 +718,7 @@ fn big_groups(chunks: usize) -> super::pipeline::Groups {
 
 #[test]
 fn a_panic_while_opening_a_chunk_reaches_the_caller_without_hanging() {
-    use super::pipeline::{Step, run};
+    use crate::engine::pipeline::{Step, run};
     let d = device(Config { pack_threads: 4, ..Config::default() });
     let groups = big_groups(4);
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -753,7 +753,7 @@ fn a_panic_while_opening_a_chunk_reaches_the_caller_without_hanging() {
 
 #[test]
 fn a_call_from_a_packing_thread_runs_on_it_alone_in_chunk_order() {
-    use super::pipeline::{Step, run};
+    use crate::engine::pipeline::{Step, run};
     let d = device(Config { pack_threads: 1, ..Config::default() });
     let groups = big_groups(3);
     let log = std::sync::Mutex::new(Vec::new());
@@ -782,7 +782,7 @@ fn a_call_from_a_packing_thread_runs_on_it_alone_in_chunk_order() {
 
 #[test]
 fn chunks_put_off_open_after_the_next_move_and_everything_runs_once() {
-    use super::pipeline::{Step, run};
+    use crate::engine::pipeline::{Step, run};
     let d = device(Config { pack_threads: 4, ..Config::default() });
     let groups = big_groups(6);
     let done = std::sync::atomic::AtomicUsize::new(0);
@@ -826,7 +826,7 @@ fn chunks_put_off_open_after_the_next_move_and_everything_runs_once() {
 
 #[test]
 fn packing_threads_sleep_through_a_long_wait_for_a_chunk_and_wake_to_finish() {
-    use super::pipeline::{SLEEPS, Step, run};
+    use crate::engine::pipeline::{SLEEPS, Step, run};
     use std::sync::atomic::{AtomicUsize, Ordering};
     let d = device(Config { pack_threads: 4, ..Config::default() });
     let groups = big_groups(3);
@@ -872,11 +872,11 @@ fn one_packing_thread_packs_on_the_calling_thread() {
     // A pool of one thread runs nothing in parallel (and the fallback pool of one, on the
     // thread that built it, would never run another thread's jobs): the serial path.
     let d = device(Config { pack_threads: 1, ..Config::default() });
-    let runs = || super::pipeline::PARALLEL_RUNS.with(|n| n.get());
+    let runs = || crate::engine::pipeline::PARALLEL_RUNS.with(|n| n.get());
     let groups = big_groups(2);
     let before = runs();
     let done = std::sync::atomic::AtomicUsize::new(0);
-    super::pipeline::run(
+    crate::engine::pipeline::run(
         d.core(),
         &groups,
         4 << 20,

@@ -17,10 +17,10 @@
 use std::sync::Arc;
 
 use super::BufferTable;
-use super::pipeline::{self, Groups, Step};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::engine::Exec;
+use crate::engine::pipeline::{self, Groups, Step};
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::CopyDescriptor;

@@ -8,10 +8,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, Piece};
+use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
+use crate::engine::host::Piece;
+use crate::engine::pipeline::{self, Groups, Step};
+use crate::engine::staging::DeviceStaging;
 use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
@@ -828,7 +830,7 @@ unsafe fn enqueue_planned(
 /// A batch whose staging the pool cannot lend at once: planned in chunks of half the
 /// configured chunk (a chunk's lease, its bytes plus a descriptor table of up to 1.5 times
 /// them for the smallest reads, then stays within the cap, which holds two configured
-/// chunks), moved through a ring of such leases (up to [`super::RING`], as many as the pool
+/// chunks), moved through a ring of such leases (up to [`crate::plan::route::RING`], as many as the pool
 /// gives), each chunk copied into one ordinary host allocation as soon as it has landed,
 /// its lease then reused by a later chunk. Returns once every chunk has landed and been
 /// copied out; the readback's views point into the host allocation.
@@ -883,7 +885,8 @@ fn execute_streamed(
     let chunks = plan.chunks.len();
     // The ring is taken before anything is enqueued: the first lease waits for room as any
     // staging does, the others take only what is free.
-    let most = chunks.min(super::RING).min(core.pinned.leases_within_cap(ring_bytes as u64)).max(1);
+    let most =
+        chunks.min(crate::plan::route::RING).min(core.pinned.leases_within_cap(ring_bytes as u64)).max(1);
     let mut ring = vec![Arc::new(exec.lease(ring_bytes)?)];
     while ring.len() < most {
         match core.pinned.try_acquire(ring_bytes)? {
@@ -1014,7 +1017,7 @@ fn streamed_host(device: &Device, len: u64) -> Result<Vec<u8>> {
         _ => {
             // Too small: freed before the new one is taken.
             drop(spare);
-            super::zeroed_vec(len)
+            crate::engine::host::zeroed_vec(len)
         }
     }
 }

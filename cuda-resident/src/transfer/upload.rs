@@ -7,23 +7,22 @@ use std::sync::Arc;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, Piece};
+use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::engine::Exec;
+use crate::engine::host::Piece;
+use crate::engine::pipeline::{self, Groups, Step};
+use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::route::{
-    self, FIRST_CHUNK, PIPELINE_DEPTH, Route, Span, UploadShape, cut_apart, growing, in_order_chunk,
+    self, FIRST_CHUNK, PIPELINE_DEPTH, RING, Route, Span, UploadShape, cut_apart, growing, in_order_chunk,
 };
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
-
-/// Chunks of one batch in flight at once; packing chunk `k` waits for chunk `k - RING`.
-pub(crate) const RING: usize = 4;
 
 /// A chunk with at most this many packed copies moves them by one DMA each, without the
 /// kernel: for a handful of copies, DMAs cost less than a launch.

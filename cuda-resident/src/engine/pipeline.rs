@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::PARALLEL_MIN;
+use super::host::PARALLEL_MIN;
 use crate::device::Core;
 use crate::error::Result;
 // The signalling below is model-checked with loom (the `loom` tests at the end).
