@@ -1,7 +1,7 @@
 //! Host work on the packing threads that overlaps the device's: uploads pack chunk `k + 1`
 //! while chunk `k` is on the wire, readbacks copy chunk `k` out while chunk `k + 1` lands.
-//! One parallel region serves the whole batch, not one per chunk: on the H200 hosts waking
-//! the pool for a chunk cost about 100 µs, as much as packing a megabyte.
+//! One parallel region serves the whole batch, not one per chunk: waking the pool for a
+//! chunk costs about as much as packing a megabyte.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -185,8 +185,8 @@ pub(crate) fn run(
     let packing = Packing::start(core);
     let result = pool.in_place_scope(|scope| {
         // One job from here, which spawns the others from inside the pool: each spawn from
-        // outside wakes a thread first (on the H200 hosts 16 of them kept this thread 30 to
-        // 45 µs from its own share of the work).
+        // outside wakes a thread first (16 of them kept this thread from its own share of the
+        // work for tens of microseconds).
         scope.spawn(move |inner| {
             for _ in 1..workers {
                 inner.spawn(move |_| worker());
@@ -209,8 +209,8 @@ pub(crate) fn run(
                     signal.notify();
                 }
                 // The calling thread takes chunk k's groups too while it waits for them: it
-                // starts at once, while the packing threads wake (on the H200 hosts waking
-                // them took 70 µs), and the chunk is done no later than its last group.
+                // starts at once, while the packing threads wake (tens of microseconds), and
+                // the chunk is done no later than its last group.
                 while let Some(i) = take_group_of(&next, groups, k) {
                     let (items, chunk) = &groups.groups[i];
                     work(*chunk, items.clone());

@@ -100,8 +100,8 @@ impl DeviceSet {
     }
 
     /// Writes `data` at `offset` into every target (a device index of this set and a buffer
-    /// of that device), by [`FanOutPath::EachLink`], which was the faster path in five runs
-    /// of six on two H200s (docs/multi-gpu.md; [`DeviceSet::fan_out_with`] picks the other).
+    /// of that device), by [`FanOutPath::EachLink`], the faster path where measured
+    /// (docs/multi-gpu.md; [`DeviceSet::fan_out_with`] picks the other).
     /// Returns one fence per target, in target order.
     pub fn fan_out(
         &self,

@@ -78,8 +78,8 @@ pub(crate) fn readback_route(reads: usize, apart: &Apart, direct_threshold: u64)
 /// The staging chunk for a batch of `total` bytes: the configured chunk, but small enough
 /// that the batch has at least `depth` chunks (down to [`MIN_PIPELINE_CHUNK`]), so that
 /// packing or copying out one chunk overlaps the DMA of another even for mid-size batches
-/// (on the H200 a 16 MiB read into pageable memory went from 15.8 to 24.1 GB/s with depth
-/// [`PIPELINE_DEPTH`], one run each).
+/// (a 16 MiB read into pageable memory measured half as fast again with depth
+/// [`PIPELINE_DEPTH`]: BENCHMARKS.md).
 pub(crate) fn pipeline_chunk(configured: u64, total: u64, depth: u64) -> u64 {
     let share = (total / depth.max(1)).next_multiple_of(crate::host_pool::MIN_ARENA);
     configured.min(share.max(MIN_PIPELINE_CHUNK))
@@ -99,10 +99,10 @@ pub(crate) fn in_order_chunk(configured: u64, total: u64, depth: u64) -> u64 {
 /// cost less as planned DMAs than as a launch.
 pub(crate) const IN_ORDER_MIN: usize = 64;
 
-/// Chunks a batch is cut into at least, when it is large enough. On the H200 (8192 reads or
-/// writes of 4 KiB and 64 KiB, one run each) 8 and 16 chunks measured no better than 4 both
-/// ways, 32 worse, when each chunk moved by a DMA and a kernel; small uploads in order,
-/// which move by one launch over the bus, measured no better with 2 and 4 MiB chunks either.
+/// Chunks a batch is cut into at least, when it is large enough. For 8192 reads or writes of
+/// 4 KiB and 64 KiB, 8 and 16 chunks measured no better than 4 both ways, 32 worse, when each
+/// chunk moved by a DMA and a kernel; small uploads in order, which move by one launch over
+/// the bus, measured no better with 2 and 4 MiB chunks either.
 pub(crate) const PIPELINE_DEPTH: u64 = 4;
 
 /// [`PIPELINE_DEPTH`] for small reads in order over the bus, where a chunk costs one launch
@@ -208,11 +208,9 @@ pub(crate) fn cut_apart(
 }
 
 /// The first chunk of small uploads in order (batches and prepared sets), which then grow
-/// ([`growing`]) to the batch's chunk. On the H200 (`xfer-bench --suite grid`, two runs each
-/// in one call) chunks growing from 256 KiB against equal ones: 8192 x 256 B written 7.51 /
-/// 7.06 against 6.66 / 6.33 GB/s, prepared 17.65 / 16.43 against 16.98 / 17.31; 8192 x 4 KiB
-/// written 32.86 / 32.96 against 31.34 / 28.60, prepared 40.26 / 38.13 against 34.76 /
-/// 36.89; from 512 KiB no better than equal chunks.
+/// ([`growing`]) to the batch's chunk: chunks growing from 256 KiB measured faster than equal
+/// ones for 8192 writes of 256 B and 4 KiB, batches and prepared sets alike (`xfer-bench
+/// --suite grid`, BENCHMARKS.md); from 512 KiB no better than equal chunks.
 pub(crate) const FIRST_CHUNK: u64 = 256 << 10;
 
 /// The budget of chunk `k` of chunks that start at `first` bytes and double up to `most`:

@@ -63,7 +63,7 @@ pub struct PreparedReadbacks {
 /// pinned region of the set's own, and one descriptor a range in a device buffer of the
 /// set's own, written once (chunk `k`'s table is the run of its ranges' descriptors). With
 /// the table in device memory the kernel fetches each descriptor without a trip over the
-/// bus (on the H200, 8192 copies of 256 bytes: 55 against 63 to 65 µs a launch).
+/// bus, which measured faster for small copies (BENCHMARKS.md).
 struct Layout {
     /// The device, which frees the table when the layout goes.
     device: Device,
