@@ -130,6 +130,33 @@ impl<'a> Exec<'a> {
         self.core.acquire_staging(len)
     }
 
+    /// Pinned staging of `len` bytes if the pool has it free now, without waiting (for a
+    /// chunk opened while earlier chunks of the batch hold leases not yet moved).
+    pub(crate) fn try_lease(&self, len: usize) -> Result<Option<HostLease>> {
+        self.core.pinned.try_acquire(len)
+    }
+
+    /// How many leases of `len` bytes the pinned pool's cap holds at once.
+    pub(crate) fn room(&self, len: u64) -> usize {
+        self.core.pinned.leases_within_cap(len)
+    }
+
+    /// A ring of up to `most` pinned leases of `len` bytes (at least one) for chunks moved
+    /// in turn, taken before any copy of the batch is in flight to wait for: the first waits
+    /// for room as any staging does, the others take only what is free (the cap may hold as
+    /// few as two chunks, and the caller may hold staging too).
+    pub(crate) fn ring(&self, len: usize, most: usize) -> Result<Vec<Arc<HostLease>>> {
+        let most = most.min(self.room(len as u64));
+        let mut ring = vec![Arc::new(self.lease(len)?)];
+        while ring.len() < most {
+            match self.try_lease(len)? {
+                Some(lease) => ring.push(Arc::new(lease)),
+                None => break,
+            }
+        }
+        Ok(ring)
+    }
+
     /// The scatter/gather kernel, loaded on first use.
     pub(crate) fn kernels(&self) -> Result<&'a Kernels> {
         self.core.kernels()

@@ -174,7 +174,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
     let others = devices.len() > 1;
     let mut execs: Vec<Exec<'_>> = devices.iter().map(|d| Exec::begin(d.core(), LaneKind::Upload)).collect();
     let chunk = stager.config().chunk_bytes as usize;
-    let ring = stager.core().pinned.leases_within_cap(chunk as u64).min(RING);
+    let ring = execs[home].room(chunk as u64).min(RING);
     let chunks = data.len().div_ceil(chunk) as u64;
     let mut finals = Vec::with_capacity(devices.len());
     for (i, (device, exec)) in devices.iter().zip(&mut execs).enumerate() {

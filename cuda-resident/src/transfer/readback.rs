@@ -883,17 +883,8 @@ fn execute_streamed(
     // Reads with bytes in the chunk being copied out, and the next read of `order`.
     let (mut active, mut next) = (Vec::new(), 0);
     let chunks = plan.chunks.len();
-    // The ring is taken before anything is enqueued: the first lease waits for room as any
-    // staging does, the others take only what is free.
-    let most =
-        chunks.min(crate::plan::route::RING).min(core.pinned.leases_within_cap(ring_bytes as u64)).max(1);
-    let mut ring = vec![Arc::new(exec.lease(ring_bytes)?)];
-    while ring.len() < most {
-        match core.pinned.try_acquire(ring_bytes)? {
-            Some(lease) => ring.push(Arc::new(lease)),
-            None => break,
-        }
-    }
+    // The ring is taken before anything is enqueued.
+    let ring = exec.ring(ring_bytes, chunks.min(crate::plan::route::RING))?;
     exec.claim(batch.table.buffers(), chunks as u64)?;
     exec.requested(plan.requested_bytes);
     let first_seq = exec.first_seq();

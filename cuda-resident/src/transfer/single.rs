@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
-use crate::device::Device;
+use crate::device::{Core, Device};
 use crate::engine::host::Piece;
 use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
@@ -54,7 +54,7 @@ impl Device {
         len: usize,
     ) -> Result<Fence> {
         let host = ("Device::upload_async_at", src);
-        self.single_copy(LaneKind::Upload, buffer, offset, len, host, |q, dst| {
+        single_copy(self.core(), LaneKind::Upload, buffer, offset, len, host, |q, dst| {
             // SAFETY: dst..dst+len lies in a live buffer (checked, and marked so that it is
             // not reused before this copy completes); the caller vouches for the source.
             unsafe { q.htod(dst, src, len) }
@@ -79,138 +79,17 @@ impl Device {
         len: usize,
     ) -> Result<Fence> {
         let host = ("Device::download_async_at", dst.cast_const());
-        self.single_copy(LaneKind::Readback, buffer, offset, len, host, |q, src| {
+        single_copy(self.core(), LaneKind::Readback, buffer, offset, len, host, |q, src| {
             // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
             unsafe { q.dtoh(dst, src, len) }
         })
-    }
-
-    /// Fails with [`Error::NotPinned`] unless all of `[ptr, ptr + len)` is pinned host
-    /// memory: walks the pinned allocations from the start (the one holding the first byte,
-    /// then the one holding the first byte past it, ...) until the end is covered, so that a
-    /// pageable hole between two pinned regions is found; the error names the first unpinned
-    /// byte. One lookup when the first byte's allocation covers the range.
-    fn check_pinned(&self, operation: &'static str, ptr: *const u8, len: usize) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let raw = self.core().ctx.bind()?;
-        let not_pinned =
-            |byte: u64| Error::NotPinned { operation, address: ptr as usize, len, unpinned: byte as usize };
-        // A range that wraps the address space is not host memory anyone pinned.
-        let end = (ptr as u64).checked_add(len as u64).ok_or_else(|| not_pinned(u64::MAX))?;
-        let mut at = ptr as u64;
-        while at < end {
-            match raw.pinned_extent(at as usize as *const u8)? {
-                Some((start, bytes)) if start <= at && start.saturating_add(bytes) > at => {
-                    at = start.saturating_add(bytes);
-                }
-                // Pinned, but the driver gave no extent that holds the byte: no walk is
-                // possible from here; the last byte is checked, as the driver allows.
-                Some(_) => {
-                    let last = end - 1;
-                    return match raw.pinned_extent(last as usize as *const u8)? {
-                        Some(_) => Ok(()),
-                        None => Err(not_pinned(last)),
-                    };
-                }
-                None => return Err(not_pinned(at)),
-            }
-        }
-        Ok(())
-    }
-
-    /// One DMA between host memory at `host.1` (for `host.0`, an operation's name) and
-    /// `[offset, offset + len)` of `buffer` on `kind`'s lane: checks the range and that the
-    /// host memory is pinned, claims the buffer, lets `copy` enqueue the DMA given the
-    /// buffer's device address of `offset`, and counts it.
-    fn single_copy(
-        &self,
-        kind: LaneKind,
-        buffer: ResidentBuffer,
-        offset: u64,
-        len: usize,
-        host: (&'static str, *const u8),
-        copy: impl FnOnce(&mut Enqueue<'_>, u64) -> Result<()>,
-    ) -> Result<Fence> {
-        let address = self.checked_range(buffer, offset, len as u64)?;
-        if len == 0 {
-            // Nothing to copy: no driver call, and a fence that is already complete.
-            return Ok(Fence::completed());
-        }
-        // Pinned memory of this crate the caller can reach (a PinnedBuffer, a batch readback's
-        // views; of any device's pool) stays out of its pool until the copy
-        // completes, even if the buffer is dropped first: held from before the check on.
-        let keep = crate::host_pool::listed_leases_in(host.1 as usize, len);
-        self.check_pinned(host.0, host.1, len)?;
-        let mut exec = Exec::begin(self.core(), kind);
-        exec.claim(std::iter::once(buffer), 1)?;
-        exec.requested(len as u64);
-        exec.submit(keep, |q| copy(q, address))?;
-        Ok(exec.finish())
     }
 
     /// Reads `out.len()` bytes of `buffer` at `offset` into `out`, pipelined through a ring
     /// of pinned chunks: chunk `k + 1` is on the wire while chunk `k` is unpacked by the
     /// packing threads. For large ranges; any size works.
     pub fn read_into_slice(&self, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        let len = out.len() as u64;
-        let src = self.checked_range(buffer, offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
-        let core = self.core();
-        let chunk = pipeline_chunk(self.config().chunk_bytes, len, PIPELINE_DEPTH);
-        let chunks = len.div_ceil(chunk) as usize;
-        let mut exec = Exec::begin(core, LaneKind::Readback);
-        exec.claim(std::iter::once(buffer), chunks as u64)?;
-        exec.requested(len);
-        // The ring's leases are all taken before any copy of this read is in flight to wait
-        // for: the first waits for room as any staging does, the others take only what is
-        // free (the cap may hold as few as two chunks, and the caller may hold staging too).
-        let most = chunks.min(crate::plan::route::RING).min(core.pinned.leases_within_cap(chunk));
-        let mut ring = vec![Arc::new(exec.lease(chunk as usize)?)];
-        while ring.len() < most {
-            match core.pinned.try_acquire(chunk as usize)? {
-                Some(lease) => ring.push(Arc::new(lease)),
-                None => break,
-            }
-        }
-        let ring_len = ring.len();
-        let mut seqs = Vec::with_capacity(chunks);
-        let mut pieces = Vec::new();
-        let mut unpack = |k: usize, seqs: &[u64], out: &mut [u8]| -> Result<()> {
-            crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
-            let start = k as u64 * chunk;
-            let n = (len - start).min(chunk) as usize;
-            pieces.clear();
-            let dst = out[start as usize..][..n].as_mut_ptr();
-            Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
-            // SAFETY: the chunk's DMA completed (waited above); the ring lease and `out`
-            // are disjoint and hold n bytes at these places.
-            unsafe { Piece::copy_out_all(core, &pieces) };
-            Ok(())
-        };
-        for k in 0..chunks {
-            if k >= ring_len {
-                unpack(k - ring_len, &seqs, out)?;
-            }
-            let lease = &ring[k % ring_len];
-            let start = k as u64 * chunk;
-            let n = (len - start).min(chunk) as usize;
-            let dst = lease.as_ptr();
-            seqs.push(exec.submit(vec![Arc::clone(lease)], |q| {
-                // SAFETY: a range of a live, marked buffer into a pinned lease of >= n bytes
-                // that this submission keeps alive.
-                unsafe { q.dtoh(dst, src + start, n) }
-            })?);
-        }
-        let ended = exec.end();
-        for k in chunks.saturating_sub(ring_len)..chunks {
-            unpack(k, &seqs, out)?;
-        }
-        ended.record();
-        Ok(())
+        read_into(self.core(), buffer, offset, out)
     }
 
     /// Blocks until every upload submitted so far has completed.
@@ -248,4 +127,119 @@ impl Device {
         // SAFETY: as the caller promises.
         unsafe { raw.mem_host_unregister(ptr) }
     }
+}
+
+/// Fails with [`Error::NotPinned`] unless all of `[ptr, ptr + len)` is pinned host
+/// memory: walks the pinned allocations from the start (the one holding the first byte,
+/// then the one holding the first byte past it, ...) until the end is covered, so that a
+/// pageable hole between two pinned regions is found; the error names the first unpinned
+/// byte. One lookup when the first byte's allocation covers the range.
+fn check_pinned(core: &Core, operation: &'static str, ptr: *const u8, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let raw = core.ctx.bind()?;
+    let not_pinned =
+        |byte: u64| Error::NotPinned { operation, address: ptr as usize, len, unpinned: byte as usize };
+    // A range that wraps the address space is not host memory anyone pinned.
+    let end = (ptr as u64).checked_add(len as u64).ok_or_else(|| not_pinned(u64::MAX))?;
+    let mut at = ptr as u64;
+    while at < end {
+        match raw.pinned_extent(at as usize as *const u8)? {
+            Some((start, bytes)) if start <= at && start.saturating_add(bytes) > at => {
+                at = start.saturating_add(bytes);
+            }
+            // Pinned, but the driver gave no extent that holds the byte: no walk is
+            // possible from here; the last byte is checked, as the driver allows.
+            Some(_) => {
+                let last = end - 1;
+                return match raw.pinned_extent(last as usize as *const u8)? {
+                    Some(_) => Ok(()),
+                    None => Err(not_pinned(last)),
+                };
+            }
+            None => return Err(not_pinned(at)),
+        }
+    }
+    Ok(())
+}
+
+/// One DMA between host memory at `host.1` (for `host.0`, an operation's name) and
+/// `[offset, offset + len)` of `buffer` on `kind`'s lane: checks the range and that the
+/// host memory is pinned, claims the buffer, lets `copy` enqueue the DMA given the
+/// buffer's device address of `offset`, and counts it.
+fn single_copy(
+    core: &Arc<Core>,
+    kind: LaneKind,
+    buffer: ResidentBuffer,
+    offset: u64,
+    len: usize,
+    host: (&'static str, *const u8),
+    copy: impl FnOnce(&mut Enqueue<'_>, u64) -> Result<()>,
+) -> Result<Fence> {
+    let address = core.checked_range(buffer, offset, len as u64)?;
+    if len == 0 {
+        // Nothing to copy: no driver call, and a fence that is already complete.
+        return Ok(Fence::completed());
+    }
+    // Pinned memory of this crate the caller can reach (a PinnedBuffer, a batch readback's
+    // views; of any device's pool) stays out of its pool until the copy
+    // completes, even if the buffer is dropped first: held from before the check on.
+    let keep = crate::host_pool::listed_leases_in(host.1 as usize, len);
+    check_pinned(core, host.0, host.1, len)?;
+    let mut exec = Exec::begin(core, kind);
+    exec.claim(std::iter::once(buffer), 1)?;
+    exec.requested(len as u64);
+    exec.submit(keep, |q| copy(q, address))?;
+    Ok(exec.finish())
+}
+
+/// [`Device::read_into_slice`].
+fn read_into(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+    let len = out.len() as u64;
+    let src = core.checked_range(buffer, offset, len)?;
+    if len == 0 {
+        return Ok(());
+    }
+    let chunk = pipeline_chunk(core.config.chunk_bytes, len, PIPELINE_DEPTH);
+    let chunks = len.div_ceil(chunk) as usize;
+    let mut exec = Exec::begin(core, LaneKind::Readback);
+    exec.claim(std::iter::once(buffer), chunks as u64)?;
+    exec.requested(len);
+    let ring = exec.ring(chunk as usize, chunks.min(crate::plan::route::RING))?;
+    let ring_len = ring.len();
+    let mut seqs = Vec::with_capacity(chunks);
+    let mut pieces = Vec::new();
+    let mut unpack = |k: usize, seqs: &[u64], out: &mut [u8]| -> Result<()> {
+        crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
+        let start = k as u64 * chunk;
+        let n = (len - start).min(chunk) as usize;
+        pieces.clear();
+        let dst = out[start as usize..][..n].as_mut_ptr();
+        Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
+        // SAFETY: the chunk's DMA completed (waited above); the ring lease and `out`
+        // are disjoint and hold n bytes at these places.
+        unsafe { Piece::copy_out_all(core, &pieces) };
+        Ok(())
+    };
+    for k in 0..chunks {
+        if k >= ring_len {
+            unpack(k - ring_len, &seqs, out)?;
+        }
+        let lease = &ring[k % ring_len];
+        let start = k as u64 * chunk;
+        let n = (len - start).min(chunk) as usize;
+        let dst = lease.as_ptr();
+        seqs.push(exec.submit(vec![Arc::clone(lease)], |q| {
+            // SAFETY: a range of a live, marked buffer into a pinned lease of >= n bytes
+            // that this submission keeps alive.
+            unsafe { q.dtoh(dst, src + start, n) }
+        })?);
+    }
+    let ended = exec.end();
+    for k in chunks.saturating_sub(ring_len)..chunks {
+        unpack(k, &seqs, out)?;
+    }
+    ended.record();
+    Ok(())
 }

@@ -652,7 +652,7 @@ fn execute_in_order(
                 let lease = if k == seqs.len() {
                     exec.lease(len)?
                 } else {
-                    match core.pinned.try_acquire(len)? {
+                    match exec.try_lease(len)? {
                         Some(lease) => lease,
                         None => return Ok(false),
                     }
