@@ -24,6 +24,7 @@ use crate::engine::Exec;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{self, CopyDescriptor, PEER_SEGMENT, SEGMENT, segments};
+use crate::plan::route::Route;
 use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
 use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
@@ -534,10 +535,11 @@ impl PeerBatch<'_> {
         result
     }
 
-    /// Whether every copy so far came in order (built as added, nothing to resolve).
-    #[cfg(test)]
-    pub(crate) fn is_in_order(&self) -> bool {
-        !self.parts.out_of_order
+    /// The route of the batch as its copies stand: [`Route::InOrder`] while every copy came
+    /// in order (its descriptors built as added, nothing to resolve), else
+    /// [`Route::Planned`] (the planner resolves overlaps at submit).
+    pub(crate) fn route(&self) -> Route {
+        if self.parts.out_of_order { Route::Planned } else { Route::InOrder }
     }
 
     /// Number of copies added.
@@ -583,7 +585,7 @@ impl PeerBatch<'_> {
         let mut exec = Exec::begin(dst_core, LaneKind::Upload);
         let mut scratch = lock(&dst_core.staging[LaneKind::Upload.index()]);
         let scratch = &mut *scratch;
-        if self.parts.out_of_order {
+        if self.route() == Route::Planned {
             self.parts.resolve(self.dst, &mut scratch.planner, &mut scratch.upload_plan)?;
         }
         // What needs no sequence number first, so that the source device's lane (taken
