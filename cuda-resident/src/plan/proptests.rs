@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 
-use super::check::{apply_in_order, execute_readback, execute_upload, initial_buffers};
+use super::check::{apply_in_order, execute_in_order, execute_readback, execute_upload, initial_buffers};
 use super::*;
 
 /// Buffer keys spread over `u64`, so that ordering by key is exercised at the extremes.
@@ -192,20 +192,14 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
 
     /// The layout of the paths that skip the planner ([`route::Apart`], cut by
-    /// [`route::cut_apart`]) against the byte model: the layout is broken exactly when a
-    /// request is empty, longer than a kernel segment or not past the previous one of its
-    /// buffer with a gap; otherwise every chunk fits its budget, the chunks cover the
-    /// requests in order, each request's staging keeps its destination's residue modulo 16
-    /// and no two overlap (so a gather into the same layout gives every read its own bytes),
-    /// and scattering every chunk's staging gives the buffers that writing in order gives.
+    /// [`route::cut_apart`]) against the byte model (`check::execute_in_order`): broken
+    /// exactly when the rule fails, else every promise of the layout holds and scattering it
+    /// gives the buffers that writing in order gives.
     #[test]
     fn in_order_layouts_move_the_bytes_of_writing_in_order((raw, chunk_class, grow) in in_order_batch()) {
-        use route::{Apart, cut_apart, growing};
         const SEGMENT: u64 = crate::kernels::SEGMENT;
-        let mut apart = Apart::default();
-        let (mut next, mut ends) = ([0u64; 4], [0u64; 4]);
+        let mut ends = [0u64; 4];
         let mut writes = Vec::new();
-        let mut rule_holds = true;
         for &(buffer, gap, class, x) in &raw {
             let len = match class {
                 0 => 0,
@@ -214,60 +208,20 @@ proptest! {
                 _ => 1 + x % 64,
             };
             let offset = ends[buffer as usize] + gap;
-            rule_holds &= len > 0 && len <= SEGMENT && (writes.iter().all(|w: &WriteRequest| w.buffer != buffer) || gap > 0);
-            // Buffers at 256-byte boundaries, as the allocator places them.
-            apart.note(&mut next[buffer as usize], buffer << 32, offset, len);
             ends[buffer as usize] = offset + len;
             writes.push(WriteRequest { buffer, buffer_len: 0, offset, len });
-        }
-        prop_assert_eq!(apart.broken, !rule_holds, "broken exactly when the rule fails");
-        if apart.broken {
-            return Ok(());
         }
         let lens: Vec<(BufferKey, u64)> = (0u64..4).map(|b| (b, ends[b as usize] + 64)).collect();
         for w in &mut writes {
             w.buffer_len = lens[w.buffer as usize].1;
         }
         let most = [64u64 << 10, 1 << 20, 4 << 20][chunk_class as usize];
-        let budget = |k: usize| if grow { growing(64 << 10, most)(k) } else { most };
-        let mut spans = Vec::new();
-        cut_apart(&apart.offsets, |i| writes[i].len, budget, &mut spans);
-        prop_assert_eq!(apart.requested, writes.iter().map(|w| w.len).sum::<u64>());
-        prop_assert_eq!(apart.offsets.len(), writes.len());
-        let mut covered = 0;
-        let mut expected = initial_buffers(&lens);
-        apply_in_order(&mut expected, &writes);
-        let mut actual = initial_buffers(&lens);
-        for (k, span) in spans.iter().enumerate() {
-            prop_assert_eq!(span.requests.start, covered, "chunks cover the requests in order");
-            prop_assert!(!span.requests.is_empty());
-            covered = span.requests.end;
-            prop_assert_eq!(span.start % 16, 0);
-            let area = crate::kernels::table_bytes(span.requests.len() as u64);
-            prop_assert!(area + span.len <= budget(k), "chunk {} fits its budget", k);
-            // The chunk's staging: each request's bytes at its flat offset, none overlapping.
-            let mut staging = vec![None::<u8>; span.len as usize];
-            for i in span.requests.clone() {
-                let (w, at) = (&writes[i], apart.offsets[i]);
-                prop_assert!(at >= span.start && at + w.len - span.start <= span.len);
-                prop_assert_eq!(at % 16, ((w.buffer << 32) + w.offset) % 16, "the residue of its destination");
-                for p in 0..w.len {
-                    let slot = &mut staging[(at - span.start + p) as usize];
-                    prop_assert!(slot.is_none(), "request {} overlaps another's staging", i);
-                    *slot = Some(crate::plan::check::data_byte(i, p));
-                }
-            }
-            // The scatter.
-            for i in span.requests.clone() {
-                let (w, at) = (&writes[i], (apart.offsets[i] - span.start) as usize);
-                let buffer = actual.get_mut(&w.buffer).expect("a modelled buffer");
-                for p in 0..w.len as usize {
-                    buffer[w.offset as usize + p] = staging[at + p].expect("staged");
-                }
-            }
+        let before = initial_buffers(&lens);
+        if let Some(actual) = execute_in_order(&writes, &before, most, grow) {
+            let mut expected = before;
+            apply_in_order(&mut expected, &writes);
+            prop_assert_eq!(actual, expected);
         }
-        prop_assert_eq!(covered, writes.len(), "every request in a chunk");
-        prop_assert_eq!(actual, expected);
     }
 
     /// The route of a batch follows its shape: one small write from a slice moves alone,
