@@ -114,7 +114,7 @@ impl Device {
         self.read_ranges_into(ranges, out, true).map(drop)
     }
 
-    /// The ranges read into `out` as one batch ([`ReadbackBatch::submit_into`], `pipelined`
+    /// The ranges read into `out` as one batch ([`ReadbackBatch::submit_into`](crate::ReadbackBatch::submit_into), `pipelined`
     /// or not); the route the batch took.
     pub(crate) fn read_ranges_into(
         &self,

@@ -1,7 +1,7 @@
 //! Batches between host and device, and the blocking conveniences over them.
 //!
 //! A batch collects and checks its requests ([`UploadBatch`], [`ReadbackBatch`], against
-//! the [`BufferTable`](table::BufferTable) of the buffers it names), asks `crate::plan` for
+//! the [`BufferTable`] of the buffers it names), asks `crate::plan` for
 //! its route and layout, and moves through the executor (`crate::engine`). Prepared sets
 //! lay out a fixed set of ranges once; single copies move one range.
 

@@ -11,7 +11,7 @@ use crate::plan::route::Apart;
 /// the next batch takes a handle's address and length from there, without the allocator's
 /// lock, as long as the allocator has freed nothing since ([`Allocator::validity`]). A
 /// handle freed while a batch is built fails the batch at submit, where every buffer is
-/// checked again (`Device::claim`).
+/// checked again (`engine::Exec::claim`).
 ///
 /// [`Allocator::validity`]: crate::alloc::Allocator::validity
 #[derive(Default)]
