@@ -223,17 +223,8 @@ pub(crate) struct Core {
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,
-    /// The vectors of finished peer batches, for the next ones.
-    pub(crate) peer_parts: crate::recycle::Recycler<crate::peer::PeerParts>,
-    /// The same for upload and readback batches, and the views of readbacks dropped.
-    pub(crate) upload_parts: crate::recycle::Recycler<crate::transfer::UploadParts>,
-    pub(crate) readback_parts:
-        crate::recycle::Recycler<(crate::transfer::BufferTable, Vec<crate::plan::ReadRequest>)>,
-    pub(crate) readback_views: crate::recycle::Recycler<Vec<crate::plan::ReadView>>,
-    /// The host memory of the last streamed readback with views that was dropped (its
-    /// length is its size; its bytes are initialised), for the next one: fresh memory of
-    /// gigabytes costs its page faults on every readback. Released by [`Device::trim`].
-    pub(crate) streamed_host: Mutex<Vec<u8>>,
+    /// What finished batches leave for the next ones.
+    pub(crate) spares: crate::engine::spares::Spares,
 }
 
 impl Core {
@@ -433,11 +424,7 @@ impl Device {
             packers: OnceLock::new(),
             packing: Default::default(),
             peers: Mutex::new(Vec::new()),
-            peer_parts: Default::default(),
-            upload_parts: Default::default(),
-            readback_parts: Default::default(),
-            readback_views: Default::default(),
-            streamed_host: Mutex::new(Vec::new()),
+            spares: Default::default(),
         };
         Ok(Device { core: Arc::new(core) })
     }
@@ -569,7 +556,7 @@ impl Device {
     /// [`Readback`](crate::Readback)). Returns the bytes of device memory released.
     pub fn trim(&self) -> Result<u64> {
         let released = self.core.alloc.trim(&|last| self.core.is_idle(last))?;
-        drop(std::mem::take(&mut *lock(&self.core.streamed_host)));
+        drop(std::mem::take(&mut *lock(&self.core.spares.streamed_host)));
         self.core.pinned.trim()?;
         Ok(released)
     }

@@ -4,6 +4,8 @@
 
 use crate::device::Core;
 use crate::error::{Error, Result};
+use crate::host_pool::HostLease;
+use crate::kernels::{CopyDescriptor, PEER_SEGMENT, segments};
 
 use super::pipeline;
 
@@ -124,4 +126,158 @@ pub(crate) fn in_groups(
     pool.install(|| groups.into_par_iter().for_each(work));
     drop(packing);
     pipeline::linger(core);
+}
+
+/// Where a write's bytes come from.
+#[derive(Clone, Copy)]
+pub(crate) enum Source<'a> {
+    /// The caller's slice.
+    Slice(&'a [u8]),
+    /// Written in place by `write_with`, into the batch's own pinned arena.
+    Arena { lease: u32, offset: usize },
+}
+
+/// Descriptors built straight into pinned staging, where the kernel reads them (or one DMA
+/// takes them to the device): no copy of the table on the host. Grows by doubling; holds
+/// no staging once cleared.
+///
+/// A table that would take more than an eighth of the pinned pool (or for which the pool has
+/// no room) is built on the heap instead and copied into one lease at submit: it would hold
+/// that much staging while the batch is built, and growing it holds the old lease and the
+/// new one at once.
+#[derive(Default)]
+pub(crate) struct PinnedDescriptors {
+    lease: Option<HostLease>,
+    /// The table when on the heap (then `heap.len() == len`).
+    heap: Vec<CopyDescriptor>,
+    on_heap: bool,
+    len: usize,
+    /// The most descriptors a batch needed so far: the next batch starts with room for
+    /// them.
+    high: usize,
+}
+
+pub(crate) const DESCRIPTOR: usize = std::mem::size_of::<CopyDescriptor>();
+
+impl PinnedDescriptors {
+    fn capacity(&self) -> usize {
+        if self.on_heap {
+            self.heap.capacity()
+        } else {
+            self.lease.as_ref().map_or(0, |l| l.len() / DESCRIPTOR)
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[CopyDescriptor] {
+        match &self.lease {
+            _ if self.on_heap => &self.heap,
+            // SAFETY: the lease is page-aligned pinned memory of this table's own, holding
+            // `len` written descriptors.
+            Some(lease) => unsafe { std::slice::from_raw_parts(lease.as_ptr().cast(), self.len) },
+            None => &[],
+        }
+    }
+
+    /// Makes room for `extra` more, from the device's pinned pool (or on the heap).
+    pub(crate) fn reserve(&mut self, core: &Core, extra: usize) -> Result<()> {
+        let need = self.len.saturating_add(extra);
+        if need <= self.capacity() {
+            return Ok(());
+        }
+        let room = need.max(2 * self.capacity()).max(self.high).max(1024);
+        let oom = |n: usize| Error::HostOutOfMemory { bytes: (n as u64).saturating_mul(DESCRIPTOR as u64) };
+        if !self.on_heap {
+            let bytes = room.saturating_mul(DESCRIPTOR);
+            if (bytes as u64) <= core.config.pinned_cap_bytes / 8
+                && let Ok(lease) = core.acquire_staging(bytes)
+            {
+                if let Some(old) = &self.lease {
+                    // SAFETY: both are pinned regions of this table's own, the new one larger.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(old.as_ptr(), lease.as_ptr(), self.len * DESCRIPTOR)
+                    };
+                }
+                self.lease = Some(lease);
+                return Ok(());
+            }
+            let mut heap = std::mem::take(&mut self.heap);
+            heap.clear();
+            heap.try_reserve(room).map_err(|_| oom(room))?;
+            heap.extend_from_slice(self.as_slice());
+            (self.heap, self.lease, self.on_heap) = (heap, None, true);
+        }
+        self.heap.try_reserve(need - self.len).map_err(|_| oom(need))
+    }
+
+    /// Appends one; room must have been reserved.
+    #[inline]
+    pub(crate) fn push(&mut self, d: CopyDescriptor) {
+        assert!(self.len < self.capacity(), "descriptor room reserved");
+        // SAFETY: inside the room (checked above), aligned for descriptors.
+        unsafe { self.end().write(d) };
+        self.commit(1);
+    }
+
+    /// Where the next descriptor goes (room must have been reserved for what is written;
+    /// [`PinnedDescriptors::commit`] counts it).
+    pub(crate) fn end(&mut self) -> *mut CopyDescriptor {
+        match &self.lease {
+            // SAFETY: `len` is within the vector's capacity.
+            _ if self.on_heap => unsafe { self.heap.as_mut_ptr().add(self.len) },
+            // SAFETY: `len` is within the lease.
+            Some(lease) => unsafe { lease.as_ptr().cast::<CopyDescriptor>().add(self.len) },
+            None => std::ptr::NonNull::dangling().as_ptr(),
+        }
+    }
+
+    /// Counts `n` descriptors written at [`PinnedDescriptors::end`].
+    pub(crate) fn commit(&mut self, n: usize) {
+        self.len += n;
+        if self.on_heap {
+            // SAFETY: the caller wrote these descriptors within the reserved capacity.
+            unsafe { self.heap.set_len(self.len) };
+        }
+    }
+
+    /// Appends `len` descriptors of a copy, in pieces of at most [`PEER_SEGMENT`] bytes;
+    /// room must have been reserved ([`pieces`]).
+    pub(crate) fn push_copy(&mut self, src: u64, dst: u64, len: u64) {
+        for d in segments(src, dst, len, PEER_SEGMENT) {
+            self.push(d);
+        }
+    }
+
+    /// Hands the table over, in pinned staging of the device (to the submission that runs the
+    /// kernel); the next batch starts a new one.
+    pub(crate) fn take(&mut self, core: &Core) -> Result<Option<HostLease>> {
+        if self.on_heap && self.len > 0 {
+            let lease = core.acquire_staging(self.len * DESCRIPTOR)?;
+            // SAFETY: the lease holds the table's bytes and is fresh.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.heap.as_ptr().cast(),
+                    lease.as_ptr(),
+                    self.len * DESCRIPTOR,
+                )
+            };
+            self.lease = Some(lease);
+        }
+        self.high = self.high.max(self.len);
+        self.len = 0;
+        self.heap.clear();
+        self.on_heap = false;
+        Ok(self.lease.take())
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.high = self.high.max(self.len);
+        self.len = 0;
+        self.lease = None;
+        self.heap.clear();
+        self.on_heap = false;
+    }
 }

@@ -11,7 +11,9 @@
 
 pub(crate) mod host;
 pub(crate) mod pipeline;
+pub(crate) mod spares;
 pub(crate) mod staging;
+pub(crate) mod table;
 
 use std::sync::Arc;
 

@@ -21,16 +21,16 @@ use std::sync::Arc;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::engine::Exec;
+use crate::engine::host::DESCRIPTOR;
+use crate::engine::spares::PeerParts;
+use crate::engine::table::BufferTable;
 use crate::error::{Error, Result};
-use crate::host_pool::HostLease;
-use crate::kernels::{self, CopyDescriptor, PEER_SEGMENT, SEGMENT, segments};
+use crate::kernels::{self, CopyDescriptor, PEER_SEGMENT, SEGMENT};
 use crate::plan::route::Route;
 use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
-use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
 use crate::telemetry::Telemetry;
-use crate::transfer::BufferTable;
 
 /// A copy of at least this many bytes moves by its own `cuMemcpyPeerAsync`; smaller ones
 /// share one kernel launch.
@@ -50,194 +50,6 @@ pub struct PeerBatch<'a> {
     src: &'a Device,
     parts: PeerParts,
     error: Option<Error>,
-}
-
-/// A peer batch's vectors, reused by the destination device's next batches.
-///
-/// While the copies come in order (each starts at or after the end of the previous copy
-/// into the same buffer, so none overlap), only their descriptors and DMAs are built, as
-/// they are added: the least work per copy. The first copy out of order turns those back
-/// into a list of copies, and overlaps are resolved at submit.
-#[derive(Default)]
-pub(crate) struct PeerParts {
-    src_table: BufferTable,
-    dst_table: BufferTable,
-    /// Copies added, zero-length ones included.
-    copies: usize,
-    /// Once out of order: the non-empty copies, as writes into the destination buffers
-    /// (keys of `dst_table`), and per copy its source buffer's key in `src_table` and the
-    /// offset there.
-    writes: Vec<WriteRequest>,
-    sources: Vec<(u32, u64)>,
-    /// Per destination key: the end of its last copy so far.
-    ends: Vec<u64>,
-    out_of_order: bool,
-    /// The kernel's descriptors, in pinned staging of the destination device, and the
-    /// copies moved by DMA.
-    descriptors: PinnedDescriptors,
-    dmas: Vec<CopyDescriptor>,
-    /// Bytes the copies name (zero-length ones aside).
-    bytes: u64,
-}
-
-impl Reusable for PeerParts {
-    fn clear(&mut self) {
-        self.src_table.clear();
-        self.dst_table.clear();
-        self.copies = 0;
-        self.writes.clear();
-        self.sources.clear();
-        self.ends.clear();
-        self.out_of_order = false;
-        self.descriptors.clear();
-        self.dmas.clear();
-        self.bytes = 0;
-    }
-}
-
-/// Descriptors built straight into pinned staging, where the kernel reads them (or one DMA
-/// takes them to the device): no copy of the table on the host. Grows by doubling; holds
-/// no staging once cleared.
-///
-/// A table that would take more than an eighth of the pinned pool (or for which the pool has
-/// no room) is built on the heap instead and copied into one lease at submit: it would hold
-/// that much staging while the batch is built, and growing it holds the old lease and the
-/// new one at once.
-#[derive(Default)]
-pub(crate) struct PinnedDescriptors {
-    lease: Option<HostLease>,
-    /// The table when on the heap (then `heap.len() == len`).
-    heap: Vec<CopyDescriptor>,
-    on_heap: bool,
-    len: usize,
-    /// The most descriptors a batch needed so far: the next batch starts with room for
-    /// them.
-    high: usize,
-}
-
-const DESCRIPTOR: usize = std::mem::size_of::<CopyDescriptor>();
-
-impl PinnedDescriptors {
-    fn capacity(&self) -> usize {
-        if self.on_heap {
-            self.heap.capacity()
-        } else {
-            self.lease.as_ref().map_or(0, |l| l.len() / DESCRIPTOR)
-        }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    pub(crate) fn as_slice(&self) -> &[CopyDescriptor] {
-        match &self.lease {
-            _ if self.on_heap => &self.heap,
-            // SAFETY: the lease is page-aligned pinned memory of this table's own, holding
-            // `len` written descriptors.
-            Some(lease) => unsafe { std::slice::from_raw_parts(lease.as_ptr().cast(), self.len) },
-            None => &[],
-        }
-    }
-
-    /// Makes room for `extra` more, from `device`'s pinned pool (or on the heap).
-    fn reserve(&mut self, device: &Device, extra: usize) -> Result<()> {
-        let need = self.len.saturating_add(extra);
-        if need <= self.capacity() {
-            return Ok(());
-        }
-        let room = need.max(2 * self.capacity()).max(self.high).max(1024);
-        let oom = |n: usize| Error::HostOutOfMemory { bytes: (n as u64).saturating_mul(DESCRIPTOR as u64) };
-        if !self.on_heap {
-            let bytes = room.saturating_mul(DESCRIPTOR);
-            if (bytes as u64) <= device.config().pinned_cap_bytes / 8
-                && let Ok(lease) = device.acquire_staging(bytes)
-            {
-                if let Some(old) = &self.lease {
-                    // SAFETY: both are pinned regions of this table's own, the new one larger.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(old.as_ptr(), lease.as_ptr(), self.len * DESCRIPTOR)
-                    };
-                }
-                self.lease = Some(lease);
-                return Ok(());
-            }
-            let mut heap = std::mem::take(&mut self.heap);
-            heap.clear();
-            heap.try_reserve(room).map_err(|_| oom(room))?;
-            heap.extend_from_slice(self.as_slice());
-            (self.heap, self.lease, self.on_heap) = (heap, None, true);
-        }
-        self.heap.try_reserve(need - self.len).map_err(|_| oom(need))
-    }
-
-    /// Appends one; room must have been reserved.
-    #[inline]
-    fn push(&mut self, d: CopyDescriptor) {
-        assert!(self.len < self.capacity(), "descriptor room reserved");
-        // SAFETY: inside the room (checked above), aligned for descriptors.
-        unsafe { self.end().write(d) };
-        self.commit(1);
-    }
-
-    /// Where the next descriptor goes (room must have been reserved for what is written;
-    /// [`PinnedDescriptors::commit`] counts it).
-    fn end(&mut self) -> *mut CopyDescriptor {
-        match &self.lease {
-            // SAFETY: `len` is within the vector's capacity.
-            _ if self.on_heap => unsafe { self.heap.as_mut_ptr().add(self.len) },
-            // SAFETY: `len` is within the lease.
-            Some(lease) => unsafe { lease.as_ptr().cast::<CopyDescriptor>().add(self.len) },
-            None => std::ptr::NonNull::dangling().as_ptr(),
-        }
-    }
-
-    /// Counts `n` descriptors written at [`PinnedDescriptors::end`].
-    fn commit(&mut self, n: usize) {
-        self.len += n;
-        if self.on_heap {
-            // SAFETY: the caller wrote these descriptors within the reserved capacity.
-            unsafe { self.heap.set_len(self.len) };
-        }
-    }
-
-    /// Appends `len` descriptors of a copy, in pieces of at most [`PEER_SEGMENT`] bytes;
-    /// room must have been reserved ([`pieces`]).
-    fn push_copy(&mut self, src: u64, dst: u64, len: u64) {
-        for d in segments(src, dst, len, PEER_SEGMENT) {
-            self.push(d);
-        }
-    }
-
-    /// Hands the table over, in pinned staging of `device` (to the submission that runs the
-    /// kernel); the next batch starts a new one.
-    fn take(&mut self, device: &Device) -> Result<Option<HostLease>> {
-        if self.on_heap && self.len > 0 {
-            let lease = device.acquire_staging(self.len * DESCRIPTOR)?;
-            // SAFETY: the lease holds the table's bytes and is fresh.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.heap.as_ptr().cast(),
-                    lease.as_ptr(),
-                    self.len * DESCRIPTOR,
-                )
-            };
-            self.lease = Some(lease);
-        }
-        self.high = self.high.max(self.len);
-        self.len = 0;
-        self.heap.clear();
-        self.on_heap = false;
-        Ok(self.lease.take())
-    }
-
-    fn clear(&mut self) {
-        self.high = self.high.max(self.len);
-        self.len = 0;
-        self.lease = None;
-        self.heap.clear();
-        self.on_heap = false;
-    }
 }
 
 /// Descriptors of a peer copy of `len` bytes.
@@ -263,7 +75,7 @@ impl PeerParts {
         len: u64,
     ) -> Result<()> {
         if len > 0 && !self.out_of_order && len < PEER_DMA_MIN {
-            self.descriptors.reserve(dst_device, pieces(len))?;
+            self.descriptors.reserve(dst_device.core(), pieces(len))?;
         }
         self.copies += 1;
         if len == 0 {
@@ -342,7 +154,7 @@ impl PeerParts {
         if self.out_of_order {
             return Ok(false);
         }
-        self.descriptors.reserve(dst_device, ranges.len())?;
+        self.descriptors.reserve(dst_device.core(), ranges.len())?;
         if key >= self.ends.len() {
             self.ends.resize(key + 1, 0);
         }
@@ -416,7 +228,7 @@ impl PeerParts {
             })
             .collect();
         let kernel_copies = moves.iter().filter(|m| m.len < PEER_DMA_MIN).map(|m| pieces(m.len)).sum();
-        self.descriptors.reserve(dst_device, kernel_copies)?;
+        self.descriptors.reserve(dst_device.core(), kernel_copies)?;
         for m in moves {
             self.route(m);
         }
@@ -426,7 +238,7 @@ impl PeerParts {
 
 impl Drop for PeerBatch<'_> {
     fn drop(&mut self) {
-        self.dst.core().peer_parts.give(std::mem::take(&mut self.parts));
+        self.dst.core().spares.peer.give(std::mem::take(&mut self.parts));
     }
 }
 
@@ -449,7 +261,7 @@ impl Device {
     /// works between any two GPUs but blocks `submit` until the source bytes are on the
     /// host.
     pub fn peer_copies<'a>(&'a self, src: &'a Device) -> PeerBatch<'a> {
-        PeerBatch { dst: self, src, parts: self.core().peer_parts.take(), error: None }
+        PeerBatch { dst: self, src, parts: self.core().spares.peer.take(), error: None }
     }
 }
 
@@ -467,8 +279,9 @@ impl PeerBatch<'_> {
         let parts = &mut self.parts;
         // Peer batches keep no in-order layout of their own (they track order in `ends`).
         (parts.src_table.apart.broken, parts.dst_table.apart.broken) = (true, true);
-        let (src_key, _) = parts.src_table.check(self.src, src, src_offset, len, &mut self.error)?;
-        let (dst_key, dst_len) = parts.dst_table.check(self.dst, dst, dst_offset, len, &mut self.error)?;
+        let (src_key, _) = parts.src_table.check(self.src.core(), src, src_offset, len, &mut self.error)?;
+        let (dst_key, dst_len) =
+            parts.dst_table.check(self.dst.core(), dst, dst_offset, len, &mut self.error)?;
         let src_at = parts.src_table.entries[src_key as usize].ptr + src_offset;
         let dst_at = parts.dst_table.entries[dst_key as usize].ptr + dst_offset;
         let added =
@@ -488,8 +301,8 @@ impl PeerBatch<'_> {
         ranges: &[(u64, u64, u64)],
     ) -> Result<&mut Self> {
         let parts = &mut self.parts;
-        let (src_key, _) = parts.src_table.check(self.src, src, 0, 0, &mut self.error)?;
-        let (dst_key, _) = parts.dst_table.check(self.dst, dst, 0, 0, &mut self.error)?;
+        let (src_key, _) = parts.src_table.check(self.src.core(), src, 0, 0, &mut self.error)?;
+        let (dst_key, _) = parts.dst_table.check(self.dst.core(), dst, 0, 0, &mut self.error)?;
         let (s, d) = (parts.src_table.entries[src_key as usize], parts.dst_table.entries[dst_key as usize]);
         let fits = |offset: u64, len: u64, buffer_len: u64| {
             offset.checked_add(len).is_some_and(|end| end <= buffer_len)
@@ -601,7 +414,7 @@ impl PeerBatch<'_> {
         };
         // What the kernel moves: what lands less what the DMAs move.
         let by_kernel = landed - self.parts.dmas.iter().map(|m| m.len).sum::<u64>();
-        let table = self.parts.descriptors.take(dst)?;
+        let table = self.parts.descriptors.take(dst.core())?;
         let parts = &self.parts;
         let mut keep = Vec::new();
         let mut kernel = None;

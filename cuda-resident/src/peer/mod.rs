@@ -11,7 +11,6 @@
 mod copy;
 
 pub use copy::PeerBatch;
-pub(crate) use copy::PeerParts;
 
 use std::sync::Arc;
 

@@ -9,14 +9,12 @@ mod convenience;
 mod prepared;
 mod readback;
 mod single;
-mod table;
 mod upload;
 
+pub(crate) use crate::engine::table::BufferTable;
 pub use prepared::{PreparedReadbacks, PreparedUploads};
 pub use readback::{PendingReadback, Readback, ReadbackBatch, Slot};
-pub(crate) use table::BufferTable;
 pub use upload::UploadBatch;
-pub(crate) use upload::UploadParts;
 
 #[cfg(test)]
 mod callback_tests;

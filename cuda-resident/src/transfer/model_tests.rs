@@ -460,7 +460,7 @@ fn later_batches_reuse_what_earlier_ones_resolved_until_a_buffer_is_freed() {
     let d = device(Config::default());
     let mut rng = fastrand::Rng::with_seed(35);
     let mut m = Model::new(&d, &mut rng, &[5000, 6000, 7000]);
-    let hits = || super::table::KEPT_HITS.with(|n| n.get());
+    let hits = || crate::engine::table::KEPT_HITS.with(|n| n.get());
     let round = |m: &mut Model, rng: &mut fastrand::Rng, which: &[usize]| {
         let mut batch = d.uploads();
         let data: Vec<_> = which.iter().map(|&i| (i, random_vec(rng, 100))).collect();

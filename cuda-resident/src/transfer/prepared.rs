@@ -182,7 +182,7 @@ impl Layout {
         let mut first_error = None;
         let mut keys = Vec::with_capacity(ranges.len());
         for &(buffer, offset, len) in ranges {
-            keys.push(table.check(device, buffer, offset, len, &mut first_error)?.0);
+            keys.push(table.check(device.core(), buffer, offset, len, &mut first_error)?.0);
         }
         let apart = &table.apart;
         if ranges.len() < IN_ORDER_MIN

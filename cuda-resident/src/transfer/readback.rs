@@ -140,7 +140,7 @@ pub struct Readback {
 impl Drop for ReadbackBatch<'_> {
     fn drop(&mut self) {
         use std::mem::take;
-        self.device.core().readback_parts.give((take(&mut self.table), take(&mut self.reads)));
+        self.device.core().spares.readback.give((take(&mut self.table), take(&mut self.reads)));
     }
 }
 
@@ -164,13 +164,13 @@ impl std::ops::Deref for Views {
 impl Drop for Readback {
     fn drop(&mut self) {
         if let (Some(device), Views::Pooled(views)) = (&self.device, &mut self.views) {
-            device.core().readback_views.give(std::mem::take(views));
+            device.core().spares.views.give(std::mem::take(views));
         }
         // A streamed readback's host memory goes to the next one, the larger of two kept.
         if let Some(device) = &self.device
             && !self.host.is_empty()
         {
-            let mut spare = lock(&device.core().streamed_host);
+            let mut spare = lock(&device.core().spares.streamed_host);
             if spare.len() < self.host.len() {
                 *spare = std::mem::take(&mut self.host);
             }
@@ -225,7 +225,7 @@ impl Device {
     /// A batch whose slots and readback carry the identity `id` (a prepared set's, so that
     /// the set's slots redeem the readbacks it moves as batches).
     pub(crate) fn readbacks_as(&self, id: u64) -> ReadbackBatch<'_> {
-        let (table, reads) = self.core().readback_parts.take();
+        let (table, reads) = self.core().spares.readback.take();
         ReadbackBatch { device: self, table, reads, error: None, id }
     }
 }
@@ -243,7 +243,7 @@ impl ReadbackBatch<'_> {
             self.error.get_or_insert_with(|| e.clone());
             return Err(e);
         }
-        let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
+        let (key, buffer_len) = self.table.check(self.device.core(), buffer, offset, len, &mut self.error)?;
         let slot = Slot::nth(self.id, self.reads.len());
         self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(slot)
@@ -762,7 +762,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             unsafe { enqueue_planned(q, chunk, &places, kernels, &ptr_of) }
         })?;
     }
-    let mut views = core.readback_views.take();
+    let mut views = core.spares.views.take();
     views.extend_from_slice(&plan.views);
     Ok(PendingReadback {
         fence: exec.finish(),
@@ -977,7 +977,7 @@ fn execute_streamed(
             unsafe { vec.set_len(view.len as usize) };
         }
     }
-    let mut views = core.readback_views.take();
+    let mut views = core.spares.views.take();
     if out.is_none() {
         views.extend_from_slice(&plan.views);
     }
@@ -1002,7 +1002,7 @@ fn execute_streamed(
 /// device, when it is large enough (its bytes are initialised: those of an earlier readback,
 /// all overwritten where a view reads), else fresh zeroed memory.
 fn streamed_host(device: &Device, len: u64) -> Result<Vec<u8>> {
-    let spare = std::mem::take(&mut *lock(&device.core().streamed_host));
+    let spare = std::mem::take(&mut *lock(&device.core().spares.streamed_host));
     match usize::try_from(len) {
         Ok(n) if spare.len() >= n => Ok(spare),
         _ => {
@@ -1073,7 +1073,7 @@ fn execute_in_order(
     };
     let ptr_of = |r: &ReadRequest| batch.table.entries[r.buffer as usize].ptr + r.offset;
     let descriptors = base.wrapping_add(tables as usize).cast::<CopyDescriptor>();
-    let mut views = core.readback_views.take();
+    let mut views = core.spares.views.take();
     views.reserve(reads.len());
     let mut chunks = Vec::with_capacity(spans.len() + 1);
     for (chunk, span) in (0u32..).zip(spans.iter()) {

@@ -12,7 +12,9 @@ use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::engine::Exec;
 use crate::engine::host::Piece;
+use crate::engine::host::Source;
 use crate::engine::pipeline::{self, Groups, Step};
+use crate::engine::spares::UploadParts;
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
@@ -30,15 +32,6 @@ const KERNEL_MIN_COPIES: usize = 3;
 
 /// `arena_used` of a lease that holds one large write and takes no more.
 const CLOSED: usize = usize::MAX;
-
-/// Where a write's bytes come from.
-#[derive(Clone, Copy)]
-pub(crate) enum Source<'a> {
-    /// The caller's slice.
-    Slice(&'a [u8]),
-    /// Written in place by `write_with`, into the batch's own pinned arena.
-    Arena { lease: u32, offset: usize },
-}
 
 /// A batch of host-to-device writes ([`Device::uploads`]). Writes apply in order: where
 /// two overlap, the later one wins. Nothing moves until [`UploadBatch::submit`].
@@ -62,26 +55,6 @@ pub struct UploadBatch<'a> {
     spare: Spare,
 }
 
-/// An upload batch's vectors, reused by the device's next batches.
-#[derive(Default)]
-pub(crate) struct UploadParts {
-    table: BufferTable,
-    writes: Vec<WriteRequest>,
-    sources: Vec<Source<'static>>,
-    arena_used: Vec<usize>,
-    arena_descriptors: Vec<u64>,
-}
-
-impl crate::recycle::Reusable for UploadParts {
-    fn clear(&mut self) {
-        self.table.clear();
-        self.writes.clear();
-        self.sources.clear();
-        self.arena_used.clear();
-        self.arena_descriptors.clear();
-    }
-}
-
 /// Hands a submitted batch's vectors back to its device when the batch goes. A field of its
 /// own, without the batch's lifetime: the batch itself has no `Drop`, so it may borrow data
 /// declared after it, as any struct of references.
@@ -95,7 +68,7 @@ impl Drop for Spare {
         // A batch dropped unsubmitted has nothing to hand back (and must not push out a
         // spare that has capacity).
         if self.parts.writes.capacity() > 0 {
-            self.device.core().upload_parts.give(std::mem::take(&mut self.parts));
+            self.device.core().spares.upload.give(std::mem::take(&mut self.parts));
         }
     }
 }
@@ -109,7 +82,7 @@ impl fmt::Debug for UploadBatch<'_> {
 impl Device {
     /// Starts a batch of uploads.
     pub fn uploads(&self) -> UploadBatch<'_> {
-        let parts = self.core().upload_parts.take();
+        let parts = self.core().spares.upload.take();
         UploadBatch {
             device: self,
             table: parts.table,
@@ -132,7 +105,7 @@ impl<'a> UploadBatch<'a> {
         if let Some(e @ Error::BatchPoisoned { .. }) = &self.error {
             return Err(e.clone());
         }
-        let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
+        let (key, buffer_len) = self.table.check(self.device.core(), buffer, offset, len, &mut self.error)?;
         self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(())
     }
