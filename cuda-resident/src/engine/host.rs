@@ -1,6 +1,8 @@
 //! The host side of a transfer: host memcpys of packing and unpacking ([`Piece`]), run on
 //! the device's packing threads ([`in_groups`], and `super::pipeline` for chunks
-//! overlapped with the wire), and host memory for results ([`zeroed_vec`]).
+//! overlapped with the wire), where a write's bytes come from ([`Source`]), descriptor
+//! tables built straight into pinned staging ([`PinnedDescriptors`]), and host memory for
+//! results ([`zeroed_vec`]).
 
 use crate::device::Core;
 use crate::error::{Error, Result};
@@ -244,7 +246,7 @@ impl PinnedDescriptors {
     }
 
     /// Appends `len` descriptors of a copy, in pieces of at most [`PEER_SEGMENT`] bytes;
-    /// room must have been reserved ([`pieces`]).
+    /// room must have been reserved (`len.div_ceil(PEER_SEGMENT)` of them).
     pub(crate) fn push_copy(&mut self, src: u64, dst: u64, len: u64) {
         for d in segments(src, dst, len, PEER_SEGMENT) {
             self.push(d);

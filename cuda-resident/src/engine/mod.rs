@@ -6,8 +6,17 @@
 //! and [`Exec::lease`] give device and pinned staging; [`Exec::submit`] enqueues one
 //! submission through an [`Enqueue`], which counts the DMAs, launches and bytes it enqueues;
 //! [`Exec::finish`] records what the batch moved (one telemetry record) and returns its
-//! [`Fence`]. A path differs from another only in its plan (`crate::plan`) and in how it
-//! packs; the executor decides nothing.
+//! [`Fence`] (made by [`fence`], the one place a transfer's fence is made). A path differs
+//! from another only in its plan (`crate::plan`, which also decides the route a batch takes,
+//! `plan::route::Route`) and in how it packs; the executor decides nothing.
+//!
+//! One upload batch, followed through: `Device::uploads` makes the batch, which checks each
+//! write as it is added (`transfer::upload`, against the batch's [`table::BufferTable`]);
+//! `submit` asks `plan::route::upload_route` for its route and the planner or
+//! `plan::route::cut_apart` for its layout; the route's function in `transfer::upload` then
+//! runs an [`Exec`]: claim, staging ([`staging`], [`host`], [`pipeline`]), one submission a
+//! chunk, fence. The engine's own scratch (lane staging, the parts batches reuse:
+//! [`spares`]) lives here, owned by the device's `Core`.
 
 pub(crate) mod host;
 pub(crate) mod pipeline;
@@ -52,6 +61,7 @@ pub(crate) struct Exec<'a> {
     first_seq: u64,
     /// The sequence number of the batch's last submission, known once claimed.
     final_seq: u64,
+    claimed: bool,
     moves: Moves,
 }
 
@@ -64,6 +74,7 @@ impl<'a> Exec<'a> {
             batch: core.lane(kind).batch(),
             first_seq: 0,
             final_seq: 0,
+            claimed: false,
             moves: Moves::default(),
         }
     }
@@ -83,7 +94,7 @@ impl<'a> Exec<'a> {
         self.batch.reserve(final_seq);
         let last_other = core.alloc.mark_used_many(buffers, self.kind.index(), final_seq)?;
         core.lane(self.kind.other()).make_stream_wait(last_other, core.lane(self.kind).stream())?;
-        self.final_seq = final_seq;
+        (self.final_seq, self.claimed) = (final_seq, true);
         Ok(final_seq)
     }
 
@@ -96,7 +107,7 @@ impl<'a> Exec<'a> {
     /// the lane's earlier work may still use is freed after it).
     pub(crate) fn region(&self, region: &mut staging::DeviceRegion, len: u64) -> Result<u64> {
         // Before the claim, the batch's first number is the lane's next one.
-        let first_seq = if self.final_seq == 0 { self.batch.next_seq() } else { self.first_seq };
+        let first_seq = if self.claimed { self.first_seq } else { self.batch.next_seq() };
         region.ensure(self.core, self.kind, len, first_seq - 1)
     }
 
@@ -107,7 +118,7 @@ impl<'a> Exec<'a> {
     pub(crate) fn claim_for_other(&mut self, buffers: impl Iterator<Item = ResidentBuffer>) -> Result<u64> {
         let seq = self.batch.next_seq();
         self.batch.reserve(seq);
-        (self.first_seq, self.final_seq) = (seq, seq);
+        (self.first_seq, self.final_seq, self.claimed) = (seq, seq, true);
         self.core.alloc.mark_used_many(buffers, self.kind.index(), seq)
     }
 
