@@ -4,7 +4,22 @@
 //! [`growing`]), and, for requests in order and apart ([`Apart`], the one meaning of "in
 //! order" of those paths), where each request's bytes go and where chunks are cut
 //! ([`cut_apart`]). Pure functions, tested here and against the byte model
-//! (`plan::proptests`).
+//! (`plan::proptests`, `plan::check::execute_in_order`).
+//!
+//! Two orders of requests matter, and only these two:
+//!
+//! - *in order and apart* ([`Apart`]): every request non-empty, at most a kernel segment,
+//!   and past the previous request of its buffer with a gap. Such a batch needs no fusing
+//!   and no planner: [`Route::InOrder`] lays it out as added.
+//! - *in order* (the planner's `in_order`): every non-empty request starts at or after the
+//!   end of the previous one of its buffer, touching allowed. Such a batch has no overlaps
+//!   and needs no sort: the planner takes it as it comes, and writes made in place or peer
+//!   copies that keep it need no planner to know that none overlap ([`Route::InPlace`],
+//!   `PeerBatch::route`).
+//!
+//! Touching requests are in order but not apart: the planner fuses them into one interval
+//! (one descriptor), where the in-order layout would give each its own slot and
+//! descriptor.
 
 use crate::kernels::{SEGMENT, table_bytes};
 
