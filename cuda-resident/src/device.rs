@@ -7,6 +7,7 @@ use cuda_sys::{CUcontext, Driver, DriverVersion};
 
 use crate::alloc::{Allocator, AllocatorConfig, LastUse, ResidentBuffer};
 use crate::context::Context;
+use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
 use crate::host_pool::{HostPool, PinnedBuffer};
 use crate::kernels::Kernels;
@@ -14,7 +15,6 @@ use crate::raw::{Raw, release_retrying};
 use crate::stream::{Lane, LaneKind, Lanes};
 use crate::sync::{Mutex, lock};
 use crate::telemetry::{Telemetry, TelemetrySnapshot};
-use crate::transfer::DeviceStaging;
 
 /// Settings of a [`Device`]. The defaults need no tuning; each field says when to change it.
 #[derive(Clone, Debug, PartialEq)]
@@ -219,22 +219,13 @@ pub(crate) struct Core {
     kernels: OnceLock<Kernels>,
     packers: OnceLock<rayon::ThreadPool>,
     /// Packing runs under way: the packing threads lingering after the last one stop when
-    /// another starts ([`crate::transfer::pipeline::linger`]).
+    /// another starts ([`crate::engine::pipeline::linger`]).
     pub(crate) packing: Arc<crate::sync::shim::atomic::AtomicUsize>,
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,
-    /// The vectors of finished peer batches, for the next ones.
-    pub(crate) peer_parts: crate::recycle::Recycler<crate::peer::PeerParts>,
-    /// The same for upload and readback batches, and the views of readbacks dropped.
-    pub(crate) upload_parts: crate::recycle::Recycler<crate::transfer::UploadParts>,
-    pub(crate) readback_parts:
-        crate::recycle::Recycler<(crate::transfer::BufferTable, Vec<crate::plan::ReadRequest>)>,
-    pub(crate) readback_views: crate::recycle::Recycler<Vec<crate::plan::ReadView>>,
-    /// The host memory of the last streamed readback with views that was dropped (its
-    /// length is its size; its bytes are initialised), for the next one: fresh memory of
-    /// gigabytes costs its page faults on every readback. Released by [`Device::trim`].
-    pub(crate) streamed_host: Mutex<Vec<u8>>,
+    /// What finished batches leave for the next ones.
+    pub(crate) spares: crate::engine::spares::Spares,
 }
 
 impl Core {
@@ -280,6 +271,60 @@ impl Core {
     /// under the allocator's shard locks). `false` may mean "not known yet".
     pub(crate) fn is_known_idle(&self, last: LastUse) -> bool {
         LaneKind::ALL.iter().all(|&k| self.lane(k).is_known_done(last[k.index()]))
+    }
+
+    /// Pinned staging of `len` bytes for a transfer, waiting for copies in flight when the
+    /// pool is full.
+    pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        self.acquire_staging_as(len, false)
+    }
+
+    /// Pinned staging of `len` bytes, held past any transfer (`held`: see
+    /// [`Device::pinned`]) or for one, waiting for copies in flight when the pool is full.
+    pub(crate) fn acquire_staging_as(&self, len: usize, held: bool) -> Result<crate::host_pool::HostLease> {
+        let mut retried = false;
+        loop {
+            if let Some(lease) = self.pinned.try_acquire_as(len, held)? {
+                return Ok(lease);
+            }
+            // Full: retire completed copies, and wait for the oldest one on each lane, which
+            // releases its staging. Once nothing is in flight, one more try, then give up.
+            let mut waited = false;
+            for &kind in &LaneKind::ALL {
+                let lane = self.lane(kind);
+                lane.poll()?;
+                if let Some(seq) = lane.oldest_in_flight() {
+                    waited |= lane.wait(seq)?;
+                }
+            }
+            if !waited {
+                if retried {
+                    let stats = self.pinned.stats();
+                    return Err(Error::PinnedExhausted {
+                        requested: len as u64,
+                        cap: stats.cap_bytes,
+                        lent: stats.lent_bytes,
+                    });
+                }
+                retried = true;
+            }
+        }
+    }
+
+    /// Allocates a buffer of the library's own (device staging, prepared sets' tables):
+    /// under the same budget, counted apart from the caller's bytes.
+    pub(crate) fn allocate_for_library(&self, bytes: u64) -> Result<ResidentBuffer> {
+        self.alloc.allocate_as(bytes, true, &|last| self.is_idle(last))
+    }
+
+    /// Checks that `[offset, offset + len)` lies in `buffer`; returns the buffer's device
+    /// address of `offset`.
+    pub(crate) fn checked_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<u64> {
+        let (ptr, buffer_len) = self.alloc.resolve(buffer)?;
+        match offset.checked_add(len) {
+            Some(end) if end <= buffer_len => Ok(ptr + offset),
+            _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len }),
+        }
     }
 }
 
@@ -378,16 +423,12 @@ impl Device {
             packers: OnceLock::new(),
             packing: Default::default(),
             peers: Mutex::new(Vec::new()),
-            peer_parts: Default::default(),
-            upload_parts: Default::default(),
-            readback_parts: Default::default(),
-            readback_views: Default::default(),
-            streamed_host: Mutex::new(Vec::new()),
+            spares: Default::default(),
         };
         Ok(Device { core: Arc::new(core) })
     }
 
-    pub(crate) fn core(&self) -> &Core {
+    pub(crate) fn core(&self) -> &Arc<Core> {
         &self.core
     }
 
@@ -466,7 +507,7 @@ impl Device {
     /// Allocates a buffer of the library's own (device staging, prepared sets' tables):
     /// under the same budget, counted apart from the caller's bytes.
     pub(crate) fn allocate_for_library(&self, bytes: u64) -> Result<ResidentBuffer> {
-        self.core.alloc.allocate_as(bytes, true, &|last| self.core.is_idle(last))
+        self.core.allocate_for_library(bytes)
     }
 
     /// Frees a buffer. The handle is invalid at once; if a copy still uses the buffer, its
@@ -509,7 +550,7 @@ impl Device {
     /// [`Readback`](crate::Readback)). Returns the bytes of device memory released.
     pub fn trim(&self) -> Result<u64> {
         let released = self.core.alloc.trim(&|last| self.core.is_idle(last))?;
-        drop(std::mem::take(&mut *lock(&self.core.streamed_host)));
+        drop(std::mem::take(&mut *lock(&self.core.spares.streamed_host)));
         self.core.pinned.trim()?;
         Ok(released)
     }
@@ -528,42 +569,13 @@ impl Device {
     /// Pinned staging of `len` bytes for a transfer, waiting for copies in flight when the
     /// pool is full.
     pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
-        self.acquire_staging_as(len, false)
+        self.core.acquire_staging(len)
     }
 
     /// Held pinned staging of `len` bytes (kept past any transfer: see
     /// [`Device::pinned`]), waiting for copies in flight when the pool is full.
     pub(crate) fn acquire_held_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
-        self.acquire_staging_as(len, true)
-    }
-
-    fn acquire_staging_as(&self, len: usize, held: bool) -> Result<crate::host_pool::HostLease> {
-        let mut retried = false;
-        loop {
-            if let Some(lease) = self.core.pinned.try_acquire_as(len, held)? {
-                return Ok(lease);
-            }
-            // Full: retire completed copies, and wait for the oldest one on each lane, which
-            // releases its staging. Once nothing is in flight, one more try, then give up.
-            let mut waited = false;
-            for lane in self.core.lanes.iter() {
-                lane.poll()?;
-                if let Some(seq) = lane.oldest_in_flight() {
-                    waited |= lane.wait(seq)?;
-                }
-            }
-            if !waited {
-                if retried {
-                    let stats = self.core.pinned.stats();
-                    return Err(Error::PinnedExhausted {
-                        requested: len as u64,
-                        cap: stats.cap_bytes,
-                        lent: stats.lent_bytes,
-                    });
-                }
-                retried = true;
-            }
-        }
+        self.core.acquire_staging_as(len, true)
     }
 
     /// Blocks until every copy submitted so far, in both directions, has completed.

@@ -5,15 +5,13 @@
 //! caller memory that is not in the cache (a large readback never is) therefore moves each
 //! byte over the memory bus three times. On x86-64, copies of [`STREAM_MIN`] bytes or more
 //! write whole cache lines with streaming (non-temporal) stores instead, which skip the read
-//! for ownership. On the H200 host, old and new alternated in one call, 8192 reads of 64 KiB
-//! into `Vec`s moved 44.4 and 44.7 GB/s against 38.6 to 40.5, and 1 GiB into pageable memory
-//! 52.7 and 53.0 against 47.4 to 50.3. Smaller copies stay ordinary: their destinations
-//! are likely still in the cache when the caller reads them, and streaming measured no
-//! gain for 4 KiB reads.
+//! for ownership, which measured faster for large readbacks into `Vec`s and pageable memory
+//! (BENCHMARKS.md). Smaller copies stay ordinary: their destinations are likely still in the
+//! cache when the caller reads them, and streaming measured no gain for 4 KiB reads.
 //!
 //! Uploads pack with ordinary stores on purpose: streaming stores into staging measured
-//! slower in the same call (1 GiB from pageable memory 38.6 to 46.1 GB/s against 53.0 and
-//! 53.7): the copy engine reads freshly written lines faster from the cache than from memory.
+//! slower: the copy engine reads freshly written lines faster from the cache than from
+//! memory.
 //!
 //! Streaming stores are weakly ordered: a thread that made them calls [`publish`] before it
 //! tells another thread that the bytes are there.

@@ -30,9 +30,8 @@ pub(crate) struct CopyDescriptor {
 pub(crate) const SEGMENT: u64 = 16 << 10;
 
 /// The same for copies between GPUs. A warp pulls 64 KiB over NVLink as fast as four warps
-/// pull 16 KiB each (8192 x 64 KiB: 370 GB/s either way, kernel alone, on two H200s), and a
-/// quarter of the descriptors costs less to build and to move: with the descriptors' upload
-/// counted, 365 GB/s against 352.
+/// pull 16 KiB each, and a quarter of the descriptors costs less to build and to move
+/// (docs/multi-gpu.md).
 pub(crate) const PEER_SEGMENT: u64 = 64 << 10;
 
 /// Threads per block of the copy kernel (its `__launch_bounds__`).
@@ -91,8 +90,9 @@ impl Kernels {
 
     /// [`Kernels::copy`] for a table and copies whose host side lies in pinned staging, read
     /// (uploads) or written (readbacks) by the kernel over the bus: one block per
-    /// multiprocessor, which keeps the link busy (on an H200, 132 blocks moved as much as
-    /// 1056) while leaving most of every multiprocessor to the caller's kernels.
+    /// multiprocessor, which keeps the link busy (as many blocks as eight per multiprocessor
+    /// measured no faster) while leaving most of every multiprocessor to the caller's
+    /// kernels.
     ///
     /// # Safety
     /// As [`Kernels::copy`], with pinned host memory (mapped for the device: unified

@@ -67,6 +67,7 @@ mod alloc;
 pub mod budget;
 mod context;
 mod device;
+mod engine;
 mod error;
 mod handle;
 mod host_pool;

@@ -2,8 +2,8 @@
 //!
 //! A batch of thousands of copies builds vectors of hundreds of KiB. Fresh ones cost more
 //! than the work itself: the allocator maps them from the system and every page faults on
-//! first touch (measured: 8192 peer copies spent most of their 300 µs of building in page
-//! faults). So a device keeps the vectors of its last few batches, emptied, and lends them
+//! first touch (measured: a batch of 8192 peer copies spent most of its building time in
+//! page faults). So a device keeps the vectors of its last few batches, emptied, and lends them
 //! to the next ones.
 
 use crate::sync::{Mutex, lock};

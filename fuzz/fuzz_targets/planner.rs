@@ -20,6 +20,8 @@
 //!   plan (`check::execute_upload`);
 //! - a good readback plan, carried out on the model after the writes, shows each read
 //!   exactly its bytes (`check::execute_readback`);
+//! - where the writes are in order and apart, the layout of the paths that skip the planner
+//!   (`check::execute_in_order`) keeps its promises and gives the same bytes;
 //! - the same batch moved to other buffer offsets (up to `u64::MAX`, which takes the
 //!   planner's wide-key and tuple paths) plans the same, shifted, with the planner and the
 //!   plan reused; and the one-shot functions agree with a reused `Planner`.
@@ -30,7 +32,7 @@ use std::collections::HashMap;
 
 use arbitrary::Arbitrary;
 use cuda_resident::plan::check::{
-    Buffers, apply_in_order, execute_readback, execute_upload, initial_buffers,
+    Buffers, apply_in_order, execute_in_order, execute_readback, execute_upload, initial_buffers,
 };
 use cuda_resident::plan::{
     self, BufferKey, Chunk, PlanConfig, PlanError, Planner, ReadRequest, ReadbackPlan, UploadPlan,
@@ -355,6 +357,17 @@ fn check_upload(
                 let mut actual = initial_buffers(lens);
                 execute_upload(&plan, &writes, cfg, &mut actual, &owners);
                 assert_eq!(actual, expected, "the plan's result differs from writing in order");
+            }
+            // The layout of the paths that skip the planner, where it applies (writes in order
+            // and apart), gives the same bytes in chunks of either shape.
+            for grow in [false, true] {
+                if let Some(actual) = execute_in_order(&writes, &initial_buffers(lens), cfg.chunk_bytes, grow)
+                {
+                    assert_eq!(
+                        actual, expected,
+                        "the in-order layout's result differs from writing in order"
+                    );
+                }
             }
             let moved: Vec<WriteRequest> = shifted(reqs, shifts).iter().map(|r| r.write()).collect();
             let mut want = plan.clone();

@@ -20,15 +20,17 @@ use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
+use crate::engine::Exec;
+use crate::engine::host::DESCRIPTOR;
+use crate::engine::spares::PeerParts;
+use crate::engine::table::BufferTable;
 use crate::error::{Error, Result};
-use crate::host_pool::HostLease;
-use crate::kernels::{self, CopyDescriptor, PEER_SEGMENT, SEGMENT, segments};
+use crate::kernels::{self, CopyDescriptor, PEER_SEGMENT, SEGMENT};
+use crate::plan::route::Route;
 use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
-use crate::recycle::Reusable;
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::{Moves, Telemetry};
-use crate::transfer::BufferTable;
+use crate::telemetry::Telemetry;
 
 /// A copy of at least this many bytes moves by its own `cuMemcpyPeerAsync`; smaller ones
 /// share one kernel launch.
@@ -48,194 +50,6 @@ pub struct PeerBatch<'a> {
     src: &'a Device,
     parts: PeerParts,
     error: Option<Error>,
-}
-
-/// A peer batch's vectors, reused by the destination device's next batches.
-///
-/// While the copies come in order (each starts at or after the end of the previous copy
-/// into the same buffer, so none overlap), only their descriptors and DMAs are built, as
-/// they are added: the least work per copy. The first copy out of order turns those back
-/// into a list of copies, and overlaps are resolved at submit.
-#[derive(Default)]
-pub(crate) struct PeerParts {
-    src_table: BufferTable,
-    dst_table: BufferTable,
-    /// Copies added, zero-length ones included.
-    copies: usize,
-    /// Once out of order: the non-empty copies, as writes into the destination buffers
-    /// (keys of `dst_table`), and per copy its source buffer's key in `src_table` and the
-    /// offset there.
-    writes: Vec<WriteRequest>,
-    sources: Vec<(u32, u64)>,
-    /// Per destination key: the end of its last copy so far.
-    ends: Vec<u64>,
-    out_of_order: bool,
-    /// The kernel's descriptors, in pinned staging of the destination device, and the
-    /// copies moved by DMA.
-    descriptors: PinnedDescriptors,
-    dmas: Vec<CopyDescriptor>,
-    /// Bytes the copies name (zero-length ones aside).
-    bytes: u64,
-}
-
-impl Reusable for PeerParts {
-    fn clear(&mut self) {
-        self.src_table.clear();
-        self.dst_table.clear();
-        self.copies = 0;
-        self.writes.clear();
-        self.sources.clear();
-        self.ends.clear();
-        self.out_of_order = false;
-        self.descriptors.clear();
-        self.dmas.clear();
-        self.bytes = 0;
-    }
-}
-
-/// Descriptors built straight into pinned staging, where the kernel reads them (or one DMA
-/// takes them to the device): no copy of the table on the host. Grows by doubling; holds
-/// no staging once cleared.
-///
-/// A table that would take more than an eighth of the pinned pool (or for which the pool has
-/// no room) is built on the heap instead and copied into one lease at submit: it would hold
-/// that much staging while the batch is built, and growing it holds the old lease and the
-/// new one at once.
-#[derive(Default)]
-pub(crate) struct PinnedDescriptors {
-    lease: Option<HostLease>,
-    /// The table when on the heap (then `heap.len() == len`).
-    heap: Vec<CopyDescriptor>,
-    on_heap: bool,
-    len: usize,
-    /// The most descriptors a batch needed so far: the next batch starts with room for
-    /// them.
-    high: usize,
-}
-
-const DESCRIPTOR: usize = std::mem::size_of::<CopyDescriptor>();
-
-impl PinnedDescriptors {
-    fn capacity(&self) -> usize {
-        if self.on_heap {
-            self.heap.capacity()
-        } else {
-            self.lease.as_ref().map_or(0, |l| l.len() / DESCRIPTOR)
-        }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    pub(crate) fn as_slice(&self) -> &[CopyDescriptor] {
-        match &self.lease {
-            _ if self.on_heap => &self.heap,
-            // SAFETY: the lease is page-aligned pinned memory of this table's own, holding
-            // `len` written descriptors.
-            Some(lease) => unsafe { std::slice::from_raw_parts(lease.as_ptr().cast(), self.len) },
-            None => &[],
-        }
-    }
-
-    /// Makes room for `extra` more, from `device`'s pinned pool (or on the heap).
-    fn reserve(&mut self, device: &Device, extra: usize) -> Result<()> {
-        let need = self.len.saturating_add(extra);
-        if need <= self.capacity() {
-            return Ok(());
-        }
-        let room = need.max(2 * self.capacity()).max(self.high).max(1024);
-        let oom = |n: usize| Error::HostOutOfMemory { bytes: (n as u64).saturating_mul(DESCRIPTOR as u64) };
-        if !self.on_heap {
-            let bytes = room.saturating_mul(DESCRIPTOR);
-            if (bytes as u64) <= device.config().pinned_cap_bytes / 8
-                && let Ok(lease) = device.acquire_staging(bytes)
-            {
-                if let Some(old) = &self.lease {
-                    // SAFETY: both are pinned regions of this table's own, the new one larger.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(old.as_ptr(), lease.as_ptr(), self.len * DESCRIPTOR)
-                    };
-                }
-                self.lease = Some(lease);
-                return Ok(());
-            }
-            let mut heap = std::mem::take(&mut self.heap);
-            heap.clear();
-            heap.try_reserve(room).map_err(|_| oom(room))?;
-            heap.extend_from_slice(self.as_slice());
-            (self.heap, self.lease, self.on_heap) = (heap, None, true);
-        }
-        self.heap.try_reserve(need - self.len).map_err(|_| oom(need))
-    }
-
-    /// Appends one; room must have been reserved.
-    #[inline]
-    fn push(&mut self, d: CopyDescriptor) {
-        assert!(self.len < self.capacity(), "descriptor room reserved");
-        // SAFETY: inside the room (checked above), aligned for descriptors.
-        unsafe { self.end().write(d) };
-        self.commit(1);
-    }
-
-    /// Where the next descriptor goes (room must have been reserved for what is written;
-    /// [`PinnedDescriptors::commit`] counts it).
-    fn end(&mut self) -> *mut CopyDescriptor {
-        match &self.lease {
-            // SAFETY: `len` is within the vector's capacity.
-            _ if self.on_heap => unsafe { self.heap.as_mut_ptr().add(self.len) },
-            // SAFETY: `len` is within the lease.
-            Some(lease) => unsafe { lease.as_ptr().cast::<CopyDescriptor>().add(self.len) },
-            None => std::ptr::NonNull::dangling().as_ptr(),
-        }
-    }
-
-    /// Counts `n` descriptors written at [`PinnedDescriptors::end`].
-    fn commit(&mut self, n: usize) {
-        self.len += n;
-        if self.on_heap {
-            // SAFETY: the caller wrote these descriptors within the reserved capacity.
-            unsafe { self.heap.set_len(self.len) };
-        }
-    }
-
-    /// Appends `len` descriptors of a copy, in pieces of at most [`PEER_SEGMENT`] bytes;
-    /// room must have been reserved ([`pieces`]).
-    fn push_copy(&mut self, src: u64, dst: u64, len: u64) {
-        for d in segments(src, dst, len, PEER_SEGMENT) {
-            self.push(d);
-        }
-    }
-
-    /// Hands the table over, in pinned staging of `device` (to the submission that runs the
-    /// kernel); the next batch starts a new one.
-    fn take(&mut self, device: &Device) -> Result<Option<HostLease>> {
-        if self.on_heap && self.len > 0 {
-            let lease = device.acquire_staging(self.len * DESCRIPTOR)?;
-            // SAFETY: the lease holds the table's bytes and is fresh.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.heap.as_ptr().cast(),
-                    lease.as_ptr(),
-                    self.len * DESCRIPTOR,
-                )
-            };
-            self.lease = Some(lease);
-        }
-        self.high = self.high.max(self.len);
-        self.len = 0;
-        self.heap.clear();
-        self.on_heap = false;
-        Ok(self.lease.take())
-    }
-
-    fn clear(&mut self) {
-        self.high = self.high.max(self.len);
-        self.len = 0;
-        self.lease = None;
-        self.heap.clear();
-        self.on_heap = false;
-    }
 }
 
 /// Descriptors of a peer copy of `len` bytes.
@@ -261,7 +75,7 @@ impl PeerParts {
         len: u64,
     ) -> Result<()> {
         if len > 0 && !self.out_of_order && len < PEER_DMA_MIN {
-            self.descriptors.reserve(dst_device, pieces(len))?;
+            self.descriptors.reserve(dst_device.core(), pieces(len))?;
         }
         self.copies += 1;
         if len == 0 {
@@ -340,7 +154,7 @@ impl PeerParts {
         if self.out_of_order {
             return Ok(false);
         }
-        self.descriptors.reserve(dst_device, ranges.len())?;
+        self.descriptors.reserve(dst_device.core(), ranges.len())?;
         if key >= self.ends.len() {
             self.ends.resize(key + 1, 0);
         }
@@ -414,7 +228,7 @@ impl PeerParts {
             })
             .collect();
         let kernel_copies = moves.iter().filter(|m| m.len < PEER_DMA_MIN).map(|m| pieces(m.len)).sum();
-        self.descriptors.reserve(dst_device, kernel_copies)?;
+        self.descriptors.reserve(dst_device.core(), kernel_copies)?;
         for m in moves {
             self.route(m);
         }
@@ -424,7 +238,7 @@ impl PeerParts {
 
 impl Drop for PeerBatch<'_> {
     fn drop(&mut self) {
-        self.dst.core().peer_parts.give(std::mem::take(&mut self.parts));
+        self.dst.core().spares.peer.give(std::mem::take(&mut self.parts));
     }
 }
 
@@ -447,7 +261,7 @@ impl Device {
     /// works between any two GPUs but blocks `submit` until the source bytes are on the
     /// host.
     pub fn peer_copies<'a>(&'a self, src: &'a Device) -> PeerBatch<'a> {
-        PeerBatch { dst: self, src, parts: self.core().peer_parts.take(), error: None }
+        PeerBatch { dst: self, src, parts: self.core().spares.peer.take(), error: None }
     }
 }
 
@@ -465,8 +279,9 @@ impl PeerBatch<'_> {
         let parts = &mut self.parts;
         // Peer batches keep no in-order layout of their own (they track order in `ends`).
         (parts.src_table.apart.broken, parts.dst_table.apart.broken) = (true, true);
-        let (src_key, _) = parts.src_table.check(self.src, src, src_offset, len, &mut self.error)?;
-        let (dst_key, dst_len) = parts.dst_table.check(self.dst, dst, dst_offset, len, &mut self.error)?;
+        let (src_key, _) = parts.src_table.check(self.src.core(), src, src_offset, len, &mut self.error)?;
+        let (dst_key, dst_len) =
+            parts.dst_table.check(self.dst.core(), dst, dst_offset, len, &mut self.error)?;
         let src_at = parts.src_table.entries[src_key as usize].ptr + src_offset;
         let dst_at = parts.dst_table.entries[dst_key as usize].ptr + dst_offset;
         let added =
@@ -486,8 +301,8 @@ impl PeerBatch<'_> {
         ranges: &[(u64, u64, u64)],
     ) -> Result<&mut Self> {
         let parts = &mut self.parts;
-        let (src_key, _) = parts.src_table.check(self.src, src, 0, 0, &mut self.error)?;
-        let (dst_key, _) = parts.dst_table.check(self.dst, dst, 0, 0, &mut self.error)?;
+        let (src_key, _) = parts.src_table.check(self.src.core(), src, 0, 0, &mut self.error)?;
+        let (dst_key, _) = parts.dst_table.check(self.dst.core(), dst, 0, 0, &mut self.error)?;
         let (s, d) = (parts.src_table.entries[src_key as usize], parts.dst_table.entries[dst_key as usize]);
         let fits = |offset: u64, len: u64, buffer_len: u64| {
             offset.checked_add(len).is_some_and(|end| end <= buffer_len)
@@ -533,10 +348,11 @@ impl PeerBatch<'_> {
         result
     }
 
-    /// Whether every copy so far came in order (built as added, nothing to resolve).
-    #[cfg(test)]
-    pub(crate) fn is_in_order(&self) -> bool {
-        !self.parts.out_of_order
+    /// The route of the batch as its copies stand: [`Route::InOrder`] while every copy came
+    /// in order (its descriptors built as added, nothing to resolve), else
+    /// [`Route::Planned`] (the planner resolves overlaps at submit).
+    pub(crate) fn route(&self) -> Route {
+        if self.parts.out_of_order { Route::Planned } else { Route::InOrder }
     }
 
     /// Number of copies added.
@@ -579,11 +395,10 @@ impl PeerBatch<'_> {
     fn submit_direct(&mut self) -> Result<Fence> {
         let (src, dst) = (self.src, self.dst);
         let (src_core, dst_core) = (src.core(), dst.core());
-        let lane = dst_core.lane(LaneKind::Upload);
-        let lane_batch = lane.batch();
+        let mut exec = Exec::begin(dst_core, LaneKind::Upload);
         let mut scratch = lock(&dst_core.staging[LaneKind::Upload.index()]);
         let scratch = &mut *scratch;
-        if self.parts.out_of_order {
+        if self.route() == Route::Planned {
             self.parts.resolve(self.dst, &mut scratch.planner, &mut scratch.upload_plan)?;
         }
         // What needs no sequence number first, so that the source device's lane (taken
@@ -597,9 +412,10 @@ impl PeerBatch<'_> {
         } else {
             self.parts.bytes
         };
-        let table = self.parts.descriptors.take(dst)?;
+        // What the kernel moves: what lands less what the DMAs move.
+        let by_kernel = landed - self.parts.dmas.iter().map(|m| m.len).sum::<u64>();
+        let table = self.parts.descriptors.take(dst.core())?;
         let parts = &self.parts;
-        let first_seq = lane_batch.next_seq();
         let mut keep = Vec::new();
         let mut kernel = None;
         if let Some(table) = table.filter(|_| count > 0) {
@@ -608,79 +424,69 @@ impl PeerBatch<'_> {
             // With unified addressing the kernel reads the table where it is, in pinned
             // memory (mapped for every device): no upload of the table first, whose DMA and
             // wait cost more than the warps' reads over the bus (8192 x 256 B peer copies:
-            // 37 µs against 45 on two H200s). Otherwise it is uploaded to device staging.
+            // see BENCHMARKS.md). Otherwise it is uploaded to device staging.
             let dev = if dst.info().unified_addressing {
                 None
             } else {
                 let area = kernels::table_bytes(count);
-                Some(scratch.region.ensure(dst, LaneKind::Upload, area, first_seq - 1)?)
+                Some(exec.region(&mut scratch.region, area)?)
             };
-            kernel = Some((dst_core.kernels()?, dev, table.as_ptr()));
+            kernel = Some((exec.kernels()?, dev, table.as_ptr()));
             keep.push(table);
         }
 
         // Lock order: an upload lane (and its staging) before a readback lane. Nothing
         // takes them the other way round.
-        let proxy = (!std::ptr::eq(src_core, dst_core)).then(|| src_core.lane(LaneKind::Readback).batch());
-        let final_seq = match &proxy {
-            None => dst.claim(
-                &lane_batch,
-                LaneKind::Upload,
-                parts.src_table.buffers().chain(parts.dst_table.buffers()),
-                1,
-            )?,
+        let mut proxy =
+            (!std::ptr::eq(&**src_core, &**dst_core)).then(|| Exec::begin(src_core, LaneKind::Readback));
+        let final_seq = match &mut proxy {
+            None => exec.claim(parts.src_table.buffers().chain(parts.dst_table.buffers()), 1)?,
             Some(proxy) => {
                 // The source buffers are read by the proxy submission's number on the
                 // source's readback lane; the copy waits for the source's uploads into them.
-                let proxy_seq = proxy.next_seq();
-                proxy.reserve(proxy_seq);
-                let uploads = src_core.alloc.mark_used_many(
-                    parts.src_table.buffers(),
-                    LaneKind::Readback.index(),
-                    proxy_seq,
-                )?;
-                let seq = dst.claim(&lane_batch, LaneKind::Upload, parts.dst_table.buffers(), 1)?;
-                src_core.lane(LaneKind::Upload).make_stream_wait(uploads, lane.stream())?;
+                let uploads = proxy.claim_for_other(parts.src_table.buffers())?;
+                let seq = exec.claim(parts.dst_table.buffers(), 1)?;
+                proxy.make_wait_other(uploads, exec.stream())?;
                 seq
             }
         };
+        exec.requested(parts.bytes);
         let contexts = (dst_core.ctx.ctx, src_core.ctx.ctx);
-        let enqueued = lane_batch.submit(keep, |raw, stream, _| {
+        let enqueued = exec.submit(keep, |q| {
             if let Some((kernels, dev, table)) = kernel {
                 let at = match dev {
                     Some(dev) => {
                         // SAFETY: the pinned table is kept alive by this submission; device
                         // staging holds at least table_bytes bytes.
-                        unsafe { raw.memcpy_htod_async(dev, table, table_bytes, stream) }?;
+                        unsafe { q.htod(dev, table, table_bytes) }?;
                         dev
                     }
                     None => table as u64,
                 };
+                // The table crosses the bus whether uploaded (counted above) or read in place.
+                let read_in_place = if dev.is_none() { table_bytes as u64 } else { 0 };
                 // SAFETY: the table is in device staging by stream order, or in pinned
                 // memory that this submission keeps alive; sources are live,
                 // marked buffers this device may read; destinations are disjoint ranges of
                 // live, marked buffers (a destination overlapping a source of the same batch,
                 // inside one device, reads unspecified bytes but stays in bounds).
-                unsafe { kernels.copy(raw, stream, at, count) }?;
+                unsafe { q.launch(kernels, at, count, by_kernel + read_in_place) }?;
             }
             for m in &parts.dmas {
                 // SAFETY: as above, by one DMA.
-                unsafe {
-                    raw.memcpy_peer_async((m.dst, contexts.0), (m.src, contexts.1), m.len as usize, stream)
-                }?;
+                unsafe { q.peer((m.dst, contexts.0), (m.src, contexts.1), m.len as usize) }?;
             }
             Ok(())
         });
-        if let Some(proxy) = proxy {
+        if let Some(mut proxy) = proxy {
             // The source's readback lane waits for the copy, on the device; if that cannot be
             // enqueued, the host waits for it instead.
-            let src_stream = src_core.lane(LaneKind::Readback).stream();
             let ordered = src_core
                 .ctx
                 .bind()
-                .and_then(|_| lane.make_stream_wait(final_seq, src_stream))
-                .or_else(|_| lane.wait(final_seq).map(drop))
-                .or_else(|_| dst_core.ctx.bind().and_then(|raw| raw.stream_synchronize(lane.stream())));
+                .and_then(|_| exec.make_wait(final_seq, proxy.stream()))
+                .or_else(|_| dst_core.lane(LaneKind::Upload).wait(final_seq).map(drop))
+                .or_else(|_| dst_core.ctx.bind().and_then(|raw| raw.stream_synchronize(exec.stream())));
             if let Err(e) = ordered {
                 // Nothing can order later uses of the sources after the copy, which may still
                 // run: their memory is never reused (freeing them defers forever).
@@ -691,27 +497,13 @@ impl PeerBatch<'_> {
                 );
                 return Err(e);
             }
-            proxy.submit(Vec::new(), |_, _, _| Ok(()))?;
-            src_core.telemetry.record(LaneKind::Readback, Moves { submissions: 1, ..Moves::default() });
+            proxy.submit(Vec::new(), |_| Ok(()))?;
+            proxy.end().record();
         }
         let seq = enqueued?;
         debug_assert_eq!(seq, final_seq);
-        let table_uploaded = kernel.is_some_and(|k| k.1.is_some());
-        // The table crosses the bus whether uploaded or read in place.
-        let table_moved = if count > 0 { table_bytes as u64 } else { 0 };
-        dst_core.telemetry.record(
-            LaneKind::Upload,
-            Moves {
-                submissions: 1,
-                requested: parts.bytes,
-                moved: landed + table_moved,
-                dmas: parts.dmas.len() as u64 + u64::from(table_uploaded),
-                launches: u64::from(count > 0),
-            },
-        );
         Telemetry::add(&dst_core.telemetry.peer_bytes, landed);
-        drop(lane_batch);
-        Ok(Fence::new(dst.core().lanes.clone(), LaneKind::Upload, final_seq))
+        Ok(exec.finish())
     }
 
     /// No peer access: groups of copies read back from the source into pinned staging and
@@ -724,7 +516,7 @@ impl PeerBatch<'_> {
         // Each group is one readback into the source's pinned pool, whole: at most half its
         // cap, counting what a read takes there (its bytes, rounded for the gather, and its
         // descriptors).
-        let group = (self.dst.config().chunk_bytes.max(1 << 20) * crate::transfer::RING as u64)
+        let group = (self.dst.config().chunk_bytes.max(1 << 20) * crate::plan::route::RING as u64)
             .min(self.src.config().pinned_cap_bytes / 2)
             .max(1);
         let mut fence = Fence::completed();

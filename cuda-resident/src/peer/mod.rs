@@ -11,17 +11,17 @@
 mod copy;
 
 pub use copy::PeerBatch;
-pub(crate) use copy::PeerParts;
 
 use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
 use crate::device::{Config, Device, shared_driver};
+use crate::engine::Exec;
+use crate::engine::host::Piece;
 use crate::error::{Error, Result};
-use crate::stream::{Fence, LaneBatch, LaneKind};
+use crate::plan::route::RING;
+use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::Moves;
-use crate::transfer::{Piece, RING};
 
 /// How [`DeviceSet::fan_out_with`] reaches its devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,8 +99,8 @@ impl DeviceSet {
     }
 
     /// Writes `data` at `offset` into every target (a device index of this set and a buffer
-    /// of that device), by [`FanOutPath::EachLink`], which was the faster path in five runs
-    /// of six on two H200s (docs/multi-gpu.md; [`DeviceSet::fan_out_with`] picks the other).
+    /// of that device), by [`FanOutPath::EachLink`], the faster path where measured
+    /// (docs/multi-gpu.md; [`DeviceSet::fan_out_with`] picks the other).
     /// Returns one fence per target, in target order.
     pub fn fan_out(
         &self,
@@ -166,56 +166,53 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
     // One lane batch per distinct device, taken in one global order (by core address) so
     // that concurrent fan-outs cannot deadlock.
     let mut devices: Vec<&Device> = places.iter().map(|p| p.0).collect();
-    devices.sort_by_key(|d| std::ptr::from_ref(d.core()) as usize);
-    devices.dedup_by_key(|d| std::ptr::from_ref(d.core()) as usize);
-    let home = devices.iter().position(|d| std::ptr::eq(d.core(), stager.core())).expect("a target");
+    devices.sort_by_key(|d| Arc::as_ptr(d.core()) as usize);
+    devices.dedup_by_key(|d| Arc::as_ptr(d.core()) as usize);
+    let same = |a: &Device, b: &Device| Arc::ptr_eq(a.core(), b.core());
+    let home = devices.iter().position(|d| same(d, stager)).expect("a target");
     let others = devices.len() > 1;
-    let batches: Vec<LaneBatch<'_>> =
-        devices.iter().map(|d| d.core().lane(LaneKind::Upload).batch()).collect();
+    let mut execs: Vec<Exec<'_>> = devices.iter().map(|d| Exec::begin(d.core(), LaneKind::Upload)).collect();
     let chunk = stager.config().chunk_bytes as usize;
-    let ring = stager.core().pinned.leases_within_cap(chunk as u64).min(RING);
+    let ring = execs[home].room(chunk as u64).min(RING);
     let chunks = data.len().div_ceil(chunk) as u64;
     let mut finals = Vec::with_capacity(devices.len());
-    for (i, (device, batch)) in devices.iter().zip(&batches).enumerate() {
-        let mine = places.iter().filter(|p| std::ptr::eq(p.0.core(), device.core())).map(|p| p.1);
+    for (i, (device, exec)) in devices.iter().zip(&mut execs).enumerate() {
+        let mine = places.iter().filter(|p| same(p.0, device)).map(|p| p.1);
         // The first target's lane has a holding submission per chunk when others copy too.
         let submissions = if i == home && others { 2 * chunks } else { chunks };
-        finals.push(device.claim(batch, LaneKind::Upload, mine, submissions)?);
+        finals.push(exec.claim(mine, submissions)?);
     }
-    let home_lane = stager.core().lane(LaneKind::Upload);
+    let home_stream = execs[home].stream();
     // Per device, its targets' addresses (at the start of the data).
-    let dsts: Vec<Vec<u64>> = devices
-        .iter()
-        .map(|d| places.iter().filter(|p| std::ptr::eq(p.0.core(), d.core())).map(|p| p.2).collect())
-        .collect();
+    let dsts: Vec<Vec<u64>> =
+        devices.iter().map(|d| places.iter().filter(|p| same(p.0, d)).map(|p| p.2).collect()).collect();
     // Per chunk, per device: the submission (for the first target, its holding one).
     let mut seqs: Vec<Vec<u64>> = Vec::with_capacity(chunks as usize);
     let mut pieces = Vec::new();
     for (k, part) in data.chunks(chunk).enumerate() {
         if k >= ring {
-            for (device, &seq) in devices.iter().zip(&seqs[k - ring]) {
-                if device.core().lane(LaneKind::Upload).wait(seq)? {
-                    crate::telemetry::Telemetry::add(&device.core().telemetry.host_waits, 1);
-                }
+            for (exec, &seq) in execs.iter().zip(&seqs[k - ring]) {
+                exec.wait(seq)?;
             }
         }
-        let lease = Arc::new(stager.acquire_staging(part.len())?);
+        let lease = Arc::new(execs[home].lease(part.len())?);
         let base = lease.as_ptr();
         pieces.clear();
         Piece::push_split(&mut pieces, Piece { dst: base, src: part.as_ptr(), len: part.len() });
         // SAFETY: the pieces cover the fresh lease's first part.len() bytes from the live slice.
-        unsafe { Piece::copy_all(stager, &pieces) };
+        unsafe { Piece::copy_all(stager.core(), &pieces) };
         let at = (k * chunk) as u64;
         let mut row = Vec::with_capacity(devices.len());
-        for (i, (device, batch)) in devices.iter().zip(&batches).enumerate() {
+        for (i, exec) in execs.iter_mut().enumerate() {
             let mine = &dsts[i];
             let keep = if i == home && !others { vec![Arc::clone(&lease)] } else { Vec::new() };
-            let submitted = batch.submit(keep, |raw, stream, _| {
+            let bytes = part.len() as u64 * mine.len() as u64;
+            let submitted = exec.submit(keep, |q| {
                 for &dst in mine {
                     // SAFETY: the portable pinned chunk is kept alive until this copy is done
                     // (by this submission, or by the first target's holding one, which waits
                     // for it); the destination range was checked and its buffer is marked.
-                    unsafe { raw.memcpy_htod_async(dst + at, base, part.len(), stream) }?;
+                    unsafe { q.htod(dst + at, base, part.len()) }?;
                 }
                 Ok(())
             });
@@ -226,35 +223,30 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
                     return Err(e);
                 }
             }
-            let copies = mine.len() as u64;
-            let bytes = part.len() as u64 * copies;
-            device.core().telemetry.record(
-                LaneKind::Upload,
-                Moves { submissions: 1, requested: bytes, moved: bytes, dmas: copies, launches: 0 },
-            );
+            // Each chunk is counted as it is enqueued.
+            exec.requested(bytes);
+            exec.flush();
         }
         if others {
             // The first target's lane waits for every device's copy of this chunk, on the
             // GPU, then holds the chunk until then.
-            let ordered = stager.core().ctx.bind().and_then(|_| {
-                devices.iter().zip(&row).try_for_each(|(device, &seq)| {
-                    device.core().lane(LaneKind::Upload).make_stream_wait(seq, home_lane.stream())
-                })
+            let ordered = stager.make_current().and_then(|()| {
+                execs.iter().zip(&row).try_for_each(|(exec, &seq)| exec.make_wait(seq, home_stream))
             });
             if let Err(e) = ordered {
                 hold_until_done(&lease, &row, &devices);
                 return Err(e);
             }
-            row[home] = batches[home].submit(vec![Arc::clone(&lease)], |_, _, _| Ok(()))?;
+            row[home] = execs[home].hold(vec![Arc::clone(&lease)])?;
         }
         seqs.push(row);
     }
-    drop(batches);
+    drop(execs);
     Ok(places
         .iter()
         .map(|p| {
-            let i = devices.iter().position(|d| std::ptr::eq(d.core(), p.0.core())).expect("listed above");
-            Fence::new(p.0.core().lanes.clone(), LaneKind::Upload, finals[i])
+            let i = devices.iter().position(|d| same(d, p.0)).expect("listed above");
+            crate::engine::fence(p.0.core(), LaneKind::Upload, finals[i])
         })
         .collect())
 }

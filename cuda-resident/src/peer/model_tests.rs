@@ -5,6 +5,7 @@
 //! taken without access as an error. No GPU needed: these run in CI.
 
 use super::PeerBatch;
+use crate::plan::route::Route;
 use crate::testing::model::{self, with};
 use crate::testing::{Model, random_vec};
 use crate::{Config, Device, DeviceSet, Error, FanOutPath, ResidentBuffer};
@@ -323,7 +324,7 @@ fn block_tables_in_order_take_the_fast_path_and_match() {
             b.expect[pair][doff..doff + len].copy_from_slice(&a.expect[pair][so..so + len]);
         }
     }
-    assert!(batch.is_in_order());
+    assert_eq!(batch.route(), Route::InOrder);
     assert_eq!(batch.len(), 512);
     batch.submit().unwrap().wait().unwrap();
     b.check(&d1, "block tables");
@@ -435,10 +436,10 @@ fn a_batch_that_turns_out_of_order_keeps_the_copies_before_it() {
         copy(&mut batch, &mut b, (0, 1), (0, 0), 5 << 20); // one DMA
         copy(&mut batch, &mut b, (1, 0), (1, 0), 100); // small, other buffer
         copy(&mut batch, &mut b, (1, 7), (0, (5 << 20) + 10), 3000); // small, after the DMA's range
-        assert!(batch.is_in_order());
+        assert_eq!(batch.route(), Route::InOrder);
         copy(&mut batch, &mut b, (1, 100), (0, 12345), 2000); // inside the DMA's range: later wins
         copy(&mut batch, &mut b, (0, 9), (1, 50), 60); // overlaps the second copy
-        assert!(!batch.is_in_order());
+        assert_eq!(batch.route(), Route::Planned);
         assert_eq!(batch.len(), 5);
         batch.submit().unwrap().wait().unwrap();
         b.check(&d1, if peer { "with peer access" } else { "staged" });

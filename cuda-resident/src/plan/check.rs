@@ -318,3 +318,75 @@ pub fn execute_readback(plan: &ReadbackPlan, reads: &[ReadRequest], cfg: &PlanCo
         assert_eq!(&staging[range], &buffers[&r.buffer][r.offset as usize..][..r.len as usize], "read {r:?}");
     }
 }
+
+/// Lays `writes` out as the paths that skip the planner do (`plan::route::Apart`, each write's
+/// destination taken at a 256-byte-aligned buffer address, as the allocator places them), cuts
+/// the layout into chunks of at most `chunk_bytes` (at least 64 KiB; `grow`: growing from
+/// 64 KiB, as small uploads over the bus do) and carries it out on the model: every write's
+/// bytes into its chunk's staging, then scattered. Returns `None` when the layout is broken
+/// (the batch goes to the planner), which must be exactly when a write is empty, longer than a
+/// kernel segment or not past the previous write into its buffer with a gap; otherwise checks
+/// that the chunks cover the writes in order within their budgets, that each write keeps its
+/// destination's residue modulo 16 and no two share staging (so a gather into the same layout
+/// gives each read its own bytes), and returns the buffers after the scatter. Every write
+/// must lie inside a modelled buffer.
+pub fn execute_in_order(
+    writes: &[WriteRequest],
+    buffers: &Buffers,
+    chunk_bytes: u64,
+    grow: bool,
+) -> Option<Buffers> {
+    use super::route::{Apart, cut_apart, growing};
+    const SEGMENT: u64 = crate::kernels::SEGMENT;
+    let mut apart = Apart::default();
+    let mut next: HashMap<BufferKey, u64> = HashMap::new();
+    let mut ends: HashMap<BufferKey, u64> = HashMap::new();
+    let mut rule_holds = true;
+    for w in writes {
+        let end = ends.get(&w.buffer).copied();
+        rule_holds &= w.len > 0 && w.len <= SEGMENT && end.is_none_or(|end| w.offset > end);
+        ends.insert(w.buffer, w.offset + w.len);
+        apart.note(next.entry(w.buffer).or_insert(0), 0, w.offset, w.len);
+    }
+    assert_eq!(apart.broken, !rule_holds, "the layout is broken exactly when the rule fails");
+    if apart.broken {
+        return None;
+    }
+    assert_eq!(apart.offsets.len(), writes.len());
+    assert_eq!(apart.requested, writes.iter().map(|w| w.len).sum::<u64>());
+    assert_eq!(apart.longest, writes.iter().map(|w| w.len).max().unwrap_or(0));
+    let most = chunk_bytes.max(64 << 10);
+    let budget = |k: usize| if grow { growing(64 << 10, most)(k) } else { most };
+    let mut spans = Vec::new();
+    cut_apart(&apart.offsets, |i| writes[i].len, budget, &mut spans);
+    let mut out = buffers.clone();
+    let mut covered = 0;
+    for (k, span) in spans.iter().enumerate() {
+        assert_eq!(span.requests.start, covered, "chunks cover the writes in order");
+        assert!(!span.requests.is_empty());
+        covered = span.requests.end;
+        assert_eq!(span.start % 16, 0);
+        let area = crate::kernels::table_bytes(span.requests.len() as u64);
+        assert!(area + span.len <= budget(k), "chunk {k} fits its budget");
+        let mut staging = vec![None::<u8>; span.len as usize];
+        for i in span.requests.clone() {
+            let (w, at) = (&writes[i], apart.offsets[i]);
+            assert!(at >= span.start && at + w.len - span.start <= span.len, "write {i} inside its chunk");
+            assert_eq!(at % 16, w.offset % 16, "write {i} keeps its destination's residue");
+            for p in 0..w.len {
+                let slot = &mut staging[(at - span.start + p) as usize];
+                assert!(slot.is_none(), "write {i} shares staging with another");
+                *slot = Some(data_byte(i, p));
+            }
+        }
+        for i in span.requests.clone() {
+            let (w, at) = (&writes[i], (apart.offsets[i] - span.start) as usize);
+            let bytes = out.get_mut(&w.buffer).expect("write to a modelled buffer");
+            for p in 0..w.len as usize {
+                bytes[w.offset as usize + p] = staging[at + p].expect("staged");
+            }
+        }
+    }
+    assert_eq!(covered, writes.len(), "every write in a chunk");
+    Some(out)
+}

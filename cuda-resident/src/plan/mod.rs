@@ -78,6 +78,7 @@ mod fuse;
 mod layout;
 mod readback;
 mod request;
+pub(crate) mod route;
 mod sort;
 mod upload;
 

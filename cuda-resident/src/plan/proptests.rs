@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 
-use super::check::{apply_in_order, execute_readback, execute_upload, initial_buffers};
+use super::check::{apply_in_order, execute_in_order, execute_readback, execute_upload, initial_buffers};
 use super::*;
 
 /// Buffer keys spread over `u64`, so that ordering by key is exercised at the extremes.
@@ -176,5 +176,81 @@ proptest! {
             Err(PlanError::InvalidAlign { .. } | PlanError::ChunkTooSmall { .. } | PlanError::TooLarge { .. }) => {}
             Err(e) => prop_assert!(false, "unexpected {e}"),
         }
+    }
+}
+
+/// A request of the in-order fast path: buffer (0..4), the gap before it in its buffer, its
+/// length class and raw length.
+type InOrderRaw = (u64, u64, u8, u64);
+
+fn in_order_batch() -> impl Strategy<Value = (Vec<InOrderRaw>, u64, bool)> {
+    let request = (0u64..4, 0u64..40, 0u8..40, any::<u64>());
+    (prop::collection::vec(request, 0..=64), 0u64..3, any::<bool>())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// The layout of the paths that skip the planner ([`route::Apart`], cut by
+    /// [`route::cut_apart`]) against the byte model (`check::execute_in_order`): broken
+    /// exactly when the rule fails, else every promise of the layout holds and scattering it
+    /// gives the buffers that writing in order gives.
+    #[test]
+    fn in_order_layouts_move_the_bytes_of_writing_in_order((raw, chunk_class, grow) in in_order_batch()) {
+        const SEGMENT: u64 = crate::kernels::SEGMENT;
+        let mut ends = [0u64; 4];
+        let mut writes = Vec::new();
+        for &(buffer, gap, class, x) in &raw {
+            let len = match class {
+                0 => 0,
+                1 => SEGMENT + 1 + x % 100,
+                2..=9 => 1 + x % SEGMENT,
+                _ => 1 + x % 64,
+            };
+            let offset = ends[buffer as usize] + gap;
+            ends[buffer as usize] = offset + len;
+            writes.push(WriteRequest { buffer, buffer_len: 0, offset, len });
+        }
+        let lens: Vec<(BufferKey, u64)> = (0u64..4).map(|b| (b, ends[b as usize] + 64)).collect();
+        for w in &mut writes {
+            w.buffer_len = lens[w.buffer as usize].1;
+        }
+        let most = [64u64 << 10, 1 << 20, 4 << 20][chunk_class as usize];
+        let before = initial_buffers(&lens);
+        if let Some(actual) = execute_in_order(&writes, &before, most, grow) {
+            let mut expected = before;
+            apply_in_order(&mut expected, &writes);
+            prop_assert_eq!(actual, expected);
+        }
+    }
+
+    /// The route of a batch follows its shape: one small write from a slice moves alone,
+    /// writes made in place move in place, many small writes in order and apart take the
+    /// in-order path, everything else the planner; readbacks alike.
+    #[test]
+    fn routes_follow_the_shape_of_the_batch(
+        writes in 0usize..200,
+        single in prop::option::of(0u64..1000),
+        in_place in any::<bool>(),
+        slice_writes in 0usize..3,
+        broken in any::<bool>(),
+        longest in 0u64..1000,
+        threshold in 1u64..1000,
+    ) {
+        use route::{Apart, Route, UploadShape, readback_route, upload_route};
+        let apart = Apart { broken, longest, ..Apart::default() };
+        let shape = UploadShape { writes, single_slice: single, in_place, slice_writes, apart: &apart, direct_threshold: threshold };
+        let expected = if single.is_some_and(|len| len > 0 && len < threshold) {
+            Route::One
+        } else if in_place && slice_writes == 0 {
+            Route::InPlace
+        } else if !in_place && writes >= route::IN_ORDER_MIN && !broken && longest < threshold {
+            Route::InOrder
+        } else {
+            Route::Planned
+        };
+        prop_assert_eq!(upload_route(&shape), expected);
+        let read = if writes >= route::IN_ORDER_MIN && !broken && longest < threshold { Route::InOrder } else { Route::Planned };
+        prop_assert_eq!(readback_route(writes, &apart, threshold), read);
     }
 }

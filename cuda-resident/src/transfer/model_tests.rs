@@ -4,6 +4,7 @@
 //! waits between streams: staging reused too early, or a read not ordered after the writes
 //! of the other lane, shows as wrong bytes. No GPU needed: these run in CI.
 
+use crate::plan::route::Route;
 use crate::testing::{Model, device, model, random_vec, small_chunks};
 use crate::{Config, Device, Error, ResidentBuffer};
 
@@ -173,9 +174,7 @@ fn in_order_writes(config: Config) {
     let d = device(config);
     let mut rng = fastrand::Rng::with_seed(33);
     let mut m = Model::new(&d, &mut rng, &[300_000, 70_000, 1 << 20, 4099]);
-    let taken = || super::upload::IN_ORDER_BATCHES.with(|n| n.get());
     for round in 0..8 {
-        let before = taken();
         let ranges = m.in_order_ranges(&mut rng, 600);
         if ranges.len() < 64 {
             continue;
@@ -186,15 +185,14 @@ fn in_order_writes(config: Config) {
             batch.write(m.buffers[*i], *at as u64, bytes).unwrap();
             m.expect[*i][*at..at + bytes.len()].copy_from_slice(bytes);
         }
+        assert_eq!(batch.route(), Route::InOrder, "round {round}: the in-order path");
         let fence = batch.submit().unwrap();
-        assert_eq!(taken(), before + 1, "round {round}: the in-order path");
         if round % 2 == 0 {
             fence.wait().unwrap();
         }
         m.check(&d, &format!("in-order round {round}"));
     }
     // One write out of order sends the batch to the planner, with the same result.
-    let before = taken();
     let mut batch = d.uploads();
     let bytes: Vec<Vec<u8>> = (0..100).map(|_| random_vec(&mut rng, 100)).collect();
     for (k, b) in bytes.iter().enumerate() {
@@ -202,8 +200,8 @@ fn in_order_writes(config: Config) {
         batch.write(m.buffers[0], at as u64, b).unwrap();
         m.expect[0][at..at + 100].copy_from_slice(b);
     }
+    assert_eq!(batch.route(), Route::Planned, "out of order: planned");
     batch.submit().unwrap().wait().unwrap();
-    assert_eq!(taken(), before, "out of order: planned");
     m.check(&d, "a batch out of order");
     d.synchronize().unwrap();
     assert_eq!(d.telemetry().pinned.lent_bytes, 0);
@@ -265,16 +263,14 @@ fn in_order_reads(config: Config) {
     let d = device(config);
     let mut rng = fastrand::Rng::with_seed(34);
     let m = Model::new(&d, &mut rng, &[300_000, 70_000, 1 << 20, 4099]);
-    let taken = || super::readback::IN_ORDER_BATCHES.with(|n| n.get());
     for round in 0..8 {
-        let before = taken();
         let ranges = m.in_order_ranges(&mut rng, 800);
         if ranges.len() < 64 {
             continue;
         }
         let (reads, slots) = m.reads(&d, &ranges);
         let pending = reads.submit().unwrap();
-        assert_eq!(taken(), before + 1, "round {round}: the in-order path");
+        assert_eq!(pending.route, Route::InOrder, "round {round}: the in-order path");
         let got = if round % 2 == 0 {
             pending.wait().unwrap()
         } else {
@@ -299,7 +295,6 @@ fn reads_in_order_copy_into_vectors_for_slots_in_any_order_a_subset_or_named_twi
         let d = device(Config { small_copies_over_bus: over_bus, ..small_chunks() });
         let mut rng = fastrand::Rng::with_seed(44);
         let m = Model::new(&d, &mut rng, &[4 << 20]);
-        let taken = || super::readback::IN_ORDER_BATCHES.with(|n| n.get());
         // Over a megabyte in 64 KiB chunks: many chunks, copied out on the packing threads.
         let ranges = pipelined_ranges(900);
         let mut orders: Vec<(&str, Vec<usize>)> = vec![
@@ -312,10 +307,9 @@ fn reads_in_order_copy_into_vectors_for_slots_in_any_order_a_subset_or_named_twi
         rng.shuffle(&mut shuffled);
         orders.push(("shuffled", shuffled));
         for (what, order) in orders {
-            let before = taken();
             let (reads, slots) = m.reads(&d, &ranges);
             let pending = reads.submit().unwrap();
-            assert_eq!(taken(), before + 1, "{what}: the in-order path");
+            assert_eq!(pending.route, Route::InOrder, "{what}: the in-order path");
             let asked: Vec<_> = order.iter().map(|&r| slots[r]).collect();
             let mut out = vec![vec![0x5a; 7]; asked.len()];
             let got = pending.wait_into(&asked, &mut out).unwrap();
@@ -371,7 +365,7 @@ fn later_batches_reuse_what_earlier_ones_resolved_until_a_buffer_is_freed() {
     let d = device(Config::default());
     let mut rng = fastrand::Rng::with_seed(35);
     let mut m = Model::new(&d, &mut rng, &[5000, 6000, 7000]);
-    let hits = || super::KEPT_HITS.with(|n| n.get());
+    let hits = || crate::engine::table::KEPT_HITS.with(|n| n.get());
     let round = |m: &mut Model, rng: &mut fastrand::Rng, which: &[usize]| {
         let mut batch = d.uploads();
         let data: Vec<_> = which.iter().map(|&i| (i, random_vec(rng, 100))).collect();
@@ -415,11 +409,6 @@ fn tiny_touching_requests_in_order_are_fused_by_the_planner_within_a_small_pinne
     });
     let mut rng = fastrand::Rng::with_seed(36);
     let mut m = Model::new(&d, &mut rng, &[64 << 10]);
-    let (uploads, reads) = (
-        || super::upload::IN_ORDER_BATCHES.with(|n| n.get()),
-        || super::readback::IN_ORDER_BATCHES.with(|n| n.get()),
-    );
-    let (u0, r0) = (uploads(), reads());
     // 16384 writes of 4 bytes, each touching the last: one descriptor and a padded slot
     // each would need far more staging than the pool holds; fused, they are 64 KiB.
     let data = random_vec(&mut rng, 64 << 10);
@@ -427,16 +416,19 @@ fn tiny_touching_requests_in_order_are_fused_by_the_planner_within_a_small_pinne
     for (k, word) in data.chunks(4).enumerate() {
         batch.write(m.buffers[0], k as u64 * 4, word).unwrap();
     }
+    assert_eq!(batch.route(), Route::Planned, "the upload batch was planned");
     batch.submit().unwrap().wait().unwrap();
     m.expect[0].copy_from_slice(&data);
     let mut batch = d.readbacks();
     let slots: Vec<_> = (0..16384u64).map(|k| batch.read(m.buffers[0], k * 4, 4).unwrap()).collect();
-    let got = batch.submit().unwrap().wait().unwrap();
+    let pending = batch.submit().unwrap();
+    // Planned (here, in half chunks streamed through the small pool), not moved in order.
+    assert_ne!(pending.route, Route::InOrder, "the readback batch was planned");
+    let got = pending.wait().unwrap();
     for (k, &slot) in slots.iter().enumerate() {
         assert_eq!(got.get(slot), &data[k * 4..k * 4 + 4]);
     }
     drop(got);
-    assert_eq!((uploads(), reads()), (u0, r0), "both batches were planned");
     m.check(&d, "tiny touching requests");
 }
 
@@ -451,7 +443,7 @@ fn large_batches_in_order_pack_and_copy_out_while_chunks_move() {
     let d = device(small_chunks());
     let mut rng = fastrand::Rng::with_seed(36);
     let mut m = Model::new(&d, &mut rng, &[4 << 20]);
-    let runs = || super::pipeline::PARALLEL_RUNS.with(|n| n.get());
+    let runs = || crate::engine::pipeline::PARALLEL_RUNS.with(|n| n.get());
     let ranges = pipelined_ranges(900);
     let data: Vec<_> = ranges.iter().map(|&(_, _, len)| random_vec(&mut rng, len)).collect();
     let before = runs();
@@ -620,8 +612,8 @@ fn large_downloads_and_pipelined_uploads_fit_a_pinned_pool_of_two_chunks() {
 }
 
 /// Groups over `chunks` chunks of 64 items of 32 KiB each (2 MiB a chunk: the parallel path).
-fn big_groups(chunks: usize) -> super::pipeline::Groups {
-    super::pipeline::Groups::new(
+fn big_groups(chunks: usize) -> crate::engine::pipeline::Groups {
+    crate::engine::pipeline::Groups::new(
         chunks,
         (0..chunks).map(|k| (k, k * 64..(k + 1) * 64)),
         |_| 32 << 10,
@@ -631,12 +623,12 @@ fn big_groups(chunks: usize) -> super::pipeline::Groups {
 
 #[test]
 fn a_panic_while_opening_a_chunk_reaches_the_caller_without_hanging() {
-    use super::pipeline::{Step, run};
+    use crate::engine::pipeline::{Step, run};
     let d = device(Config { pack_threads: 4, ..Config::default() });
     let groups = big_groups(4);
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         run(
-            &d,
+            d.core(),
             &groups,
             8 << 20,
             2,
@@ -651,7 +643,7 @@ fn a_panic_while_opening_a_chunk_reaches_the_caller_without_hanging() {
     // The packing threads are free again.
     let done = std::sync::atomic::AtomicUsize::new(0);
     run(
-        &d,
+        d.core(),
         &groups,
         8 << 20,
         2,
@@ -666,7 +658,7 @@ fn a_panic_while_opening_a_chunk_reaches_the_caller_without_hanging() {
 
 #[test]
 fn a_call_from_a_packing_thread_runs_on_it_alone_in_chunk_order() {
-    use super::pipeline::{Step, run};
+    use crate::engine::pipeline::{Step, run};
     let d = device(Config { pack_threads: 1, ..Config::default() });
     let groups = big_groups(3);
     let log = std::sync::Mutex::new(Vec::new());
@@ -675,7 +667,7 @@ fn a_call_from_a_packing_thread_runs_on_it_alone_in_chunk_order() {
         .packers()
         .install(|| {
             run(
-                &d,
+                d.core(),
                 &groups,
                 6 << 20,
                 3,
@@ -695,7 +687,7 @@ fn a_call_from_a_packing_thread_runs_on_it_alone_in_chunk_order() {
 
 #[test]
 fn chunks_put_off_open_after_the_next_move_and_everything_runs_once() {
-    use super::pipeline::{Step, run};
+    use crate::engine::pipeline::{Step, run};
     let d = device(Config { pack_threads: 4, ..Config::default() });
     let groups = big_groups(6);
     let done = std::sync::atomic::AtomicUsize::new(0);
@@ -703,7 +695,7 @@ fn chunks_put_off_open_after_the_next_move_and_everything_runs_once() {
     let mut steps = Vec::new();
     let mut moved = 0;
     run(
-        &d,
+        d.core(),
         &groups,
         12 << 20,
         4,
@@ -739,14 +731,14 @@ fn chunks_put_off_open_after_the_next_move_and_everything_runs_once() {
 
 #[test]
 fn packing_threads_sleep_through_a_long_wait_for_a_chunk_and_wake_to_finish() {
-    use super::pipeline::{SLEEPS, Step, run};
+    use crate::engine::pipeline::{SLEEPS, Step, run};
     use std::sync::atomic::{AtomicUsize, Ordering};
     let d = device(Config { pack_threads: 4, ..Config::default() });
     let groups = big_groups(3);
     let before = SLEEPS.load(Ordering::Relaxed);
     let done = AtomicUsize::new(0);
     run(
-        &d,
+        d.core(),
         &groups,
         6 << 20,
         3,
@@ -785,12 +777,12 @@ fn one_packing_thread_packs_on_the_calling_thread() {
     // A pool of one thread runs nothing in parallel (and the fallback pool of one, on the
     // thread that built it, would never run another thread's jobs): the serial path.
     let d = device(Config { pack_threads: 1, ..Config::default() });
-    let runs = || super::pipeline::PARALLEL_RUNS.with(|n| n.get());
+    let runs = || crate::engine::pipeline::PARALLEL_RUNS.with(|n| n.get());
     let groups = big_groups(2);
     let before = runs();
     let done = std::sync::atomic::AtomicUsize::new(0);
-    super::pipeline::run(
-        &d,
+    crate::engine::pipeline::run(
+        d.core(),
         &groups,
         4 << 20,
         2,

@@ -5,7 +5,7 @@
 //! view, on the calling thread; for thousands of small copies that costs as much as moving
 //! them. A runtime that moves the same ranges every step (a layer's slices, a table's rows,
 //! a simulator's cells) prepares them once: for ranges in order and apart
-//! ([`super::Apart`]), the set takes a pinned region of its own for the bytes and writes
+//! ([`Apart`](crate::plan::route::Apart)), the set takes a pinned region of its own for the bytes and writes
 //! every descriptor once, into a device buffer of its own. An upload then only copies the
 //! bytes in, on the packing threads, and launches one kernel a chunk, which reads them over
 //! the bus; a readback only launches, the kernel writing the bytes into the set's region,
@@ -16,16 +16,19 @@
 
 use std::sync::Arc;
 
-use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, Span, cut_apart, in_order_chunk};
+use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
+use crate::engine::Exec;
+use crate::engine::pipeline::{self, Groups, Step};
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::CopyDescriptor;
 use crate::plan::ReadView;
+use crate::plan::route::{
+    FIRST_CHUNK, IN_ORDER_MIN, PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, growing, in_order_chunk,
+};
 use crate::stream::{Fence, LaneKind};
-use crate::telemetry::Moves;
 use crate::transfer::{PendingReadback, Slot};
 
 /// A set of upload ranges checked and laid out once ([`Device::prepare_uploads`]), uploaded
@@ -60,7 +63,7 @@ pub struct PreparedReadbacks {
 /// pinned region of the set's own, and one descriptor a range in a device buffer of the
 /// set's own, written once (chunk `k`'s table is the run of its ranges' descriptors). With
 /// the table in device memory the kernel fetches each descriptor without a trip over the
-/// bus (on the H200, 8192 copies of 256 bytes: 55 against 63 to 65 µs a launch).
+/// bus, which measured faster for small copies (BENCHMARKS.md).
 struct Layout {
     /// The device, which frees the table when the layout goes.
     device: Device,
@@ -179,26 +182,21 @@ impl Layout {
         let mut first_error = None;
         let mut keys = Vec::with_capacity(ranges.len());
         for &(buffer, offset, len) in ranges {
-            keys.push(table.check(device, buffer, offset, len, &mut first_error)?.0);
+            keys.push(table.check(device.core(), buffer, offset, len, &mut first_error)?.0);
         }
         let apart = &table.apart;
-        if ranges.len() < super::IN_ORDER_MIN
+        if ranges.len() < IN_ORDER_MIN
             || apart.broken
             || apart.longest >= device.config().direct_threshold
             || !device.small_copies_over_bus()
         {
             return Ok(None);
         }
-        let depth = if kind == LaneKind::Upload { super::PIPELINE_DEPTH } else { super::READ_DEPTH };
+        let depth = if kind == LaneKind::Upload { PIPELINE_DEPTH } else { READ_DEPTH };
         let chunk_bytes = in_order_chunk(device.config().chunk_bytes, apart.requested, depth);
         let mut spans = Vec::new();
         if kind == LaneKind::Upload {
-            cut_apart(
-                &apart.offsets,
-                |i| ranges[i].2,
-                super::growing(super::FIRST_CHUNK, chunk_bytes),
-                &mut spans,
-            );
+            cut_apart(&apart.offsets, |i| ranges[i].2, growing(FIRST_CHUNK, chunk_bytes), &mut spans);
         } else {
             cut_apart(&apart.offsets, |i| ranges[i].2, |_| chunk_bytes, &mut spans);
         }
@@ -269,46 +267,28 @@ impl Layout {
         (views.into(), chunks)
     }
 
-    /// Claims the buffers for `chunks` submissions on `lane_batch`: the last one's sequence.
-    fn claim(
-        &self,
-        device: &Device,
-        lane_batch: &crate::stream::LaneBatch<'_>,
-        kind: LaneKind,
-    ) -> Result<u64> {
-        device.claim(lane_batch, kind, self.buffers.iter().copied(), self.spans.len() as u64)
+    /// Claims the buffers for one submission a chunk: the last one's sequence. Counts what
+    /// a move of the set costs beyond its launches: the payload over the bus.
+    fn claim(&self, exec: &mut Exec<'_>) -> Result<u64> {
+        let final_seq = exec.claim(self.buffers.iter().copied(), self.spans.len() as u64)?;
+        exec.requested(self.requested);
+        exec.moved(self.requested);
+        Ok(final_seq)
     }
 
     /// Enqueues chunk `k`'s launch, which keeps the region alive until it completes.
-    fn launch(
-        &self,
-        lane_batch: &crate::stream::LaneBatch<'_>,
-        kernels: &crate::kernels::Kernels,
-        k: usize,
-    ) -> Result<u64> {
+    fn launch(&self, exec: &mut Exec<'_>, kernels: &crate::kernels::Kernels, k: usize) -> Result<u64> {
         let span = &self.spans[k];
         let table = self.table_ptr + (span.requests.start * size_of::<CopyDescriptor>()) as u64;
         let count = span.requests.len() as u64;
-        lane_batch.submit(vec![Arc::clone(&self.lease)], |raw, stream, _| {
+        exec.submit(vec![Arc::clone(&self.lease)], |q| {
             // SAFETY: the table is the set's device buffer (live and marked: claimed with the
             // ranges' buffers); the host side of every copy lies in the set's pinned region,
             // which this submission keeps alive and the device reaches (unified addressing);
             // the device side of each is a range of a live, marked buffer, and the ranges are
             // disjoint (in order and apart).
-            unsafe { kernels.copy_over_bus(raw, stream, table, count) }
+            unsafe { q.launch_over_bus(kernels, table, count, 0) }
         })
-    }
-
-    /// What a move of the set costs: one launch a chunk, the payload over the bus.
-    fn moves(&self) -> Moves {
-        let chunks = self.spans.len() as u64;
-        Moves {
-            submissions: chunks,
-            requested: self.requested,
-            moved: self.requested,
-            dmas: 0,
-            launches: chunks,
-        }
     }
 }
 
@@ -380,12 +360,12 @@ impl PreparedUploads {
             // (`get_mut` also orders this after the release of every other holder).
             if Arc::get_mut(&mut layout.lease).is_some() {
                 let (layout, groups) = (&*layout, &*groups);
-                let lane_batch = lane.batch();
-                let kernels = core.kernels()?;
+                let mut exec = Exec::begin(core, LaneKind::Upload);
+                let kernels = exec.kernels()?;
                 let base = layout.lease.as_ptr() as usize;
                 let mut final_seq = None;
                 let moved = pipeline::run(
-                    device,
+                    core,
                     groups,
                     layout.requested as usize,
                     layout.spans.len(),
@@ -393,11 +373,11 @@ impl PreparedUploads {
                         // The buffers are claimed while the packing threads wake, before any
                         // byte is copied or anything enqueued.
                         Step::Open(0) => {
-                            final_seq = Some(layout.claim(device, &lane_batch, LaneKind::Upload)?);
+                            final_seq = Some(layout.claim(&mut exec)?);
                             Ok(true)
                         }
                         Step::Open(_) => Ok(true),
-                        Step::Done(k) => layout.launch(&lane_batch, kernels, k).map(|_| true),
+                        Step::Done(k) => layout.launch(&mut exec, kernels, k).map(|_| true),
                     },
                     |_, items| {
                         for i in items {
@@ -420,9 +400,8 @@ impl PreparedUploads {
                     self.last_seq = final_seq;
                 }
                 moved?;
-                let final_seq = final_seq.expect("chunk 0 opened: the run succeeded");
-                core.telemetry.record(LaneKind::Upload, layout.moves());
-                return Ok(Fence::new(device.core().lanes.clone(), LaneKind::Upload, final_seq));
+                debug_assert!(final_seq.is_some(), "chunk 0 opened: the run succeeded");
+                return Ok(exec.finish());
             }
         }
         let mut batch = device.uploads();
@@ -481,18 +460,16 @@ impl PreparedReadbacks {
             // after the release of every other holder, which may have read its views).
             if Arc::get_mut(&mut layout.lease).is_some() {
                 let layout = &*layout;
-                let lane_batch = lane.batch();
-                let first_seq = lane_batch.next_seq();
-                let final_seq = layout.claim(device, &lane_batch, LaneKind::Readback)?;
-                let kernels = core.kernels()?;
+                let mut exec = Exec::begin(core, LaneKind::Readback);
+                layout.claim(&mut exec)?;
+                let first_seq = exec.first_seq();
+                let kernels = exec.kernels()?;
                 for k in 0..layout.spans.len() {
-                    layout.launch(&lane_batch, kernels, k)?;
+                    layout.launch(&mut exec, kernels, k)?;
                 }
-                core.telemetry.record(LaneKind::Readback, layout.moves());
-                drop(lane_batch);
                 return Ok(PendingReadback::prepared(
                     device.clone(),
-                    Fence::new(device.core().lanes.clone(), LaneKind::Readback, final_seq),
+                    exec.finish(),
                     first_seq,
                     Arc::clone(&layout.lease),
                     (self.id, Arc::clone(views)),
@@ -523,6 +500,11 @@ impl PreparedReadbacks {
     /// [`Error::LengthMismatch`] unless there is one vector per range (nothing enqueued);
     /// those of [`PreparedReadbacks::submit`] and [`PendingReadback::wait_into`].
     pub fn read_into(&mut self, out: &mut [Vec<u8>]) -> Result<()> {
+        self.read_into_as(out).map(drop)
+    }
+
+    /// [`PreparedReadbacks::read_into`]; returns the route the reads took.
+    pub(crate) fn read_into_as(&mut self, out: &mut [Vec<u8>]) -> Result<Route> {
         if out.len() != self.ranges.len() {
             return Err(Error::LengthMismatch {
                 what: "prepared ranges and output vectors",
@@ -533,9 +515,10 @@ impl PreparedReadbacks {
         if self.fast.is_none() {
             // A batch each time: one that streams through the pinned pool goes straight into
             // the vectors.
-            return self.as_batch()?.submit_into(out);
+            return self.as_batch()?.submit_into_as(out, true);
         }
         let pending = self.submit()?;
-        pending.wait_into(&self.slots, out).map(drop)
+        let route = pending.route;
+        pending.wait_into(&self.slots, out).map(|_| route)
     }
 }

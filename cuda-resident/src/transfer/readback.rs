@@ -8,17 +8,22 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, Piece, Span, cut_apart};
+use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
+use crate::engine::host::Piece;
+use crate::engine::pipeline::{self, Groups, Step};
+use crate::engine::staging::DeviceStaging;
+use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
+use crate::plan::route::{
+    self, PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, in_order_chunk, pipeline_chunk,
+};
 use crate::plan::{PlanConfig, ReadRequest, ReadView};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
-use crate::telemetry::{Moves, Telemetry};
 
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
@@ -94,6 +99,8 @@ pub struct PendingReadback {
     readback: Readback,
     /// The sequence number of the first chunk's submission (chunk `k` is `first_seq + k`).
     first_seq: u64,
+    /// The route the batch took.
+    pub(crate) route: Route,
 }
 
 /// Completed reads: views into pinned staging, valid while this value lives. Dropping it
@@ -133,7 +140,7 @@ pub struct Readback {
 impl Drop for ReadbackBatch<'_> {
     fn drop(&mut self) {
         use std::mem::take;
-        self.device.core().readback_parts.give((take(&mut self.table), take(&mut self.reads)));
+        self.device.core().spares.readback.give((take(&mut self.table), take(&mut self.reads)));
     }
 }
 
@@ -157,13 +164,13 @@ impl std::ops::Deref for Views {
 impl Drop for Readback {
     fn drop(&mut self) {
         if let (Some(device), Views::Pooled(views)) = (&self.device, &mut self.views) {
-            device.core().readback_views.give(std::mem::take(views));
+            device.core().spares.views.give(std::mem::take(views));
         }
         // A streamed readback's host memory goes to the next one, the larger of two kept.
         if let Some(device) = &self.device
             && !self.host.is_empty()
         {
-            let mut spare = lock(&device.core().streamed_host);
+            let mut spare = lock(&device.core().spares.streamed_host);
             if spare.len() < self.host.len() {
                 *spare = std::mem::take(&mut self.host);
             }
@@ -198,6 +205,7 @@ impl PendingReadback {
                 in_order_bytes: bytes,
             },
             first_seq,
+            route: Route::InOrder,
         }
     }
 }
@@ -217,7 +225,7 @@ impl Device {
     /// A batch whose slots and readback carry the identity `id` (a prepared set's, so that
     /// the set's slots redeem the readbacks it moves as batches).
     pub(crate) fn readbacks_as(&self, id: u64) -> ReadbackBatch<'_> {
-        let (table, reads) = self.core().readback_parts.take();
+        let (table, reads) = self.core().spares.readback.take();
         ReadbackBatch { device: self, table, reads, error: None, id }
     }
 }
@@ -235,7 +243,7 @@ impl ReadbackBatch<'_> {
             self.error.get_or_insert_with(|| e.clone());
             return Err(e);
         }
-        let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
+        let (key, buffer_len) = self.table.check(self.device.core(), buffer, offset, len, &mut self.error)?;
         let slot = Slot::nth(self.id, self.reads.len());
         self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(slot)
@@ -302,12 +310,13 @@ impl ReadbackBatch<'_> {
     /// [`Error::LengthMismatch`] (nothing moved) unless `out` has one vector per read; else
     /// as [`ReadbackBatch::submit`].
     pub fn submit_into(self, out: &mut [Vec<u8>]) -> Result<()> {
-        self.submit_into_as(out, true)
+        self.submit_into_as(out, true).map(drop)
     }
 
     /// [`ReadbackBatch::submit_into`]; without `pipelined`, a wait and then a copy of each
-    /// read (for batches whose vectors the caller does not keep).
-    pub(crate) fn submit_into_as(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<()> {
+    /// read (for batches whose vectors the caller does not keep). Returns the route the
+    /// batch took.
+    pub(crate) fn submit_into_as(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<Route> {
         if out.len() != self.reads.len() {
             return Err(Error::LengthMismatch {
                 what: "reads and output vectors",
@@ -320,19 +329,20 @@ impl ReadbackBatch<'_> {
         }
         let mut sink = Some(&mut *out);
         let pending = execute(&self, &mut sink)?;
+        let route = pending.route;
         if sink.is_none() {
             // Streamed into the vectors.
-            return Ok(());
+            return Ok(route);
         }
         let slots = (0..out.len()).map(|i| Slot::nth(self.id, i));
         if pipelined {
-            return pending.wait_into(&slots.collect::<Vec<_>>(), out).map(drop);
+            return pending.wait_into(&slots.collect::<Vec<_>>(), out).map(|_| route);
         }
         let done = pending.wait()?;
         for (slot, vec) in slots.zip(out.iter_mut()) {
             done.copy_into(slot, vec);
         }
-        Ok(())
+        Ok(route)
     }
 }
 
@@ -403,7 +413,7 @@ impl PendingReadback {
         let lane = device.core().lane(LaneKind::Readback);
         let first_seq = self.first_seq;
         pipeline::run(
-            &device,
+            device.core(),
             &groups,
             total,
             chunks,
@@ -468,7 +478,7 @@ impl PendingReadback {
             }
         };
         let run = pipeline::run(
-            device,
+            device.core(),
             &groups,
             total,
             chunks,
@@ -582,7 +592,7 @@ impl Readback {
         }
         // SAFETY: each destination is a distinct vector's spare capacity of at least its
         // source's length; sources are views of landed reads.
-        unsafe { Piece::copy_out_all(device, &pieces) };
+        unsafe { Piece::copy_out_all(device.core(), &pieces) };
         // SAFETY: the copies above ran.
         unsafe { self.set_lengths(slots, out) };
         Ok(())
@@ -641,25 +651,30 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     let core = device.core();
     let config = device.config();
     let apart = &batch.table.apart;
-    let in_order = batch.reads.len() >= super::IN_ORDER_MIN && !apart.broken;
+    let in_order = batch.reads.len() >= route::IN_ORDER_MIN && !apart.broken;
     let total: u64 = if in_order { apart.requested } else { batch.reads.iter().map(|r| r.len).sum() };
-    let chunk_bytes = super::pipeline_chunk(config.chunk_bytes, total, super::PIPELINE_DEPTH);
+    let chunk_bytes = pipeline_chunk(config.chunk_bytes, total, PIPELINE_DEPTH);
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
-    let lane = core.lane(LaneKind::Readback);
-    let lane_batch = lane.batch();
+    let mut exec = Exec::begin(core, LaneKind::Readback);
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
-    if in_order && apart.longest < plan_config.direct_threshold {
-        let chunk = super::in_order_chunk(
+    let route = route::readback_route(batch.reads.len(), apart, plan_config.direct_threshold);
+    if route == Route::InOrder {
+        let chunk = in_order_chunk(
             config.chunk_bytes,
             total,
-            if device.small_copies_over_bus() { super::READ_DEPTH } else { super::PIPELINE_DEPTH },
+            if device.small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH },
         );
-        return match execute_in_order(batch, chunk, &lane_batch, scratch) {
+        // Held staging: the readback's views keep it after the copy. The lease holds the
+        // flat packed bytes, then the chunks' tables: one descriptor a read.
+        let len = apart.end.next_multiple_of(256) as usize + batch.reads.len() * size_of::<CopyDescriptor>();
+        return match device.acquire_held_staging(len) {
+            // Listed: the caller can reach its views.
+            Ok(lease) => execute_in_order(batch, chunk, exec, scratch, lease.into_listed()),
             // Refused before anything was enqueued: the batch streams instead.
-            Err(e) if e.is_staging_refusal() => execute_streamed(batch, &lane_batch, scratch, sink.take()),
-            done => done,
+            Err(e) if e.is_staging_refusal() => execute_streamed(batch, exec, scratch, sink.take()),
+            Err(e) => Err(e),
         };
     }
     scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
@@ -679,6 +694,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
                 in_order_bytes: 0,
             },
             first_seq: 0,
+            route: Route::Planned,
         });
     }
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
@@ -696,28 +712,27 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         Ok(lease) => lease.into_listed(),
         // Nothing enqueued yet: the batch streams instead.
         Err(e) if e.is_staging_refusal() => {
-            return execute_streamed(batch, &lane_batch, scratch, sink.take());
+            return execute_streamed(batch, exec, scratch, sink.take());
         }
         Err(e) => return Err(e),
     };
     let base = lease.as_ptr();
 
-    let first_seq = lane_batch.next_seq();
-    let final_seq =
-        device.claim(&lane_batch, LaneKind::Readback, batch.table.buffers(), plan.chunks.len() as u64)?;
+    let final_seq = exec.claim(batch.table.buffers(), plan.chunks.len() as u64)?;
+    exec.requested(plan.requested_bytes);
 
-    let kernels = if areas.iter().any(|&a| a > 0) { Some(core.kernels()?) } else { None };
+    let kernels = if areas.iter().any(|&a| a > 0) { Some(exec.kernels()?) } else { None };
     let device_need =
         plan.chunks.iter().zip(&areas).filter(|(_, a)| **a > 0).map(|(c, a)| a + c.packed_len).max();
     let dev = match device_need {
-        Some(need) => scratch.region.ensure(device, LaneKind::Readback, need, first_seq - 1)?,
+        Some(need) => exec.region(&mut scratch.region, need)?,
         None => 0,
     };
     let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
     // SAFETY: flat offsets of the plan lie inside the lease's staging part.
     let staged = |flat: u64| unsafe { base.add((tables + flat) as usize) };
 
-    let (mut table_at, mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64, 0u64);
+    let mut table_at = 0u64;
     for (chunk, &area) in plan.chunks.iter().zip(&areas) {
         let table = table_at;
         table_at += area;
@@ -740,30 +755,17 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         let count = scratch.descriptors.len() as u64;
         let places =
             ChunkPlaces { table: base.wrapping_add(table as usize), area, count, dev, staged: &staged };
-        lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+        exec.submit(vec![Arc::clone(&lease)], |q| {
             // SAFETY: the table and the chunk's staging lie in the lease, kept alive by this
             // submission; device staging holds area + packed_len bytes; sources are live,
             // marked buffers.
-            unsafe { enqueue_planned(raw, stream, chunk, &places, kernels, &ptr_of) }
+            unsafe { enqueue_planned(q, chunk, &places, kernels, &ptr_of) }
         })?;
-        let (d, l, m) = planned_moves(chunk, area);
-        (dmas, launches, moved) = (dmas + d, launches + l, moved + m);
     }
-    core.telemetry.record(
-        LaneKind::Readback,
-        Moves {
-            submissions: plan.chunks.len() as u64,
-            requested: plan.requested_bytes,
-            moved,
-            dmas,
-            launches,
-        },
-    );
-    let mut views = core.readback_views.take();
+    let mut views = core.spares.views.take();
     views.extend_from_slice(&plan.views);
-    drop(lane_batch);
     Ok(PendingReadback {
-        fence: Fence::new(device.core().lanes.clone(), LaneKind::Readback, final_seq),
+        fence: exec.finish(),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,
@@ -775,6 +777,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             in_order_bytes: 0,
         },
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
+        route: Route::Planned,
     })
 }
 
@@ -798,8 +801,7 @@ struct ChunkPlaces<'a> {
 /// completes; device staging at `dev` holds `area + packed_len` bytes; `ptr_of` gives live
 /// buffers (marked for this work) whose ranges the chunk reads.
 unsafe fn enqueue_planned(
-    raw: &crate::raw::Raw,
-    stream: cuda_sys::CUstream,
+    q: &mut Enqueue<'_>,
     chunk: &crate::plan::ReadbackChunk,
     at: &ChunkPlaces<'_>,
     kernels: Option<&crate::kernels::Kernels>,
@@ -808,63 +810,27 @@ unsafe fn enqueue_planned(
     if at.area > 0 {
         // SAFETY: the table is pinned and stays alive (the caller's promise); device staging
         // holds area + packed_len bytes.
-        unsafe { raw.memcpy_htod_async(at.dev, at.table, at.area as usize, stream) }?;
+        unsafe { q.htod(at.dev, at.table, at.area as usize) }?;
         let kernels = kernels.expect("loaded when a chunk uses it");
         // SAFETY: sources are live, marked buffers; destinations are disjoint ranges of device
         // staging.
-        unsafe { kernels.copy(raw, stream, at.dev, at.count) }?;
+        unsafe { q.launch(kernels, at.dev, at.count, 0) }?;
         // SAFETY: the packed region of this chunk lies in its staging.
-        unsafe {
-            raw.memcpy_dtoh_async(
-                (at.staged)(chunk.packed_offset),
-                at.dev + at.area,
-                chunk.packed_len as usize,
-                stream,
-            )
-        }?;
+        unsafe { q.dtoh((at.staged)(chunk.packed_offset), at.dev + at.area, chunk.packed_len as usize) }?;
     }
     // Packed ranges without the kernel, and direct ones: one DMA each.
     let singles = if at.area > 0 { &chunk.packed[..0] } else { &chunk.packed[..] };
     for c in singles.iter().chain(&chunk.direct) {
         // SAFETY: a range of a live, marked buffer into the chunk's staging.
-        unsafe {
-            raw.memcpy_dtoh_async(
-                (at.staged)(c.stage_offset),
-                ptr_of(c.buffer) + c.buffer_offset,
-                c.len as usize,
-                stream,
-            )
-        }?;
+        unsafe { q.dtoh((at.staged)(c.stage_offset), ptr_of(c.buffer) + c.buffer_offset, c.len as usize) }?;
     }
     Ok(())
-}
-
-/// What [`enqueue_planned`] moves for a chunk: `(dmas, launches, bytes over the bus)`.
-fn planned_moves(chunk: &crate::plan::ReadbackChunk, area: u64) -> (u64, u64, u64) {
-    let direct: u64 = chunk.direct.iter().map(|c| c.len).sum();
-    if area > 0 {
-        (2 + chunk.direct.len() as u64, 1, area + chunk.packed_len + direct)
-    } else {
-        (
-            (chunk.packed.len() + chunk.direct.len()) as u64,
-            0,
-            chunk.packed.iter().map(|c| c.len).sum::<u64>() + direct,
-        )
-    }
-}
-
-#[cfg(test)]
-thread_local! {
-    /// Batches this thread moved by [`execute_streamed`].
-    pub(crate) static STREAMED_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    /// Of those, batches streamed straight into the caller's vectors.
-    pub(crate) static STREAMED_INTO_VECTORS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// A batch whose staging the pool cannot lend at once: planned in chunks of half the
 /// configured chunk (a chunk's lease, its bytes plus a descriptor table of up to 1.5 times
 /// them for the smallest reads, then stays within the cap, which holds two configured
-/// chunks), moved through a ring of such leases (up to [`super::RING`], as many as the pool
+/// chunks), moved through a ring of such leases (up to [`crate::plan::route::RING`], as many as the pool
 /// gives), each chunk copied into one ordinary host allocation as soon as it has landed,
 /// its lease then reused by a later chunk. Returns once every chunk has landed and been
 /// copied out; the readback's views point into the host allocation.
@@ -874,16 +840,13 @@ thread_local! {
 /// returned then has no views (the bytes are in `out`; on error every vector is empty).
 fn execute_streamed(
     batch: &ReadbackBatch<'_>,
-    lane_batch: &crate::stream::LaneBatch<'_>,
+    mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
     mut out: Option<&mut [Vec<u8>]>,
 ) -> Result<PendingReadback> {
-    #[cfg(test)]
-    STREAMED_BATCHES.with(|n| n.set(n.get() + 1));
     let device = batch.device;
     let core = device.core();
     let config = device.config();
-    let lane = core.lane(LaneKind::Readback);
     let chunk_bytes = config.chunk_bytes / 2;
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
@@ -903,8 +866,6 @@ fn execute_streamed(
     let mut dsts = Vec::new();
     let mut order = Vec::new();
     if let Some(out) = out.as_deref_mut() {
-        #[cfg(test)]
-        STREAMED_INTO_VECTORS.with(|n| n.set(n.get() + 1));
         for (vec, view) in out.iter_mut().zip(views) {
             vec.clear();
             // A batch that streams may be larger than host memory: an error, not an abort
@@ -922,31 +883,22 @@ fn execute_streamed(
     // Reads with bytes in the chunk being copied out, and the next read of `order`.
     let (mut active, mut next) = (Vec::new(), 0);
     let chunks = plan.chunks.len();
-    // The ring is taken before anything is enqueued: the first lease waits for room as any
-    // staging does, the others take only what is free.
-    let most = chunks.min(super::RING).min(core.pinned.leases_within_cap(ring_bytes as u64)).max(1);
-    let mut ring = vec![Arc::new(device.acquire_staging(ring_bytes)?)];
-    while ring.len() < most {
-        match core.pinned.try_acquire(ring_bytes)? {
-            Some(lease) => ring.push(Arc::new(lease)),
-            None => break,
-        }
-    }
-    let first_seq = lane_batch.next_seq();
-    let final_seq = device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), chunks as u64)?;
+    // The ring is taken before anything is enqueued.
+    let ring = exec.ring(ring_bytes, chunks.min(crate::plan::route::RING))?;
+    exec.claim(batch.table.buffers(), chunks as u64)?;
+    exec.requested(plan.requested_bytes);
+    let first_seq = exec.first_seq();
     let device_need = plan.chunks.iter().filter(|c| area_of(c) > 0).map(|c| area_of(c) + c.packed_len).max();
-    let kernels = if device_need.is_some() { Some(core.kernels()?) } else { None };
+    let kernels = if device_need.is_some() { Some(exec.kernels()?) } else { None };
     let dev = match device_need {
-        Some(need) => region.ensure(device, LaneKind::Readback, need, first_seq - 1)?,
+        Some(need) => exec.region(region, need)?,
         None => 0,
     };
     let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
     // Waits for chunk `k` (submission `seqs[k]`) and copies its staging out of its lease
     // into the host allocation, on the packing threads.
     let mut unpack = |k: usize, seqs: &[u64], host: &mut [u8]| -> Result<()> {
-        if lane.wait(seqs[k])? {
-            Telemetry::add(&core.telemetry.host_waits, 1);
-        }
+        crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
         let chunk = &plan.chunks[k];
         pieces.clear();
         // SAFETY: the lease holds `room + chunk_capacity >= room + staging_len` bytes.
@@ -981,11 +933,10 @@ fn execute_streamed(
         // SAFETY: the chunk's DMAs completed (waited above); the lease and the host
         // allocation (or the caller's vectors, each its own) are disjoint and hold these
         // bytes; no two destinations overlap.
-        unsafe { Piece::copy_out_all(device, pieces) };
+        unsafe { Piece::copy_out_all(core, pieces) };
         Ok(())
     };
     let mut seqs = Vec::with_capacity(chunks);
-    let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
     for (k, chunk) in plan.chunks.iter().enumerate() {
         if k >= ring.len() {
             // The lease this chunk takes is free once the chunk before it there is out.
@@ -1009,14 +960,12 @@ fn execute_streamed(
         }
         let count = descriptors.len() as u64;
         let places = ChunkPlaces { table: base, area, count, dev, staged: &staged };
-        seqs.push(lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+        seqs.push(exec.submit(vec![Arc::clone(lease)], |q| {
             // SAFETY: the table and the chunk's staging lie in the lease, kept alive by this
             // submission (the chunk that used it before was waited for and copied out);
             // device staging holds area + packed_len bytes; sources are live, marked buffers.
-            unsafe { enqueue_planned(raw, stream, chunk, &places, kernels, &ptr_of) }
+            unsafe { enqueue_planned(q, chunk, &places, kernels, &ptr_of) }
         })?);
-        let (d, l, m) = planned_moves(chunk, area);
-        (dmas, launches, moved) = (dmas + d, launches + l, moved + m);
     }
     for k in chunks.saturating_sub(ring.len())..chunks {
         unpack(k, &seqs, &mut host)?;
@@ -1028,16 +977,12 @@ fn execute_streamed(
             unsafe { vec.set_len(view.len as usize) };
         }
     }
-    core.telemetry.record(
-        LaneKind::Readback,
-        Moves { submissions: chunks as u64, requested: plan.requested_bytes, moved, dmas, launches },
-    );
-    let mut views = core.readback_views.take();
+    let mut views = core.spares.views.take();
     if out.is_none() {
         views.extend_from_slice(&plan.views);
     }
     Ok(PendingReadback {
-        fence: Fence::new(device.core().lanes.clone(), LaneKind::Readback, final_seq),
+        fence: exec.finish(),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,
@@ -1049,6 +994,7 @@ fn execute_streamed(
             in_order_bytes: 0,
         },
         first_seq,
+        route: if out.is_some() { Route::StreamedInto } else { Route::Streamed },
     })
 }
 
@@ -1056,13 +1002,13 @@ fn execute_streamed(
 /// device, when it is large enough (its bytes are initialised: those of an earlier readback,
 /// all overwritten where a view reads), else fresh zeroed memory.
 fn streamed_host(device: &Device, len: u64) -> Result<Vec<u8>> {
-    let spare = std::mem::take(&mut *lock(&device.core().streamed_host));
+    let spare = std::mem::take(&mut *lock(&device.core().spares.streamed_host));
     match usize::try_from(len) {
         Ok(n) if spare.len() >= n => Ok(spare),
         _ => {
             // Too small: freed before the new one is taken.
             drop(spare);
-            super::zeroed_vec(len)
+            crate::engine::host::zeroed_vec(len)
         }
     }
 }
@@ -1081,16 +1027,10 @@ impl SharedVecs {
     }
 }
 
-#[cfg(test)]
-thread_local! {
-    /// Batches this thread moved by [`execute_in_order`].
-    pub(crate) static IN_ORDER_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Reads in order and apart (each past the end of the earlier reads of its buffer, with a
+/// [`Route::InOrder`]: reads in order and apart (each past the end of the earlier reads of its buffer, with a
 /// gap: none overlap and none touch, so the planner would fuse none), none longer than a
 /// kernel segment: the common batch of many small reads, laid out as they were added
-/// ([`super::Apart`]), without the planner. The batch is cut into chunks (each with its
+/// ([`Apart`](crate::plan::route::Apart)), without the planner. The batch is cut into chunks (each with its
 /// descriptor table and packed bytes within `chunk_bytes`); then one pass over the reads
 /// writes each read's view and its descriptor, straight into the pinned lease, and each
 /// chunk moves by one launch as soon as its descriptors are written: the kernel reads the
@@ -1100,11 +1040,10 @@ thread_local! {
 fn execute_in_order(
     batch: &ReadbackBatch<'_>,
     chunk_bytes: u64,
-    lane_batch: &crate::stream::LaneBatch<'_>,
+    mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
+    lease: Arc<HostLease>,
 ) -> Result<PendingReadback> {
-    #[cfg(test)]
-    IN_ORDER_BATCHES.with(|n| n.set(n.get() + 1));
     let device = batch.device;
     let core = device.core();
     let (reads, apart) = (&batch.reads[..], &batch.table.apart);
@@ -1115,15 +1054,10 @@ fn execute_in_order(
     // The lease holds the flat packed bytes, then the chunks' tables: one descriptor a read,
     // in read order (chunk `k`'s table starts at its first read's).
     let tables = apart.end.next_multiple_of(256);
-    // Held staging: the readback's views keep it after the copy.
-    let lease = device
-        .acquire_held_staging(tables as usize + reads.len() * size_of::<CopyDescriptor>())?
-        .into_listed();
     let base = lease.as_ptr();
-    let first_seq = lane_batch.next_seq();
-    let final_seq =
-        device.claim(lane_batch, LaneKind::Readback, batch.table.buffers(), spans.len() as u64)?;
-    let kernels = core.kernels()?;
+    let final_seq = exec.claim(batch.table.buffers(), spans.len() as u64)?;
+    exec.requested(apart.requested);
+    let kernels = exec.kernels()?;
     // Where the kernel gathers to: the lease itself, or device staging (a chunk's packed
     // bytes, then its table).
     let table_in_staging = |span: &Span| span.len.next_multiple_of(256);
@@ -1135,14 +1069,13 @@ fn execute_in_order(
             .map(|span| table_in_staging(span) + table_bytes(span.requests.len() as u64))
             .max()
             .unwrap_or(0);
-        Some(region.ensure(device, LaneKind::Readback, need, first_seq - 1)?)
+        Some(exec.region(region, need)?)
     };
     let ptr_of = |r: &ReadRequest| batch.table.entries[r.buffer as usize].ptr + r.offset;
     let descriptors = base.wrapping_add(tables as usize).cast::<CopyDescriptor>();
-    let mut views = core.readback_views.take();
+    let mut views = core.spares.views.take();
     views.reserve(reads.len());
     let mut chunks = Vec::with_capacity(spans.len() + 1);
-    let mut staged_bytes = 0u64;
     for (chunk, span) in (0u32..).zip(spans.iter()) {
         chunks.push(span.requests.start);
         for i in span.requests.clone() {
@@ -1158,46 +1091,36 @@ fn execute_in_order(
             unsafe { descriptors.add(i).write(CopyDescriptor { src: ptr_of(r), dst, len: r.len }) };
         }
         let (table, count) = (descriptors.wrapping_add(span.requests.start), span.requests.len() as u64);
-        lane_batch.submit(vec![Arc::clone(&lease)], |raw, stream, _| {
+        let table_len = count as usize * size_of::<CopyDescriptor>();
+        exec.submit(vec![Arc::clone(&lease)], |q| {
             let Some(dev) = dev else {
+                // Over the bus the kernel reads the descriptors and writes the payload
+                // (counted once for the batch below), not the padding between packed reads
+                // that a DMA moves.
                 // SAFETY: the table and the destinations (each read's place in flat staging)
                 // are in the pinned lease, which this submission keeps alive and the device
                 // reaches (unified addressing); sources are disjoint ranges of live, marked
                 // buffers.
-                return unsafe { kernels.copy_over_bus(raw, stream, table as u64, count) };
+                return unsafe { q.launch_over_bus(kernels, table as u64, count, table_len as u64) };
             };
             let dev_table = dev + table_in_staging(span);
-            let table_len = count as usize * size_of::<CopyDescriptor>();
             // SAFETY: the table is pinned and stays alive (kept by this submission); device
             // staging holds the chunk's packed bytes and then its table.
-            unsafe { raw.memcpy_htod_async(dev_table, table.cast(), table_len, stream) }?;
+            unsafe { q.htod(dev_table, table.cast(), table_len) }?;
             // SAFETY: sources are disjoint ranges of live, marked buffers; destinations are
             // disjoint ranges of device staging.
-            unsafe { kernels.copy(raw, stream, dev_table, count) }?;
+            unsafe { q.launch(kernels, dev_table, count, 0) }?;
             // SAFETY: the chunk's packed bytes lie inside the lease.
-            unsafe { raw.memcpy_dtoh_async(base.add(span.start as usize), dev, span.len as usize, stream) }
+            unsafe { q.dtoh(base.add(span.start as usize), dev, span.len as usize) }
         })?;
-        // Through device staging: the table up and the packed bytes (padding included) down.
-        staged_bytes += count * size_of::<CopyDescriptor>() as u64 + span.len;
     }
     chunks.push(reads.len());
     let n = spans.len() as u64;
-    // Over the bus the kernel reads the descriptors and writes the payload, not the padding
-    // between packed reads that a DMA moves.
-    let over_bus = reads.len() as u64 * size_of::<CopyDescriptor>() as u64 + apart.requested;
-    let moved = if dev.is_some() { staged_bytes } else { over_bus };
-    core.telemetry.record(
-        LaneKind::Readback,
-        Moves {
-            submissions: n,
-            requested: apart.requested,
-            moved,
-            dmas: if dev.is_some() { 2 * n } else { 0 },
-            launches: n,
-        },
-    );
+    if dev.is_none() {
+        exec.moved(apart.requested);
+    }
     Ok(PendingReadback {
-        fence: Fence::new(device.core().lanes.clone(), LaneKind::Readback, final_seq),
+        fence: exec.finish(),
         readback: Readback {
             device: Some(device.clone()),
             batch: batch.id,
@@ -1209,5 +1132,6 @@ fn execute_in_order(
             in_order_bytes: apart.requested as usize,
         },
         first_seq: final_seq + 1 - n,
+        route: Route::InOrder,
     })
 }

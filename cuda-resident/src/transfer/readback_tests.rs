@@ -4,6 +4,8 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use crate::plan::route::Route;
+
 use crate::testing::model;
 use crate::testing::{Model, device, small_chunks};
 use crate::{Config, Device, Error};
@@ -191,10 +193,6 @@ fn tiny_pool() -> Config {
     }
 }
 
-fn streamed() -> usize {
-    super::readback::STREAMED_BATCHES.with(|n| n.get())
-}
-
 /// Reads `ranges` of `m` every way a batch offers (views, `wait_into`, `copy_all_into`,
 /// `copy_into`, the `download_*` helpers, a prepared set), outputs poisoned with garbage
 /// first, and compares every byte; checks that pinned staging is back to `lent` after.
@@ -213,10 +211,10 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
         }
     };
     // Views.
-    let before = streamed();
     let (reads, slots) = m.reads(d, ranges);
-    let done = reads.submit().unwrap().wait().unwrap();
-    assert!(streamed() > before, "{what}: the batch streamed");
+    let pending = reads.submit().unwrap();
+    assert_eq!(pending.route, Route::Streamed, "{what}: the batch streamed");
+    let done = pending.wait().unwrap();
     for (k, (&slot, w)) in slots.iter().zip(&want).enumerate() {
         assert!(done.get(slot) == *w, "{what}: view {k}");
     }
@@ -243,22 +241,28 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     reads.submit().unwrap().wait_into(&slots, &mut out).unwrap();
     same(&out, "wait_into");
     let bufs: Vec<_> = ranges.iter().map(|&(i, at, len)| (m.buffers[i], at as u64, len as u64)).collect();
-    let into = || super::readback::STREAMED_INTO_VECTORS.with(|n| n.get());
-    let before = into();
     same(&d.download_ranges(&bufs).unwrap(), "download_ranges");
     let mut out = poisoned();
     d.download_into(&bufs, &mut out).unwrap();
     same(&out, "download_into");
+    // The helpers' batch, as download_ranges (a copy of each read) and download_into
+    // (pipelined) move it.
+    for pipelined in [false, true] {
+        let mut out = poisoned();
+        let route = d.read_ranges_into(&bufs, &mut out, pipelined).unwrap();
+        assert_eq!(route, Route::StreamedInto, "{what}: the helpers streamed straight into the vectors");
+        same(&out, "the helpers' batch");
+    }
     let (reads, _) = m.reads(d, ranges);
     let mut out = poisoned();
-    reads.submit_into(&mut out).unwrap();
+    let route = reads.submit_into_as(&mut out, true).unwrap();
     same(&out, "submit_into");
-    assert_eq!(into(), before + 3, "{what}: the helpers streamed straight into the vectors");
+    assert_eq!(route, Route::StreamedInto, "{what}: submit_into streamed straight into the vectors");
     let mut set = d.prepare_readbacks(&bufs).unwrap();
     let mut out = poisoned();
-    set.read_into(&mut out).unwrap();
+    let route = set.read_into_as(&mut out).unwrap();
     same(&out, "a prepared set");
-    assert_eq!(into(), before + 4, "{what}: the prepared set streamed straight into the vectors");
+    assert_eq!(route, Route::StreamedInto, "{what}: the prepared set streamed straight into the vectors");
     let got = set.submit().unwrap().wait().unwrap();
     for (k, w) in want.iter().enumerate() {
         assert!(got.get(set.slot(k)) == *w, "{what}: prepared view {k}");
@@ -302,10 +306,12 @@ fn readback_batches_many_times_the_pinned_cap_stream_through_it_with_every_byte_
     let ragged: Vec<_> = (0..600).map(|_| m.range(&mut rng, 20_000)).collect();
     read_every_way(&d, &m, &ragged, "ragged reads");
     // Whole buffers, several times the cap.
-    let before = streamed();
     let all = d.download_many(&m.buffers).unwrap();
-    assert!(streamed() > before, "download_many streamed");
     assert!(all == m.expect, "download_many");
+    let mut all = vec![Vec::new(); m.buffers.len()];
+    let route = d.read_many_into(&m.buffers, &mut all).unwrap();
+    assert!(matches!(route, Route::Streamed | Route::StreamedInto), "download_many streamed");
+    assert!(all == m.expect, "download_many's batch");
     d.synchronize().unwrap();
     assert_eq!(d.telemetry().pinned.lent_bytes, 0);
 }

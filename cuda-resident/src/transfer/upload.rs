@@ -7,20 +7,24 @@ use std::sync::Arc;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::pipeline::{self, Groups, Step};
-use super::{BufferTable, DeviceStaging, Piece, Span, cut_apart, in_order_chunk};
+use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
+use crate::engine::Exec;
+use crate::engine::host::Piece;
+use crate::engine::host::Source;
+use crate::engine::pipeline::{self, Groups, Step};
+use crate::engine::spares::UploadParts;
+use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
+use crate::plan::route::{
+    self, FIRST_CHUNK, PIPELINE_DEPTH, RING, Route, Span, UploadShape, cut_apart, growing, in_order_chunk,
+};
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
-use crate::telemetry::{Moves, Telemetry};
-
-/// Chunks of one batch in flight at once; packing chunk `k` waits for chunk `k - RING`.
-pub(crate) const RING: usize = 4;
 
 /// A chunk with at most this many packed copies moves them by one DMA each, without the
 /// kernel: for a handful of copies, DMAs cost less than a launch.
@@ -28,15 +32,6 @@ const KERNEL_MIN_COPIES: usize = 3;
 
 /// `arena_used` of a lease that holds one large write and takes no more.
 const CLOSED: usize = usize::MAX;
-
-/// Where a write's bytes come from.
-#[derive(Clone, Copy)]
-pub(crate) enum Source<'a> {
-    /// The caller's slice.
-    Slice(&'a [u8]),
-    /// Written in place by `write_with`, into the batch's own pinned arena.
-    Arena { lease: u32, offset: usize },
-}
 
 /// A batch of host-to-device writes ([`Device::uploads`]). Writes apply in order: where
 /// two overlap, the later one wins. Nothing moves until [`UploadBatch::submit`].
@@ -60,26 +55,6 @@ pub struct UploadBatch<'a> {
     spare: Spare,
 }
 
-/// An upload batch's vectors, reused by the device's next batches.
-#[derive(Default)]
-pub(crate) struct UploadParts {
-    table: BufferTable,
-    writes: Vec<WriteRequest>,
-    sources: Vec<Source<'static>>,
-    arena_used: Vec<usize>,
-    arena_descriptors: Vec<u64>,
-}
-
-impl crate::recycle::Reusable for UploadParts {
-    fn clear(&mut self) {
-        self.table.clear();
-        self.writes.clear();
-        self.sources.clear();
-        self.arena_used.clear();
-        self.arena_descriptors.clear();
-    }
-}
-
 /// Hands a submitted batch's vectors back to its device when the batch goes. A field of its
 /// own, without the batch's lifetime: the batch itself has no `Drop`, so it may borrow data
 /// declared after it, as any struct of references.
@@ -93,7 +68,7 @@ impl Drop for Spare {
         // A batch dropped unsubmitted has nothing to hand back (and must not push out a
         // spare that has capacity).
         if self.parts.writes.capacity() > 0 {
-            self.device.core().upload_parts.give(std::mem::take(&mut self.parts));
+            self.device.core().spares.upload.give(std::mem::take(&mut self.parts));
         }
     }
 }
@@ -107,7 +82,7 @@ impl fmt::Debug for UploadBatch<'_> {
 impl Device {
     /// Starts a batch of uploads.
     pub fn uploads(&self) -> UploadBatch<'_> {
-        let parts = self.core().upload_parts.take();
+        let parts = self.core().spares.upload.take();
         UploadBatch {
             device: self,
             table: parts.table,
@@ -130,7 +105,7 @@ impl<'a> UploadBatch<'a> {
         if let Some(e @ Error::BatchPoisoned { .. }) = &self.error {
             return Err(e.clone());
         }
-        let (key, buffer_len) = self.table.check(self.device, buffer, offset, len, &mut self.error)?;
+        let (key, buffer_len) = self.table.check(self.device.core(), buffer, offset, len, &mut self.error)?;
         self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(())
     }
@@ -262,23 +237,40 @@ impl<'a> UploadBatch<'a> {
         submitted
     }
 
+    /// The route the batch takes, as its writes stand ([`route::upload_route`]).
+    pub(crate) fn route(&self) -> Route {
+        let single_slice = match (&self.writes[..], &self.sources[..]) {
+            ([write], [Source::Slice(_)]) => Some(write.len),
+            _ => None,
+        };
+        route::upload_route(&UploadShape {
+            writes: self.writes.len(),
+            single_slice,
+            in_place: !self.arena.is_empty(),
+            slice_writes: self.slice_writes,
+            apart: &self.table.apart,
+            direct_threshold: self.device.config().direct_threshold,
+        })
+    }
+
     fn submit_inner(&mut self) -> Result<Fence> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        if let ([write], [Source::Slice(data)]) = (&self.writes[..], &self.sources[..])
-            && write.len > 0
-            && write.len < self.device.config().direct_threshold
-        {
-            return execute_one(self.device, &self.table, write, data);
+        match self.route() {
+            Route::One => {
+                let ([write], [Source::Slice(data)]) = (&self.writes[..], &self.sources[..]) else {
+                    unreachable!("the route of one write from a slice")
+                };
+                execute_one(self.device, &self.table, write, data)
+            }
+            // Writes that fuse go to the planner.
+            Route::InPlace => match execute_in_place(self)? {
+                Some(fence) => Ok(fence),
+                None => execute(self, Route::Planned),
+            },
+            route => execute(self, route),
         }
-        if !self.arena.is_empty()
-            && self.slice_writes == 0
-            && let Some(fence) = execute_in_place(self)?
-        {
-            return Ok(fence);
-        }
-        execute(self)
     }
 }
 
@@ -299,26 +291,21 @@ impl Source<'_> {
 /// this thread and moved by one DMA, no planning. Larger single writes take the general
 /// path, which packs on the packing threads and pipelines chunks.
 fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data: &[u8]) -> Result<Fence> {
-    let core = device.core();
     let target = table.entries[write.buffer as usize];
     let mut lease = device.acquire_staging(data.len())?;
     // SAFETY: the lease is fresh (no copy uses it) and holds data.len() bytes.
     unsafe { lease.as_mut_slice() }.copy_from_slice(data);
     let lease = Arc::new(lease);
     let src = lease.as_ptr();
-    let lane = core.lane(LaneKind::Upload);
-    let batch = lane.batch();
-    device.claim(&batch, LaneKind::Upload, std::iter::once(target.buffer), 1)?;
-    let seq = batch.submit(vec![lease], |raw, stream, _| {
+    let mut exec = Exec::begin(device.core(), LaneKind::Upload);
+    exec.claim(std::iter::once(target.buffer), 1)?;
+    exec.requested(write.len);
+    exec.submit(vec![lease], |q| {
         // SAFETY: pinned staging kept alive by this submission, into a live, marked buffer
         // range checked when the write was added.
-        unsafe { raw.memcpy_htod_async(target.ptr + write.offset, src, data.len(), stream) }
+        unsafe { q.htod(target.ptr + write.offset, src, data.len()) }
     })?;
-    core.telemetry.record(
-        LaneKind::Upload,
-        Moves { submissions: 1, requested: write.len, moved: write.len, dmas: 1, ..Moves::default() },
-    );
-    Ok(Fence::new(device.core().lanes.clone(), LaneKind::Upload, seq))
+    Ok(exec.finish())
 }
 
 /// The in-place fast path: every write was made with `write_with` and no two fuse, so the
@@ -333,8 +320,7 @@ fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data:
 fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     let device = batch.device;
     let core = device.core();
-    let lane = core.lane(LaneKind::Upload);
-    let lane_batch = lane.batch();
+    let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
     let plan_config = PlanConfig {
@@ -376,20 +362,15 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     // A DMA, then a table and a launch, for each packed lease; a DMA for each own one.
     let submissions =
         (2 * packed.len() + (0..leases.len()).filter(|&i| own(i) && has_bytes(i)).count()) as u64;
-    let first_seq = lane_batch.next_seq();
-    let final_seq = device.claim(&lane_batch, LaneKind::Upload, batch.table.buffers(), submissions)?;
-    let dev = if packed_need > 0 {
-        scratch.region.ensure(device, LaneKind::Upload, regions * region_stride, first_seq - 1)?
-    } else {
-        0
-    };
-    let kernels = if packed_need > 0 { Some(core.kernels()?) } else { None };
+    exec.claim(batch.table.buffers(), submissions)?;
+    exec.requested(requested);
+    let dev = if packed_need > 0 { exec.region(&mut scratch.region, regions * region_stride)? } else { 0 };
+    let kernels = if packed_need > 0 { Some(exec.kernels()?) } else { None };
     let ptr_of = |w: usize| batch.table.entries[batch.writes[w].buffer as usize].ptr + batch.writes[w].offset;
     let offset_of = |w: usize| match batch.sources[w] {
         Source::Arena { offset, .. } => offset as u64,
         Source::Slice(_) => unreachable!("only arena writes take this path"),
     };
-    let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
     // Leases are opened in the order of the writes, so each lease's writes are a run of
     // consecutive writes: found by binary search, from where the last lease's run ended.
     let lease_of = |source: &Source<'_>| match *source {
@@ -409,13 +390,11 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         if own(i) {
             let w = run.start;
             let len = batch.writes[w].len as usize;
-            lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+            exec.submit(vec![Arc::clone(lease)], |q| {
                 // SAFETY: the write's bytes in its own pinned lease, kept alive by this
                 // submission, into a live, marked buffer.
-                unsafe { raw.memcpy_htod_async(ptr_of(w), base.add(offset_of(w) as usize), len, stream) }
+                unsafe { q.htod(ptr_of(w), base.add(offset_of(w) as usize), len) }
             })?;
-            dmas += 1;
-            moved += len as u64;
             continue;
         }
         let used = batch.arena_used[i];
@@ -423,12 +402,12 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         let region = dev + slot as u64 * region_stride;
         j += 1;
         // The region's previous lease is spread before its bytes are overwritten.
-        lane_batch.wait_side(slot)?;
-        lane_batch.submit(vec![Arc::clone(lease)], |raw, stream, _| {
+        exec.wait_side(slot)?;
+        exec.submit(vec![Arc::clone(lease)], |q| {
             // SAFETY: the lease's used bytes, kept alive by this submission, into a region of
             // device staging, which holds packed_need >= used bytes; the launches that read
             // the region before come before on this stream or were waited for just above.
-            unsafe { raw.memcpy_htod_async(region, base, used, stream) }
+            unsafe { q.htod(region, base, used) }
         })?;
         // Built while the bytes are on the wire.
         scratch.descriptors.clear();
@@ -436,7 +415,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
             push_descriptors(&mut scratch.descriptors, region + offset_of(w), ptr_of(w), batch.writes[w].len);
         }
         let (area, at) = (areas[i], region + table_at(i));
-        let table = Arc::new(device.acquire_staging(area as usize)?);
+        let table = Arc::new(exec.lease(area as usize)?);
         let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
         // The area was sized from the descriptors counted as the writes were added.
         assert!(bytes as u64 <= area, "descriptors counted at write_with match those built");
@@ -452,67 +431,55 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         // fuse); the region is not written again before the side work is waited for (above,
         // or by the last lease's join: device staging's next user comes after this batch).
         if last {
-            lane_batch.join_side()?;
-            lane_batch.submit(vec![Arc::clone(&table)], |raw, stream, _| {
+            exec.join_side()?;
+            exec.submit(vec![Arc::clone(&table)], |q| {
                 // SAFETY: the table lease is kept alive by this submission; the launch as above.
                 unsafe {
-                    raw.memcpy_htod_async(at, table.as_ptr(), area as usize, stream)?;
-                    kernels.copy(raw, stream, at, count)
+                    q.htod(at, table.as_ptr(), area as usize)?;
+                    q.launch(kernels, at, count, 0)
                 }
             })?;
         } else {
-            lane_batch.submit(vec![Arc::clone(&table)], |raw, stream, _| {
+            exec.submit(vec![Arc::clone(&table)], |q| {
                 // SAFETY: the table lease is kept alive by this submission, into the region.
-                unsafe { raw.memcpy_htod_async(at, table.as_ptr(), area as usize, stream) }
+                unsafe { q.htod(at, table.as_ptr(), area as usize) }
             })?;
-            lane_batch.submit_side(slot, |raw, side| {
+            exec.submit_side(slot, |q| {
                 // SAFETY: as above.
-                unsafe { kernels.copy(raw, side, at, count) }
+                unsafe { q.launch(kernels, at, count, 0) }
             })?;
         }
-        dmas += 2;
-        launches += 1;
-        moved += area + used as u64;
     }
-    core.telemetry.record(LaneKind::Upload, Moves { submissions, requested, moved, dmas, launches });
-    drop(lane_batch);
-    Ok(Some(Fence::new(device.core().lanes.clone(), LaneKind::Upload, final_seq)))
+    Ok(Some(exec.finish()))
 }
 
-fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
+/// The routes [`Route::InOrder`] and [`Route::Planned`].
+fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
     // Uploads keep the configured chunk: cutting mid-size batches finer (as readbacks do)
-    // measured no better on the H200 (16 MiB single uploads 15.2 against 17.8 GB/s, one run each).
+    // measured no better.
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
-    let lane = core.lane(LaneKind::Upload);
-    let lane_batch = lane.batch();
+    let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
-    // No arena: no write was made in place, every source is a slice.
-    let apart = &batch.table.apart;
-    if batch.writes.len() >= super::IN_ORDER_MIN
-        && !apart.broken
-        && apart.longest < config.direct_threshold
-        && batch.arena.is_empty()
-    {
-        return execute_in_order(batch, &lane_batch, scratch);
+    if route == Route::InOrder {
+        return execute_in_order(batch, exec, scratch);
     }
     scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
     let plan = &scratch.upload_plan;
     if plan.is_empty() {
         return Ok(Fence::completed());
     }
-    let first_seq = lane_batch.next_seq();
     // Every buffer is checked (and marked as used by this batch) before anything moves.
-    let final_seq =
-        device.claim(&lane_batch, LaneKind::Upload, batch.table.buffers(), plan.chunks.len() as u64)?;
+    exec.claim(batch.table.buffers(), plan.chunks.len() as u64)?;
+    exec.requested(plan.requested_bytes);
 
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
     let kernels =
-        if plan.chunks.iter().any(|c| uses_kernel(c.packed.len())) { Some(core.kernels()?) } else { None };
+        if plan.chunks.iter().any(|c| uses_kernel(c.packed.len())) { Some(exec.kernels()?) } else { None };
     let device_need = plan
         .chunks
         .iter()
@@ -520,22 +487,17 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
         .map(|c| descriptor_area(c.packed.iter().map(|p| p.len)) + c.packed_len)
         .max()
         .unwrap_or(0);
-    let dev = if device_need > 0 {
-        scratch.region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?
-    } else {
-        0
-    };
+    let dev = if device_need > 0 { exec.region(&mut scratch.region, device_need)? } else { 0 };
 
     let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
     let mut seqs = Vec::with_capacity(plan.chunks.len());
-    let (mut dmas, mut launches, mut moved) = (0u64, 0u64, 0u64);
     for (k, chunk) in plan.chunks.iter().enumerate() {
-        if k >= RING && lane.wait(seqs[k - RING])? {
-            Telemetry::add(&core.telemetry.host_waits, 1);
+        if k >= RING {
+            exec.wait(seqs[k - RING])?;
         }
         let kernel = uses_kernel(chunk.packed.len());
         let area = if kernel { descriptor_area(chunk.packed.iter().map(|p| p.len)) } else { 0 };
-        let lease = Arc::new(device.acquire_staging((area + chunk.staging_len) as usize)?);
+        let lease = Arc::new(exec.lease((area + chunk.staging_len) as usize)?);
         let base = lease.as_ptr();
         // SAFETY: the lease holds area + staging_len bytes; offsets below stay inside.
         let staged = |flat: u64| unsafe { base.add((area + chunk.local_offset(flat)) as usize) };
@@ -560,70 +522,44 @@ fn execute(batch: &UploadBatch<'_>) -> Result<Fence> {
         }
         // SAFETY: fills cover disjoint staging ranges inside the lease, sources are live
         // slices or the batch's arena.
-        unsafe { Piece::copy_all(device, &scratch.pieces) };
+        unsafe { Piece::copy_all(core, &scratch.pieces) };
 
         let descriptor_count = scratch.descriptors.len() as u64;
-        let seq = lane_batch.submit(vec![lease], |raw, stream, _| {
+        let seq = exec.submit(vec![lease], |q| {
             if kernel {
                 // SAFETY: descriptors and packed bytes are contiguous at the lease's start,
                 // and device staging holds device_need >= area + packed_len bytes.
-                unsafe { raw.memcpy_htod_async(dev, base, (area + chunk.packed_len) as usize, stream) }?;
+                unsafe { q.htod(dev, base, (area + chunk.packed_len) as usize) }?;
                 let kernels = kernels.expect("loaded when a chunk uses it");
                 // SAFETY: the table is in device staging by stream order; destinations are
                 // disjoint fused intervals of live, marked buffers.
-                unsafe { kernels.copy(raw, stream, dev, descriptor_count) }?;
+                unsafe { q.launch(kernels, dev, descriptor_count, 0) }?;
             } else {
                 for c in &chunk.packed {
                     let src = staged(c.stage_offset);
                     // SAFETY: staged bytes of a live, marked buffer's interval.
-                    unsafe {
-                        raw.memcpy_htod_async(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize, stream)
-                    }?;
+                    unsafe { q.htod(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize) }?;
                 }
             }
             for c in &chunk.direct {
                 let src = staged(c.stage_offset);
                 // SAFETY: as above.
-                unsafe {
-                    raw.memcpy_htod_async(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize, stream)
-                }?;
+                unsafe { q.htod(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize) }?;
             }
             Ok(())
         })?;
         seqs.push(seq);
-        let direct_dmas = chunk.direct.len() as u64;
-        if kernel {
-            dmas += 1 + direct_dmas;
-            launches += 1;
-            moved += area + chunk.packed_len;
-        } else {
-            dmas += chunk.packed.len() as u64 + direct_dmas;
-            moved += chunk.packed.iter().map(|c| c.len).sum::<u64>();
-        }
-        moved += chunk.direct.iter().map(|c| c.len).sum::<u64>();
     }
-    core.telemetry.record(
-        LaneKind::Upload,
-        Moves { submissions: seqs.len() as u64, requested: plan.requested_bytes, moved, dmas, launches },
-    );
-    debug_assert_eq!(seqs.last().copied(), Some(final_seq));
-    drop(lane_batch);
-    Ok(Fence::new(device.core().lanes.clone(), LaneKind::Upload, final_seq))
+    Ok(exec.finish())
 }
 
-#[cfg(test)]
-thread_local! {
-    /// Batches this thread moved by [`execute_in_order`].
-    pub(crate) static IN_ORDER_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Writes in order and apart (each past the end of the earlier writes into its buffer, with
+/// [`Route::InOrder`]: writes in order and apart (each past the end of the earlier writes into its buffer, with
 /// a gap: none overlap and none touch, so the planner would fuse none), all from slices and
 /// none longer than a kernel segment: the common batch of many small writes, laid out
-/// as the writes were added ([`super::Apart`]: each at the residue of its destination modulo
+/// as the writes were added ([`Apart`](crate::plan::route::Apart): each at the residue of its destination modulo
 /// 16, so the scatter uses 16-byte accesses), without the planner. The batch is cut into
 /// chunks (each with its descriptor table and packed bytes within `chunk_bytes`, over the
-/// bus growing to it from [`super::FIRST_CHUNK`]; found by binary search); then, per chunk, the packing threads write each write's
+/// bus growing to it from [`FIRST_CHUNK`]; found by binary search); then, per chunk, the packing threads write each write's
 /// descriptor and copy its bytes straight into the pinned lease, and one launch moves it:
 /// the kernel reads table and bytes in the lease, over the bus
 /// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), or after one
@@ -632,38 +568,31 @@ thread_local! {
 /// writes.)
 fn execute_in_order(
     batch: &UploadBatch<'_>,
-    lane_batch: &crate::stream::LaneBatch<'_>,
+    mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
 ) -> Result<Fence> {
-    #[cfg(test)]
-    IN_ORDER_BATCHES.with(|n| n.set(n.get() + 1));
     let device = batch.device;
     let core = device.core();
-    let lane = core.lane(LaneKind::Upload);
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
     let DeviceStaging { spans, region, .. } = scratch;
     let (writes, apart) = (&batch.writes[..], &batch.table.apart);
     let (offsets, requested) = (&apart.offsets[..], apart.requested);
     debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
-    let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, super::PIPELINE_DEPTH);
+    let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, PIPELINE_DEPTH);
     // Over the bus a chunk costs a launch: the first is small and leaves while the rest is
     // packed. Through device staging (a DMA and a launch a chunk) chunks stay equal.
     if device.small_copies_over_bus() {
-        cut_apart(offsets, |i| writes[i].len, super::growing(super::FIRST_CHUNK, chunk_bytes), spans);
+        cut_apart(offsets, |i| writes[i].len, growing(FIRST_CHUNK, chunk_bytes), spans);
     } else {
         cut_apart(offsets, |i| writes[i].len, |_| chunk_bytes, spans);
     }
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
-    let first_seq = lane_batch.next_seq();
-    let final_seq = device.claim(lane_batch, LaneKind::Upload, batch.table.buffers(), spans.len() as u64)?;
-    let kernels = core.kernels()?;
+    exec.claim(batch.table.buffers(), spans.len() as u64)?;
+    exec.requested(requested);
+    let kernels = exec.kernels()?;
     // Where the kernel finds the packed bytes: in the lease itself, or in device staging.
-    let dev = if device.small_copies_over_bus() {
-        None
-    } else {
-        Some(region.ensure(device, LaneKind::Upload, device_need, first_seq - 1)?)
-    };
+    let dev = if device.small_copies_over_bus() { None } else { Some(exec.region(region, device_need)?) };
     let spans = &*spans;
     let threads = core.packers().current_num_threads();
     // Groups of about the same bytes, from the mean write (no pass over the writes): a
@@ -679,26 +608,24 @@ fn execute_in_order(
     let mut leases: Vec<Option<Arc<HostLease>>> = vec![None; spans.len()];
     let bases: Vec<AtomicUsize> = spans.iter().map(|_| AtomicUsize::new(0)).collect();
     let mut seqs = Vec::with_capacity(spans.len());
-    // What the DMAs through device staging move, padding included.
-    let mut staged_bytes = 0u64;
     pipeline::run(
-        device,
+        core,
         &groups,
         requested as usize,
         RING,
         |step| match step {
             Step::Open(k) => {
-                if k >= RING && lane.wait(seqs[k - RING])? {
-                    Telemetry::add(&core.telemetry.host_waits, 1);
+                if k >= RING {
+                    exec.wait(seqs[k - RING])?;
                 }
                 // The lease holds the table, then the chunk's packed bytes. While earlier
                 // chunks hold leases not yet moved, the pool cannot make room by waiting for
                 // them: take only what is free, else open this chunk after the next move.
                 let len = (area(&spans[k]) + spans[k].len) as usize;
                 let lease = if k == seqs.len() {
-                    device.acquire_staging(len)?
+                    exec.lease(len)?
                 } else {
-                    match core.pinned.try_acquire(len)? {
+                    match exec.try_lease(len)? {
                         Some(lease) => lease,
                         None => return Ok(false),
                     }
@@ -712,24 +639,27 @@ fn execute_in_order(
                 let lease = leases[k].take().expect("opened before it is done");
                 let (base, bytes) = (lease.as_ptr(), area(span) + span.len);
                 let count = span.requests.len() as u64;
-                let seq = lane_batch.submit(vec![lease], |raw, stream, _| {
+                let seq = exec.submit(vec![lease], |q| {
                     let Some(dev) = dev else {
+                        // Over the bus the kernel reads the descriptors and the payload (counted
+                        // once for the batch below), not the padding between packed writes
+                        // that a DMA moves.
+                        let table = count * size_of::<CopyDescriptor>() as u64;
                         // SAFETY: the table and the packed bytes are in the pinned lease, which
                         // this submission keeps alive and the device reads (unified
                         // addressing); destinations are disjoint ranges (writes in order do
                         // not overlap) of live, marked buffers.
-                        return unsafe { kernels.copy_over_bus(raw, stream, base as u64, count) };
+                        return unsafe { q.launch_over_bus(kernels, base as u64, count, table) };
                     };
                     // SAFETY: descriptors and packed bytes are contiguous at the lease's start,
                     // which this submission keeps alive, and device staging holds
                     // device_need >= area + packed bytes.
-                    unsafe { raw.memcpy_htod_async(dev, base, bytes as usize, stream) }?;
+                    unsafe { q.htod(dev, base, bytes as usize) }?;
                     // SAFETY: the table is in device staging by stream order; destinations are
                     // as above.
-                    unsafe { kernels.copy(raw, stream, dev, count) }
+                    unsafe { q.launch(kernels, dev, count, 0) }
                 })?;
                 seqs.push(seq);
-                staged_bytes += bytes;
                 Ok(true)
             }
         },
@@ -758,14 +688,8 @@ fn execute_in_order(
             }
         },
     )?;
-    let chunks = spans.len() as u64;
-    let dmas = if dev.is_some() { chunks } else { 0 };
-    // Over the bus the kernel reads the descriptors and the payload, not the padding between
-    // packed writes that a DMA moves.
-    let over_bus = writes.len() as u64 * size_of::<CopyDescriptor>() as u64 + requested;
-    let moved = if dev.is_some() { staged_bytes } else { over_bus };
-    core.telemetry
-        .record(LaneKind::Upload, Moves { submissions: chunks, requested, moved, dmas, launches: chunks });
-    debug_assert_eq!(seqs.last().copied(), Some(final_seq));
-    Ok(Fence::new(device.core().lanes.clone(), LaneKind::Upload, final_seq))
+    if dev.is_none() {
+        exec.moved(requested);
+    }
+    Ok(exec.finish())
 }

@@ -1,14 +1,14 @@
 //! Host work on the packing threads that overlaps the device's: uploads pack chunk `k + 1`
 //! while chunk `k` is on the wire, readbacks copy chunk `k` out while chunk `k + 1` lands.
-//! One parallel region serves the whole batch, not one per chunk: on the H200 hosts waking
-//! the pool for a chunk cost about 100 µs, as much as packing a megabyte.
+//! One parallel region serves the whole batch, not one per chunk: waking the pool for a
+//! chunk costs about as much as packing a megabyte.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::PARALLEL_MIN;
-use crate::device::Device;
+use super::host::PARALLEL_MIN;
+use crate::device::Core;
 use crate::error::Result;
 // The signalling below is model-checked with loom (the `loom` tests at the end).
 use crate::sync::shim::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
@@ -132,7 +132,7 @@ pub(crate) enum Step {
 /// after it, and the packing threads start no group of a chunk not yet open (groups of
 /// chunks already open may still run; they touch only this batch's staging).
 pub(crate) fn run(
-    device: &Device,
+    core: &Core,
     groups: &Groups,
     total_bytes: usize,
     ahead: usize,
@@ -140,7 +140,7 @@ pub(crate) fn run(
     work: impl Fn(usize, Range<usize>) + Sync,
 ) -> Result<()> {
     let chunks = groups.per_chunk.len();
-    let pool = device.core().packers();
+    let pool = core.packers();
     // On a packing thread (a nested call), jobs spawned here would wait behind this very
     // thread; and the one-thread fallback pool lives on the thread that first used it, which
     // runs jobs only from inside the pool: with it, no other thread's jobs would ever run.
@@ -182,11 +182,11 @@ pub(crate) fn run(
     };
     let worker = &worker;
     let workers = pool.current_num_threads().min(groups.groups.len());
-    let packing = Packing::start(device);
+    let packing = Packing::start(core);
     let result = pool.in_place_scope(|scope| {
         // One job from here, which spawns the others from inside the pool: each spawn from
-        // outside wakes a thread first (on the H200 hosts 16 of them kept this thread 30 to
-        // 45 µs from its own share of the work).
+        // outside wakes a thread first (16 of them kept this thread from its own share of the
+        // work for tens of microseconds).
         scope.spawn(move |inner| {
             for _ in 1..workers {
                 inner.spawn(move |_| worker());
@@ -209,8 +209,8 @@ pub(crate) fn run(
                     signal.notify();
                 }
                 // The calling thread takes chunk k's groups too while it waits for them: it
-                // starts at once, while the packing threads wake (on the H200 hosts waking
-                // them took 70 µs), and the chunk is done no later than its last group.
+                // starts at once, while the packing threads wake (tens of microseconds), and
+                // the chunk is done no later than its last group.
                 while let Some(i) = take_group_of(&next, groups, k) {
                     let (items, chunk) = &groups.groups[i];
                     work(*chunk, items.clone());
@@ -232,7 +232,7 @@ pub(crate) fn run(
         result
     });
     drop(packing);
-    linger(device);
+    linger(core);
     result
 }
 
@@ -241,8 +241,8 @@ pub(crate) struct Packing<'a>(&'a AtomicUsize);
 
 impl Packing<'_> {
     /// Starts one: lingering threads stop spinning and take its work.
-    pub(crate) fn start(device: &Device) -> Packing<'_> {
-        Packing::enter(&device.core().packing)
+    pub(crate) fn start(core: &Core) -> Packing<'_> {
+        Packing::enter(&core.packing)
     }
 
     /// Starts one counted in `active` (the device's count of packing runs under way).
@@ -263,8 +263,7 @@ impl Drop for Packing<'_> {
 /// batch's packing then starts without waking them (all but one: the one woken first by
 /// the next run's spawn). One job is spawned from here (a spawn from outside the pool wakes
 /// a thread), which spawns the others inside.
-pub(crate) fn linger(device: &Device) {
-    let core = device.core();
+pub(crate) fn linger(core: &Core) {
     linger_for(core.packers(), &core.packing, Duration::from_micros(core.config.pack_linger_us));
 }
 

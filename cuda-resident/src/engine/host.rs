@@ -1,0 +1,285 @@
+//! The host side of a transfer: host memcpys of packing and unpacking ([`Piece`]), run on
+//! the device's packing threads ([`in_groups`], and `super::pipeline` for chunks
+//! overlapped with the wire), where a write's bytes come from ([`Source`]), descriptor
+//! tables built straight into pinned staging ([`PinnedDescriptors`]), and host memory for
+//! results ([`zeroed_vec`]).
+
+use crate::device::Core;
+use crate::error::{Error, Result};
+use crate::host_pool::HostLease;
+use crate::kernels::{CopyDescriptor, PEER_SEGMENT, segments};
+
+use super::pipeline;
+
+/// A vector of `len` zero bytes, or an error instead of an abort when the host cannot give
+/// that much. Large zeroed allocations come from the OS already zero, so this costs no
+/// memset (unlike `resize`): the pages are touched first by whatever fills the vector.
+pub(crate) fn zeroed_vec(len: u64) -> Result<Vec<u8>> {
+    let oom = || Error::HostOutOfMemory { bytes: len };
+    let n = usize::try_from(len).map_err(|_| oom())?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| oom())?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(oom());
+    }
+    // SAFETY: ptr was allocated by the global allocator with exactly this layout (size n,
+    // align 1), and all n bytes are initialised (zero).
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
+/// One host memcpy of packing or unpacking.
+#[derive(Clone, Copy)]
+pub(crate) struct Piece {
+    pub(crate) dst: *mut u8,
+    pub(crate) src: *const u8,
+    pub(crate) len: usize,
+}
+
+// SAFETY: a piece is two addresses and a length; the code that builds pieces guarantees
+// that the ranges are valid and that no two pieces' destinations overlap.
+unsafe impl Send for Piece {}
+// SAFETY: as above; pieces are only read.
+unsafe impl Sync for Piece {}
+
+/// Pieces larger than this are split for the packing threads.
+const PIECE_SPLIT: usize = 256 << 10;
+/// Below this many bytes in all, one thread copies (waking the pool costs more).
+pub(crate) const PARALLEL_MIN: usize = 1 << 20;
+
+impl Piece {
+    /// Appends `piece`, split into parts of at most [`PIECE_SPLIT`] bytes.
+    pub(crate) fn push_split(out: &mut Vec<Piece>, piece: Piece) {
+        let mut done = 0;
+        while done < piece.len {
+            let len = (piece.len - done).min(PIECE_SPLIT);
+            // SAFETY: offsets stay inside the piece's ranges.
+            out.push(unsafe { Piece { dst: piece.dst.add(done), src: piece.src.add(done), len } });
+            done += len;
+        }
+    }
+
+    /// Performs every piece, in parallel on the device's packing threads when there is
+    /// enough to do.
+    ///
+    /// # Safety
+    /// Each piece's source must be readable and its destination writable for `len` bytes,
+    /// and no destination may overlap another piece's source or destination.
+    pub(crate) unsafe fn copy_all(core: &Core, pieces: &[Piece]) {
+        // SAFETY: as the caller promises.
+        unsafe { Piece::run_all(core, pieces, std::ptr::copy_nonoverlapping::<u8>) }
+    }
+
+    /// [`Piece::copy_all`] out of landed staging into the caller's memory
+    /// ([`crate::hostcopy::copy_out`]: streaming stores for long pieces).
+    ///
+    /// # Safety
+    /// As [`Piece::copy_all`].
+    pub(crate) unsafe fn copy_out_all(core: &Core, pieces: &[Piece]) {
+        // SAFETY: as the caller promises.
+        unsafe { Piece::run_all(core, pieces, crate::hostcopy::copy_out) }
+    }
+
+    /// Performs every piece with `copy`, publishing each group's streaming stores.
+    ///
+    /// # Safety
+    /// As [`Piece::copy_all`]; `copy(src, dst, len)` must copy `len` bytes from `src` to `dst`.
+    unsafe fn run_all(core: &Core, pieces: &[Piece], copy: unsafe fn(*const u8, *mut u8, usize)) {
+        let total: usize = pieces.iter().map(|p| p.len).sum();
+        in_groups(
+            core,
+            pieces.len(),
+            total,
+            |i| pieces[i].len,
+            |range| {
+                for p in &pieces[range] {
+                    // SAFETY: as the caller promises.
+                    unsafe { copy(p.src, p.dst, p.len) }
+                }
+                crate::hostcopy::publish();
+            },
+        );
+    }
+}
+
+/// Runs `work` over `0..count` split into contiguous ranges of about equal bytes (item `i`
+/// has `bytes(i)`, `total` in all), a few per packing thread, in parallel when there is
+/// enough to do: one task per range, not per item (thousands of tiny tasks cost more than
+/// the copies). Returns when every range is done.
+pub(crate) fn in_groups(
+    core: &Core,
+    count: usize,
+    total: usize,
+    bytes: impl Fn(usize) -> usize,
+    work: impl Fn(std::ops::Range<usize>) + Sync + Send,
+) {
+    if total < PARALLEL_MIN || count < 2 {
+        return work(0..count);
+    }
+    let pool = core.packers();
+    let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
+    let mut groups = Vec::new();
+    pipeline::split_by_bytes(0..count, bytes, target, |group| groups.push(group));
+    use rayon::prelude::*;
+    let packing = pipeline::Packing::start(core);
+    pool.install(|| groups.into_par_iter().for_each(work));
+    drop(packing);
+    pipeline::linger(core);
+}
+
+/// Where a write's bytes come from.
+#[derive(Clone, Copy)]
+pub(crate) enum Source<'a> {
+    /// The caller's slice.
+    Slice(&'a [u8]),
+    /// Written in place by `write_with`, into the batch's own pinned arena.
+    Arena { lease: u32, offset: usize },
+}
+
+/// Descriptors built straight into pinned staging, where the kernel reads them (or one DMA
+/// takes them to the device): no copy of the table on the host. Grows by doubling; holds
+/// no staging once cleared.
+///
+/// A table that would take more than an eighth of the pinned pool (or for which the pool has
+/// no room) is built on the heap instead and copied into one lease at submit: it would hold
+/// that much staging while the batch is built, and growing it holds the old lease and the
+/// new one at once.
+#[derive(Default)]
+pub(crate) struct PinnedDescriptors {
+    lease: Option<HostLease>,
+    /// The table when on the heap (then `heap.len() == len`).
+    heap: Vec<CopyDescriptor>,
+    on_heap: bool,
+    len: usize,
+    /// The most descriptors a batch needed so far: the next batch starts with room for
+    /// them.
+    high: usize,
+}
+
+pub(crate) const DESCRIPTOR: usize = std::mem::size_of::<CopyDescriptor>();
+
+impl PinnedDescriptors {
+    fn capacity(&self) -> usize {
+        if self.on_heap {
+            self.heap.capacity()
+        } else {
+            self.lease.as_ref().map_or(0, |l| l.len() / DESCRIPTOR)
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[CopyDescriptor] {
+        match &self.lease {
+            _ if self.on_heap => &self.heap,
+            // SAFETY: the lease is page-aligned pinned memory of this table's own, holding
+            // `len` written descriptors.
+            Some(lease) => unsafe { std::slice::from_raw_parts(lease.as_ptr().cast(), self.len) },
+            None => &[],
+        }
+    }
+
+    /// Makes room for `extra` more, from the device's pinned pool (or on the heap).
+    pub(crate) fn reserve(&mut self, core: &Core, extra: usize) -> Result<()> {
+        let need = self.len.saturating_add(extra);
+        if need <= self.capacity() {
+            return Ok(());
+        }
+        let room = need.max(2 * self.capacity()).max(self.high).max(1024);
+        let oom = |n: usize| Error::HostOutOfMemory { bytes: (n as u64).saturating_mul(DESCRIPTOR as u64) };
+        if !self.on_heap {
+            let bytes = room.saturating_mul(DESCRIPTOR);
+            if (bytes as u64) <= core.config.pinned_cap_bytes / 8
+                && let Ok(lease) = core.acquire_staging(bytes)
+            {
+                if let Some(old) = &self.lease {
+                    // SAFETY: both are pinned regions of this table's own, the new one larger.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(old.as_ptr(), lease.as_ptr(), self.len * DESCRIPTOR)
+                    };
+                }
+                self.lease = Some(lease);
+                return Ok(());
+            }
+            let mut heap = std::mem::take(&mut self.heap);
+            heap.clear();
+            heap.try_reserve(room).map_err(|_| oom(room))?;
+            heap.extend_from_slice(self.as_slice());
+            (self.heap, self.lease, self.on_heap) = (heap, None, true);
+        }
+        self.heap.try_reserve(need - self.len).map_err(|_| oom(need))
+    }
+
+    /// Appends one; room must have been reserved.
+    #[inline]
+    pub(crate) fn push(&mut self, d: CopyDescriptor) {
+        assert!(self.len < self.capacity(), "descriptor room reserved");
+        // SAFETY: inside the room (checked above), aligned for descriptors.
+        unsafe { self.end().write(d) };
+        self.commit(1);
+    }
+
+    /// Where the next descriptor goes (room must have been reserved for what is written;
+    /// [`PinnedDescriptors::commit`] counts it).
+    pub(crate) fn end(&mut self) -> *mut CopyDescriptor {
+        match &self.lease {
+            // SAFETY: `len` is within the vector's capacity.
+            _ if self.on_heap => unsafe { self.heap.as_mut_ptr().add(self.len) },
+            // SAFETY: `len` is within the lease.
+            Some(lease) => unsafe { lease.as_ptr().cast::<CopyDescriptor>().add(self.len) },
+            None => std::ptr::NonNull::dangling().as_ptr(),
+        }
+    }
+
+    /// Counts `n` descriptors written at [`PinnedDescriptors::end`].
+    pub(crate) fn commit(&mut self, n: usize) {
+        self.len += n;
+        if self.on_heap {
+            // SAFETY: the caller wrote these descriptors within the reserved capacity.
+            unsafe { self.heap.set_len(self.len) };
+        }
+    }
+
+    /// Appends `len` descriptors of a copy, in pieces of at most [`PEER_SEGMENT`] bytes;
+    /// room must have been reserved (`len.div_ceil(PEER_SEGMENT)` of them).
+    pub(crate) fn push_copy(&mut self, src: u64, dst: u64, len: u64) {
+        for d in segments(src, dst, len, PEER_SEGMENT) {
+            self.push(d);
+        }
+    }
+
+    /// Hands the table over, in pinned staging of the device (to the submission that runs the
+    /// kernel); the next batch starts a new one.
+    pub(crate) fn take(&mut self, core: &Core) -> Result<Option<HostLease>> {
+        if self.on_heap && self.len > 0 {
+            let lease = core.acquire_staging(self.len * DESCRIPTOR)?;
+            // SAFETY: the lease holds the table's bytes and is fresh.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.heap.as_ptr().cast(),
+                    lease.as_ptr(),
+                    self.len * DESCRIPTOR,
+                )
+            };
+            self.lease = Some(lease);
+        }
+        self.high = self.high.max(self.len);
+        self.len = 0;
+        self.heap.clear();
+        self.on_heap = false;
+        Ok(self.lease.take())
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.high = self.high.max(self.len);
+        self.len = 0;
+        self.lease = None;
+        self.heap.clear();
+        self.on_heap = false;
+    }
+}

@@ -1,0 +1,195 @@
+//! The buffers a batch names, each resolved once, and the layout of its requests as added.
+
+use crate::alloc::ResidentBuffer;
+use crate::device::Core;
+use crate::error::{Error, Result};
+use crate::plan::route::Apart;
+
+/// The buffers a batch names, each resolved once: key (index) -> handle, address, length.
+///
+/// A table is reused by the device's next batches, and keeps what the last batch resolved:
+/// the next batch takes a handle's address and length from there, without the allocator's
+/// lock, as long as the allocator has freed nothing since ([`Allocator::validity`]). A
+/// handle freed while a batch is built fails the batch at submit, where every buffer is
+/// checked again (`engine::Exec::claim`).
+///
+/// [`Allocator::validity`]: crate::alloc::Allocator::validity
+#[derive(Default)]
+pub(crate) struct BufferTable {
+    pub(crate) entries: Vec<Resolved>,
+    /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two.
+    slots: Vec<u32>,
+    /// The allocator's validity when this batch resolved its first buffer.
+    validity: Option<(u32, u64)>,
+    /// The last batch's entries and slots, and the validity they were resolved under.
+    kept: Vec<Resolved>,
+    kept_slots: Vec<u32>,
+    kept_validity: Option<(u32, u64)>,
+    /// Whether the requests so far can skip the planner, and their layout if so.
+    pub(crate) apart: Apart,
+}
+
+/// A buffer as the batch saw it when it was named.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Resolved {
+    pub(crate) buffer: ResidentBuffer,
+    pub(crate) ptr: u64,
+    pub(crate) len: u64,
+    /// The end plus one of the batch's last request to this buffer, 0 for none
+    /// ([`Apart`]).
+    next: u64,
+}
+
+impl crate::recycle::Reusable for BufferTable {
+    fn clear(&mut self) {
+        // A table grown by a batch of very many buffers is not kept for small ones: zeroing
+        // it would cost each of them.
+        if self.slots.len() > 1 << 16 {
+            *self = BufferTable::default();
+            return;
+        }
+        // This batch's buffers become the ones kept; the vectors kept before are emptied for
+        // the next batch.
+        std::mem::swap(&mut self.entries, &mut self.kept);
+        std::mem::swap(&mut self.slots, &mut self.kept_slots);
+        self.kept_validity = self.validity.take();
+        self.entries.clear();
+        self.slots.fill(0);
+        self.apart.clear();
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Buffers this thread's batches took from what an earlier batch resolved.
+    pub(crate) static KEPT_HITS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The key of `buffer` in a table's `entries` and `slots`, or the empty slot where it would
+/// go. `slots` must have an empty slot.
+#[inline]
+fn probe_in(entries: &[Resolved], slots: &[u32], buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
+    let mask = slots.len() - 1;
+    let mut at = (buffer.mix() >> 32) as usize & mask;
+    loop {
+        match slots[at] {
+            0 => return Err(at),
+            k if entries[k as usize - 1].buffer == buffer => return Ok(k - 1),
+            _ => at = (at + 1) & mask,
+        }
+    }
+}
+
+impl BufferTable {
+    /// The key of `buffer`, resolving it on first sight.
+    pub(crate) fn key(&mut self, core: &Core, buffer: ResidentBuffer) -> Result<(u32, Resolved)> {
+        if self.entries.len() * 2 >= self.slots.len() {
+            self.grow();
+        }
+        let at = match self.probe(buffer) {
+            Ok(key) => return Ok((key, self.entries[key as usize])),
+            Err(empty) => empty,
+        };
+        let alloc = &core.alloc;
+        let now = alloc.validity();
+        // Read before anything this batch resolves: a free after it invalidates them all.
+        self.validity.get_or_insert(now);
+        // Frees only count up: unchanged since the last batch began, unchanged since this
+        // one did.
+        let kept = (self.kept_validity == Some(now) && !self.kept_slots.is_empty())
+            .then(|| probe_in(&self.kept, &self.kept_slots, buffer).ok())
+            .flatten();
+        let resolved = match kept {
+            Some(k) => {
+                #[cfg(test)]
+                KEPT_HITS.with(|n| n.set(n.get() + 1));
+                Resolved { next: 0, ..self.kept[k as usize] }
+            }
+            None => {
+                let (ptr, len) = alloc.resolve(buffer)?;
+                Resolved { buffer, ptr, len, next: 0 }
+            }
+        };
+        self.entries.push(resolved);
+        self.slots[at] = self.entries.len() as u32;
+        Ok((self.entries.len() as u32 - 1, resolved))
+    }
+
+    /// The key of `buffer` if the table has it, else the empty slot where it would go. The
+    /// table must have a slot.
+    #[inline]
+    fn probe(&self, buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
+        probe_in(&self.entries, &self.slots, buffer)
+    }
+
+    /// The key of `buffer` if the table has it: the hot path of [`BufferTable::check`].
+    #[inline]
+    fn find(&self, buffer: ResidentBuffer) -> Option<u32> {
+        if self.slots.is_empty() { None } else { self.probe(buffer).ok() }
+    }
+
+    /// The key and length of `buffer`, after checking that `[offset, offset + len)` lies in
+    /// it. A failure is also kept in `first_error` (when it holds none yet): it fails the
+    /// batch at submit.
+    #[inline]
+    pub(crate) fn check(
+        &mut self,
+        core: &Core,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: u64,
+        first_error: &mut Option<Error>,
+    ) -> Result<(u32, u64)> {
+        // A buffer seen before and a range inside it: no error value is built or moved.
+        if let Some(key) = self.find(buffer) {
+            let entry = &mut self.entries[key as usize];
+            if offset.checked_add(len).is_some_and(|end| end <= entry.len) {
+                self.apart.note(&mut entry.next, entry.ptr, offset, len);
+                return Ok((key, entry.len));
+            }
+        }
+        let (key, buffer_len) = self.check_slow(core, buffer, offset, len, first_error)?;
+        let entry = &mut self.entries[key as usize];
+        self.apart.note(&mut entry.next, entry.ptr, offset, len);
+        Ok((key, buffer_len))
+    }
+
+    /// [`BufferTable::check`] for a buffer seen first or a bad range.
+    #[cold]
+    fn check_slow(
+        &mut self,
+        core: &Core,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: u64,
+        first_error: &mut Option<Error>,
+    ) -> Result<(u32, u64)> {
+        let checked = self.key(core, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
+            Some(end) if end <= resolved.len => Ok((key, resolved.len)),
+            _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
+        });
+        if let Err(e) = &checked
+            && first_error.is_none()
+        {
+            *first_error = Some(e.clone());
+        }
+        checked
+    }
+
+    fn grow(&mut self) {
+        let size = (self.slots.len() * 2).max(64);
+        self.slots = vec![0; size];
+        let mask = size - 1;
+        for (i, e) in self.entries.iter().enumerate() {
+            let mut at = (e.buffer.mix() >> 32) as usize & mask;
+            while self.slots[at] != 0 {
+                at = (at + 1) & mask;
+            }
+            self.slots[at] = i as u32 + 1;
+        }
+    }
+
+    pub(crate) fn buffers(&self) -> impl Iterator<Item = ResidentBuffer> + '_ {
+        self.entries.iter().map(|e| e.buffer)
+    }
+}

@@ -1,0 +1,245 @@
+//! Single copies: one range between host and device. The asynchronous copies over memory
+//! the caller pinned (one DMA each), pinning host memory, and large reads pipelined through
+//! a ring of pinned chunks.
+//!
+//! Every copy is ordered against copies in flight in the other direction that touch the same
+//! buffer (on the device, with `cuStreamWaitEvent`), and marks the buffer as used by its
+//! submission so that freeing it waits for the copy.
+
+use std::sync::Arc;
+
+use crate::alloc::ResidentBuffer;
+use crate::device::{Core, Device};
+use crate::engine::host::Piece;
+use crate::engine::{Enqueue, Exec};
+use crate::error::{Error, Result};
+use crate::plan::route::{PIPELINE_DEPTH, pipeline_chunk};
+use crate::stream::{Fence, LaneKind};
+
+impl Device {
+    /// Checks that `[offset, offset + len)` lies in `buffer`; returns the buffer's device
+    /// address of `offset`.
+    pub(crate) fn checked_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<u64> {
+        self.core().checked_range(buffer, offset, len)
+    }
+
+    /// Starts copying `len` bytes from host memory at `src` into `buffer` at `offset`, on the
+    /// upload lane, and returns at once. [`Device::synchronize_uploads`] or the returned
+    /// fence tells when it is done. A copy of 0 bytes (whose range is still checked) calls
+    /// no driver entry point and returns a fence that is already complete.
+    ///
+    /// # Safety
+    ///
+    /// `[src, src + len)` must be readable host memory that stays valid and unchanged until
+    /// the copy completes. (A [`PinnedBuffer`](crate::PinnedBuffer), or the
+    /// [`Readback`](crate::Readback) of a batch whose view it is, may be dropped before
+    /// then: the copy keeps that memory. Not so a prepared set's readback.)
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotPinned`] (nothing enqueued) when the range is not pinned: pin it with
+    /// [`Device::pin_host`] or use memory from [`Device::pinned`]. Every byte is checked
+    /// where the driver reports the extent of pinned regions, as it does for `cuMemHostAlloc`
+    /// and `cuMemHostRegister` (a range over two pinned regions with a pageable gap between
+    /// them is refused); where it does not, the first and last byte. Pinned memory of
+    /// this crate (a [`PinnedBuffer`](crate::PinnedBuffer), a batch readback's views, of any
+    /// device) is kept out of its pool until the copy completes, even if its holder is
+    /// dropped first. Managed memory (`cuMemAllocManaged`) is not pinned
+    /// host memory and is refused too.
+    pub unsafe fn upload_async_at(
+        &self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<Fence> {
+        let host = ("Device::upload_async_at", src);
+        single_copy(self.core(), LaneKind::Upload, buffer, offset, len, host, |q, dst| {
+            // SAFETY: dst..dst+len lies in a live buffer (checked, and marked so that it is
+            // not reused before this copy completes); the caller vouches for the source.
+            unsafe { q.htod(dst, src, len) }
+        })
+    }
+
+    /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
+    /// readback lane, and returns at once; the bytes are there once the fence completes.
+    /// A copy of 0 bytes (whose range is still checked) calls no driver entry point and
+    /// returns a fence that is already complete.
+    ///
+    /// # Safety
+    ///
+    /// `[dst, dst + len)` must be writable host memory that stays valid, and that nothing
+    /// reads or writes, until the copy completes. It must be pinned, as for
+    /// [`Device::upload_async_at`] ([`Error::NotPinned`] otherwise).
+    pub unsafe fn download_async_at(
+        &self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<Fence> {
+        let host = ("Device::download_async_at", dst.cast_const());
+        single_copy(self.core(), LaneKind::Readback, buffer, offset, len, host, |q, src| {
+            // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
+            unsafe { q.dtoh(dst, src, len) }
+        })
+    }
+
+    /// Reads `out.len()` bytes of `buffer` at `offset` into `out`, pipelined through a ring
+    /// of pinned chunks: chunk `k + 1` is on the wire while chunk `k` is unpacked by the
+    /// packing threads. For large ranges; any size works.
+    pub fn read_into_slice(&self, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        read_into(self.core(), buffer, offset, out)
+    }
+
+    /// Blocks until every upload submitted so far has completed.
+    pub fn synchronize_uploads(&self) -> Result<()> {
+        self.core().lane(LaneKind::Upload).synchronize().map(|_| ())
+    }
+
+    /// Page-locks `[ptr, ptr + len)` of host memory for fast, asynchronous copies
+    /// (`cuMemHostRegister`, portable).
+    ///
+    /// # Safety
+    ///
+    /// The range must be mapped host memory that stays mapped until [`Device::unpin_host`].
+    ///
+    /// # Errors
+    /// [`Error::EmptyHostRange`] for `len == 0` (the driver call is not made); the driver's
+    /// error otherwise.
+    pub unsafe fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        if len == 0 {
+            return Err(Error::EmptyHostRange { operation: "Device::pin_host", address: ptr as usize });
+        }
+        let raw = self.core().ctx.bind()?;
+        // SAFETY: as the caller promises.
+        unsafe { raw.mem_host_register(ptr, len) }
+    }
+
+    /// Undoes [`Device::pin_host`].
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be the start of a range pinned with `pin_host`, and no copy in flight may
+    /// use it.
+    pub unsafe fn unpin_host(&self, ptr: *mut u8) -> Result<()> {
+        let raw = self.core().ctx.bind()?;
+        // SAFETY: as the caller promises.
+        unsafe { raw.mem_host_unregister(ptr) }
+    }
+}
+
+/// Fails with [`Error::NotPinned`] unless all of `[ptr, ptr + len)` is pinned host
+/// memory: walks the pinned allocations from the start (the one holding the first byte,
+/// then the one holding the first byte past it, ...) until the end is covered, so that a
+/// pageable hole between two pinned regions is found; the error names the first unpinned
+/// byte. One lookup when the first byte's allocation covers the range.
+fn check_pinned(core: &Core, operation: &'static str, ptr: *const u8, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let raw = core.ctx.bind()?;
+    let not_pinned =
+        |byte: u64| Error::NotPinned { operation, address: ptr as usize, len, unpinned: byte as usize };
+    // A range that wraps the address space is not host memory anyone pinned.
+    let end = (ptr as u64).checked_add(len as u64).ok_or_else(|| not_pinned(u64::MAX))?;
+    let mut at = ptr as u64;
+    while at < end {
+        match raw.pinned_extent(at as usize as *const u8)? {
+            Some((start, bytes)) if start <= at && start.saturating_add(bytes) > at => {
+                at = start.saturating_add(bytes);
+            }
+            // Pinned, but the driver gave no extent that holds the byte: no walk is
+            // possible from here; the last byte is checked, as the driver allows.
+            Some(_) => {
+                let last = end - 1;
+                return match raw.pinned_extent(last as usize as *const u8)? {
+                    Some(_) => Ok(()),
+                    None => Err(not_pinned(last)),
+                };
+            }
+            None => return Err(not_pinned(at)),
+        }
+    }
+    Ok(())
+}
+
+/// One DMA between host memory at `host.1` (for `host.0`, an operation's name) and
+/// `[offset, offset + len)` of `buffer` on `kind`'s lane: checks the range and that the
+/// host memory is pinned, claims the buffer, lets `copy` enqueue the DMA given the
+/// buffer's device address of `offset`, and counts it.
+fn single_copy(
+    core: &Arc<Core>,
+    kind: LaneKind,
+    buffer: ResidentBuffer,
+    offset: u64,
+    len: usize,
+    host: (&'static str, *const u8),
+    copy: impl FnOnce(&mut Enqueue<'_>, u64) -> Result<()>,
+) -> Result<Fence> {
+    let address = core.checked_range(buffer, offset, len as u64)?;
+    if len == 0 {
+        // Nothing to copy: no driver call, and a fence that is already complete.
+        return Ok(Fence::completed());
+    }
+    // Pinned memory of this crate the caller can reach (a PinnedBuffer, a batch readback's
+    // views; of any device's pool) stays out of its pool until the copy
+    // completes, even if the buffer is dropped first: held from before the check on.
+    let keep = crate::host_pool::listed_leases_in(host.1 as usize, len);
+    check_pinned(core, host.0, host.1, len)?;
+    let mut exec = Exec::begin(core, kind);
+    exec.claim(std::iter::once(buffer), 1)?;
+    exec.requested(len as u64);
+    exec.submit(keep, |q| copy(q, address))?;
+    Ok(exec.finish())
+}
+
+/// [`Device::read_into_slice`].
+fn read_into(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+    let len = out.len() as u64;
+    let src = core.checked_range(buffer, offset, len)?;
+    if len == 0 {
+        return Ok(());
+    }
+    let chunk = pipeline_chunk(core.config.chunk_bytes, len, PIPELINE_DEPTH);
+    let chunks = len.div_ceil(chunk) as usize;
+    let mut exec = Exec::begin(core, LaneKind::Readback);
+    exec.claim(std::iter::once(buffer), chunks as u64)?;
+    exec.requested(len);
+    let ring = exec.ring(chunk as usize, chunks.min(crate::plan::route::RING))?;
+    let ring_len = ring.len();
+    let mut seqs = Vec::with_capacity(chunks);
+    let mut pieces = Vec::new();
+    let mut unpack = |k: usize, seqs: &[u64], out: &mut [u8]| -> Result<()> {
+        crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
+        let start = k as u64 * chunk;
+        let n = (len - start).min(chunk) as usize;
+        pieces.clear();
+        let dst = out[start as usize..][..n].as_mut_ptr();
+        Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
+        // SAFETY: the chunk's DMA completed (waited above); the ring lease and `out`
+        // are disjoint and hold n bytes at these places.
+        unsafe { Piece::copy_out_all(core, &pieces) };
+        Ok(())
+    };
+    for k in 0..chunks {
+        if k >= ring_len {
+            unpack(k - ring_len, &seqs, out)?;
+        }
+        let lease = &ring[k % ring_len];
+        let start = k as u64 * chunk;
+        let n = (len - start).min(chunk) as usize;
+        let dst = lease.as_ptr();
+        seqs.push(exec.submit(vec![Arc::clone(lease)], |q| {
+            // SAFETY: a range of a live, marked buffer into a pinned lease of >= n bytes
+            // that this submission keeps alive.
+            unsafe { q.dtoh(dst, src + start, n) }
+        })?);
+    }
+    let ended = exec.end();
+    for k in chunks.saturating_sub(ring_len)..chunks {
+        unpack(k, &seqs, out)?;
+    }
+    ended.record();
+    Ok(())
+}
