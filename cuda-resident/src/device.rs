@@ -33,6 +33,11 @@ use crate::transfer::DeviceStaging;
 /// # Ok::<(), cuda_resident::Error>(())
 /// ```
 ///
+/// ```compile_fail,E0639
+/// // Not as a literal, even with the rest from the defaults:
+/// let config = cuda_resident::Config { chunk_bytes: 8 << 20, ..Default::default() };
+/// ```
+///
 /// The measurements behind the defaults are in
 /// [BENCHMARKS.md](https://github.com/cuda-resident/cuda-resident/blob/main/BENCHMARKS.md).
 #[derive(Clone, Debug, PartialEq)]

@@ -272,7 +272,7 @@ fn the_seed_operations_each_work() {
     // SAFETY: host stays alive, unmoved and unread-by-us until unpinned after the copies.
     unsafe {
         d.pin_host(host.as_mut_ptr(), host.len()).unwrap();
-        d.upload_async_at(b, 0, host.as_ptr(), host.len()).unwrap();
+        let _fence = d.upload_async_at(b, 0, host.as_ptr(), host.len()).unwrap();
         d.synchronize_uploads().unwrap();
         d.unpin_host(host.as_mut_ptr()).unwrap();
     }
