@@ -1,4 +1,4 @@
-//! CPU cost of planning a batch with `cuda_resident::plan`: no GPU, no copies, just the plan.
+//! CPU cost of planning a batch with `cuda_resident::internals::plan`: no GPU, no copies, just the plan.
 //!
 //! Each case is 8192 requests spread over 64 buffers at random offsets (seeded, so every run
 //! plans the same batches), with the default `PlanConfig` (256 KiB direct threshold, 8 MiB
@@ -20,7 +20,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use cuda_resident::plan::{
+use cuda_resident::internals::plan::{
     PlanConfig, Planner, ReadRequest, ReadbackPlan, UploadPlan, WriteRequest, plan_readback, plan_upload,
 };
 

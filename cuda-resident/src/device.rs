@@ -17,58 +17,82 @@ use crate::sync::{Mutex, lock};
 use crate::telemetry::{Telemetry, TelemetrySnapshot};
 
 /// Settings of a [`Device`]. The defaults need no tuning; each field says when to change it.
+///
+/// Start from the defaults and set what you need, with the `with_*` setters or by assigning
+/// the public fields (new fields may be added, so `Config` cannot be built as a literal):
+///
+/// ```
+/// use cuda_resident::Config;
+///
+/// let config = Config::default().with_chunk_bytes(8 << 20).with_pack_threads(4);
+/// let mut same = Config::default();
+/// same.chunk_bytes = 8 << 20;
+/// same.pack_threads = 4;
+/// assert_eq!(config, same);
+/// config.validate()?;
+/// # Ok::<(), cuda_resident::Error>(())
+/// ```
+///
+/// ```compile_fail,E0639
+/// // Not as a literal, even with the rest from the defaults:
+/// let config = cuda_resident::Config { chunk_bytes: 8 << 20, ..Default::default() };
+/// ```
+///
+/// The measurements behind the defaults are in
+/// [BENCHMARKS.md](https://github.com/cuda-resident/cuda-resident/blob/main/BENCHMARKS.md).
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Config {
     /// The share of device memory this device's allocator may hold: at most this fraction of
-    /// the total, and of what is free when it grows (see [`budget`](crate::budget)).
+    /// the total, and of what is free when it grows: the allocator may hold
+    /// `resident + min(f * total - resident, f * free)`, where `resident` is what it already
+    /// holds and `free` what the driver reports free when it needs a new slab.
     /// In `(0, 1]`; default 0.9. Lower it when other processes share the GPU.
     pub budget_fraction: f64,
     /// Bytes of each slab the allocator takes from the driver; buffers past it get their own
     /// allocation. At least 4 MiB, a multiple of 256; default 64 MiB.
     pub slab_bytes: u64,
-    /// The most pinned host memory the staging pool holds. At least `2 * chunk_bytes`;
+    /// The most pinned host memory the pinned pool holds. At least `2 * chunk_bytes`;
     /// default 1 GiB. Batches larger than this still move: uploads pipeline through it in
     /// chunks, and a readback the pool cannot hold at once streams through a ring of chunks
     /// (see [`ReadbackBatch`](crate::ReadbackBatch)). Of the cap,
     /// `min(8 * chunk_bytes, pinned_cap_bytes / 2)`, but at least two chunks (128 MiB by
-    /// default), is kept for transfers: pinned buffers ([`Device::pinned`]), prepared sets' regions and unreleased
-    /// readback views may hold the rest, so that transfers always find staging (a prepared
-    /// set that finds no room moves as batches do, a readback streams). At a cap of two
-    /// chunks that is the whole pool: [`Device::pinned`] then fails with
-    /// [`Error::PinnedReserved`].
+    /// default), is kept for transfers: pinned buffers ([`Device::pinned`]), prepared sets'
+    /// regions and unreleased readback views may hold the rest, so that transfers always find
+    /// pinned memory (a prepared set that finds no room moves as batches do, a readback
+    /// streams). At a cap of two chunks that is the whole pool: [`Device::pinned`] then fails
+    /// with [`Error::PinnedReserved`].
     pub pinned_cap_bytes: u64,
-    /// Pinned staging allocated when the device opens, so that the first copies do not pay
+    /// Pinned memory allocated when the device opens, so that the first copies do not pay
     /// for `cuMemHostAlloc` (about 0.5 ms per MiB). Default 0.
     pub pinned_prewarm_bytes: u64,
     /// Staging chunk: large copies are pipelined through pinned memory in chunks of this
-    /// size. At least 64 KiB; default 16 MiB (on an H200, 16 MiB chunks moved 512 MiB from
-    /// pageable memory at 50 GB/s against 36 with 8 MiB and 19 with 4 MiB).
+    /// size. At least 64 KiB; default 16 MiB (smaller chunks move large copies from pageable
+    /// memory markedly slower).
     pub chunk_bytes: u64,
     /// Copies of at least this many bytes get their own DMA; smaller ones are packed and
     /// scattered by a kernel. At most `chunk_bytes`; default 256 KiB.
     pub direct_threshold: u64,
-    /// Threads that pack staging for large batches; 0 picks one per core, up to 16.
+    /// Threads that pack pinned memory for large batches; 0 picks one per core, up to 16.
     pub pack_threads: usize,
     /// Microseconds the packing threads stay awake (spinning, yielding now and then; all
     /// but one of them) after a batch's packing, so that the next batch's packing starts at
-    /// once instead of after the threads wake (which took tens of microseconds on the H200
-    /// hosts, as long as moving a batch of 8192 small copies). They stop as soon as new
-    /// packing starts. 0 lets them sleep at once, for processes that need those cores between
-    /// batches or run under a CPU quota (spinning threads use it up). At most 10 000; default 300 (on an
-    /// H200 host, 8192 prepared uploads of 4 KiB moved 40.3 to 41.7 GB/s with it against 34.8
-    /// to 37.8 without, and of 256 B 16.9 to 17.7 against 14.9 to 17.4; readbacks gained
-    /// nothing: BENCHMARKS.md).
+    /// once instead of after the threads wake (which takes tens of microseconds, as long as
+    /// moving a batch of thousands of small copies). They stop as soon as new packing starts.
+    /// 0 lets them sleep at once, for processes that need those cores between batches or run
+    /// under a CPU quota (spinning threads use it up). At most 10 000; default 300, which
+    /// speeds up prepared uploads of small rows; readbacks gain nothing.
     pub pack_linger_us: u64,
     /// Batches of many small copies in order (the paths that skip the planner): whether the
-    /// copy kernel reads the packed bytes of an upload, and writes those of a readback,
-    /// straight in pinned staging, over the bus, instead of one DMA through device staging
-    /// plus a scatter (or a gather plus a DMA). Default `true`; it applies only where the GPU
-    /// has unified addressing. The kernel then runs for as long as the bytes are on the wire
-    /// (one block of 256 threads per multiprocessor), where a scatter runs for microseconds:
-    /// set `false` when your own kernels keep every multiprocessor busy, or on a platform
-    /// whose kernels may not touch host memory even with unified addressing. On an H200, 8192
-    /// uploads of 4 KiB from pageable memory moved 25 to 29 GB/s over the bus against 21 to
-    /// 23 through device staging (BENCHMARKS.md).
+    /// copy kernel may read the packed bytes of an upload, and write those of a readback,
+    /// straight in pinned memory, over the bus, instead of one DMA through device staging
+    /// plus a scatter (or a gather plus a DMA). Default `true`; a wish, granted only where
+    /// the GPU has unified addressing ([`Device::small_copies_over_bus`] says whether it
+    /// was). The kernel then runs for as long as the bytes are on the wire (one block of 256
+    /// threads per multiprocessor), where a scatter runs for microseconds: set `false` when
+    /// your own kernels keep every multiprocessor busy, or on a platform whose kernels may
+    /// not touch host memory even with unified addressing. Over the bus, small uploads from
+    /// pageable memory move faster than through device staging.
     pub small_copies_over_bus: bool,
 }
 
@@ -168,6 +192,73 @@ impl Config {
             0 => std::thread::available_parallelism().map_or(4, |n| n.get()).min(16),
             n => n,
         }
+    }
+}
+
+/// Builder-style setters, one per field: `Config::default().with_chunk_bytes(8 << 20)`.
+/// They only set the field; [`Config::validate`] (or opening the device) checks it.
+impl Config {
+    /// Sets [`Config::budget_fraction`].
+    #[must_use]
+    pub fn with_budget_fraction(mut self, budget_fraction: f64) -> Config {
+        self.budget_fraction = budget_fraction;
+        self
+    }
+
+    /// Sets [`Config::slab_bytes`].
+    #[must_use]
+    pub fn with_slab_bytes(mut self, slab_bytes: u64) -> Config {
+        self.slab_bytes = slab_bytes;
+        self
+    }
+
+    /// Sets [`Config::pinned_cap_bytes`].
+    #[must_use]
+    pub fn with_pinned_cap_bytes(mut self, pinned_cap_bytes: u64) -> Config {
+        self.pinned_cap_bytes = pinned_cap_bytes;
+        self
+    }
+
+    /// Sets [`Config::pinned_prewarm_bytes`].
+    #[must_use]
+    pub fn with_pinned_prewarm_bytes(mut self, pinned_prewarm_bytes: u64) -> Config {
+        self.pinned_prewarm_bytes = pinned_prewarm_bytes;
+        self
+    }
+
+    /// Sets [`Config::chunk_bytes`].
+    #[must_use]
+    pub fn with_chunk_bytes(mut self, chunk_bytes: u64) -> Config {
+        self.chunk_bytes = chunk_bytes;
+        self
+    }
+
+    /// Sets [`Config::direct_threshold`].
+    #[must_use]
+    pub fn with_direct_threshold(mut self, direct_threshold: u64) -> Config {
+        self.direct_threshold = direct_threshold;
+        self
+    }
+
+    /// Sets [`Config::pack_threads`].
+    #[must_use]
+    pub fn with_pack_threads(mut self, pack_threads: usize) -> Config {
+        self.pack_threads = pack_threads;
+        self
+    }
+
+    /// Sets [`Config::pack_linger_us`].
+    #[must_use]
+    pub fn with_pack_linger_us(mut self, pack_linger_us: u64) -> Config {
+        self.pack_linger_us = pack_linger_us;
+        self
+    }
+
+    /// Sets [`Config::small_copies_over_bus`].
+    #[must_use]
+    pub fn with_small_copies_over_bus(mut self, small_copies_over_bus: bool) -> Config {
+        self.small_copies_over_bus = small_copies_over_bus;
+        self
     }
 }
 

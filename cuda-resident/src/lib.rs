@@ -64,7 +64,14 @@
 //! ```
 
 mod alloc;
+// The planner and the budget rule are internals: private, except with the `internals`
+// feature, which `internals` below reaches them through for the benches and the fuzz target.
+// Without it, the planner's parts that only those use are unused here.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
 pub mod budget;
+#[cfg(not(feature = "internals"))]
+mod budget;
 mod context;
 mod device;
 mod engine;
@@ -74,7 +81,12 @@ mod host_pool;
 mod hostcopy;
 mod kernels;
 mod peer;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
 pub mod plan;
+#[cfg(not(feature = "internals"))]
+#[allow(dead_code)]
+mod plan;
 mod raw;
 mod recycle;
 mod stream;
@@ -98,3 +110,12 @@ pub use transfer::{
 
 /// The raw driver crate, re-exported for callers that make their own driver calls.
 pub use cuda_sys;
+
+/// The copy planner and the budget rule, for the benches (`benches/plan.rs`) and the fuzz
+/// target (`fuzz/`), behind the `internals` feature. Not part of the API: no stability
+/// promise, hidden from the docs.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::{budget, plan};
+}

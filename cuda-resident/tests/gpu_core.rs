@@ -110,7 +110,7 @@ fn allocations_hold_their_bytes() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn the_budget_is_enforced_with_a_small_fraction() {
-    let config = Config { budget_fraction: 0.01, ..Config::default() };
+    let config = Config::default().with_budget_fraction(0.01);
     let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
     let total = d.info().total_memory;
     let mut held = Vec::new();
@@ -287,7 +287,7 @@ fn many_threads_allocating_at_once_keep_the_accounting_exact() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn pinned_staging_is_reused_and_capped() {
-    let config = Config { pinned_cap_bytes: 32 << 20, chunk_bytes: 1 << 20, ..Config::default() };
+    let config = Config::default().with_pinned_cap_bytes(32 << 20).with_chunk_bytes(1 << 20);
     let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
     let first = d.pinned(1 << 20).unwrap();
     let ptr = first.as_ptr();

@@ -39,7 +39,7 @@ fn leak_checked(body: impl FnOnce(Device)) {
     let before = anchor.free_memory().unwrap();
     let driver = Arc::new(Driver::load().unwrap());
     driver.faults().record();
-    let config = Config { chunk_bytes: 1 << 20, direct_threshold: 64 << 10, ..Config::default() };
+    let config = Config::default().with_chunk_bytes(1 << 20).with_direct_threshold(64 << 10);
     body(Device::open_with(Arc::clone(&driver), 0, config).unwrap());
     common::balanced(&driver.faults().counts()).unwrap();
     common::free_memory_kept(before, anchor.free_memory().unwrap()).unwrap();

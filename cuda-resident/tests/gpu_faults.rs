@@ -40,13 +40,11 @@ const CODES: [CUresult; 4] = [
 /// Small chunks and a low direct threshold: the sequence crosses chunk boundaries and mixes
 /// packed and direct copies; a small pinned cap makes the pool evict.
 fn config() -> Config {
-    Config {
-        chunk_bytes: 1 << 20,
-        direct_threshold: 64 << 10,
-        pinned_cap_bytes: 8 << 20,
-        pack_threads: 2,
-        ..Config::default()
-    }
+    Config::default()
+        .with_chunk_bytes(1 << 20)
+        .with_direct_threshold(64 << 10)
+        .with_pinned_cap_bytes(8 << 20)
+        .with_pack_threads(2)
 }
 
 fn load_driver() -> Arc<Driver> {

@@ -415,10 +415,10 @@ fn two_gpus_a_device_set_opens_every_gpu_and_names_each_by_index() {
     assert_error!(chosen.get(2), Error::NotInSet { .. }, "from_devices: get past the end");
 
     // One config for every device; a bad one is refused before anything opens.
-    let config = Config { budget_fraction: 0.5, chunk_bytes: 4 * MIB, ..Config::default() };
+    let config = Config::default().with_budget_fraction(0.5).with_chunk_bytes(4 * MIB);
     let configured = DeviceSet::open_all_with(config.clone()).unwrap();
     assert!(configured.devices().iter().all(|d| d.config() == &config));
-    let bad = Config { budget_fraction: 1.5, ..Config::default() };
+    let bad = Config::default().with_budget_fraction(1.5);
     assert_error!(DeviceSet::open_all_with(bad), Error::InvalidConfig { .. }, "budget_fraction 1.5");
 
     // An empty peer batch submits to a fence that is already done.
@@ -814,7 +814,7 @@ fn two_gpus_freeing_buffers_right_after_submit_keeps_the_bytes_right() {
 fn two_gpus_each_device_has_its_own_budget() {
     let _ = two_gpus(); // the GPU count and the staged check
     let fraction = 0.02;
-    let set = DeviceSet::open_all_with(Config { budget_fraction: fraction, ..Config::default() }).unwrap();
+    let set = DeviceSet::open_all_with(Config::default().with_budget_fraction(fraction)).unwrap();
     let (d0, d1) = pair(&set);
     const CHUNK: u64 = 256 * MIB;
 

@@ -252,12 +252,10 @@ fn sixteen_threads_of_random_work_corrupt_nothing_and_account_exactly() {
     let seconds = env_or("STRESS_SECONDS", 30);
     let threads = env_or("STRESS_THREADS", 16);
     // Small chunks and a small pinned cap: batches split, staging is contended and reused.
-    let config = Config {
-        chunk_bytes: 2 << 20,
-        direct_threshold: 128 << 10,
-        pinned_cap_bytes: 256 << 20,
-        ..Config::default()
-    };
+    let config = Config::default()
+        .with_chunk_bytes(2 << 20)
+        .with_direct_threshold(128 << 10)
+        .with_pinned_cap_bytes(256 << 20);
     let base = Device::open(0).unwrap_or_else(|e| panic!("{e}"));
     // The panics this test makes on purpose are caught and counted; others print as usual.
     let default_hook = std::panic::take_hook();

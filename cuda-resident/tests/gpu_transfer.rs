@@ -12,7 +12,7 @@ fn device() -> Device {
 /// A device with small chunks and a low direct threshold, so that batches split into many
 /// chunks and mix packed and direct copies.
 fn small_chunk_device() -> Device {
-    let config = Config { chunk_bytes: 1 << 20, direct_threshold: 64 << 10, ..Config::default() };
+    let config = Config::default().with_chunk_bytes(1 << 20).with_direct_threshold(64 << 10);
     Device::open_with(Arc::clone(device().driver()), 0, config).unwrap()
 }
 
@@ -183,7 +183,7 @@ fn thousands_of_small_copies_cost_a_few_launches_over_the_bus_or_through_device_
     let over_bus = device();
     assert!(over_bus.small_copies_over_bus(), "the default, with unified addressing (every 64-bit GPU)");
     assert_eq!(thousands_in_order(&over_bus, 4), [(0, 3), (0, 1)]);
-    let config = Config { small_copies_over_bus: false, ..Config::default() };
+    let config = Config::default().with_small_copies_over_bus(false);
     let staged = Device::open_with(Arc::clone(over_bus.driver()), 0, config).unwrap();
     assert!(!staged.small_copies_over_bus());
     assert_eq!(thousands_in_order(&staged, 5), [(1, 1), (2, 1)]);
@@ -272,7 +272,7 @@ fn the_seed_operations_each_work() {
     // SAFETY: host stays alive, unmoved and unread-by-us until unpinned after the copies.
     unsafe {
         d.pin_host(host.as_mut_ptr(), host.len()).unwrap();
-        d.upload_async_at(b, 0, host.as_ptr(), host.len()).unwrap();
+        let _fence = d.upload_async_at(b, 0, host.as_ptr(), host.len()).unwrap();
         d.synchronize_uploads().unwrap();
         d.unpin_host(host.as_mut_ptr()).unwrap();
     }
@@ -400,12 +400,10 @@ fn a_thread_that_never_bound_the_context_submits_batches_back_to_back() {
     let base = device();
     // Prewarmed arenas of the chunk's size serve every batch below without a new pinned
     // allocation (which would make the context current as a side effect).
-    let config = Config {
-        chunk_bytes: 64 << 10,
-        direct_threshold: 16 << 10,
-        pinned_prewarm_bytes: 2 << 20,
-        ..Config::default()
-    };
+    let config = Config::default()
+        .with_chunk_bytes(64 << 10)
+        .with_direct_threshold(16 << 10)
+        .with_pinned_prewarm_bytes(2 << 20);
     let d = Device::open_with(Arc::clone(base.driver()), 0, config).unwrap();
     let mut rng = fastrand::Rng::with_seed(0xc0de);
     let b = d.allocate(1 << 20).unwrap();
@@ -452,7 +450,7 @@ fn prepared_sets_move_new_bytes_every_round_and_read_them_back() {
     // model fills with random bytes first), uploaded with new random bytes each round, read
     // back as views and into poisoned vectors; also on a device with small chunks (many
     // launches a move) and one through device staging (moving as batches).
-    let over_staging = Config { small_copies_over_bus: false, ..Config::default() };
+    let over_staging = Config::default().with_small_copies_over_bus(false);
     let base = device();
     let devices = [
         base.clone(),
@@ -505,7 +503,7 @@ fn readback_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_
     // reads in order and apart (the path that skips the planner), and 16 KiB reads that
     // touch (fused by the planner into one interval); views, vectors, the download helpers
     // and a prepared set, outputs pre-filled with garbage; every byte compared.
-    let config = Config { chunk_bytes: 16 << 20, pinned_cap_bytes: 64 << 20, ..Config::default() };
+    let config = Config::default().with_chunk_bytes(16 << 20).with_pinned_cap_bytes(64 << 20);
     let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
     let mut rng = fastrand::Rng::with_seed(91);
     let m = Model::new(&d, &mut rng, &[300 << 20]);

@@ -58,6 +58,11 @@ include="$work/wheel/nvidia/cu13/include"
     --no-doc-comments \
     -- -I "$include"
 } >"$work/bindings.rs"
+# The table's generated methods are made crate-private: one per entry point
+# (`DriverApi::cuInit(..)`), which panics when the library lacks it, and the constructors.
+# Callers outside go through `call!`, which returns an error instead; the fields stay public.
+perl -0pi -e 's/(\nimpl DriverApi \{\n)(.*)\z/$1 . do { (my $b = $2) =~ s{^    pub unsafe fn }{    pub(crate) unsafe fn }mg; $b }/se' \
+  "$work/bindings.rs"
 
 if $check; then
   if ! diff -q "$out" "$work/bindings.rs" >/dev/null; then

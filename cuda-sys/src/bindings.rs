@@ -8649,7 +8649,7 @@ pub struct DriverApi {
     >,
 }
 impl DriverApi {
-    pub unsafe fn new<P>(path: P) -> Result<Self, ::libloading::Error>
+    pub(crate) unsafe fn new<P>(path: P) -> Result<Self, ::libloading::Error>
     where
         P: AsRef<::std::ffi::OsStr>,
     {
@@ -8657,7 +8657,7 @@ impl DriverApi {
         let library = ::libloading::Library::new(path)?;
         Self::from_library(library)
     }
-    pub unsafe fn from_library<L>(library: L) -> Result<Self, ::libloading::Error>
+    pub(crate) unsafe fn from_library<L>(library: L) -> Result<Self, ::libloading::Error>
     where
         L: Into<::libloading::Library>,
     {
@@ -10104,7 +10104,7 @@ impl DriverApi {
             cuCheckpointProcessUnlock,
         })
     }
-    pub unsafe fn cuGetErrorString(
+    pub(crate) unsafe fn cuGetErrorString(
         &self,
         error: CUresult,
         pStr: *mut *const ::std::os::raw::c_char,
@@ -10114,7 +10114,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(error, pStr)
     }
-    pub unsafe fn cuGetErrorName(
+    pub(crate) unsafe fn cuGetErrorName(
         &self,
         error: CUresult,
         pStr: *mut *const ::std::os::raw::c_char,
@@ -10124,10 +10124,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(error, pStr)
     }
-    pub unsafe fn cuInit(&self, Flags: ::std::os::raw::c_uint) -> CUresult {
+    pub(crate) unsafe fn cuInit(&self, Flags: ::std::os::raw::c_uint) -> CUresult {
         (self.cuInit.as_ref().expect("Expected function, got error."))(Flags)
     }
-    pub unsafe fn cuDriverGetVersion(
+    pub(crate) unsafe fn cuDriverGetVersion(
         &self,
         driverVersion: *mut ::std::os::raw::c_int,
     ) -> CUresult {
@@ -10136,7 +10136,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(driverVersion)
     }
-    pub unsafe fn cuDeviceGet(
+    pub(crate) unsafe fn cuDeviceGet(
         &self,
         device: *mut CUdevice,
         ordinal: ::std::os::raw::c_int,
@@ -10146,13 +10146,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(device, ordinal)
     }
-    pub unsafe fn cuDeviceGetCount(
+    pub(crate) unsafe fn cuDeviceGetCount(
         &self,
         count: *mut ::std::os::raw::c_int,
     ) -> CUresult {
         (self.cuDeviceGetCount.as_ref().expect("Expected function, got error."))(count)
     }
-    pub unsafe fn cuDeviceGetName(
+    pub(crate) unsafe fn cuDeviceGetName(
         &self,
         name: *mut ::std::os::raw::c_char,
         len: ::std::os::raw::c_int,
@@ -10163,7 +10163,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(name, len, dev)
     }
-    pub unsafe fn cuDeviceGetUuid_v2(
+    pub(crate) unsafe fn cuDeviceGetUuid_v2(
         &self,
         uuid: *mut CUuuid,
         dev: CUdevice,
@@ -10173,7 +10173,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(uuid, dev)
     }
-    pub unsafe fn cuDeviceGetLuid(
+    pub(crate) unsafe fn cuDeviceGetLuid(
         &self,
         luid: *mut ::std::os::raw::c_char,
         deviceNodeMask: *mut ::std::os::raw::c_uint,
@@ -10184,7 +10184,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(luid, deviceNodeMask, dev)
     }
-    pub unsafe fn cuDeviceTotalMem_v2(
+    pub(crate) unsafe fn cuDeviceTotalMem_v2(
         &self,
         bytes: *mut usize,
         dev: CUdevice,
@@ -10194,7 +10194,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(bytes, dev)
     }
-    pub unsafe fn cuDeviceGetTexture1DLinearMaxWidth(
+    pub(crate) unsafe fn cuDeviceGetTexture1DLinearMaxWidth(
         &self,
         maxWidthInElements: *mut usize,
         format: CUarray_format,
@@ -10208,7 +10208,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(maxWidthInElements, format, numChannels, dev)
     }
-    pub unsafe fn cuDeviceGetAttribute(
+    pub(crate) unsafe fn cuDeviceGetAttribute(
         &self,
         pi: *mut ::std::os::raw::c_int,
         attrib: CUdevice_attribute,
@@ -10219,7 +10219,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pi, attrib, dev)
     }
-    pub unsafe fn cuDeviceGetHostAtomicCapabilities(
+    pub(crate) unsafe fn cuDeviceGetHostAtomicCapabilities(
         &self,
         capabilities: *mut ::std::os::raw::c_uint,
         operations: *const CUatomicOperation,
@@ -10233,7 +10233,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(capabilities, operations, count, dev)
     }
-    pub unsafe fn cuDeviceGetNvSciSyncAttributes(
+    pub(crate) unsafe fn cuDeviceGetNvSciSyncAttributes(
         &self,
         nvSciSyncAttrList: *mut ::std::os::raw::c_void,
         dev: CUdevice,
@@ -10244,7 +10244,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(nvSciSyncAttrList, dev, flags)
     }
-    pub unsafe fn cuDeviceSetMemPool(
+    pub(crate) unsafe fn cuDeviceSetMemPool(
         &self,
         dev: CUdevice,
         pool: CUmemoryPool,
@@ -10254,7 +10254,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dev, pool)
     }
-    pub unsafe fn cuDeviceGetMemPool(
+    pub(crate) unsafe fn cuDeviceGetMemPool(
         &self,
         pool: *mut CUmemoryPool,
         dev: CUdevice,
@@ -10264,7 +10264,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool, dev)
     }
-    pub unsafe fn cuDeviceGetDefaultMemPool(
+    pub(crate) unsafe fn cuDeviceGetDefaultMemPool(
         &self,
         pool_out: *mut CUmemoryPool,
         dev: CUdevice,
@@ -10274,7 +10274,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool_out, dev)
     }
-    pub unsafe fn cuDeviceGetExecAffinitySupport(
+    pub(crate) unsafe fn cuDeviceGetExecAffinitySupport(
         &self,
         pi: *mut ::std::os::raw::c_int,
         type_: CUexecAffinityType,
@@ -10285,7 +10285,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pi, type_, dev)
     }
-    pub unsafe fn cuFlushGPUDirectRDMAWrites(
+    pub(crate) unsafe fn cuFlushGPUDirectRDMAWrites(
         &self,
         target: CUflushGPUDirectRDMAWritesTarget,
         scope: CUflushGPUDirectRDMAWritesScope,
@@ -10295,7 +10295,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(target, scope)
     }
-    pub unsafe fn cuDeviceGetProperties(
+    pub(crate) unsafe fn cuDeviceGetProperties(
         &self,
         prop: *mut CUdevprop,
         dev: CUdevice,
@@ -10305,7 +10305,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(prop, dev)
     }
-    pub unsafe fn cuDeviceComputeCapability(
+    pub(crate) unsafe fn cuDeviceComputeCapability(
         &self,
         major: *mut ::std::os::raw::c_int,
         minor: *mut ::std::os::raw::c_int,
@@ -10316,7 +10316,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(major, minor, dev)
     }
-    pub unsafe fn cuDevicePrimaryCtxRetain(
+    pub(crate) unsafe fn cuDevicePrimaryCtxRetain(
         &self,
         pctx: *mut CUcontext,
         dev: CUdevice,
@@ -10326,13 +10326,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pctx, dev)
     }
-    pub unsafe fn cuDevicePrimaryCtxRelease_v2(&self, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDevicePrimaryCtxRelease_v2(&self, dev: CUdevice) -> CUresult {
         (self
             .cuDevicePrimaryCtxRelease_v2
             .as_ref()
             .expect("Expected function, got error."))(dev)
     }
-    pub unsafe fn cuDevicePrimaryCtxSetFlags_v2(
+    pub(crate) unsafe fn cuDevicePrimaryCtxSetFlags_v2(
         &self,
         dev: CUdevice,
         flags: ::std::os::raw::c_uint,
@@ -10342,7 +10342,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dev, flags)
     }
-    pub unsafe fn cuDevicePrimaryCtxGetState(
+    pub(crate) unsafe fn cuDevicePrimaryCtxGetState(
         &self,
         dev: CUdevice,
         flags: *mut ::std::os::raw::c_uint,
@@ -10353,13 +10353,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dev, flags, active)
     }
-    pub unsafe fn cuDevicePrimaryCtxReset_v2(&self, dev: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDevicePrimaryCtxReset_v2(&self, dev: CUdevice) -> CUresult {
         (self
             .cuDevicePrimaryCtxReset_v2
             .as_ref()
             .expect("Expected function, got error."))(dev)
     }
-    pub unsafe fn cuCtxCreate_v4(
+    pub(crate) unsafe fn cuCtxCreate_v4(
         &self,
         pctx: *mut CUcontext,
         ctxCreateParams: *mut CUctxCreateParams,
@@ -10371,25 +10371,25 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pctx, ctxCreateParams, flags, dev)
     }
-    pub unsafe fn cuCtxDestroy_v2(&self, ctx: CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxDestroy_v2(&self, ctx: CUcontext) -> CUresult {
         (self.cuCtxDestroy_v2.as_ref().expect("Expected function, got error."))(ctx)
     }
-    pub unsafe fn cuCtxPushCurrent_v2(&self, ctx: CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxPushCurrent_v2(&self, ctx: CUcontext) -> CUresult {
         (self.cuCtxPushCurrent_v2.as_ref().expect("Expected function, got error."))(ctx)
     }
-    pub unsafe fn cuCtxPopCurrent_v2(&self, pctx: *mut CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxPopCurrent_v2(&self, pctx: *mut CUcontext) -> CUresult {
         (self.cuCtxPopCurrent_v2.as_ref().expect("Expected function, got error."))(pctx)
     }
-    pub unsafe fn cuCtxSetCurrent(&self, ctx: CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxSetCurrent(&self, ctx: CUcontext) -> CUresult {
         (self.cuCtxSetCurrent.as_ref().expect("Expected function, got error."))(ctx)
     }
-    pub unsafe fn cuCtxGetCurrent(&self, pctx: *mut CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxGetCurrent(&self, pctx: *mut CUcontext) -> CUresult {
         (self.cuCtxGetCurrent.as_ref().expect("Expected function, got error."))(pctx)
     }
-    pub unsafe fn cuCtxGetDevice(&self, device: *mut CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuCtxGetDevice(&self, device: *mut CUdevice) -> CUresult {
         (self.cuCtxGetDevice.as_ref().expect("Expected function, got error."))(device)
     }
-    pub unsafe fn cuCtxGetDevice_v2(
+    pub(crate) unsafe fn cuCtxGetDevice_v2(
         &self,
         device: *mut CUdevice,
         ctx: CUcontext,
@@ -10399,50 +10399,50 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(device, ctx)
     }
-    pub unsafe fn cuCtxGetFlags(&self, flags: *mut ::std::os::raw::c_uint) -> CUresult {
+    pub(crate) unsafe fn cuCtxGetFlags(&self, flags: *mut ::std::os::raw::c_uint) -> CUresult {
         (self.cuCtxGetFlags.as_ref().expect("Expected function, got error."))(flags)
     }
-    pub unsafe fn cuCtxSetFlags(&self, flags: ::std::os::raw::c_uint) -> CUresult {
+    pub(crate) unsafe fn cuCtxSetFlags(&self, flags: ::std::os::raw::c_uint) -> CUresult {
         (self.cuCtxSetFlags.as_ref().expect("Expected function, got error."))(flags)
     }
-    pub unsafe fn cuCtxGetId(
+    pub(crate) unsafe fn cuCtxGetId(
         &self,
         ctx: CUcontext,
         ctxId: *mut ::std::os::raw::c_ulonglong,
     ) -> CUresult {
         (self.cuCtxGetId.as_ref().expect("Expected function, got error."))(ctx, ctxId)
     }
-    pub unsafe fn cuCtxSynchronize(&self) -> CUresult {
+    pub(crate) unsafe fn cuCtxSynchronize(&self) -> CUresult {
         (self.cuCtxSynchronize.as_ref().expect("Expected function, got error."))()
     }
-    pub unsafe fn cuCtxSynchronize_v2(&self, ctx: CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxSynchronize_v2(&self, ctx: CUcontext) -> CUresult {
         (self.cuCtxSynchronize_v2.as_ref().expect("Expected function, got error."))(ctx)
     }
-    pub unsafe fn cuCtxSetLimit(&self, limit: CUlimit, value: usize) -> CUresult {
+    pub(crate) unsafe fn cuCtxSetLimit(&self, limit: CUlimit, value: usize) -> CUresult {
         (self
             .cuCtxSetLimit
             .as_ref()
             .expect("Expected function, got error."))(limit, value)
     }
-    pub unsafe fn cuCtxGetLimit(&self, pvalue: *mut usize, limit: CUlimit) -> CUresult {
+    pub(crate) unsafe fn cuCtxGetLimit(&self, pvalue: *mut usize, limit: CUlimit) -> CUresult {
         (self
             .cuCtxGetLimit
             .as_ref()
             .expect("Expected function, got error."))(pvalue, limit)
     }
-    pub unsafe fn cuCtxGetCacheConfig(&self, pconfig: *mut CUfunc_cache) -> CUresult {
+    pub(crate) unsafe fn cuCtxGetCacheConfig(&self, pconfig: *mut CUfunc_cache) -> CUresult {
         (self
             .cuCtxGetCacheConfig
             .as_ref()
             .expect("Expected function, got error."))(pconfig)
     }
-    pub unsafe fn cuCtxSetCacheConfig(&self, config: CUfunc_cache) -> CUresult {
+    pub(crate) unsafe fn cuCtxSetCacheConfig(&self, config: CUfunc_cache) -> CUresult {
         (self
             .cuCtxSetCacheConfig
             .as_ref()
             .expect("Expected function, got error."))(config)
     }
-    pub unsafe fn cuCtxGetApiVersion(
+    pub(crate) unsafe fn cuCtxGetApiVersion(
         &self,
         ctx: CUcontext,
         version: *mut ::std::os::raw::c_uint,
@@ -10452,7 +10452,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(ctx, version)
     }
-    pub unsafe fn cuCtxGetStreamPriorityRange(
+    pub(crate) unsafe fn cuCtxGetStreamPriorityRange(
         &self,
         leastPriority: *mut ::std::os::raw::c_int,
         greatestPriority: *mut ::std::os::raw::c_int,
@@ -10462,13 +10462,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(leastPriority, greatestPriority)
     }
-    pub unsafe fn cuCtxResetPersistingL2Cache(&self) -> CUresult {
+    pub(crate) unsafe fn cuCtxResetPersistingL2Cache(&self) -> CUresult {
         (self
             .cuCtxResetPersistingL2Cache
             .as_ref()
             .expect("Expected function, got error."))()
     }
-    pub unsafe fn cuCtxGetExecAffinity(
+    pub(crate) unsafe fn cuCtxGetExecAffinity(
         &self,
         pExecAffinity: *mut CUexecAffinityParam,
         type_: CUexecAffinityType,
@@ -10478,29 +10478,29 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pExecAffinity, type_)
     }
-    pub unsafe fn cuCtxRecordEvent(&self, hCtx: CUcontext, hEvent: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuCtxRecordEvent(&self, hCtx: CUcontext, hEvent: CUevent) -> CUresult {
         (self
             .cuCtxRecordEvent
             .as_ref()
             .expect("Expected function, got error."))(hCtx, hEvent)
     }
-    pub unsafe fn cuCtxWaitEvent(&self, hCtx: CUcontext, hEvent: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuCtxWaitEvent(&self, hCtx: CUcontext, hEvent: CUevent) -> CUresult {
         (self
             .cuCtxWaitEvent
             .as_ref()
             .expect("Expected function, got error."))(hCtx, hEvent)
     }
-    pub unsafe fn cuCtxAttach(
+    pub(crate) unsafe fn cuCtxAttach(
         &self,
         pctx: *mut CUcontext,
         flags: ::std::os::raw::c_uint,
     ) -> CUresult {
         (self.cuCtxAttach.as_ref().expect("Expected function, got error."))(pctx, flags)
     }
-    pub unsafe fn cuCtxDetach(&self, ctx: CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxDetach(&self, ctx: CUcontext) -> CUresult {
         (self.cuCtxDetach.as_ref().expect("Expected function, got error."))(ctx)
     }
-    pub unsafe fn cuCtxGetSharedMemConfig(
+    pub(crate) unsafe fn cuCtxGetSharedMemConfig(
         &self,
         pConfig: *mut CUsharedconfig,
     ) -> CUresult {
@@ -10509,13 +10509,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pConfig)
     }
-    pub unsafe fn cuCtxSetSharedMemConfig(&self, config: CUsharedconfig) -> CUresult {
+    pub(crate) unsafe fn cuCtxSetSharedMemConfig(&self, config: CUsharedconfig) -> CUresult {
         (self
             .cuCtxSetSharedMemConfig
             .as_ref()
             .expect("Expected function, got error."))(config)
     }
-    pub unsafe fn cuModuleLoad(
+    pub(crate) unsafe fn cuModuleLoad(
         &self,
         module: *mut CUmodule,
         fname: *const ::std::os::raw::c_char,
@@ -10525,7 +10525,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(module, fname)
     }
-    pub unsafe fn cuModuleLoadData(
+    pub(crate) unsafe fn cuModuleLoadData(
         &self,
         module: *mut CUmodule,
         image: *const ::std::os::raw::c_void,
@@ -10535,7 +10535,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(module, image)
     }
-    pub unsafe fn cuModuleLoadDataEx(
+    pub(crate) unsafe fn cuModuleLoadDataEx(
         &self,
         module: *mut CUmodule,
         image: *const ::std::os::raw::c_void,
@@ -10550,7 +10550,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(module, image, numOptions, options, optionValues)
     }
-    pub unsafe fn cuModuleLoadFatBinary(
+    pub(crate) unsafe fn cuModuleLoadFatBinary(
         &self,
         module: *mut CUmodule,
         fatCubin: *const ::std::os::raw::c_void,
@@ -10560,10 +10560,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(module, fatCubin)
     }
-    pub unsafe fn cuModuleUnload(&self, hmod: CUmodule) -> CUresult {
+    pub(crate) unsafe fn cuModuleUnload(&self, hmod: CUmodule) -> CUresult {
         (self.cuModuleUnload.as_ref().expect("Expected function, got error."))(hmod)
     }
-    pub unsafe fn cuModuleGetLoadingMode(
+    pub(crate) unsafe fn cuModuleGetLoadingMode(
         &self,
         mode: *mut CUmoduleLoadingMode,
     ) -> CUresult {
@@ -10572,7 +10572,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(mode)
     }
-    pub unsafe fn cuModuleGetFunction(
+    pub(crate) unsafe fn cuModuleGetFunction(
         &self,
         hfunc: *mut CUfunction,
         hmod: CUmodule,
@@ -10583,7 +10583,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, hmod, name)
     }
-    pub unsafe fn cuModuleGetFunctionCount(
+    pub(crate) unsafe fn cuModuleGetFunctionCount(
         &self,
         count: *mut ::std::os::raw::c_uint,
         mod_: CUmodule,
@@ -10593,7 +10593,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(count, mod_)
     }
-    pub unsafe fn cuModuleEnumerateFunctions(
+    pub(crate) unsafe fn cuModuleEnumerateFunctions(
         &self,
         functions: *mut CUfunction,
         numFunctions: ::std::os::raw::c_uint,
@@ -10604,7 +10604,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(functions, numFunctions, mod_)
     }
-    pub unsafe fn cuModuleGetGlobal_v2(
+    pub(crate) unsafe fn cuModuleGetGlobal_v2(
         &self,
         dptr: *mut CUdeviceptr,
         bytes: *mut usize,
@@ -10616,7 +10616,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dptr, bytes, hmod, name)
     }
-    pub unsafe fn cuLinkCreate_v2(
+    pub(crate) unsafe fn cuLinkCreate_v2(
         &self,
         numOptions: ::std::os::raw::c_uint,
         options: *mut CUjit_option,
@@ -10630,7 +10630,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(numOptions, options, optionValues, stateOut)
     }
-    pub unsafe fn cuLinkAddData_v2(
+    pub(crate) unsafe fn cuLinkAddData_v2(
         &self,
         state: CUlinkState,
         type_: CUjitInputType,
@@ -10648,7 +10648,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(state, type_, data, size, name, numOptions, options, optionValues)
     }
-    pub unsafe fn cuLinkAddFile_v2(
+    pub(crate) unsafe fn cuLinkAddFile_v2(
         &self,
         state: CUlinkState,
         type_: CUjitInputType,
@@ -10664,7 +10664,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(state, type_, path, numOptions, options, optionValues)
     }
-    pub unsafe fn cuLinkComplete(
+    pub(crate) unsafe fn cuLinkComplete(
         &self,
         state: CUlinkState,
         cubinOut: *mut *mut ::std::os::raw::c_void,
@@ -10675,10 +10675,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(state, cubinOut, sizeOut)
     }
-    pub unsafe fn cuLinkDestroy(&self, state: CUlinkState) -> CUresult {
+    pub(crate) unsafe fn cuLinkDestroy(&self, state: CUlinkState) -> CUresult {
         (self.cuLinkDestroy.as_ref().expect("Expected function, got error."))(state)
     }
-    pub unsafe fn cuModuleGetTexRef(
+    pub(crate) unsafe fn cuModuleGetTexRef(
         &self,
         pTexRef: *mut CUtexref,
         hmod: CUmodule,
@@ -10689,7 +10689,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pTexRef, hmod, name)
     }
-    pub unsafe fn cuModuleGetSurfRef(
+    pub(crate) unsafe fn cuModuleGetSurfRef(
         &self,
         pSurfRef: *mut CUsurfref,
         hmod: CUmodule,
@@ -10700,7 +10700,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pSurfRef, hmod, name)
     }
-    pub unsafe fn cuLibraryLoadData(
+    pub(crate) unsafe fn cuLibraryLoadData(
         &self,
         library: *mut CUlibrary,
         code: *const ::std::os::raw::c_void,
@@ -10727,7 +10727,7 @@ impl DriverApi {
             numLibraryOptions,
         )
     }
-    pub unsafe fn cuLibraryLoadFromFile(
+    pub(crate) unsafe fn cuLibraryLoadFromFile(
         &self,
         library: *mut CUlibrary,
         fileName: *const ::std::os::raw::c_char,
@@ -10754,10 +10754,10 @@ impl DriverApi {
             numLibraryOptions,
         )
     }
-    pub unsafe fn cuLibraryUnload(&self, library: CUlibrary) -> CUresult {
+    pub(crate) unsafe fn cuLibraryUnload(&self, library: CUlibrary) -> CUresult {
         (self.cuLibraryUnload.as_ref().expect("Expected function, got error."))(library)
     }
-    pub unsafe fn cuLibraryGetKernel(
+    pub(crate) unsafe fn cuLibraryGetKernel(
         &self,
         pKernel: *mut CUkernel,
         library: CUlibrary,
@@ -10768,7 +10768,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pKernel, library, name)
     }
-    pub unsafe fn cuLibraryGetKernelCount(
+    pub(crate) unsafe fn cuLibraryGetKernelCount(
         &self,
         count: *mut ::std::os::raw::c_uint,
         lib: CUlibrary,
@@ -10778,7 +10778,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(count, lib)
     }
-    pub unsafe fn cuLibraryEnumerateKernels(
+    pub(crate) unsafe fn cuLibraryEnumerateKernels(
         &self,
         kernels: *mut CUkernel,
         numKernels: ::std::os::raw::c_uint,
@@ -10789,7 +10789,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(kernels, numKernels, lib)
     }
-    pub unsafe fn cuLibraryGetModule(
+    pub(crate) unsafe fn cuLibraryGetModule(
         &self,
         pMod: *mut CUmodule,
         library: CUlibrary,
@@ -10799,7 +10799,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pMod, library)
     }
-    pub unsafe fn cuKernelGetFunction(
+    pub(crate) unsafe fn cuKernelGetFunction(
         &self,
         pFunc: *mut CUfunction,
         kernel: CUkernel,
@@ -10809,7 +10809,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pFunc, kernel)
     }
-    pub unsafe fn cuKernelGetLibrary(
+    pub(crate) unsafe fn cuKernelGetLibrary(
         &self,
         pLib: *mut CUlibrary,
         kernel: CUkernel,
@@ -10819,7 +10819,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pLib, kernel)
     }
-    pub unsafe fn cuLibraryGetGlobal(
+    pub(crate) unsafe fn cuLibraryGetGlobal(
         &self,
         dptr: *mut CUdeviceptr,
         bytes: *mut usize,
@@ -10831,7 +10831,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dptr, bytes, library, name)
     }
-    pub unsafe fn cuLibraryGetManaged(
+    pub(crate) unsafe fn cuLibraryGetManaged(
         &self,
         dptr: *mut CUdeviceptr,
         bytes: *mut usize,
@@ -10843,7 +10843,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dptr, bytes, library, name)
     }
-    pub unsafe fn cuLibraryGetUnifiedFunction(
+    pub(crate) unsafe fn cuLibraryGetUnifiedFunction(
         &self,
         fptr: *mut *mut ::std::os::raw::c_void,
         library: CUlibrary,
@@ -10854,7 +10854,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(fptr, library, symbol)
     }
-    pub unsafe fn cuKernelGetAttribute(
+    pub(crate) unsafe fn cuKernelGetAttribute(
         &self,
         pi: *mut ::std::os::raw::c_int,
         attrib: CUfunction_attribute,
@@ -10866,7 +10866,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pi, attrib, kernel, dev)
     }
-    pub unsafe fn cuKernelSetAttribute(
+    pub(crate) unsafe fn cuKernelSetAttribute(
         &self,
         attrib: CUfunction_attribute,
         val: ::std::os::raw::c_int,
@@ -10878,7 +10878,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(attrib, val, kernel, dev)
     }
-    pub unsafe fn cuKernelSetCacheConfig(
+    pub(crate) unsafe fn cuKernelSetCacheConfig(
         &self,
         kernel: CUkernel,
         config: CUfunc_cache,
@@ -10889,7 +10889,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(kernel, config, dev)
     }
-    pub unsafe fn cuKernelGetName(
+    pub(crate) unsafe fn cuKernelGetName(
         &self,
         name: *mut *const ::std::os::raw::c_char,
         hfunc: CUkernel,
@@ -10899,7 +10899,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(name, hfunc)
     }
-    pub unsafe fn cuKernelGetParamInfo(
+    pub(crate) unsafe fn cuKernelGetParamInfo(
         &self,
         kernel: CUkernel,
         paramIndex: usize,
@@ -10913,7 +10913,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(kernel, paramIndex, paramOffset, paramSize)
     }
-    pub unsafe fn cuMemGetInfo_v2(
+    pub(crate) unsafe fn cuMemGetInfo_v2(
         &self,
         free: *mut usize,
         total: *mut usize,
@@ -10923,7 +10923,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(free, total)
     }
-    pub unsafe fn cuMemAlloc_v2(
+    pub(crate) unsafe fn cuMemAlloc_v2(
         &self,
         dptr: *mut CUdeviceptr,
         bytesize: usize,
@@ -10933,7 +10933,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dptr, bytesize)
     }
-    pub unsafe fn cuMemAllocPitch_v2(
+    pub(crate) unsafe fn cuMemAllocPitch_v2(
         &self,
         dptr: *mut CUdeviceptr,
         pPitch: *mut usize,
@@ -10948,10 +10948,10 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes)
     }
-    pub unsafe fn cuMemFree_v2(&self, dptr: CUdeviceptr) -> CUresult {
+    pub(crate) unsafe fn cuMemFree_v2(&self, dptr: CUdeviceptr) -> CUresult {
         (self.cuMemFree_v2.as_ref().expect("Expected function, got error."))(dptr)
     }
-    pub unsafe fn cuMemGetAddressRange_v2(
+    pub(crate) unsafe fn cuMemGetAddressRange_v2(
         &self,
         pbase: *mut CUdeviceptr,
         psize: *mut usize,
@@ -10962,7 +10962,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pbase, psize, dptr)
     }
-    pub unsafe fn cuMemAllocHost_v2(
+    pub(crate) unsafe fn cuMemAllocHost_v2(
         &self,
         pp: *mut *mut ::std::os::raw::c_void,
         bytesize: usize,
@@ -10972,10 +10972,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pp, bytesize)
     }
-    pub unsafe fn cuMemFreeHost(&self, p: *mut ::std::os::raw::c_void) -> CUresult {
+    pub(crate) unsafe fn cuMemFreeHost(&self, p: *mut ::std::os::raw::c_void) -> CUresult {
         (self.cuMemFreeHost.as_ref().expect("Expected function, got error."))(p)
     }
-    pub unsafe fn cuMemHostAlloc(
+    pub(crate) unsafe fn cuMemHostAlloc(
         &self,
         pp: *mut *mut ::std::os::raw::c_void,
         bytesize: usize,
@@ -10986,7 +10986,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pp, bytesize, Flags)
     }
-    pub unsafe fn cuMemHostGetDevicePointer_v2(
+    pub(crate) unsafe fn cuMemHostGetDevicePointer_v2(
         &self,
         pdptr: *mut CUdeviceptr,
         p: *mut ::std::os::raw::c_void,
@@ -10997,7 +10997,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pdptr, p, Flags)
     }
-    pub unsafe fn cuMemHostGetFlags(
+    pub(crate) unsafe fn cuMemHostGetFlags(
         &self,
         pFlags: *mut ::std::os::raw::c_uint,
         p: *mut ::std::os::raw::c_void,
@@ -11007,7 +11007,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pFlags, p)
     }
-    pub unsafe fn cuMemAllocManaged(
+    pub(crate) unsafe fn cuMemAllocManaged(
         &self,
         dptr: *mut CUdeviceptr,
         bytesize: usize,
@@ -11018,7 +11018,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dptr, bytesize, flags)
     }
-    pub unsafe fn cuDeviceRegisterAsyncNotification(
+    pub(crate) unsafe fn cuDeviceRegisterAsyncNotification(
         &self,
         device: CUdevice,
         callbackFunc: CUasyncCallback,
@@ -11032,7 +11032,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(device, callbackFunc, userData, callback)
     }
-    pub unsafe fn cuDeviceUnregisterAsyncNotification(
+    pub(crate) unsafe fn cuDeviceUnregisterAsyncNotification(
         &self,
         device: CUdevice,
         callback: CUasyncCallbackHandle,
@@ -11042,7 +11042,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(device, callback)
     }
-    pub unsafe fn cuDeviceGetByPCIBusId(
+    pub(crate) unsafe fn cuDeviceGetByPCIBusId(
         &self,
         dev: *mut CUdevice,
         pciBusId: *const ::std::os::raw::c_char,
@@ -11052,7 +11052,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dev, pciBusId)
     }
-    pub unsafe fn cuDeviceGetPCIBusId(
+    pub(crate) unsafe fn cuDeviceGetPCIBusId(
         &self,
         pciBusId: *mut ::std::os::raw::c_char,
         len: ::std::os::raw::c_int,
@@ -11063,7 +11063,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pciBusId, len, dev)
     }
-    pub unsafe fn cuIpcGetEventHandle(
+    pub(crate) unsafe fn cuIpcGetEventHandle(
         &self,
         pHandle: *mut CUipcEventHandle,
         event: CUevent,
@@ -11073,7 +11073,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pHandle, event)
     }
-    pub unsafe fn cuIpcOpenEventHandle(
+    pub(crate) unsafe fn cuIpcOpenEventHandle(
         &self,
         phEvent: *mut CUevent,
         handle: CUipcEventHandle,
@@ -11083,7 +11083,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phEvent, handle)
     }
-    pub unsafe fn cuIpcGetMemHandle(
+    pub(crate) unsafe fn cuIpcGetMemHandle(
         &self,
         pHandle: *mut CUipcMemHandle,
         dptr: CUdeviceptr,
@@ -11093,7 +11093,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pHandle, dptr)
     }
-    pub unsafe fn cuIpcOpenMemHandle_v2(
+    pub(crate) unsafe fn cuIpcOpenMemHandle_v2(
         &self,
         pdptr: *mut CUdeviceptr,
         handle: CUipcMemHandle,
@@ -11104,10 +11104,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pdptr, handle, Flags)
     }
-    pub unsafe fn cuIpcCloseMemHandle(&self, dptr: CUdeviceptr) -> CUresult {
+    pub(crate) unsafe fn cuIpcCloseMemHandle(&self, dptr: CUdeviceptr) -> CUresult {
         (self.cuIpcCloseMemHandle.as_ref().expect("Expected function, got error."))(dptr)
     }
-    pub unsafe fn cuMemHostRegister_v2(
+    pub(crate) unsafe fn cuMemHostRegister_v2(
         &self,
         p: *mut ::std::os::raw::c_void,
         bytesize: usize,
@@ -11118,13 +11118,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(p, bytesize, Flags)
     }
-    pub unsafe fn cuMemHostUnregister(
+    pub(crate) unsafe fn cuMemHostUnregister(
         &self,
         p: *mut ::std::os::raw::c_void,
     ) -> CUresult {
         (self.cuMemHostUnregister.as_ref().expect("Expected function, got error."))(p)
     }
-    pub unsafe fn cuMemcpy(
+    pub(crate) unsafe fn cuMemcpy(
         &self,
         dst: CUdeviceptr,
         src: CUdeviceptr,
@@ -11135,7 +11135,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dst, src, ByteCount)
     }
-    pub unsafe fn cuMemcpyPeer(
+    pub(crate) unsafe fn cuMemcpyPeer(
         &self,
         dstDevice: CUdeviceptr,
         dstContext: CUcontext,
@@ -11150,7 +11150,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, dstContext, srcDevice, srcContext, ByteCount)
     }
-    pub unsafe fn cuMemcpyHtoD_v2(
+    pub(crate) unsafe fn cuMemcpyHtoD_v2(
         &self,
         dstDevice: CUdeviceptr,
         srcHost: *const ::std::os::raw::c_void,
@@ -11161,7 +11161,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, srcHost, ByteCount)
     }
-    pub unsafe fn cuMemcpyDtoH_v2(
+    pub(crate) unsafe fn cuMemcpyDtoH_v2(
         &self,
         dstHost: *mut ::std::os::raw::c_void,
         srcDevice: CUdeviceptr,
@@ -11172,7 +11172,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstHost, srcDevice, ByteCount)
     }
-    pub unsafe fn cuMemcpyDtoD_v2(
+    pub(crate) unsafe fn cuMemcpyDtoD_v2(
         &self,
         dstDevice: CUdeviceptr,
         srcDevice: CUdeviceptr,
@@ -11183,7 +11183,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, srcDevice, ByteCount)
     }
-    pub unsafe fn cuMemcpyDtoA_v2(
+    pub(crate) unsafe fn cuMemcpyDtoA_v2(
         &self,
         dstArray: CUarray,
         dstOffset: usize,
@@ -11197,7 +11197,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstArray, dstOffset, srcDevice, ByteCount)
     }
-    pub unsafe fn cuMemcpyAtoD_v2(
+    pub(crate) unsafe fn cuMemcpyAtoD_v2(
         &self,
         dstDevice: CUdeviceptr,
         srcArray: CUarray,
@@ -11211,7 +11211,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, srcArray, srcOffset, ByteCount)
     }
-    pub unsafe fn cuMemcpyHtoA_v2(
+    pub(crate) unsafe fn cuMemcpyHtoA_v2(
         &self,
         dstArray: CUarray,
         dstOffset: usize,
@@ -11225,7 +11225,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstArray, dstOffset, srcHost, ByteCount)
     }
-    pub unsafe fn cuMemcpyAtoH_v2(
+    pub(crate) unsafe fn cuMemcpyAtoH_v2(
         &self,
         dstHost: *mut ::std::os::raw::c_void,
         srcArray: CUarray,
@@ -11239,7 +11239,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstHost, srcArray, srcOffset, ByteCount)
     }
-    pub unsafe fn cuMemcpyAtoA_v2(
+    pub(crate) unsafe fn cuMemcpyAtoA_v2(
         &self,
         dstArray: CUarray,
         dstOffset: usize,
@@ -11254,10 +11254,10 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstArray, dstOffset, srcArray, srcOffset, ByteCount)
     }
-    pub unsafe fn cuMemcpy2D_v2(&self, pCopy: *const CUDA_MEMCPY2D) -> CUresult {
+    pub(crate) unsafe fn cuMemcpy2D_v2(&self, pCopy: *const CUDA_MEMCPY2D) -> CUresult {
         (self.cuMemcpy2D_v2.as_ref().expect("Expected function, got error."))(pCopy)
     }
-    pub unsafe fn cuMemcpy2DUnaligned_v2(
+    pub(crate) unsafe fn cuMemcpy2DUnaligned_v2(
         &self,
         pCopy: *const CUDA_MEMCPY2D,
     ) -> CUresult {
@@ -11266,13 +11266,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pCopy)
     }
-    pub unsafe fn cuMemcpy3D_v2(&self, pCopy: *const CUDA_MEMCPY3D) -> CUresult {
+    pub(crate) unsafe fn cuMemcpy3D_v2(&self, pCopy: *const CUDA_MEMCPY3D) -> CUresult {
         (self.cuMemcpy3D_v2.as_ref().expect("Expected function, got error."))(pCopy)
     }
-    pub unsafe fn cuMemcpy3DPeer(&self, pCopy: *const CUDA_MEMCPY3D_PEER) -> CUresult {
+    pub(crate) unsafe fn cuMemcpy3DPeer(&self, pCopy: *const CUDA_MEMCPY3D_PEER) -> CUresult {
         (self.cuMemcpy3DPeer.as_ref().expect("Expected function, got error."))(pCopy)
     }
-    pub unsafe fn cuMemcpyAsync(
+    pub(crate) unsafe fn cuMemcpyAsync(
         &self,
         dst: CUdeviceptr,
         src: CUdeviceptr,
@@ -11284,7 +11284,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dst, src, ByteCount, hStream)
     }
-    pub unsafe fn cuMemcpyPeerAsync(
+    pub(crate) unsafe fn cuMemcpyPeerAsync(
         &self,
         dstDevice: CUdeviceptr,
         dstContext: CUcontext,
@@ -11300,7 +11300,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream)
     }
-    pub unsafe fn cuMemcpyHtoDAsync_v2(
+    pub(crate) unsafe fn cuMemcpyHtoDAsync_v2(
         &self,
         dstDevice: CUdeviceptr,
         srcHost: *const ::std::os::raw::c_void,
@@ -11314,7 +11314,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, srcHost, ByteCount, hStream)
     }
-    pub unsafe fn cuMemcpyDtoHAsync_v2(
+    pub(crate) unsafe fn cuMemcpyDtoHAsync_v2(
         &self,
         dstHost: *mut ::std::os::raw::c_void,
         srcDevice: CUdeviceptr,
@@ -11328,7 +11328,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstHost, srcDevice, ByteCount, hStream)
     }
-    pub unsafe fn cuMemcpyDtoDAsync_v2(
+    pub(crate) unsafe fn cuMemcpyDtoDAsync_v2(
         &self,
         dstDevice: CUdeviceptr,
         srcDevice: CUdeviceptr,
@@ -11342,7 +11342,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, srcDevice, ByteCount, hStream)
     }
-    pub unsafe fn cuMemcpyHtoAAsync_v2(
+    pub(crate) unsafe fn cuMemcpyHtoAAsync_v2(
         &self,
         dstArray: CUarray,
         dstOffset: usize,
@@ -11357,7 +11357,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstArray, dstOffset, srcHost, ByteCount, hStream)
     }
-    pub unsafe fn cuMemcpyAtoHAsync_v2(
+    pub(crate) unsafe fn cuMemcpyAtoHAsync_v2(
         &self,
         dstHost: *mut ::std::os::raw::c_void,
         srcArray: CUarray,
@@ -11372,7 +11372,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstHost, srcArray, srcOffset, ByteCount, hStream)
     }
-    pub unsafe fn cuMemcpy2DAsync_v2(
+    pub(crate) unsafe fn cuMemcpy2DAsync_v2(
         &self,
         pCopy: *const CUDA_MEMCPY2D,
         hStream: CUstream,
@@ -11382,7 +11382,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pCopy, hStream)
     }
-    pub unsafe fn cuMemcpy3DAsync_v2(
+    pub(crate) unsafe fn cuMemcpy3DAsync_v2(
         &self,
         pCopy: *const CUDA_MEMCPY3D,
         hStream: CUstream,
@@ -11392,7 +11392,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pCopy, hStream)
     }
-    pub unsafe fn cuMemcpy3DPeerAsync(
+    pub(crate) unsafe fn cuMemcpy3DPeerAsync(
         &self,
         pCopy: *const CUDA_MEMCPY3D_PEER,
         hStream: CUstream,
@@ -11402,7 +11402,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pCopy, hStream)
     }
-    pub unsafe fn cuMemcpyBatchAsync_v2(
+    pub(crate) unsafe fn cuMemcpyBatchAsync_v2(
         &self,
         dsts: *mut CUdeviceptr,
         srcs: *mut CUdeviceptr,
@@ -11420,7 +11420,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, hStream)
     }
-    pub unsafe fn cuMemcpy3DBatchAsync_v2(
+    pub(crate) unsafe fn cuMemcpy3DBatchAsync_v2(
         &self,
         numOps: usize,
         opList: *mut CUDA_MEMCPY3D_BATCH_OP,
@@ -11432,7 +11432,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(numOps, opList, flags, hStream)
     }
-    pub unsafe fn cuMemsetD8_v2(
+    pub(crate) unsafe fn cuMemsetD8_v2(
         &self,
         dstDevice: CUdeviceptr,
         uc: ::std::os::raw::c_uchar,
@@ -11443,7 +11443,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, uc, N)
     }
-    pub unsafe fn cuMemsetD16_v2(
+    pub(crate) unsafe fn cuMemsetD16_v2(
         &self,
         dstDevice: CUdeviceptr,
         us: ::std::os::raw::c_ushort,
@@ -11454,7 +11454,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, us, N)
     }
-    pub unsafe fn cuMemsetD32_v2(
+    pub(crate) unsafe fn cuMemsetD32_v2(
         &self,
         dstDevice: CUdeviceptr,
         ui: ::std::os::raw::c_uint,
@@ -11465,7 +11465,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, ui, N)
     }
-    pub unsafe fn cuMemsetD2D8_v2(
+    pub(crate) unsafe fn cuMemsetD2D8_v2(
         &self,
         dstDevice: CUdeviceptr,
         dstPitch: usize,
@@ -11480,7 +11480,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, dstPitch, uc, Width, Height)
     }
-    pub unsafe fn cuMemsetD2D16_v2(
+    pub(crate) unsafe fn cuMemsetD2D16_v2(
         &self,
         dstDevice: CUdeviceptr,
         dstPitch: usize,
@@ -11495,7 +11495,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, dstPitch, us, Width, Height)
     }
-    pub unsafe fn cuMemsetD2D32_v2(
+    pub(crate) unsafe fn cuMemsetD2D32_v2(
         &self,
         dstDevice: CUdeviceptr,
         dstPitch: usize,
@@ -11510,7 +11510,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, dstPitch, ui, Width, Height)
     }
-    pub unsafe fn cuMemsetD8Async(
+    pub(crate) unsafe fn cuMemsetD8Async(
         &self,
         dstDevice: CUdeviceptr,
         uc: ::std::os::raw::c_uchar,
@@ -11522,7 +11522,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, uc, N, hStream)
     }
-    pub unsafe fn cuMemsetD16Async(
+    pub(crate) unsafe fn cuMemsetD16Async(
         &self,
         dstDevice: CUdeviceptr,
         us: ::std::os::raw::c_ushort,
@@ -11534,7 +11534,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, us, N, hStream)
     }
-    pub unsafe fn cuMemsetD32Async(
+    pub(crate) unsafe fn cuMemsetD32Async(
         &self,
         dstDevice: CUdeviceptr,
         ui: ::std::os::raw::c_uint,
@@ -11546,7 +11546,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, ui, N, hStream)
     }
-    pub unsafe fn cuMemsetD2D8Async(
+    pub(crate) unsafe fn cuMemsetD2D8Async(
         &self,
         dstDevice: CUdeviceptr,
         dstPitch: usize,
@@ -11562,7 +11562,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, dstPitch, uc, Width, Height, hStream)
     }
-    pub unsafe fn cuMemsetD2D16Async(
+    pub(crate) unsafe fn cuMemsetD2D16Async(
         &self,
         dstDevice: CUdeviceptr,
         dstPitch: usize,
@@ -11578,7 +11578,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, dstPitch, us, Width, Height, hStream)
     }
-    pub unsafe fn cuMemsetD2D32Async(
+    pub(crate) unsafe fn cuMemsetD2D32Async(
         &self,
         dstDevice: CUdeviceptr,
         dstPitch: usize,
@@ -11594,7 +11594,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dstDevice, dstPitch, ui, Width, Height, hStream)
     }
-    pub unsafe fn cuArrayCreate_v2(
+    pub(crate) unsafe fn cuArrayCreate_v2(
         &self,
         pHandle: *mut CUarray,
         pAllocateArray: *const CUDA_ARRAY_DESCRIPTOR,
@@ -11604,7 +11604,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pHandle, pAllocateArray)
     }
-    pub unsafe fn cuArrayGetDescriptor_v2(
+    pub(crate) unsafe fn cuArrayGetDescriptor_v2(
         &self,
         pArrayDescriptor: *mut CUDA_ARRAY_DESCRIPTOR,
         hArray: CUarray,
@@ -11614,7 +11614,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pArrayDescriptor, hArray)
     }
-    pub unsafe fn cuArrayGetSparseProperties(
+    pub(crate) unsafe fn cuArrayGetSparseProperties(
         &self,
         sparseProperties: *mut CUDA_ARRAY_SPARSE_PROPERTIES,
         array: CUarray,
@@ -11624,7 +11624,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(sparseProperties, array)
     }
-    pub unsafe fn cuMipmappedArrayGetSparseProperties(
+    pub(crate) unsafe fn cuMipmappedArrayGetSparseProperties(
         &self,
         sparseProperties: *mut CUDA_ARRAY_SPARSE_PROPERTIES,
         mipmap: CUmipmappedArray,
@@ -11634,7 +11634,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(sparseProperties, mipmap)
     }
-    pub unsafe fn cuArrayGetMemoryRequirements(
+    pub(crate) unsafe fn cuArrayGetMemoryRequirements(
         &self,
         memoryRequirements: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS,
         array: CUarray,
@@ -11645,7 +11645,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(memoryRequirements, array, device)
     }
-    pub unsafe fn cuMipmappedArrayGetMemoryRequirements(
+    pub(crate) unsafe fn cuMipmappedArrayGetMemoryRequirements(
         &self,
         memoryRequirements: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS,
         mipmap: CUmipmappedArray,
@@ -11656,7 +11656,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(memoryRequirements, mipmap, device)
     }
-    pub unsafe fn cuArrayGetPlane(
+    pub(crate) unsafe fn cuArrayGetPlane(
         &self,
         pPlaneArray: *mut CUarray,
         hArray: CUarray,
@@ -11667,10 +11667,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pPlaneArray, hArray, planeIdx)
     }
-    pub unsafe fn cuArrayDestroy(&self, hArray: CUarray) -> CUresult {
+    pub(crate) unsafe fn cuArrayDestroy(&self, hArray: CUarray) -> CUresult {
         (self.cuArrayDestroy.as_ref().expect("Expected function, got error."))(hArray)
     }
-    pub unsafe fn cuArray3DCreate_v2(
+    pub(crate) unsafe fn cuArray3DCreate_v2(
         &self,
         pHandle: *mut CUarray,
         pAllocateArray: *const CUDA_ARRAY3D_DESCRIPTOR,
@@ -11680,7 +11680,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pHandle, pAllocateArray)
     }
-    pub unsafe fn cuArray3DGetDescriptor_v2(
+    pub(crate) unsafe fn cuArray3DGetDescriptor_v2(
         &self,
         pArrayDescriptor: *mut CUDA_ARRAY3D_DESCRIPTOR,
         hArray: CUarray,
@@ -11690,7 +11690,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pArrayDescriptor, hArray)
     }
-    pub unsafe fn cuMipmappedArrayCreate(
+    pub(crate) unsafe fn cuMipmappedArrayCreate(
         &self,
         pHandle: *mut CUmipmappedArray,
         pMipmappedArrayDesc: *const CUDA_ARRAY3D_DESCRIPTOR,
@@ -11703,7 +11703,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(pHandle, pMipmappedArrayDesc, numMipmapLevels)
     }
-    pub unsafe fn cuMipmappedArrayGetLevel(
+    pub(crate) unsafe fn cuMipmappedArrayGetLevel(
         &self,
         pLevelArray: *mut CUarray,
         hMipmappedArray: CUmipmappedArray,
@@ -11716,7 +11716,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(pLevelArray, hMipmappedArray, level)
     }
-    pub unsafe fn cuMipmappedArrayDestroy(
+    pub(crate) unsafe fn cuMipmappedArrayDestroy(
         &self,
         hMipmappedArray: CUmipmappedArray,
     ) -> CUresult {
@@ -11725,7 +11725,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hMipmappedArray)
     }
-    pub unsafe fn cuMemGetHandleForAddressRange(
+    pub(crate) unsafe fn cuMemGetHandleForAddressRange(
         &self,
         handle: *mut ::std::os::raw::c_void,
         dptr: CUdeviceptr,
@@ -11740,7 +11740,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(handle, dptr, size, handleType, flags)
     }
-    pub unsafe fn cuMemBatchDecompressAsync(
+    pub(crate) unsafe fn cuMemBatchDecompressAsync(
         &self,
         paramsArray: *mut CUmemDecompressParams,
         count: usize,
@@ -11755,7 +11755,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(paramsArray, count, flags, errorIndex, stream)
     }
-    pub unsafe fn cuMemAddressReserve(
+    pub(crate) unsafe fn cuMemAddressReserve(
         &self,
         ptr: *mut CUdeviceptr,
         size: usize,
@@ -11768,13 +11768,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(ptr, size, alignment, addr, flags)
     }
-    pub unsafe fn cuMemAddressFree(&self, ptr: CUdeviceptr, size: usize) -> CUresult {
+    pub(crate) unsafe fn cuMemAddressFree(&self, ptr: CUdeviceptr, size: usize) -> CUresult {
         (self
             .cuMemAddressFree
             .as_ref()
             .expect("Expected function, got error."))(ptr, size)
     }
-    pub unsafe fn cuMemCreate(
+    pub(crate) unsafe fn cuMemCreate(
         &self,
         handle: *mut CUmemGenericAllocationHandle,
         size: usize,
@@ -11786,10 +11786,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(handle, size, prop, flags)
     }
-    pub unsafe fn cuMemRelease(&self, handle: CUmemGenericAllocationHandle) -> CUresult {
+    pub(crate) unsafe fn cuMemRelease(&self, handle: CUmemGenericAllocationHandle) -> CUresult {
         (self.cuMemRelease.as_ref().expect("Expected function, got error."))(handle)
     }
-    pub unsafe fn cuMemMap(
+    pub(crate) unsafe fn cuMemMap(
         &self,
         ptr: CUdeviceptr,
         size: usize,
@@ -11802,7 +11802,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(ptr, size, offset, handle, flags)
     }
-    pub unsafe fn cuMemMapArrayAsync(
+    pub(crate) unsafe fn cuMemMapArrayAsync(
         &self,
         mapInfoList: *mut CUarrayMapInfo,
         count: ::std::os::raw::c_uint,
@@ -11813,10 +11813,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(mapInfoList, count, hStream)
     }
-    pub unsafe fn cuMemUnmap(&self, ptr: CUdeviceptr, size: usize) -> CUresult {
+    pub(crate) unsafe fn cuMemUnmap(&self, ptr: CUdeviceptr, size: usize) -> CUresult {
         (self.cuMemUnmap.as_ref().expect("Expected function, got error."))(ptr, size)
     }
-    pub unsafe fn cuMemSetAccess(
+    pub(crate) unsafe fn cuMemSetAccess(
         &self,
         ptr: CUdeviceptr,
         size: usize,
@@ -11828,7 +11828,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(ptr, size, desc, count)
     }
-    pub unsafe fn cuMemGetAccess(
+    pub(crate) unsafe fn cuMemGetAccess(
         &self,
         flags: *mut ::std::os::raw::c_ulonglong,
         location: *const CUmemLocation,
@@ -11839,7 +11839,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(flags, location, ptr)
     }
-    pub unsafe fn cuMemExportToShareableHandle(
+    pub(crate) unsafe fn cuMemExportToShareableHandle(
         &self,
         shareableHandle: *mut ::std::os::raw::c_void,
         handle: CUmemGenericAllocationHandle,
@@ -11853,7 +11853,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(shareableHandle, handle, handleType, flags)
     }
-    pub unsafe fn cuMemImportFromShareableHandle(
+    pub(crate) unsafe fn cuMemImportFromShareableHandle(
         &self,
         handle: *mut CUmemGenericAllocationHandle,
         osHandle: *mut ::std::os::raw::c_void,
@@ -11864,7 +11864,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(handle, osHandle, shHandleType)
     }
-    pub unsafe fn cuMemGetAllocationGranularity(
+    pub(crate) unsafe fn cuMemGetAllocationGranularity(
         &self,
         granularity: *mut usize,
         prop: *const CUmemAllocationProp,
@@ -11875,7 +11875,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(granularity, prop, option)
     }
-    pub unsafe fn cuMemGetAllocationPropertiesFromHandle(
+    pub(crate) unsafe fn cuMemGetAllocationPropertiesFromHandle(
         &self,
         prop: *mut CUmemAllocationProp,
         handle: CUmemGenericAllocationHandle,
@@ -11885,7 +11885,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(prop, handle)
     }
-    pub unsafe fn cuMemRetainAllocationHandle(
+    pub(crate) unsafe fn cuMemRetainAllocationHandle(
         &self,
         handle: *mut CUmemGenericAllocationHandle,
         addr: *mut ::std::os::raw::c_void,
@@ -11895,7 +11895,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(handle, addr)
     }
-    pub unsafe fn cuMemFreeAsync(
+    pub(crate) unsafe fn cuMemFreeAsync(
         &self,
         dptr: CUdeviceptr,
         hStream: CUstream,
@@ -11905,7 +11905,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dptr, hStream)
     }
-    pub unsafe fn cuMemAllocAsync(
+    pub(crate) unsafe fn cuMemAllocAsync(
         &self,
         dptr: *mut CUdeviceptr,
         bytesize: usize,
@@ -11916,7 +11916,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dptr, bytesize, hStream)
     }
-    pub unsafe fn cuMemPoolTrimTo(
+    pub(crate) unsafe fn cuMemPoolTrimTo(
         &self,
         pool: CUmemoryPool,
         minBytesToKeep: usize,
@@ -11926,7 +11926,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool, minBytesToKeep)
     }
-    pub unsafe fn cuMemPoolSetAttribute(
+    pub(crate) unsafe fn cuMemPoolSetAttribute(
         &self,
         pool: CUmemoryPool,
         attr: CUmemPool_attribute,
@@ -11937,7 +11937,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool, attr, value)
     }
-    pub unsafe fn cuMemPoolGetAttribute(
+    pub(crate) unsafe fn cuMemPoolGetAttribute(
         &self,
         pool: CUmemoryPool,
         attr: CUmemPool_attribute,
@@ -11948,7 +11948,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool, attr, value)
     }
-    pub unsafe fn cuMemPoolSetAccess(
+    pub(crate) unsafe fn cuMemPoolSetAccess(
         &self,
         pool: CUmemoryPool,
         map: *const CUmemAccessDesc,
@@ -11959,7 +11959,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool, map, count)
     }
-    pub unsafe fn cuMemPoolGetAccess(
+    pub(crate) unsafe fn cuMemPoolGetAccess(
         &self,
         flags: *mut CUmemAccess_flags,
         memPool: CUmemoryPool,
@@ -11970,7 +11970,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(flags, memPool, location)
     }
-    pub unsafe fn cuMemPoolCreate(
+    pub(crate) unsafe fn cuMemPoolCreate(
         &self,
         pool: *mut CUmemoryPool,
         poolProps: *const CUmemPoolProps,
@@ -11980,10 +11980,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool, poolProps)
     }
-    pub unsafe fn cuMemPoolDestroy(&self, pool: CUmemoryPool) -> CUresult {
+    pub(crate) unsafe fn cuMemPoolDestroy(&self, pool: CUmemoryPool) -> CUresult {
         (self.cuMemPoolDestroy.as_ref().expect("Expected function, got error."))(pool)
     }
-    pub unsafe fn cuMemGetDefaultMemPool(
+    pub(crate) unsafe fn cuMemGetDefaultMemPool(
         &self,
         pool_out: *mut CUmemoryPool,
         location: *mut CUmemLocation,
@@ -11994,7 +11994,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool_out, location, type_)
     }
-    pub unsafe fn cuMemGetMemPool(
+    pub(crate) unsafe fn cuMemGetMemPool(
         &self,
         pool: *mut CUmemoryPool,
         location: *mut CUmemLocation,
@@ -12005,7 +12005,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pool, location, type_)
     }
-    pub unsafe fn cuMemSetMemPool(
+    pub(crate) unsafe fn cuMemSetMemPool(
         &self,
         location: *mut CUmemLocation,
         type_: CUmemAllocationType,
@@ -12016,7 +12016,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(location, type_, pool)
     }
-    pub unsafe fn cuMemAllocFromPoolAsync(
+    pub(crate) unsafe fn cuMemAllocFromPoolAsync(
         &self,
         dptr: *mut CUdeviceptr,
         bytesize: usize,
@@ -12028,7 +12028,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dptr, bytesize, pool, hStream)
     }
-    pub unsafe fn cuMemPoolExportToShareableHandle(
+    pub(crate) unsafe fn cuMemPoolExportToShareableHandle(
         &self,
         handle_out: *mut ::std::os::raw::c_void,
         pool: CUmemoryPool,
@@ -12042,7 +12042,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(handle_out, pool, handleType, flags)
     }
-    pub unsafe fn cuMemPoolImportFromShareableHandle(
+    pub(crate) unsafe fn cuMemPoolImportFromShareableHandle(
         &self,
         pool_out: *mut CUmemoryPool,
         handle: *mut ::std::os::raw::c_void,
@@ -12056,7 +12056,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(pool_out, handle, handleType, flags)
     }
-    pub unsafe fn cuMemPoolExportPointer(
+    pub(crate) unsafe fn cuMemPoolExportPointer(
         &self,
         shareData_out: *mut CUmemPoolPtrExportData,
         ptr: CUdeviceptr,
@@ -12066,7 +12066,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(shareData_out, ptr)
     }
-    pub unsafe fn cuMemPoolImportPointer(
+    pub(crate) unsafe fn cuMemPoolImportPointer(
         &self,
         ptr_out: *mut CUdeviceptr,
         pool: CUmemoryPool,
@@ -12077,7 +12077,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(ptr_out, pool, shareData)
     }
-    pub unsafe fn cuMulticastCreate(
+    pub(crate) unsafe fn cuMulticastCreate(
         &self,
         mcHandle: *mut CUmemGenericAllocationHandle,
         prop: *const CUmulticastObjectProp,
@@ -12087,7 +12087,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(mcHandle, prop)
     }
-    pub unsafe fn cuMulticastAddDevice(
+    pub(crate) unsafe fn cuMulticastAddDevice(
         &self,
         mcHandle: CUmemGenericAllocationHandle,
         dev: CUdevice,
@@ -12097,7 +12097,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(mcHandle, dev)
     }
-    pub unsafe fn cuMulticastBindMem(
+    pub(crate) unsafe fn cuMulticastBindMem(
         &self,
         mcHandle: CUmemGenericAllocationHandle,
         mcOffset: usize,
@@ -12113,7 +12113,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(mcHandle, mcOffset, memHandle, memOffset, size, flags)
     }
-    pub unsafe fn cuMulticastBindAddr(
+    pub(crate) unsafe fn cuMulticastBindAddr(
         &self,
         mcHandle: CUmemGenericAllocationHandle,
         mcOffset: usize,
@@ -12128,7 +12128,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(mcHandle, mcOffset, memptr, size, flags)
     }
-    pub unsafe fn cuMulticastUnbind(
+    pub(crate) unsafe fn cuMulticastUnbind(
         &self,
         mcHandle: CUmemGenericAllocationHandle,
         dev: CUdevice,
@@ -12140,7 +12140,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(mcHandle, dev, mcOffset, size)
     }
-    pub unsafe fn cuMulticastGetGranularity(
+    pub(crate) unsafe fn cuMulticastGetGranularity(
         &self,
         granularity: *mut usize,
         prop: *const CUmulticastObjectProp,
@@ -12151,7 +12151,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(granularity, prop, option)
     }
-    pub unsafe fn cuPointerGetAttribute(
+    pub(crate) unsafe fn cuPointerGetAttribute(
         &self,
         data: *mut ::std::os::raw::c_void,
         attribute: CUpointer_attribute,
@@ -12162,7 +12162,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(data, attribute, ptr)
     }
-    pub unsafe fn cuMemPrefetchAsync_v2(
+    pub(crate) unsafe fn cuMemPrefetchAsync_v2(
         &self,
         devPtr: CUdeviceptr,
         count: usize,
@@ -12177,7 +12177,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(devPtr, count, location, flags, hStream)
     }
-    pub unsafe fn cuMemAdvise_v2(
+    pub(crate) unsafe fn cuMemAdvise_v2(
         &self,
         devPtr: CUdeviceptr,
         count: usize,
@@ -12189,7 +12189,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(devPtr, count, advice, location)
     }
-    pub unsafe fn cuMemPrefetchBatchAsync(
+    pub(crate) unsafe fn cuMemPrefetchBatchAsync(
         &self,
         dptrs: *mut CUdeviceptr,
         sizes: *mut usize,
@@ -12216,7 +12216,7 @@ impl DriverApi {
             hStream,
         )
     }
-    pub unsafe fn cuMemDiscardBatchAsync(
+    pub(crate) unsafe fn cuMemDiscardBatchAsync(
         &self,
         dptrs: *mut CUdeviceptr,
         sizes: *mut usize,
@@ -12231,7 +12231,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dptrs, sizes, count, flags, hStream)
     }
-    pub unsafe fn cuMemDiscardAndPrefetchBatchAsync(
+    pub(crate) unsafe fn cuMemDiscardAndPrefetchBatchAsync(
         &self,
         dptrs: *mut CUdeviceptr,
         sizes: *mut usize,
@@ -12258,7 +12258,7 @@ impl DriverApi {
             hStream,
         )
     }
-    pub unsafe fn cuMemRangeGetAttribute(
+    pub(crate) unsafe fn cuMemRangeGetAttribute(
         &self,
         data: *mut ::std::os::raw::c_void,
         dataSize: usize,
@@ -12273,7 +12273,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(data, dataSize, attribute, devPtr, count)
     }
-    pub unsafe fn cuMemRangeGetAttributes(
+    pub(crate) unsafe fn cuMemRangeGetAttributes(
         &self,
         data: *mut *mut ::std::os::raw::c_void,
         dataSizes: *mut usize,
@@ -12289,7 +12289,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(data, dataSizes, attributes, numAttributes, devPtr, count)
     }
-    pub unsafe fn cuPointerSetAttribute(
+    pub(crate) unsafe fn cuPointerSetAttribute(
         &self,
         value: *const ::std::os::raw::c_void,
         attribute: CUpointer_attribute,
@@ -12300,7 +12300,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(value, attribute, ptr)
     }
-    pub unsafe fn cuPointerGetAttributes(
+    pub(crate) unsafe fn cuPointerGetAttributes(
         &self,
         numAttributes: ::std::os::raw::c_uint,
         attributes: *mut CUpointer_attribute,
@@ -12314,7 +12314,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(numAttributes, attributes, data, ptr)
     }
-    pub unsafe fn cuStreamCreate(
+    pub(crate) unsafe fn cuStreamCreate(
         &self,
         phStream: *mut CUstream,
         Flags: ::std::os::raw::c_uint,
@@ -12324,7 +12324,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phStream, Flags)
     }
-    pub unsafe fn cuStreamCreateWithPriority(
+    pub(crate) unsafe fn cuStreamCreateWithPriority(
         &self,
         phStream: *mut CUstream,
         flags: ::std::os::raw::c_uint,
@@ -12335,7 +12335,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phStream, flags, priority)
     }
-    pub unsafe fn cuStreamGetPriority(
+    pub(crate) unsafe fn cuStreamGetPriority(
         &self,
         hStream: CUstream,
         priority: *mut ::std::os::raw::c_int,
@@ -12345,7 +12345,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, priority)
     }
-    pub unsafe fn cuStreamGetDevice(
+    pub(crate) unsafe fn cuStreamGetDevice(
         &self,
         hStream: CUstream,
         device: *mut CUdevice,
@@ -12355,7 +12355,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, device)
     }
-    pub unsafe fn cuStreamGetFlags(
+    pub(crate) unsafe fn cuStreamGetFlags(
         &self,
         hStream: CUstream,
         flags: *mut ::std::os::raw::c_uint,
@@ -12365,7 +12365,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, flags)
     }
-    pub unsafe fn cuStreamGetId(
+    pub(crate) unsafe fn cuStreamGetId(
         &self,
         hStream: CUstream,
         streamId: *mut ::std::os::raw::c_ulonglong,
@@ -12375,7 +12375,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, streamId)
     }
-    pub unsafe fn cuStreamGetCtx(
+    pub(crate) unsafe fn cuStreamGetCtx(
         &self,
         hStream: CUstream,
         pctx: *mut CUcontext,
@@ -12385,7 +12385,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, pctx)
     }
-    pub unsafe fn cuStreamGetCtx_v2(
+    pub(crate) unsafe fn cuStreamGetCtx_v2(
         &self,
         hStream: CUstream,
         pCtx: *mut CUcontext,
@@ -12396,7 +12396,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, pCtx, pGreenCtx)
     }
-    pub unsafe fn cuStreamWaitEvent(
+    pub(crate) unsafe fn cuStreamWaitEvent(
         &self,
         hStream: CUstream,
         hEvent: CUevent,
@@ -12407,7 +12407,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, hEvent, Flags)
     }
-    pub unsafe fn cuStreamAddCallback(
+    pub(crate) unsafe fn cuStreamAddCallback(
         &self,
         hStream: CUstream,
         callback: CUstreamCallback,
@@ -12419,7 +12419,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, callback, userData, flags)
     }
-    pub unsafe fn cuStreamBeginCapture_v2(
+    pub(crate) unsafe fn cuStreamBeginCapture_v2(
         &self,
         hStream: CUstream,
         mode: CUstreamCaptureMode,
@@ -12429,7 +12429,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, mode)
     }
-    pub unsafe fn cuStreamBeginCaptureToGraph(
+    pub(crate) unsafe fn cuStreamBeginCaptureToGraph(
         &self,
         hStream: CUstream,
         hGraph: CUgraph,
@@ -12445,7 +12445,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hStream, hGraph, dependencies, dependencyData, numDependencies, mode)
     }
-    pub unsafe fn cuThreadExchangeStreamCaptureMode(
+    pub(crate) unsafe fn cuThreadExchangeStreamCaptureMode(
         &self,
         mode: *mut CUstreamCaptureMode,
     ) -> CUresult {
@@ -12454,7 +12454,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(mode)
     }
-    pub unsafe fn cuStreamEndCapture(
+    pub(crate) unsafe fn cuStreamEndCapture(
         &self,
         hStream: CUstream,
         phGraph: *mut CUgraph,
@@ -12464,7 +12464,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, phGraph)
     }
-    pub unsafe fn cuStreamIsCapturing(
+    pub(crate) unsafe fn cuStreamIsCapturing(
         &self,
         hStream: CUstream,
         captureStatus: *mut CUstreamCaptureStatus,
@@ -12474,7 +12474,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, captureStatus)
     }
-    pub unsafe fn cuStreamGetCaptureInfo_v3(
+    pub(crate) unsafe fn cuStreamGetCaptureInfo_v3(
         &self,
         hStream: CUstream,
         captureStatus_out: *mut CUstreamCaptureStatus,
@@ -12499,7 +12499,7 @@ impl DriverApi {
             numDependencies_out,
         )
     }
-    pub unsafe fn cuStreamUpdateCaptureDependencies_v2(
+    pub(crate) unsafe fn cuStreamUpdateCaptureDependencies_v2(
         &self,
         hStream: CUstream,
         dependencies: *mut CUgraphNode,
@@ -12514,7 +12514,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hStream, dependencies, dependencyData, numDependencies, flags)
     }
-    pub unsafe fn cuStreamAttachMemAsync(
+    pub(crate) unsafe fn cuStreamAttachMemAsync(
         &self,
         hStream: CUstream,
         dptr: CUdeviceptr,
@@ -12526,22 +12526,22 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, dptr, length, flags)
     }
-    pub unsafe fn cuStreamQuery(&self, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuStreamQuery(&self, hStream: CUstream) -> CUresult {
         (self.cuStreamQuery.as_ref().expect("Expected function, got error."))(hStream)
     }
-    pub unsafe fn cuStreamSynchronize(&self, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuStreamSynchronize(&self, hStream: CUstream) -> CUresult {
         (self
             .cuStreamSynchronize
             .as_ref()
             .expect("Expected function, got error."))(hStream)
     }
-    pub unsafe fn cuStreamDestroy_v2(&self, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuStreamDestroy_v2(&self, hStream: CUstream) -> CUresult {
         (self
             .cuStreamDestroy_v2
             .as_ref()
             .expect("Expected function, got error."))(hStream)
     }
-    pub unsafe fn cuStreamCopyAttributes(
+    pub(crate) unsafe fn cuStreamCopyAttributes(
         &self,
         dst: CUstream,
         src: CUstream,
@@ -12551,7 +12551,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dst, src)
     }
-    pub unsafe fn cuStreamGetAttribute(
+    pub(crate) unsafe fn cuStreamGetAttribute(
         &self,
         hStream: CUstream,
         attr: CUstreamAttrID,
@@ -12562,7 +12562,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, attr, value_out)
     }
-    pub unsafe fn cuStreamSetAttribute(
+    pub(crate) unsafe fn cuStreamSetAttribute(
         &self,
         hStream: CUstream,
         attr: CUstreamAttrID,
@@ -12573,7 +12573,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, attr, value)
     }
-    pub unsafe fn cuEventCreate(
+    pub(crate) unsafe fn cuEventCreate(
         &self,
         phEvent: *mut CUevent,
         Flags: ::std::os::raw::c_uint,
@@ -12583,13 +12583,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phEvent, Flags)
     }
-    pub unsafe fn cuEventRecord(&self, hEvent: CUevent, hStream: CUstream) -> CUresult {
+    pub(crate) unsafe fn cuEventRecord(&self, hEvent: CUevent, hStream: CUstream) -> CUresult {
         (self
             .cuEventRecord
             .as_ref()
             .expect("Expected function, got error."))(hEvent, hStream)
     }
-    pub unsafe fn cuEventRecordWithFlags(
+    pub(crate) unsafe fn cuEventRecordWithFlags(
         &self,
         hEvent: CUevent,
         hStream: CUstream,
@@ -12600,19 +12600,19 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hEvent, hStream, flags)
     }
-    pub unsafe fn cuEventQuery(&self, hEvent: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuEventQuery(&self, hEvent: CUevent) -> CUresult {
         (self.cuEventQuery.as_ref().expect("Expected function, got error."))(hEvent)
     }
-    pub unsafe fn cuEventSynchronize(&self, hEvent: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuEventSynchronize(&self, hEvent: CUevent) -> CUresult {
         (self
             .cuEventSynchronize
             .as_ref()
             .expect("Expected function, got error."))(hEvent)
     }
-    pub unsafe fn cuEventDestroy_v2(&self, hEvent: CUevent) -> CUresult {
+    pub(crate) unsafe fn cuEventDestroy_v2(&self, hEvent: CUevent) -> CUresult {
         (self.cuEventDestroy_v2.as_ref().expect("Expected function, got error."))(hEvent)
     }
-    pub unsafe fn cuEventElapsedTime_v2(
+    pub(crate) unsafe fn cuEventElapsedTime_v2(
         &self,
         pMilliseconds: *mut f32,
         hStart: CUevent,
@@ -12623,7 +12623,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pMilliseconds, hStart, hEnd)
     }
-    pub unsafe fn cuImportExternalMemory(
+    pub(crate) unsafe fn cuImportExternalMemory(
         &self,
         extMem_out: *mut CUexternalMemory,
         memHandleDesc: *const CUDA_EXTERNAL_MEMORY_HANDLE_DESC,
@@ -12633,7 +12633,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(extMem_out, memHandleDesc)
     }
-    pub unsafe fn cuExternalMemoryGetMappedBuffer(
+    pub(crate) unsafe fn cuExternalMemoryGetMappedBuffer(
         &self,
         devPtr: *mut CUdeviceptr,
         extMem: CUexternalMemory,
@@ -12644,7 +12644,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(devPtr, extMem, bufferDesc)
     }
-    pub unsafe fn cuExternalMemoryGetMappedMipmappedArray(
+    pub(crate) unsafe fn cuExternalMemoryGetMappedMipmappedArray(
         &self,
         mipmap: *mut CUmipmappedArray,
         extMem: CUexternalMemory,
@@ -12655,13 +12655,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(mipmap, extMem, mipmapDesc)
     }
-    pub unsafe fn cuDestroyExternalMemory(&self, extMem: CUexternalMemory) -> CUresult {
+    pub(crate) unsafe fn cuDestroyExternalMemory(&self, extMem: CUexternalMemory) -> CUresult {
         (self
             .cuDestroyExternalMemory
             .as_ref()
             .expect("Expected function, got error."))(extMem)
     }
-    pub unsafe fn cuImportExternalSemaphore(
+    pub(crate) unsafe fn cuImportExternalSemaphore(
         &self,
         extSem_out: *mut CUexternalSemaphore,
         semHandleDesc: *const CUDA_EXTERNAL_SEMAPHORE_HANDLE_DESC,
@@ -12671,7 +12671,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(extSem_out, semHandleDesc)
     }
-    pub unsafe fn cuSignalExternalSemaphoresAsync(
+    pub(crate) unsafe fn cuSignalExternalSemaphoresAsync(
         &self,
         extSemArray: *const CUexternalSemaphore,
         paramsArray: *const CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS,
@@ -12685,7 +12685,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(extSemArray, paramsArray, numExtSems, stream)
     }
-    pub unsafe fn cuWaitExternalSemaphoresAsync(
+    pub(crate) unsafe fn cuWaitExternalSemaphoresAsync(
         &self,
         extSemArray: *const CUexternalSemaphore,
         paramsArray: *const CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS,
@@ -12699,7 +12699,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(extSemArray, paramsArray, numExtSems, stream)
     }
-    pub unsafe fn cuDestroyExternalSemaphore(
+    pub(crate) unsafe fn cuDestroyExternalSemaphore(
         &self,
         extSem: CUexternalSemaphore,
     ) -> CUresult {
@@ -12708,7 +12708,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(extSem)
     }
-    pub unsafe fn cuStreamWaitValue32_v2(
+    pub(crate) unsafe fn cuStreamWaitValue32_v2(
         &self,
         stream: CUstream,
         addr: CUdeviceptr,
@@ -12720,7 +12720,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(stream, addr, value, flags)
     }
-    pub unsafe fn cuStreamWaitValue64_v2(
+    pub(crate) unsafe fn cuStreamWaitValue64_v2(
         &self,
         stream: CUstream,
         addr: CUdeviceptr,
@@ -12732,7 +12732,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(stream, addr, value, flags)
     }
-    pub unsafe fn cuStreamWriteValue32_v2(
+    pub(crate) unsafe fn cuStreamWriteValue32_v2(
         &self,
         stream: CUstream,
         addr: CUdeviceptr,
@@ -12744,7 +12744,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(stream, addr, value, flags)
     }
-    pub unsafe fn cuStreamWriteValue64_v2(
+    pub(crate) unsafe fn cuStreamWriteValue64_v2(
         &self,
         stream: CUstream,
         addr: CUdeviceptr,
@@ -12756,7 +12756,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(stream, addr, value, flags)
     }
-    pub unsafe fn cuStreamBatchMemOp_v2(
+    pub(crate) unsafe fn cuStreamBatchMemOp_v2(
         &self,
         stream: CUstream,
         count: ::std::os::raw::c_uint,
@@ -12768,7 +12768,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(stream, count, paramArray, flags)
     }
-    pub unsafe fn cuFuncGetAttribute(
+    pub(crate) unsafe fn cuFuncGetAttribute(
         &self,
         pi: *mut ::std::os::raw::c_int,
         attrib: CUfunction_attribute,
@@ -12779,7 +12779,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pi, attrib, hfunc)
     }
-    pub unsafe fn cuFuncSetAttribute(
+    pub(crate) unsafe fn cuFuncSetAttribute(
         &self,
         hfunc: CUfunction,
         attrib: CUfunction_attribute,
@@ -12790,7 +12790,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, attrib, value)
     }
-    pub unsafe fn cuFuncSetCacheConfig(
+    pub(crate) unsafe fn cuFuncSetCacheConfig(
         &self,
         hfunc: CUfunction,
         config: CUfunc_cache,
@@ -12800,7 +12800,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, config)
     }
-    pub unsafe fn cuFuncGetModule(
+    pub(crate) unsafe fn cuFuncGetModule(
         &self,
         hmod: *mut CUmodule,
         hfunc: CUfunction,
@@ -12810,7 +12810,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hmod, hfunc)
     }
-    pub unsafe fn cuFuncGetName(
+    pub(crate) unsafe fn cuFuncGetName(
         &self,
         name: *mut *const ::std::os::raw::c_char,
         hfunc: CUfunction,
@@ -12820,7 +12820,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(name, hfunc)
     }
-    pub unsafe fn cuFuncGetParamInfo(
+    pub(crate) unsafe fn cuFuncGetParamInfo(
         &self,
         func: CUfunction,
         paramIndex: usize,
@@ -12834,7 +12834,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(func, paramIndex, paramOffset, paramSize)
     }
-    pub unsafe fn cuFuncIsLoaded(
+    pub(crate) unsafe fn cuFuncIsLoaded(
         &self,
         state: *mut CUfunctionLoadingState,
         function: CUfunction,
@@ -12844,10 +12844,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(state, function)
     }
-    pub unsafe fn cuFuncLoad(&self, function: CUfunction) -> CUresult {
+    pub(crate) unsafe fn cuFuncLoad(&self, function: CUfunction) -> CUresult {
         (self.cuFuncLoad.as_ref().expect("Expected function, got error."))(function)
     }
-    pub unsafe fn cuLaunchKernel(
+    pub(crate) unsafe fn cuLaunchKernel(
         &self,
         f: CUfunction,
         gridDimX: ::std::os::raw::c_uint,
@@ -12880,7 +12880,7 @@ impl DriverApi {
             extra,
         )
     }
-    pub unsafe fn cuLaunchKernelEx(
+    pub(crate) unsafe fn cuLaunchKernelEx(
         &self,
         config: *const CUlaunchConfig,
         f: CUfunction,
@@ -12892,7 +12892,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(config, f, kernelParams, extra)
     }
-    pub unsafe fn cuLaunchCooperativeKernel(
+    pub(crate) unsafe fn cuLaunchCooperativeKernel(
         &self,
         f: CUfunction,
         gridDimX: ::std::os::raw::c_uint,
@@ -12923,7 +12923,7 @@ impl DriverApi {
             kernelParams,
         )
     }
-    pub unsafe fn cuLaunchCooperativeKernelMultiDevice(
+    pub(crate) unsafe fn cuLaunchCooperativeKernelMultiDevice(
         &self,
         launchParamsList: *mut CUDA_LAUNCH_PARAMS,
         numDevices: ::std::os::raw::c_uint,
@@ -12936,7 +12936,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(launchParamsList, numDevices, flags)
     }
-    pub unsafe fn cuLaunchHostFunc(
+    pub(crate) unsafe fn cuLaunchHostFunc(
         &self,
         hStream: CUstream,
         fn_: CUhostFn,
@@ -12947,7 +12947,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, fn_, userData)
     }
-    pub unsafe fn cuFuncSetBlockShape(
+    pub(crate) unsafe fn cuFuncSetBlockShape(
         &self,
         hfunc: CUfunction,
         x: ::std::os::raw::c_int,
@@ -12959,7 +12959,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, x, y, z)
     }
-    pub unsafe fn cuFuncSetSharedSize(
+    pub(crate) unsafe fn cuFuncSetSharedSize(
         &self,
         hfunc: CUfunction,
         bytes: ::std::os::raw::c_uint,
@@ -12969,7 +12969,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, bytes)
     }
-    pub unsafe fn cuParamSetSize(
+    pub(crate) unsafe fn cuParamSetSize(
         &self,
         hfunc: CUfunction,
         numbytes: ::std::os::raw::c_uint,
@@ -12979,7 +12979,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, numbytes)
     }
-    pub unsafe fn cuParamSeti(
+    pub(crate) unsafe fn cuParamSeti(
         &self,
         hfunc: CUfunction,
         offset: ::std::os::raw::c_int,
@@ -12990,7 +12990,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, offset, value)
     }
-    pub unsafe fn cuParamSetf(
+    pub(crate) unsafe fn cuParamSetf(
         &self,
         hfunc: CUfunction,
         offset: ::std::os::raw::c_int,
@@ -13001,7 +13001,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, offset, value)
     }
-    pub unsafe fn cuParamSetv(
+    pub(crate) unsafe fn cuParamSetv(
         &self,
         hfunc: CUfunction,
         offset: ::std::os::raw::c_int,
@@ -13013,10 +13013,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, offset, ptr, numbytes)
     }
-    pub unsafe fn cuLaunch(&self, f: CUfunction) -> CUresult {
+    pub(crate) unsafe fn cuLaunch(&self, f: CUfunction) -> CUresult {
         (self.cuLaunch.as_ref().expect("Expected function, got error."))(f)
     }
-    pub unsafe fn cuLaunchGrid(
+    pub(crate) unsafe fn cuLaunchGrid(
         &self,
         f: CUfunction,
         grid_width: ::std::os::raw::c_int,
@@ -13027,7 +13027,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(f, grid_width, grid_height)
     }
-    pub unsafe fn cuLaunchGridAsync(
+    pub(crate) unsafe fn cuLaunchGridAsync(
         &self,
         f: CUfunction,
         grid_width: ::std::os::raw::c_int,
@@ -13041,7 +13041,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(f, grid_width, grid_height, hStream)
     }
-    pub unsafe fn cuParamSetTexRef(
+    pub(crate) unsafe fn cuParamSetTexRef(
         &self,
         hfunc: CUfunction,
         texunit: ::std::os::raw::c_int,
@@ -13052,7 +13052,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, texunit, hTexRef)
     }
-    pub unsafe fn cuFuncSetSharedMemConfig(
+    pub(crate) unsafe fn cuFuncSetSharedMemConfig(
         &self,
         hfunc: CUfunction,
         config: CUsharedconfig,
@@ -13062,7 +13062,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hfunc, config)
     }
-    pub unsafe fn cuGraphCreate(
+    pub(crate) unsafe fn cuGraphCreate(
         &self,
         phGraph: *mut CUgraph,
         flags: ::std::os::raw::c_uint,
@@ -13072,7 +13072,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phGraph, flags)
     }
-    pub unsafe fn cuGraphAddKernelNode_v2(
+    pub(crate) unsafe fn cuGraphAddKernelNode_v2(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13087,7 +13087,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, nodeParams)
     }
-    pub unsafe fn cuGraphKernelNodeGetParams_v2(
+    pub(crate) unsafe fn cuGraphKernelNodeGetParams_v2(
         &self,
         hNode: CUgraphNode,
         nodeParams: *mut CUDA_KERNEL_NODE_PARAMS,
@@ -13097,7 +13097,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphKernelNodeSetParams_v2(
+    pub(crate) unsafe fn cuGraphKernelNodeSetParams_v2(
         &self,
         hNode: CUgraphNode,
         nodeParams: *const CUDA_KERNEL_NODE_PARAMS,
@@ -13107,7 +13107,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphAddMemcpyNode(
+    pub(crate) unsafe fn cuGraphAddMemcpyNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13123,7 +13123,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, copyParams, ctx)
     }
-    pub unsafe fn cuGraphMemcpyNodeGetParams(
+    pub(crate) unsafe fn cuGraphMemcpyNodeGetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *mut CUDA_MEMCPY3D,
@@ -13133,7 +13133,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphMemcpyNodeSetParams(
+    pub(crate) unsafe fn cuGraphMemcpyNodeSetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *const CUDA_MEMCPY3D,
@@ -13143,7 +13143,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphAddMemsetNode(
+    pub(crate) unsafe fn cuGraphAddMemsetNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13159,7 +13159,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, memsetParams, ctx)
     }
-    pub unsafe fn cuGraphMemsetNodeGetParams(
+    pub(crate) unsafe fn cuGraphMemsetNodeGetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *mut CUDA_MEMSET_NODE_PARAMS,
@@ -13169,7 +13169,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphMemsetNodeSetParams(
+    pub(crate) unsafe fn cuGraphMemsetNodeSetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *const CUDA_MEMSET_NODE_PARAMS,
@@ -13179,7 +13179,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphAddHostNode(
+    pub(crate) unsafe fn cuGraphAddHostNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13194,7 +13194,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, nodeParams)
     }
-    pub unsafe fn cuGraphHostNodeGetParams(
+    pub(crate) unsafe fn cuGraphHostNodeGetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *mut CUDA_HOST_NODE_PARAMS,
@@ -13204,7 +13204,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphHostNodeSetParams(
+    pub(crate) unsafe fn cuGraphHostNodeSetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *const CUDA_HOST_NODE_PARAMS,
@@ -13214,7 +13214,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphAddChildGraphNode(
+    pub(crate) unsafe fn cuGraphAddChildGraphNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13229,7 +13229,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, childGraph)
     }
-    pub unsafe fn cuGraphChildGraphNodeGetGraph(
+    pub(crate) unsafe fn cuGraphChildGraphNodeGetGraph(
         &self,
         hNode: CUgraphNode,
         phGraph: *mut CUgraph,
@@ -13239,7 +13239,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, phGraph)
     }
-    pub unsafe fn cuGraphAddEmptyNode(
+    pub(crate) unsafe fn cuGraphAddEmptyNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13253,7 +13253,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies)
     }
-    pub unsafe fn cuGraphAddEventRecordNode(
+    pub(crate) unsafe fn cuGraphAddEventRecordNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13268,7 +13268,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, event)
     }
-    pub unsafe fn cuGraphEventRecordNodeGetEvent(
+    pub(crate) unsafe fn cuGraphEventRecordNodeGetEvent(
         &self,
         hNode: CUgraphNode,
         event_out: *mut CUevent,
@@ -13278,7 +13278,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, event_out)
     }
-    pub unsafe fn cuGraphEventRecordNodeSetEvent(
+    pub(crate) unsafe fn cuGraphEventRecordNodeSetEvent(
         &self,
         hNode: CUgraphNode,
         event: CUevent,
@@ -13288,7 +13288,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, event)
     }
-    pub unsafe fn cuGraphAddEventWaitNode(
+    pub(crate) unsafe fn cuGraphAddEventWaitNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13303,7 +13303,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, event)
     }
-    pub unsafe fn cuGraphEventWaitNodeGetEvent(
+    pub(crate) unsafe fn cuGraphEventWaitNodeGetEvent(
         &self,
         hNode: CUgraphNode,
         event_out: *mut CUevent,
@@ -13313,7 +13313,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, event_out)
     }
-    pub unsafe fn cuGraphEventWaitNodeSetEvent(
+    pub(crate) unsafe fn cuGraphEventWaitNodeSetEvent(
         &self,
         hNode: CUgraphNode,
         event: CUevent,
@@ -13323,7 +13323,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, event)
     }
-    pub unsafe fn cuGraphAddExternalSemaphoresSignalNode(
+    pub(crate) unsafe fn cuGraphAddExternalSemaphoresSignalNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13338,7 +13338,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, nodeParams)
     }
-    pub unsafe fn cuGraphExternalSemaphoresSignalNodeGetParams(
+    pub(crate) unsafe fn cuGraphExternalSemaphoresSignalNodeGetParams(
         &self,
         hNode: CUgraphNode,
         params_out: *mut CUDA_EXT_SEM_SIGNAL_NODE_PARAMS,
@@ -13348,7 +13348,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, params_out)
     }
-    pub unsafe fn cuGraphExternalSemaphoresSignalNodeSetParams(
+    pub(crate) unsafe fn cuGraphExternalSemaphoresSignalNodeSetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *const CUDA_EXT_SEM_SIGNAL_NODE_PARAMS,
@@ -13358,7 +13358,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphAddExternalSemaphoresWaitNode(
+    pub(crate) unsafe fn cuGraphAddExternalSemaphoresWaitNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13373,7 +13373,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, nodeParams)
     }
-    pub unsafe fn cuGraphExternalSemaphoresWaitNodeGetParams(
+    pub(crate) unsafe fn cuGraphExternalSemaphoresWaitNodeGetParams(
         &self,
         hNode: CUgraphNode,
         params_out: *mut CUDA_EXT_SEM_WAIT_NODE_PARAMS,
@@ -13383,7 +13383,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, params_out)
     }
-    pub unsafe fn cuGraphExternalSemaphoresWaitNodeSetParams(
+    pub(crate) unsafe fn cuGraphExternalSemaphoresWaitNodeSetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *const CUDA_EXT_SEM_WAIT_NODE_PARAMS,
@@ -13393,7 +13393,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphAddBatchMemOpNode(
+    pub(crate) unsafe fn cuGraphAddBatchMemOpNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13408,7 +13408,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, nodeParams)
     }
-    pub unsafe fn cuGraphBatchMemOpNodeGetParams(
+    pub(crate) unsafe fn cuGraphBatchMemOpNodeGetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams_out: *mut CUDA_BATCH_MEM_OP_NODE_PARAMS,
@@ -13418,7 +13418,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams_out)
     }
-    pub unsafe fn cuGraphBatchMemOpNodeSetParams(
+    pub(crate) unsafe fn cuGraphBatchMemOpNodeSetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *const CUDA_BATCH_MEM_OP_NODE_PARAMS,
@@ -13428,7 +13428,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphExecBatchMemOpNodeSetParams(
+    pub(crate) unsafe fn cuGraphExecBatchMemOpNodeSetParams(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13439,7 +13439,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, nodeParams)
     }
-    pub unsafe fn cuGraphAddMemAllocNode(
+    pub(crate) unsafe fn cuGraphAddMemAllocNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13454,7 +13454,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, nodeParams)
     }
-    pub unsafe fn cuGraphMemAllocNodeGetParams(
+    pub(crate) unsafe fn cuGraphMemAllocNodeGetParams(
         &self,
         hNode: CUgraphNode,
         params_out: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
@@ -13464,7 +13464,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, params_out)
     }
-    pub unsafe fn cuGraphAddMemFreeNode(
+    pub(crate) unsafe fn cuGraphAddMemFreeNode(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13479,7 +13479,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphNode, hGraph, dependencies, numDependencies, dptr)
     }
-    pub unsafe fn cuGraphMemFreeNodeGetParams(
+    pub(crate) unsafe fn cuGraphMemFreeNodeGetParams(
         &self,
         hNode: CUgraphNode,
         dptr_out: *mut CUdeviceptr,
@@ -13489,13 +13489,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, dptr_out)
     }
-    pub unsafe fn cuDeviceGraphMemTrim(&self, device: CUdevice) -> CUresult {
+    pub(crate) unsafe fn cuDeviceGraphMemTrim(&self, device: CUdevice) -> CUresult {
         (self
             .cuDeviceGraphMemTrim
             .as_ref()
             .expect("Expected function, got error."))(device)
     }
-    pub unsafe fn cuDeviceGetGraphMemAttribute(
+    pub(crate) unsafe fn cuDeviceGetGraphMemAttribute(
         &self,
         device: CUdevice,
         attr: CUgraphMem_attribute,
@@ -13506,7 +13506,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(device, attr, value)
     }
-    pub unsafe fn cuDeviceSetGraphMemAttribute(
+    pub(crate) unsafe fn cuDeviceSetGraphMemAttribute(
         &self,
         device: CUdevice,
         attr: CUgraphMem_attribute,
@@ -13517,7 +13517,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(device, attr, value)
     }
-    pub unsafe fn cuGraphClone(
+    pub(crate) unsafe fn cuGraphClone(
         &self,
         phGraphClone: *mut CUgraph,
         originalGraph: CUgraph,
@@ -13527,7 +13527,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phGraphClone, originalGraph)
     }
-    pub unsafe fn cuGraphNodeFindInClone(
+    pub(crate) unsafe fn cuGraphNodeFindInClone(
         &self,
         phNode: *mut CUgraphNode,
         hOriginalNode: CUgraphNode,
@@ -13540,7 +13540,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phNode, hOriginalNode, hClonedGraph)
     }
-    pub unsafe fn cuGraphNodeGetType(
+    pub(crate) unsafe fn cuGraphNodeGetType(
         &self,
         hNode: CUgraphNode,
         type_: *mut CUgraphNodeType,
@@ -13550,7 +13550,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, type_)
     }
-    pub unsafe fn cuGraphGetNodes(
+    pub(crate) unsafe fn cuGraphGetNodes(
         &self,
         hGraph: CUgraph,
         nodes: *mut CUgraphNode,
@@ -13561,7 +13561,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraph, nodes, numNodes)
     }
-    pub unsafe fn cuGraphGetRootNodes(
+    pub(crate) unsafe fn cuGraphGetRootNodes(
         &self,
         hGraph: CUgraph,
         rootNodes: *mut CUgraphNode,
@@ -13572,7 +13572,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraph, rootNodes, numRootNodes)
     }
-    pub unsafe fn cuGraphGetEdges_v2(
+    pub(crate) unsafe fn cuGraphGetEdges_v2(
         &self,
         hGraph: CUgraph,
         from: *mut CUgraphNode,
@@ -13587,7 +13587,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hGraph, from, to, edgeData, numEdges)
     }
-    pub unsafe fn cuGraphNodeGetDependencies_v2(
+    pub(crate) unsafe fn cuGraphNodeGetDependencies_v2(
         &self,
         hNode: CUgraphNode,
         dependencies: *mut CUgraphNode,
@@ -13601,7 +13601,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hNode, dependencies, edgeData, numDependencies)
     }
-    pub unsafe fn cuGraphNodeGetDependentNodes_v2(
+    pub(crate) unsafe fn cuGraphNodeGetDependentNodes_v2(
         &self,
         hNode: CUgraphNode,
         dependentNodes: *mut CUgraphNode,
@@ -13615,7 +13615,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hNode, dependentNodes, edgeData, numDependentNodes)
     }
-    pub unsafe fn cuGraphAddDependencies_v2(
+    pub(crate) unsafe fn cuGraphAddDependencies_v2(
         &self,
         hGraph: CUgraph,
         from: *const CUgraphNode,
@@ -13630,7 +13630,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hGraph, from, to, edgeData, numDependencies)
     }
-    pub unsafe fn cuGraphRemoveDependencies_v2(
+    pub(crate) unsafe fn cuGraphRemoveDependencies_v2(
         &self,
         hGraph: CUgraph,
         from: *const CUgraphNode,
@@ -13645,10 +13645,10 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hGraph, from, to, edgeData, numDependencies)
     }
-    pub unsafe fn cuGraphDestroyNode(&self, hNode: CUgraphNode) -> CUresult {
+    pub(crate) unsafe fn cuGraphDestroyNode(&self, hNode: CUgraphNode) -> CUresult {
         (self.cuGraphDestroyNode.as_ref().expect("Expected function, got error."))(hNode)
     }
-    pub unsafe fn cuGraphInstantiateWithFlags(
+    pub(crate) unsafe fn cuGraphInstantiateWithFlags(
         &self,
         phGraphExec: *mut CUgraphExec,
         hGraph: CUgraph,
@@ -13659,7 +13659,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phGraphExec, hGraph, flags)
     }
-    pub unsafe fn cuGraphInstantiateWithParams(
+    pub(crate) unsafe fn cuGraphInstantiateWithParams(
         &self,
         phGraphExec: *mut CUgraphExec,
         hGraph: CUgraph,
@@ -13672,7 +13672,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phGraphExec, hGraph, instantiateParams)
     }
-    pub unsafe fn cuGraphExecGetFlags(
+    pub(crate) unsafe fn cuGraphExecGetFlags(
         &self,
         hGraphExec: CUgraphExec,
         flags: *mut cuuint64_t,
@@ -13682,7 +13682,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, flags)
     }
-    pub unsafe fn cuGraphExecKernelNodeSetParams_v2(
+    pub(crate) unsafe fn cuGraphExecKernelNodeSetParams_v2(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13693,7 +13693,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, nodeParams)
     }
-    pub unsafe fn cuGraphExecMemcpyNodeSetParams(
+    pub(crate) unsafe fn cuGraphExecMemcpyNodeSetParams(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13705,7 +13705,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, copyParams, ctx)
     }
-    pub unsafe fn cuGraphExecMemsetNodeSetParams(
+    pub(crate) unsafe fn cuGraphExecMemsetNodeSetParams(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13719,7 +13719,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hGraphExec, hNode, memsetParams, ctx)
     }
-    pub unsafe fn cuGraphExecHostNodeSetParams(
+    pub(crate) unsafe fn cuGraphExecHostNodeSetParams(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13730,7 +13730,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, nodeParams)
     }
-    pub unsafe fn cuGraphExecChildGraphNodeSetParams(
+    pub(crate) unsafe fn cuGraphExecChildGraphNodeSetParams(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13741,7 +13741,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, childGraph)
     }
-    pub unsafe fn cuGraphExecEventRecordNodeSetEvent(
+    pub(crate) unsafe fn cuGraphExecEventRecordNodeSetEvent(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13752,7 +13752,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, event)
     }
-    pub unsafe fn cuGraphExecEventWaitNodeSetEvent(
+    pub(crate) unsafe fn cuGraphExecEventWaitNodeSetEvent(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13763,7 +13763,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, event)
     }
-    pub unsafe fn cuGraphExecExternalSemaphoresSignalNodeSetParams(
+    pub(crate) unsafe fn cuGraphExecExternalSemaphoresSignalNodeSetParams(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13774,7 +13774,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, nodeParams)
     }
-    pub unsafe fn cuGraphExecExternalSemaphoresWaitNodeSetParams(
+    pub(crate) unsafe fn cuGraphExecExternalSemaphoresWaitNodeSetParams(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13785,7 +13785,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, nodeParams)
     }
-    pub unsafe fn cuGraphNodeSetEnabled(
+    pub(crate) unsafe fn cuGraphNodeSetEnabled(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13796,7 +13796,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, isEnabled)
     }
-    pub unsafe fn cuGraphNodeGetEnabled(
+    pub(crate) unsafe fn cuGraphNodeGetEnabled(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13807,7 +13807,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, isEnabled)
     }
-    pub unsafe fn cuGraphUpload(
+    pub(crate) unsafe fn cuGraphUpload(
         &self,
         hGraphExec: CUgraphExec,
         hStream: CUstream,
@@ -13817,7 +13817,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hStream)
     }
-    pub unsafe fn cuGraphLaunch(
+    pub(crate) unsafe fn cuGraphLaunch(
         &self,
         hGraphExec: CUgraphExec,
         hStream: CUstream,
@@ -13827,16 +13827,16 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hStream)
     }
-    pub unsafe fn cuGraphExecDestroy(&self, hGraphExec: CUgraphExec) -> CUresult {
+    pub(crate) unsafe fn cuGraphExecDestroy(&self, hGraphExec: CUgraphExec) -> CUresult {
         (self
             .cuGraphExecDestroy
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec)
     }
-    pub unsafe fn cuGraphDestroy(&self, hGraph: CUgraph) -> CUresult {
+    pub(crate) unsafe fn cuGraphDestroy(&self, hGraph: CUgraph) -> CUresult {
         (self.cuGraphDestroy.as_ref().expect("Expected function, got error."))(hGraph)
     }
-    pub unsafe fn cuGraphExecUpdate_v2(
+    pub(crate) unsafe fn cuGraphExecUpdate_v2(
         &self,
         hGraphExec: CUgraphExec,
         hGraph: CUgraph,
@@ -13847,7 +13847,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hGraph, resultInfo)
     }
-    pub unsafe fn cuGraphKernelNodeCopyAttributes(
+    pub(crate) unsafe fn cuGraphKernelNodeCopyAttributes(
         &self,
         dst: CUgraphNode,
         src: CUgraphNode,
@@ -13857,7 +13857,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(dst, src)
     }
-    pub unsafe fn cuGraphKernelNodeGetAttribute(
+    pub(crate) unsafe fn cuGraphKernelNodeGetAttribute(
         &self,
         hNode: CUgraphNode,
         attr: CUkernelNodeAttrID,
@@ -13868,7 +13868,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, attr, value_out)
     }
-    pub unsafe fn cuGraphKernelNodeSetAttribute(
+    pub(crate) unsafe fn cuGraphKernelNodeSetAttribute(
         &self,
         hNode: CUgraphNode,
         attr: CUkernelNodeAttrID,
@@ -13879,7 +13879,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, attr, value)
     }
-    pub unsafe fn cuGraphDebugDotPrint(
+    pub(crate) unsafe fn cuGraphDebugDotPrint(
         &self,
         hGraph: CUgraph,
         path: *const ::std::os::raw::c_char,
@@ -13890,7 +13890,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraph, path, flags)
     }
-    pub unsafe fn cuUserObjectCreate(
+    pub(crate) unsafe fn cuUserObjectCreate(
         &self,
         object_out: *mut CUuserObject,
         ptr: *mut ::std::os::raw::c_void,
@@ -13905,7 +13905,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(object_out, ptr, destroy, initialRefcount, flags)
     }
-    pub unsafe fn cuUserObjectRetain(
+    pub(crate) unsafe fn cuUserObjectRetain(
         &self,
         object: CUuserObject,
         count: ::std::os::raw::c_uint,
@@ -13915,7 +13915,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(object, count)
     }
-    pub unsafe fn cuUserObjectRelease(
+    pub(crate) unsafe fn cuUserObjectRelease(
         &self,
         object: CUuserObject,
         count: ::std::os::raw::c_uint,
@@ -13925,7 +13925,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(object, count)
     }
-    pub unsafe fn cuGraphRetainUserObject(
+    pub(crate) unsafe fn cuGraphRetainUserObject(
         &self,
         graph: CUgraph,
         object: CUuserObject,
@@ -13937,7 +13937,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(graph, object, count, flags)
     }
-    pub unsafe fn cuGraphReleaseUserObject(
+    pub(crate) unsafe fn cuGraphReleaseUserObject(
         &self,
         graph: CUgraph,
         object: CUuserObject,
@@ -13948,7 +13948,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(graph, object, count)
     }
-    pub unsafe fn cuGraphAddNode_v2(
+    pub(crate) unsafe fn cuGraphAddNode_v2(
         &self,
         phGraphNode: *mut CUgraphNode,
         hGraph: CUgraph,
@@ -13971,7 +13971,7 @@ impl DriverApi {
             nodeParams,
         )
     }
-    pub unsafe fn cuGraphNodeSetParams(
+    pub(crate) unsafe fn cuGraphNodeSetParams(
         &self,
         hNode: CUgraphNode,
         nodeParams: *mut CUgraphNodeParams,
@@ -13981,7 +13981,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hNode, nodeParams)
     }
-    pub unsafe fn cuGraphExecNodeSetParams(
+    pub(crate) unsafe fn cuGraphExecNodeSetParams(
         &self,
         hGraphExec: CUgraphExec,
         hNode: CUgraphNode,
@@ -13992,7 +13992,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hGraphExec, hNode, nodeParams)
     }
-    pub unsafe fn cuGraphConditionalHandleCreate(
+    pub(crate) unsafe fn cuGraphConditionalHandleCreate(
         &self,
         pHandle_out: *mut CUgraphConditionalHandle,
         hGraph: CUgraph,
@@ -14007,7 +14007,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(pHandle_out, hGraph, ctx, defaultLaunchValue, flags)
     }
-    pub unsafe fn cuOccupancyMaxActiveBlocksPerMultiprocessor(
+    pub(crate) unsafe fn cuOccupancyMaxActiveBlocksPerMultiprocessor(
         &self,
         numBlocks: *mut ::std::os::raw::c_int,
         func: CUfunction,
@@ -14021,7 +14021,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(numBlocks, func, blockSize, dynamicSMemSize)
     }
-    pub unsafe fn cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(
+    pub(crate) unsafe fn cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(
         &self,
         numBlocks: *mut ::std::os::raw::c_int,
         func: CUfunction,
@@ -14036,7 +14036,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(numBlocks, func, blockSize, dynamicSMemSize, flags)
     }
-    pub unsafe fn cuOccupancyMaxPotentialBlockSize(
+    pub(crate) unsafe fn cuOccupancyMaxPotentialBlockSize(
         &self,
         minGridSize: *mut ::std::os::raw::c_int,
         blockSize: *mut ::std::os::raw::c_int,
@@ -14059,7 +14059,7 @@ impl DriverApi {
             blockSizeLimit,
         )
     }
-    pub unsafe fn cuOccupancyMaxPotentialBlockSizeWithFlags(
+    pub(crate) unsafe fn cuOccupancyMaxPotentialBlockSizeWithFlags(
         &self,
         minGridSize: *mut ::std::os::raw::c_int,
         blockSize: *mut ::std::os::raw::c_int,
@@ -14084,7 +14084,7 @@ impl DriverApi {
             flags,
         )
     }
-    pub unsafe fn cuOccupancyAvailableDynamicSMemPerBlock(
+    pub(crate) unsafe fn cuOccupancyAvailableDynamicSMemPerBlock(
         &self,
         dynamicSmemSize: *mut usize,
         func: CUfunction,
@@ -14098,7 +14098,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(dynamicSmemSize, func, numBlocks, blockSize)
     }
-    pub unsafe fn cuOccupancyMaxPotentialClusterSize(
+    pub(crate) unsafe fn cuOccupancyMaxPotentialClusterSize(
         &self,
         clusterSize: *mut ::std::os::raw::c_int,
         func: CUfunction,
@@ -14109,7 +14109,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(clusterSize, func, config)
     }
-    pub unsafe fn cuOccupancyMaxActiveClusters(
+    pub(crate) unsafe fn cuOccupancyMaxActiveClusters(
         &self,
         numClusters: *mut ::std::os::raw::c_int,
         func: CUfunction,
@@ -14120,7 +14120,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(numClusters, func, config)
     }
-    pub unsafe fn cuTexRefSetArray(
+    pub(crate) unsafe fn cuTexRefSetArray(
         &self,
         hTexRef: CUtexref,
         hArray: CUarray,
@@ -14131,7 +14131,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, hArray, Flags)
     }
-    pub unsafe fn cuTexRefSetMipmappedArray(
+    pub(crate) unsafe fn cuTexRefSetMipmappedArray(
         &self,
         hTexRef: CUtexref,
         hMipmappedArray: CUmipmappedArray,
@@ -14142,7 +14142,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, hMipmappedArray, Flags)
     }
-    pub unsafe fn cuTexRefSetAddress_v2(
+    pub(crate) unsafe fn cuTexRefSetAddress_v2(
         &self,
         ByteOffset: *mut usize,
         hTexRef: CUtexref,
@@ -14154,7 +14154,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(ByteOffset, hTexRef, dptr, bytes)
     }
-    pub unsafe fn cuTexRefSetAddress2D_v3(
+    pub(crate) unsafe fn cuTexRefSetAddress2D_v3(
         &self,
         hTexRef: CUtexref,
         desc: *const CUDA_ARRAY_DESCRIPTOR,
@@ -14166,7 +14166,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, desc, dptr, Pitch)
     }
-    pub unsafe fn cuTexRefSetFormat(
+    pub(crate) unsafe fn cuTexRefSetFormat(
         &self,
         hTexRef: CUtexref,
         fmt: CUarray_format,
@@ -14177,7 +14177,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, fmt, NumPackedComponents)
     }
-    pub unsafe fn cuTexRefSetAddressMode(
+    pub(crate) unsafe fn cuTexRefSetAddressMode(
         &self,
         hTexRef: CUtexref,
         dim: ::std::os::raw::c_int,
@@ -14188,7 +14188,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, dim, am)
     }
-    pub unsafe fn cuTexRefSetFilterMode(
+    pub(crate) unsafe fn cuTexRefSetFilterMode(
         &self,
         hTexRef: CUtexref,
         fm: CUfilter_mode,
@@ -14198,7 +14198,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, fm)
     }
-    pub unsafe fn cuTexRefSetMipmapFilterMode(
+    pub(crate) unsafe fn cuTexRefSetMipmapFilterMode(
         &self,
         hTexRef: CUtexref,
         fm: CUfilter_mode,
@@ -14208,7 +14208,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, fm)
     }
-    pub unsafe fn cuTexRefSetMipmapLevelBias(
+    pub(crate) unsafe fn cuTexRefSetMipmapLevelBias(
         &self,
         hTexRef: CUtexref,
         bias: f32,
@@ -14218,7 +14218,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, bias)
     }
-    pub unsafe fn cuTexRefSetMipmapLevelClamp(
+    pub(crate) unsafe fn cuTexRefSetMipmapLevelClamp(
         &self,
         hTexRef: CUtexref,
         minMipmapLevelClamp: f32,
@@ -14231,7 +14231,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(hTexRef, minMipmapLevelClamp, maxMipmapLevelClamp)
     }
-    pub unsafe fn cuTexRefSetMaxAnisotropy(
+    pub(crate) unsafe fn cuTexRefSetMaxAnisotropy(
         &self,
         hTexRef: CUtexref,
         maxAniso: ::std::os::raw::c_uint,
@@ -14241,7 +14241,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, maxAniso)
     }
-    pub unsafe fn cuTexRefSetBorderColor(
+    pub(crate) unsafe fn cuTexRefSetBorderColor(
         &self,
         hTexRef: CUtexref,
         pBorderColor: *mut f32,
@@ -14251,7 +14251,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, pBorderColor)
     }
-    pub unsafe fn cuTexRefSetFlags(
+    pub(crate) unsafe fn cuTexRefSetFlags(
         &self,
         hTexRef: CUtexref,
         Flags: ::std::os::raw::c_uint,
@@ -14261,7 +14261,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hTexRef, Flags)
     }
-    pub unsafe fn cuTexRefGetAddress_v2(
+    pub(crate) unsafe fn cuTexRefGetAddress_v2(
         &self,
         pdptr: *mut CUdeviceptr,
         hTexRef: CUtexref,
@@ -14271,7 +14271,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pdptr, hTexRef)
     }
-    pub unsafe fn cuTexRefGetArray(
+    pub(crate) unsafe fn cuTexRefGetArray(
         &self,
         phArray: *mut CUarray,
         hTexRef: CUtexref,
@@ -14281,7 +14281,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phArray, hTexRef)
     }
-    pub unsafe fn cuTexRefGetMipmappedArray(
+    pub(crate) unsafe fn cuTexRefGetMipmappedArray(
         &self,
         phMipmappedArray: *mut CUmipmappedArray,
         hTexRef: CUtexref,
@@ -14291,7 +14291,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phMipmappedArray, hTexRef)
     }
-    pub unsafe fn cuTexRefGetAddressMode(
+    pub(crate) unsafe fn cuTexRefGetAddressMode(
         &self,
         pam: *mut CUaddress_mode,
         hTexRef: CUtexref,
@@ -14302,7 +14302,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pam, hTexRef, dim)
     }
-    pub unsafe fn cuTexRefGetFilterMode(
+    pub(crate) unsafe fn cuTexRefGetFilterMode(
         &self,
         pfm: *mut CUfilter_mode,
         hTexRef: CUtexref,
@@ -14312,7 +14312,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pfm, hTexRef)
     }
-    pub unsafe fn cuTexRefGetFormat(
+    pub(crate) unsafe fn cuTexRefGetFormat(
         &self,
         pFormat: *mut CUarray_format,
         pNumChannels: *mut ::std::os::raw::c_int,
@@ -14323,7 +14323,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pFormat, pNumChannels, hTexRef)
     }
-    pub unsafe fn cuTexRefGetMipmapFilterMode(
+    pub(crate) unsafe fn cuTexRefGetMipmapFilterMode(
         &self,
         pfm: *mut CUfilter_mode,
         hTexRef: CUtexref,
@@ -14333,7 +14333,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pfm, hTexRef)
     }
-    pub unsafe fn cuTexRefGetMipmapLevelBias(
+    pub(crate) unsafe fn cuTexRefGetMipmapLevelBias(
         &self,
         pbias: *mut f32,
         hTexRef: CUtexref,
@@ -14343,7 +14343,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pbias, hTexRef)
     }
-    pub unsafe fn cuTexRefGetMipmapLevelClamp(
+    pub(crate) unsafe fn cuTexRefGetMipmapLevelClamp(
         &self,
         pminMipmapLevelClamp: *mut f32,
         pmaxMipmapLevelClamp: *mut f32,
@@ -14356,7 +14356,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(pminMipmapLevelClamp, pmaxMipmapLevelClamp, hTexRef)
     }
-    pub unsafe fn cuTexRefGetMaxAnisotropy(
+    pub(crate) unsafe fn cuTexRefGetMaxAnisotropy(
         &self,
         pmaxAniso: *mut ::std::os::raw::c_int,
         hTexRef: CUtexref,
@@ -14366,7 +14366,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pmaxAniso, hTexRef)
     }
-    pub unsafe fn cuTexRefGetBorderColor(
+    pub(crate) unsafe fn cuTexRefGetBorderColor(
         &self,
         pBorderColor: *mut f32,
         hTexRef: CUtexref,
@@ -14376,7 +14376,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pBorderColor, hTexRef)
     }
-    pub unsafe fn cuTexRefGetFlags(
+    pub(crate) unsafe fn cuTexRefGetFlags(
         &self,
         pFlags: *mut ::std::os::raw::c_uint,
         hTexRef: CUtexref,
@@ -14386,13 +14386,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pFlags, hTexRef)
     }
-    pub unsafe fn cuTexRefCreate(&self, pTexRef: *mut CUtexref) -> CUresult {
+    pub(crate) unsafe fn cuTexRefCreate(&self, pTexRef: *mut CUtexref) -> CUresult {
         (self.cuTexRefCreate.as_ref().expect("Expected function, got error."))(pTexRef)
     }
-    pub unsafe fn cuTexRefDestroy(&self, hTexRef: CUtexref) -> CUresult {
+    pub(crate) unsafe fn cuTexRefDestroy(&self, hTexRef: CUtexref) -> CUresult {
         (self.cuTexRefDestroy.as_ref().expect("Expected function, got error."))(hTexRef)
     }
-    pub unsafe fn cuSurfRefSetArray(
+    pub(crate) unsafe fn cuSurfRefSetArray(
         &self,
         hSurfRef: CUsurfref,
         hArray: CUarray,
@@ -14403,7 +14403,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hSurfRef, hArray, Flags)
     }
-    pub unsafe fn cuSurfRefGetArray(
+    pub(crate) unsafe fn cuSurfRefGetArray(
         &self,
         phArray: *mut CUarray,
         hSurfRef: CUsurfref,
@@ -14413,7 +14413,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phArray, hSurfRef)
     }
-    pub unsafe fn cuTexObjectCreate(
+    pub(crate) unsafe fn cuTexObjectCreate(
         &self,
         pTexObject: *mut CUtexObject,
         pResDesc: *const CUDA_RESOURCE_DESC,
@@ -14427,13 +14427,13 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(pTexObject, pResDesc, pTexDesc, pResViewDesc)
     }
-    pub unsafe fn cuTexObjectDestroy(&self, texObject: CUtexObject) -> CUresult {
+    pub(crate) unsafe fn cuTexObjectDestroy(&self, texObject: CUtexObject) -> CUresult {
         (self
             .cuTexObjectDestroy
             .as_ref()
             .expect("Expected function, got error."))(texObject)
     }
-    pub unsafe fn cuTexObjectGetResourceDesc(
+    pub(crate) unsafe fn cuTexObjectGetResourceDesc(
         &self,
         pResDesc: *mut CUDA_RESOURCE_DESC,
         texObject: CUtexObject,
@@ -14443,7 +14443,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pResDesc, texObject)
     }
-    pub unsafe fn cuTexObjectGetTextureDesc(
+    pub(crate) unsafe fn cuTexObjectGetTextureDesc(
         &self,
         pTexDesc: *mut CUDA_TEXTURE_DESC,
         texObject: CUtexObject,
@@ -14453,7 +14453,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pTexDesc, texObject)
     }
-    pub unsafe fn cuTexObjectGetResourceViewDesc(
+    pub(crate) unsafe fn cuTexObjectGetResourceViewDesc(
         &self,
         pResViewDesc: *mut CUDA_RESOURCE_VIEW_DESC,
         texObject: CUtexObject,
@@ -14463,7 +14463,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pResViewDesc, texObject)
     }
-    pub unsafe fn cuSurfObjectCreate(
+    pub(crate) unsafe fn cuSurfObjectCreate(
         &self,
         pSurfObject: *mut CUsurfObject,
         pResDesc: *const CUDA_RESOURCE_DESC,
@@ -14473,13 +14473,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pSurfObject, pResDesc)
     }
-    pub unsafe fn cuSurfObjectDestroy(&self, surfObject: CUsurfObject) -> CUresult {
+    pub(crate) unsafe fn cuSurfObjectDestroy(&self, surfObject: CUsurfObject) -> CUresult {
         (self
             .cuSurfObjectDestroy
             .as_ref()
             .expect("Expected function, got error."))(surfObject)
     }
-    pub unsafe fn cuSurfObjectGetResourceDesc(
+    pub(crate) unsafe fn cuSurfObjectGetResourceDesc(
         &self,
         pResDesc: *mut CUDA_RESOURCE_DESC,
         surfObject: CUsurfObject,
@@ -14489,7 +14489,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pResDesc, surfObject)
     }
-    pub unsafe fn cuTensorMapEncodeTiled(
+    pub(crate) unsafe fn cuTensorMapEncodeTiled(
         &self,
         tensorMap: *mut CUtensorMap,
         tensorDataType: CUtensorMapDataType,
@@ -14524,7 +14524,7 @@ impl DriverApi {
             oobFill,
         )
     }
-    pub unsafe fn cuTensorMapEncodeIm2col(
+    pub(crate) unsafe fn cuTensorMapEncodeIm2col(
         &self,
         tensorMap: *mut CUtensorMap,
         tensorDataType: CUtensorMapDataType,
@@ -14565,7 +14565,7 @@ impl DriverApi {
             oobFill,
         )
     }
-    pub unsafe fn cuTensorMapEncodeIm2colWide(
+    pub(crate) unsafe fn cuTensorMapEncodeIm2colWide(
         &self,
         tensorMap: *mut CUtensorMap,
         tensorDataType: CUtensorMapDataType,
@@ -14608,7 +14608,7 @@ impl DriverApi {
             oobFill,
         )
     }
-    pub unsafe fn cuTensorMapReplaceAddress(
+    pub(crate) unsafe fn cuTensorMapReplaceAddress(
         &self,
         tensorMap: *mut CUtensorMap,
         globalAddress: *mut ::std::os::raw::c_void,
@@ -14618,7 +14618,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(tensorMap, globalAddress)
     }
-    pub unsafe fn cuDeviceCanAccessPeer(
+    pub(crate) unsafe fn cuDeviceCanAccessPeer(
         &self,
         canAccessPeer: *mut ::std::os::raw::c_int,
         dev: CUdevice,
@@ -14629,7 +14629,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(canAccessPeer, dev, peerDev)
     }
-    pub unsafe fn cuCtxEnablePeerAccess(
+    pub(crate) unsafe fn cuCtxEnablePeerAccess(
         &self,
         peerContext: CUcontext,
         Flags: ::std::os::raw::c_uint,
@@ -14639,13 +14639,13 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(peerContext, Flags)
     }
-    pub unsafe fn cuCtxDisablePeerAccess(&self, peerContext: CUcontext) -> CUresult {
+    pub(crate) unsafe fn cuCtxDisablePeerAccess(&self, peerContext: CUcontext) -> CUresult {
         (self
             .cuCtxDisablePeerAccess
             .as_ref()
             .expect("Expected function, got error."))(peerContext)
     }
-    pub unsafe fn cuDeviceGetP2PAttribute(
+    pub(crate) unsafe fn cuDeviceGetP2PAttribute(
         &self,
         value: *mut ::std::os::raw::c_int,
         attrib: CUdevice_P2PAttribute,
@@ -14659,7 +14659,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(value, attrib, srcDevice, dstDevice)
     }
-    pub unsafe fn cuDeviceGetP2PAtomicCapabilities(
+    pub(crate) unsafe fn cuDeviceGetP2PAtomicCapabilities(
         &self,
         capabilities: *mut ::std::os::raw::c_uint,
         operations: *const CUatomicOperation,
@@ -14674,7 +14674,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(capabilities, operations, count, srcDevice, dstDevice)
     }
-    pub unsafe fn cuGraphicsUnregisterResource(
+    pub(crate) unsafe fn cuGraphicsUnregisterResource(
         &self,
         resource: CUgraphicsResource,
     ) -> CUresult {
@@ -14683,7 +14683,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(resource)
     }
-    pub unsafe fn cuGraphicsSubResourceGetMappedArray(
+    pub(crate) unsafe fn cuGraphicsSubResourceGetMappedArray(
         &self,
         pArray: *mut CUarray,
         resource: CUgraphicsResource,
@@ -14697,7 +14697,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(pArray, resource, arrayIndex, mipLevel)
     }
-    pub unsafe fn cuGraphicsResourceGetMappedMipmappedArray(
+    pub(crate) unsafe fn cuGraphicsResourceGetMappedMipmappedArray(
         &self,
         pMipmappedArray: *mut CUmipmappedArray,
         resource: CUgraphicsResource,
@@ -14707,7 +14707,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pMipmappedArray, resource)
     }
-    pub unsafe fn cuGraphicsResourceGetMappedPointer_v2(
+    pub(crate) unsafe fn cuGraphicsResourceGetMappedPointer_v2(
         &self,
         pDevPtr: *mut CUdeviceptr,
         pSize: *mut usize,
@@ -14718,7 +14718,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pDevPtr, pSize, resource)
     }
-    pub unsafe fn cuGraphicsResourceSetMapFlags_v2(
+    pub(crate) unsafe fn cuGraphicsResourceSetMapFlags_v2(
         &self,
         resource: CUgraphicsResource,
         flags: ::std::os::raw::c_uint,
@@ -14728,7 +14728,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(resource, flags)
     }
-    pub unsafe fn cuGraphicsMapResources(
+    pub(crate) unsafe fn cuGraphicsMapResources(
         &self,
         count: ::std::os::raw::c_uint,
         resources: *mut CUgraphicsResource,
@@ -14739,7 +14739,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(count, resources, hStream)
     }
-    pub unsafe fn cuGraphicsUnmapResources(
+    pub(crate) unsafe fn cuGraphicsUnmapResources(
         &self,
         count: ::std::os::raw::c_uint,
         resources: *mut CUgraphicsResource,
@@ -14750,7 +14750,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(count, resources, hStream)
     }
-    pub unsafe fn cuGetProcAddress_v2(
+    pub(crate) unsafe fn cuGetProcAddress_v2(
         &self,
         symbol: *const ::std::os::raw::c_char,
         pfn: *mut *mut ::std::os::raw::c_void,
@@ -14765,7 +14765,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(symbol, pfn, cudaVersion, flags, symbolStatus)
     }
-    pub unsafe fn cuCoredumpGetAttribute(
+    pub(crate) unsafe fn cuCoredumpGetAttribute(
         &self,
         attrib: CUcoredumpSettings,
         value: *mut ::std::os::raw::c_void,
@@ -14776,7 +14776,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(attrib, value, size)
     }
-    pub unsafe fn cuCoredumpGetAttributeGlobal(
+    pub(crate) unsafe fn cuCoredumpGetAttributeGlobal(
         &self,
         attrib: CUcoredumpSettings,
         value: *mut ::std::os::raw::c_void,
@@ -14787,7 +14787,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(attrib, value, size)
     }
-    pub unsafe fn cuCoredumpSetAttribute(
+    pub(crate) unsafe fn cuCoredumpSetAttribute(
         &self,
         attrib: CUcoredumpSettings,
         value: *mut ::std::os::raw::c_void,
@@ -14798,7 +14798,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(attrib, value, size)
     }
-    pub unsafe fn cuCoredumpSetAttributeGlobal(
+    pub(crate) unsafe fn cuCoredumpSetAttributeGlobal(
         &self,
         attrib: CUcoredumpSettings,
         value: *mut ::std::os::raw::c_void,
@@ -14809,7 +14809,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(attrib, value, size)
     }
-    pub unsafe fn cuGetExportTable(
+    pub(crate) unsafe fn cuGetExportTable(
         &self,
         ppExportTable: *mut *const ::std::os::raw::c_void,
         pExportTableId: *const CUuuid,
@@ -14819,7 +14819,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(ppExportTable, pExportTableId)
     }
-    pub unsafe fn cuGreenCtxCreate(
+    pub(crate) unsafe fn cuGreenCtxCreate(
         &self,
         phCtx: *mut CUgreenCtx,
         desc: CUdevResourceDesc,
@@ -14831,10 +14831,10 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phCtx, desc, dev, flags)
     }
-    pub unsafe fn cuGreenCtxDestroy(&self, hCtx: CUgreenCtx) -> CUresult {
+    pub(crate) unsafe fn cuGreenCtxDestroy(&self, hCtx: CUgreenCtx) -> CUresult {
         (self.cuGreenCtxDestroy.as_ref().expect("Expected function, got error."))(hCtx)
     }
-    pub unsafe fn cuCtxFromGreenCtx(
+    pub(crate) unsafe fn cuCtxFromGreenCtx(
         &self,
         pContext: *mut CUcontext,
         hCtx: CUgreenCtx,
@@ -14844,7 +14844,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pContext, hCtx)
     }
-    pub unsafe fn cuDeviceGetDevResource(
+    pub(crate) unsafe fn cuDeviceGetDevResource(
         &self,
         device: CUdevice,
         resource: *mut CUdevResource,
@@ -14855,7 +14855,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(device, resource, type_)
     }
-    pub unsafe fn cuCtxGetDevResource(
+    pub(crate) unsafe fn cuCtxGetDevResource(
         &self,
         hCtx: CUcontext,
         resource: *mut CUdevResource,
@@ -14866,7 +14866,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hCtx, resource, type_)
     }
-    pub unsafe fn cuGreenCtxGetDevResource(
+    pub(crate) unsafe fn cuGreenCtxGetDevResource(
         &self,
         hCtx: CUgreenCtx,
         resource: *mut CUdevResource,
@@ -14877,7 +14877,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hCtx, resource, type_)
     }
-    pub unsafe fn cuDevSmResourceSplitByCount(
+    pub(crate) unsafe fn cuDevSmResourceSplitByCount(
         &self,
         result: *mut CUdevResource,
         nbGroups: *mut ::std::os::raw::c_uint,
@@ -14893,7 +14893,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(result, nbGroups, input, remaining, useFlags, minCount)
     }
-    pub unsafe fn cuDevResourceGenerateDesc(
+    pub(crate) unsafe fn cuDevResourceGenerateDesc(
         &self,
         phDesc: *mut CUdevResourceDesc,
         resources: *mut CUdevResource,
@@ -14904,7 +14904,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(phDesc, resources, nbResources)
     }
-    pub unsafe fn cuGreenCtxRecordEvent(
+    pub(crate) unsafe fn cuGreenCtxRecordEvent(
         &self,
         hCtx: CUgreenCtx,
         hEvent: CUevent,
@@ -14914,7 +14914,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hCtx, hEvent)
     }
-    pub unsafe fn cuGreenCtxWaitEvent(
+    pub(crate) unsafe fn cuGreenCtxWaitEvent(
         &self,
         hCtx: CUgreenCtx,
         hEvent: CUevent,
@@ -14924,7 +14924,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hCtx, hEvent)
     }
-    pub unsafe fn cuStreamGetGreenCtx(
+    pub(crate) unsafe fn cuStreamGetGreenCtx(
         &self,
         hStream: CUstream,
         phCtx: *mut CUgreenCtx,
@@ -14934,7 +14934,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(hStream, phCtx)
     }
-    pub unsafe fn cuGreenCtxStreamCreate(
+    pub(crate) unsafe fn cuGreenCtxStreamCreate(
         &self,
         phStream: *mut CUstream,
         greenCtx: CUgreenCtx,
@@ -14948,7 +14948,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(phStream, greenCtx, flags, priority)
     }
-    pub unsafe fn cuGreenCtxGetId(
+    pub(crate) unsafe fn cuGreenCtxGetId(
         &self,
         greenCtx: CUgreenCtx,
         greenCtxId: *mut ::std::os::raw::c_ulonglong,
@@ -14958,7 +14958,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(greenCtx, greenCtxId)
     }
-    pub unsafe fn cuLogsRegisterCallback(
+    pub(crate) unsafe fn cuLogsRegisterCallback(
         &self,
         callbackFunc: CUlogsCallback,
         userData: *mut ::std::os::raw::c_void,
@@ -14971,7 +14971,7 @@ impl DriverApi {
                 "Expected function, got error.",
             ))(callbackFunc, userData, callback_out)
     }
-    pub unsafe fn cuLogsUnregisterCallback(
+    pub(crate) unsafe fn cuLogsUnregisterCallback(
         &self,
         callback: CUlogsCallbackHandle,
     ) -> CUresult {
@@ -14980,7 +14980,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(callback)
     }
-    pub unsafe fn cuLogsCurrent(
+    pub(crate) unsafe fn cuLogsCurrent(
         &self,
         iterator_out: *mut CUlogIterator,
         flags: ::std::os::raw::c_uint,
@@ -14990,7 +14990,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(iterator_out, flags)
     }
-    pub unsafe fn cuLogsDumpToFile(
+    pub(crate) unsafe fn cuLogsDumpToFile(
         &self,
         iterator: *mut CUlogIterator,
         pathToFile: *const ::std::os::raw::c_char,
@@ -15001,7 +15001,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(iterator, pathToFile, flags)
     }
-    pub unsafe fn cuLogsDumpToMemory(
+    pub(crate) unsafe fn cuLogsDumpToMemory(
         &self,
         iterator: *mut CUlogIterator,
         buffer: *mut ::std::os::raw::c_char,
@@ -15013,7 +15013,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(iterator, buffer, size, flags)
     }
-    pub unsafe fn cuCheckpointProcessGetRestoreThreadId(
+    pub(crate) unsafe fn cuCheckpointProcessGetRestoreThreadId(
         &self,
         pid: ::std::os::raw::c_int,
         tid: *mut ::std::os::raw::c_int,
@@ -15023,7 +15023,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pid, tid)
     }
-    pub unsafe fn cuCheckpointProcessGetState(
+    pub(crate) unsafe fn cuCheckpointProcessGetState(
         &self,
         pid: ::std::os::raw::c_int,
         state: *mut CUprocessState,
@@ -15033,7 +15033,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pid, state)
     }
-    pub unsafe fn cuCheckpointProcessLock(
+    pub(crate) unsafe fn cuCheckpointProcessLock(
         &self,
         pid: ::std::os::raw::c_int,
         args: *mut CUcheckpointLockArgs,
@@ -15043,7 +15043,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pid, args)
     }
-    pub unsafe fn cuCheckpointProcessCheckpoint(
+    pub(crate) unsafe fn cuCheckpointProcessCheckpoint(
         &self,
         pid: ::std::os::raw::c_int,
         args: *mut CUcheckpointCheckpointArgs,
@@ -15053,7 +15053,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pid, args)
     }
-    pub unsafe fn cuCheckpointProcessRestore(
+    pub(crate) unsafe fn cuCheckpointProcessRestore(
         &self,
         pid: ::std::os::raw::c_int,
         args: *mut CUcheckpointRestoreArgs,
@@ -15063,7 +15063,7 @@ impl DriverApi {
             .as_ref()
             .expect("Expected function, got error."))(pid, args)
     }
-    pub unsafe fn cuCheckpointProcessUnlock(
+    pub(crate) unsafe fn cuCheckpointProcessUnlock(
         &self,
         pid: ::std::os::raw::c_int,
         args: *mut CUcheckpointUnlockArgs,

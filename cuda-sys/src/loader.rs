@@ -95,11 +95,17 @@ impl Driver {
         (code == CUDA_SUCCESS).then_some(DriverVersion(version))
     }
 
-    /// The symbol table: one `Result` field per entry point of the header.
+    /// The symbol table: one `Result` field per entry point of the header, `Err` where the
+    /// library lacks it (`driver.api().cuMemcpyBatchAsync_v2.is_ok()` asks whether it has it).
     ///
-    /// Prefer [`call!`](crate::call), which turns a missing entry point into an error. The
-    /// table's generated methods of the same names panic when the entry point is missing;
-    /// do not call them.
+    /// Call entry points through [`call!`](crate::call), which turns a missing one into a
+    /// [`MissingSymbol`] error; the table has no public methods:
+    ///
+    /// ```compile_fail
+    /// # let driver = cuda_sys::Driver::load().unwrap();
+    /// // The generated method would panic on a missing entry point: it is not public.
+    /// unsafe { driver.api().cuInit(0) };
+    /// ```
     pub fn api(&self) -> &DriverApi {
         &self.api
     }

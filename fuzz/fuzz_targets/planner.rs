@@ -1,5 +1,5 @@
-//! Fuzzes the copy planner (`cuda_resident::plan`) against the byte model its tests use
-//! (`plan::check`, public through the `fuzzing` feature).
+//! Fuzzes the copy planner (`cuda_resident::internals::plan`) against the byte model its
+//! tests use (`plan::check`, public through the `fuzzing` feature).
 //!
 //! An input decodes into a config (mostly small chunks and thresholds, so that chunking and
 //! the direct/packed split are hit; sometimes any numbers), a few buffers, and a batch of
@@ -31,10 +31,10 @@
 use std::collections::HashMap;
 
 use arbitrary::Arbitrary;
-use cuda_resident::plan::check::{
+use cuda_resident::internals::plan::check::{
     Buffers, apply_in_order, execute_in_order, execute_readback, execute_upload, initial_buffers,
 };
-use cuda_resident::plan::{
+use cuda_resident::internals::plan::{
     self, BufferKey, Chunk, PlanConfig, PlanError, Planner, ReadRequest, ReadbackPlan, UploadPlan,
     WriteRequest,
 };

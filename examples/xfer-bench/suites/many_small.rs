@@ -113,16 +113,18 @@ impl Case<'_, '_> {
         let requests: Vec<_> = s
             .places
             .iter()
-            .map(|&(b, o)| cuda_resident::plan::WriteRequest {
+            .map(|&(b, o)| cuda_resident::internals::plan::WriteRequest {
                 buffer: b as u64,
                 buffer_len: len,
                 offset: o,
                 len: size as u64,
             })
             .collect();
-        let config = cuda_resident::plan::PlanConfig::default();
-        let (mut planner, mut plan) =
-            (cuda_resident::plan::Planner::new(), cuda_resident::plan::UploadPlan::default());
+        let config = cuda_resident::internals::plan::PlanConfig::default();
+        let (mut planner, mut plan) = (
+            cuda_resident::internals::plan::Planner::new(),
+            cuda_resident::internals::plan::UploadPlan::default(),
+        );
         let mut planning = Vec::new();
         for _ in 0..self.args.reps.max(20) {
             let t = Instant::now();

@@ -1,0 +1,181 @@
+//! The public API, named item by item: a renamed, removed or re-typed item fails to compile
+//! here. No GPU: nothing is called, the items are only named (and a few pure ones run).
+
+// The fn types spelled out are the point here.
+#![allow(clippy::type_complexity)]
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cuda_resident::{
+    AllocatorStats, Config, Device, DeviceInfo, DeviceSet, Error, FanOutPath, Fence, GRANULE,
+    MAX_CLASS_BYTES, PeerBatch, PendingReadback, PinnedBuffer, PinnedStats, PreparedReadbacks,
+    PreparedUploads, Readback, ReadbackBatch, ResidentBuffer, Result, Slot, TelemetrySnapshot, UploadBatch,
+    cuda_sys,
+};
+
+type Ranges<'r> = &'r [(ResidentBuffer, u64, u64)];
+
+#[test]
+fn every_public_item_is_named() {
+    // Opening and identity.
+    let _: fn() -> Result<usize> = Device::count;
+    let _: fn(usize) -> Result<Device> = Device::open;
+    let _: fn(Arc<cuda_sys::Driver>, usize, Config) -> Result<Device> = Device::open_with;
+    let _: fn(&Device) -> &DeviceInfo = Device::info;
+    let _: fn(&Device) -> &Config = Device::config;
+    let _: fn(&Device) -> bool = Device::small_copies_over_bus;
+    let _: fn(&Device) -> &Arc<cuda_sys::Driver> = Device::driver;
+    let _: fn(&Device) -> cuda_sys::CUcontext = Device::cu_context;
+    let _: fn(&Device) -> Result<()> = Device::make_current;
+    let _: unsafe fn(&Device, cuda_sys::CUstream) -> Result<()> = Device::wait_for_stream;
+
+    // The resident store and the pinned pool.
+    let _: fn(&Device, u64) -> Result<ResidentBuffer> = Device::allocate;
+    let _: fn(&Device, ResidentBuffer) -> Result<()> = Device::free;
+    let _: fn(&Device, ResidentBuffer) -> Result<u64> = Device::device_ptr;
+    let _: fn(&Device, ResidentBuffer) -> Result<u64> = Device::buffer_len;
+    let _: fn(&Device) -> u64 = Device::allocated_bytes;
+    let _: fn(&Device) -> Result<u64> = Device::free_memory;
+    let _: fn(&Device) -> Result<u64> = Device::trim;
+    let _: fn(&Device, usize) -> Result<PinnedBuffer> = Device::pinned;
+    let _: unsafe fn(&Device, *mut u8, usize) -> Result<()> = Device::pin_host;
+    let _: unsafe fn(&Device, *mut u8) -> Result<()> = Device::unpin_host;
+    let _: fn(&Device) -> Result<()> = Device::synchronize;
+    let _: fn(&Device) -> Result<()> = Device::synchronize_uploads;
+    let _: fn(&Device) -> TelemetrySnapshot = Device::telemetry;
+
+    // Blocking conveniences: one batch each, submitted and waited for.
+    let _: fn(&Device, ResidentBuffer, &[u8]) -> Result<()> = Device::upload;
+    let _: fn(&Device, ResidentBuffer, u64, &[u8]) -> Result<()> = Device::upload_at;
+    let _: fn(&Device, &[(ResidentBuffer, &[u8])]) -> Result<()> = Device::upload_many;
+    let _: fn(&Device, &[(ResidentBuffer, u64, &[u8])]) -> Result<()> = Device::upload_at_many;
+    let _: fn(&Device, ResidentBuffer) -> Result<Vec<u8>> = Device::download;
+    let _: fn(&Device, ResidentBuffer, u64, u64) -> Result<Vec<u8>> = Device::download_range;
+    let _: fn(&Device, ResidentBuffer, u64, &mut [u8]) -> Result<()> = Device::read_into_slice;
+    let _: fn(&Device, &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> = Device::download_many;
+    let _: fn(&Device, Ranges<'_>) -> Result<Vec<Vec<u8>>> = Device::download_ranges;
+    let _: fn(&Device, Ranges<'_>, &mut [Vec<u8>]) -> Result<()> = Device::download_into;
+
+    // Batches, pending and finished downloads.
+    let _: for<'a> fn(&'a Device) -> UploadBatch<'a> = Device::uploads;
+    let _: for<'a> fn(&'a Device) -> ReadbackBatch<'a> = Device::readbacks;
+    let _: fn(PendingReadback) -> Result<Readback> = PendingReadback::wait;
+    let _: fn(PendingReadback, &[Slot], &mut [Vec<u8>]) -> Result<Readback> = PendingReadback::wait_into;
+    let _: fn(&PendingReadback) -> &Fence = PendingReadback::fence;
+    let _: fn(&Readback, Slot) -> &[u8] = Readback::get;
+    let _: fn(&Readback, Slot, &mut Vec<u8>) = Readback::copy_into;
+    let _: fn(&Readback, &[Slot], &mut [Vec<u8>]) -> Result<()> = Readback::copy_all_into;
+    let _: fn(&Readback) -> usize = Readback::len;
+    let _: fn(&Readback) -> bool = Readback::is_empty;
+    let _: fn() -> Fence = Fence::completed;
+    let _: fn(&Fence) -> Result<()> = Fence::wait;
+    let _: fn(&Fence) -> Result<bool> = Fence::is_complete;
+    let _: unsafe fn(&Fence, cuda_sys::CUstream) -> Result<()> = Fence::make_stream_wait;
+
+    // Prepared sets.
+    let _: fn(&Device, Ranges<'_>) -> Result<PreparedUploads> = Device::prepare_uploads;
+    let _: fn(&Device, Ranges<'_>) -> Result<PreparedReadbacks> = Device::prepare_readbacks;
+    let _: fn(&mut PreparedUploads, &[Vec<u8>]) -> Result<Fence> = PreparedUploads::upload::<Vec<u8>>;
+    let _: fn(&PreparedUploads) -> usize = PreparedUploads::len;
+    let _: fn(&PreparedUploads) -> bool = PreparedUploads::is_empty;
+    let _: fn(&PreparedUploads) -> bool = PreparedUploads::is_laid_out;
+    let _: fn(&mut PreparedReadbacks) -> Result<PendingReadback> = PreparedReadbacks::submit;
+    let _: fn(&mut PreparedReadbacks, &mut [Vec<u8>]) -> Result<()> = PreparedReadbacks::read_into;
+    let _: fn(&PreparedReadbacks, usize) -> Slot = PreparedReadbacks::slot;
+    let _: fn(&PreparedReadbacks) -> &[Slot] = PreparedReadbacks::slots;
+    let _: fn(&PreparedReadbacks) -> usize = PreparedReadbacks::len;
+    let _: fn(&PreparedReadbacks) -> bool = PreparedReadbacks::is_empty;
+    let _: fn(&PreparedReadbacks) -> bool = PreparedReadbacks::is_laid_out;
+
+    // Several GPUs.
+    let _: fn() -> Result<DeviceSet> = DeviceSet::open_all;
+    let _: fn(Config) -> Result<DeviceSet> = DeviceSet::open_all_with;
+    let _: fn(Vec<Device>) -> DeviceSet = DeviceSet::from_devices;
+    let _: fn(&DeviceSet) -> usize = DeviceSet::len;
+    let _: fn(&DeviceSet) -> bool = DeviceSet::is_empty;
+    let _: fn(&DeviceSet, usize) -> Result<&Device> = DeviceSet::get;
+    let _: fn(&DeviceSet) -> &[Device] = DeviceSet::devices;
+    let _: fn(&DeviceSet) -> Result<usize> = DeviceSet::enable_all_peers;
+    let _: fn(&DeviceSet, &[u8], &[(usize, ResidentBuffer)], u64) -> Result<Vec<Fence>> = DeviceSet::fan_out;
+    let _: fn(&DeviceSet, FanOutPath, &[u8], &[(usize, ResidentBuffer)], u64) -> Result<Vec<Fence>> =
+        DeviceSet::fan_out_with;
+    let _ = [FanOutPath::EachLink, FanOutPath::FirstThenPeers];
+    let _: fn(&Device, &Device) -> Result<bool> = Device::can_access_peer;
+    let _: fn(&Device, &Device) -> Result<()> = Device::enable_peer;
+    let _: fn(&Device, &Device) -> bool = Device::is_peer_enabled;
+    let _: for<'a> fn(&'a Device, &'a Device) -> PeerBatch<'a> = Device::peer_copies;
+
+    // Errors, stats and constants.
+    batch_items(PhantomData);
+    let _: fn(&Error) -> Option<cuda_sys::CUresult> = Error::cuda_code;
+    let _ = (AllocatorStats::default(), PinnedStats::default(), TelemetrySnapshot::default());
+    let _: fn(&TelemetrySnapshot) -> u64 = |t| t.upload_submissions + t.readback_submissions;
+    assert_eq!((GRANULE, MAX_CLASS_BYTES), (256, 4 << 20));
+}
+
+/// The methods of the batches, for one lifetime of the device they borrow.
+fn batch_items<'a>(_device: PhantomData<&'a Device>) {
+    let _: for<'b> fn(
+        &'b mut UploadBatch<'a>,
+        ResidentBuffer,
+        u64,
+        &'a [u8],
+    ) -> Result<&'b mut UploadBatch<'a>> = UploadBatch::write;
+    let _: for<'b> fn(
+        &'b mut PeerBatch<'a>,
+        ResidentBuffer,
+        u64,
+        ResidentBuffer,
+        u64,
+        u64,
+    ) -> Result<&'b mut PeerBatch<'a>> = PeerBatch::copy;
+    let _: for<'b> fn(
+        &'b mut PeerBatch<'a>,
+        ResidentBuffer,
+        ResidentBuffer,
+        &[(u64, u64, u64)],
+    ) -> Result<&'b mut PeerBatch<'a>> = PeerBatch::copy_ranges;
+    let _: fn(UploadBatch<'a>) -> Result<Fence> = UploadBatch::submit;
+    let _: fn(&UploadBatch<'a>) -> usize = UploadBatch::len;
+    let _: fn(&UploadBatch<'a>) -> bool = UploadBatch::is_empty;
+    let _: fn(&mut ReadbackBatch<'a>, ResidentBuffer, u64, u64) -> Result<Slot> = ReadbackBatch::read;
+    let _: fn(&mut ReadbackBatch<'a>, ResidentBuffer) -> Result<Slot> = ReadbackBatch::read_all;
+    let _: fn(&mut ReadbackBatch<'a>, &[ResidentBuffer]) -> Result<Vec<Slot>> = ReadbackBatch::read_many;
+    let _: fn(&ReadbackBatch<'a>) -> usize = ReadbackBatch::len;
+    let _: fn(&ReadbackBatch<'a>) -> bool = ReadbackBatch::is_empty;
+    let _: fn(ReadbackBatch<'a>) -> Result<PendingReadback> = ReadbackBatch::submit;
+    let _: fn(ReadbackBatch<'a>, &mut [Vec<u8>]) -> Result<()> = ReadbackBatch::submit_into;
+    let _: fn(PeerBatch<'a>) -> Result<Fence> = PeerBatch::submit;
+    let _: fn(&PeerBatch<'a>) -> usize = PeerBatch::len;
+    let _: fn(&PeerBatch<'a>) -> bool = PeerBatch::is_empty;
+}
+
+#[test]
+fn config_is_built_from_its_defaults_with_setters() {
+    let config = Config::default()
+        .with_budget_fraction(0.5)
+        .with_slab_bytes(32 << 20)
+        .with_pinned_cap_bytes(256 << 20)
+        .with_pinned_prewarm_bytes(1 << 20)
+        .with_chunk_bytes(4 << 20)
+        .with_direct_threshold(64 << 10)
+        .with_pack_threads(2)
+        .with_pack_linger_us(0)
+        .with_small_copies_over_bus(false);
+    let mut same = Config::default();
+    same.budget_fraction = 0.5;
+    same.slab_bytes = 32 << 20;
+    same.pinned_cap_bytes = 256 << 20;
+    same.pinned_prewarm_bytes = 1 << 20;
+    same.chunk_bytes = 4 << 20;
+    same.direct_threshold = 64 << 10;
+    same.pack_threads = 2;
+    same.pack_linger_us = 0;
+    same.small_copies_over_bus = false;
+    assert_eq!(config, same);
+    config.validate().unwrap();
+    assert_eq!(config.resolved_pack_threads(), 2);
+    let bad = Config::default().with_budget_fraction(1.5).validate().unwrap_err();
+    assert!(bad.to_string().contains("Fix:"), "{bad}");
+}
