@@ -1,4 +1,4 @@
-//! Criterion benchmarks of cuda-resident's transfers on a GPU: an upload batch and a readback
+//! Criterion benchmarks of cuda-resident's transfers on a GPU: an upload batch and a download
 //! batch of 8192 x 4 KiB spread over 64 buffers, submit to fence, and the same ranges as
 //! prepared sets. Without a GPU (or driver)
 //! they print why they are skipped and measure nothing. `xfer-bench` is the side-by-side
@@ -42,7 +42,7 @@ fn transfers(c: &mut Criterion) {
     });
     group.bench_function("readback 8192 x 4 KiB as views", |b| {
         b.iter(|| {
-            let mut reads = device.readbacks();
+            let mut reads = device.downloads();
             for &(buf, off) in &places {
                 reads.read(buf, off, SIZE as u64).unwrap();
             }
@@ -56,7 +56,7 @@ fn transfers(c: &mut Criterion) {
         b.iter(|| prepared.upload(&data).unwrap().wait().unwrap())
     });
     drop(prepared);
-    let mut prepared = device.prepare_readbacks(&ranges).unwrap();
+    let mut prepared = device.prepare_downloads(&ranges).unwrap();
     group.bench_function("prepared readback 8192 x 4 KiB as views", |b| {
         b.iter(|| prepared.submit().unwrap().wait().unwrap())
     });

@@ -1,4 +1,4 @@
-//! alloc-bench: what allocating device memory and pinned staging costs, against the raw
+//! alloc-bench: what allocating device memory and pinned memory costs, against the raw
 //! driver, in one run (see `cuda_resident_suite::alloc_bench` for what is measured).
 //!
 //! `cargo run --release --example alloc-bench [-- --threads N]`

@@ -2,7 +2,7 @@
 //!
 //! Everything that owns driver resources tied to the context (the device core, the pinned
 //! pool and the pinned regions it lends, which may outlive the `Device` inside a
-//! `Readback`) holds an `Arc<Context>`, so the context outlives every allocation made in it.
+//! `Downloaded`) holds an `Arc<Context>`, so the context outlives every allocation made in it.
 
 use cuda_sys::{CUcontext, CUdevice};
 

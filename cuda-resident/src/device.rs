@@ -54,12 +54,12 @@ pub struct Config {
     pub slab_bytes: u64,
     /// The most pinned host memory the pinned pool holds. At least `2 * chunk_bytes`;
     /// default 1 GiB. Batches larger than this still move: uploads pipeline through it in
-    /// chunks, and a readback the pool cannot hold at once streams through a ring of chunks
-    /// (see [`ReadbackBatch`](crate::ReadbackBatch)). Of the cap,
+    /// chunks, and a download the pool cannot hold at once streams through a ring of chunks
+    /// (see [`DownloadBatch`](crate::DownloadBatch)). Of the cap,
     /// `min(8 * chunk_bytes, pinned_cap_bytes / 2)`, but at least two chunks (128 MiB by
     /// default), is kept for transfers: pinned buffers ([`Device::pinned`]), prepared sets'
-    /// regions and unreleased readback views may hold the rest, so that transfers always find
-    /// pinned memory (a prepared set that finds no room moves as batches do, a readback
+    /// regions and unreleased download views may hold the rest, so that transfers always find
+    /// pinned memory (a prepared set that finds no room moves as batches do, a download
     /// streams). At a cap of two chunks that is the whole pool: [`Device::pinned`] then fails
     /// with [`Error::PinnedReserved`].
     pub pinned_cap_bytes: u64,
@@ -81,13 +81,13 @@ pub struct Config {
     /// moving a batch of thousands of small copies). They stop as soon as new packing starts.
     /// 0 lets them sleep at once, for processes that need those cores between batches or run
     /// under a CPU quota (spinning threads use it up). At most 10 000; default 300, which
-    /// speeds up prepared uploads of small rows; readbacks gain nothing.
+    /// speeds up prepared uploads of small rows; downloads gain nothing.
     pub pack_linger_us: u64,
     /// Batches of many small copies in order (the paths that skip the planner): whether the
-    /// copy kernel may read the packed bytes of an upload, and write those of a readback,
+    /// copy kernel may read the packed bytes of an upload, and write those of a download,
     /// straight in pinned memory, over the bus, instead of one DMA through device staging
     /// plus a scatter (or a gather plus a DMA). Default `true`; a wish, granted only where
-    /// the GPU has unified addressing ([`Device::small_copies_over_bus`] says whether it
+    /// the GPU has unified addressing ([`Device::moves_small_copies_over_bus`] says whether it
     /// was). The kernel then runs for as long as the bytes are on the wire (one block of 256
     /// threads per multiprocessor), where a scatter runs for microseconds: set `false` when
     /// your own kernels keep every multiprocessor busy, or on a platform whose kernels may
@@ -282,7 +282,7 @@ pub struct DeviceInfo {
     /// Streaming multiprocessors.
     pub multiprocessors: u32,
     /// Copy engines (`CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT`): 2 or more lets uploads and
-    /// readbacks run at the same time.
+    /// downloads run at the same time.
     pub copy_engines: u32,
     /// Whether stream-ordered memory pools (`cuMemAllocAsync`) are supported.
     pub memory_pools: bool,
@@ -364,13 +364,13 @@ impl Core {
         LaneKind::ALL.iter().all(|&k| self.lane(k).is_known_done(last[k.index()]))
     }
 
-    /// Pinned staging of `len` bytes for a transfer, waiting for copies in flight when the
+    /// Pinned memory of `len` bytes for a transfer, waiting for copies in flight when the
     /// pool is full.
     pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
         self.acquire_staging_as(len, false)
     }
 
-    /// Pinned staging of `len` bytes, held past any transfer (`held`: see
+    /// Pinned memory of `len` bytes, held past any transfer (`held`: see
     /// [`Device::pinned`]) or for one, waiting for copies in flight when the pool is full.
     pub(crate) fn acquire_staging_as(&self, len: usize, held: bool) -> Result<crate::host_pool::HostLease> {
         let mut retried = false;
@@ -434,11 +434,19 @@ impl Drop for Core {
 }
 
 /// One GPU: its primary context, two copy lanes, a budgeted resident store and a pinned
-/// staging pool.
+/// pool.
 ///
 /// `Device` is `Send + Sync` and cheap to clone (an `Arc` inside); clones share everything.
 /// The context and all memory are released when the last clone, fence and lent staging
 /// region are gone.
+///
+/// Its blocking conveniences ([`upload`](Device::upload), [`upload_at`](Device::upload_at),
+/// [`upload_many`](Device::upload_many), [`upload_at_many`](Device::upload_at_many),
+/// [`download`](Device::download), [`download_range`](Device::download_range),
+/// [`download_to_slice`](Device::download_to_slice), [`download_many`](Device::download_many),
+/// [`download_ranges`](Device::download_ranges), [`download_into`](Device::download_into))
+/// each do what one batch does, submitted and waited for; the batches
+/// ([`uploads`](Device::uploads), [`downloads`](Device::downloads)) are the non-blocking form.
 #[derive(Clone)]
 pub struct Device {
     core: Arc<Core>,
@@ -536,7 +544,7 @@ impl Device {
     /// Whether batches of small copies in order move over the bus on this device: the
     /// configuration asks for it ([`Config::small_copies_over_bus`]) and the GPU has unified
     /// addressing, without which its kernels cannot reach pinned host memory.
-    pub fn small_copies_over_bus(&self) -> bool {
+    pub fn moves_small_copies_over_bus(&self) -> bool {
         self.core.config.small_copies_over_bus && self.info().unified_addressing
     }
 
@@ -558,7 +566,7 @@ impl Device {
 
     /// Makes the copies this device runs, submitted from now on, wait on the GPU for the
     /// work enqueued so far on `stream`, one of the caller's (a compute or NCCL stream):
-    /// uploads into the device, readbacks from it and peer batches into it start after that
+    /// uploads into the device, downloads from it and peer batches into it start after that
     /// work, with no host wait. The other direction is [`Fence::make_stream_wait`].
     ///
     /// Copies already submitted are not affected, nor are peer batches *out of* this device
@@ -632,13 +640,13 @@ impl Device {
 
     /// Device memory free right now, as the driver reports it (`cuMemGetInfo`): what every
     /// process on the GPU leaves, not this device's budget.
-    pub fn free_memory(&self) -> Result<u64> {
+    pub fn driver_free_bytes(&self) -> Result<u64> {
         Ok(self.core.ctx.bind()?.mem_get_info()?.0)
     }
 
-    /// Releases cached device memory and free pinned staging back to the driver, and the
-    /// host memory kept from the last readback that streamed into memory of its own (see
-    /// [`Readback`](crate::Readback)). Returns the bytes of device memory released.
+    /// Releases cached device memory and free pinned memory back to the driver, and the
+    /// host memory kept from the last download that streamed into memory of its own (see
+    /// [`Downloaded`](crate::Downloaded)). Returns the bytes of device memory released.
     pub fn trim(&self) -> Result<u64> {
         let released = self.core.alloc.trim(&|last| self.core.is_idle(last))?;
         drop(std::mem::take(&mut *lock(&self.core.spares.streamed_host)));
@@ -646,24 +654,24 @@ impl Device {
         Ok(released)
     }
 
-    /// Lends `len` bytes of pinned host memory from the staging pool (at least 1 byte is
+    /// Lends `len` bytes of pinned host memory from the pinned pool (at least 1 byte is
     /// lent for 0). It returns to the pool when dropped. When the pool is at its cap, waits
     /// for copies in flight to release their staging.
     ///
-    /// Pinned buffers, prepared sets and readback views are held staging: together they may
+    /// Pinned buffers, prepared sets and download views are held staging: together they may
     /// take the pool's cap less a reserve kept for transfers ([`Config::pinned_cap_bytes`]);
     /// past that, [`Error::PinnedReserved`].
     pub fn pinned(&self, len: usize) -> Result<PinnedBuffer> {
         self.acquire_held_staging(len).map(PinnedBuffer::new)
     }
 
-    /// Pinned staging of `len` bytes for a transfer, waiting for copies in flight when the
+    /// Pinned memory of `len` bytes for a transfer, waiting for copies in flight when the
     /// pool is full.
     pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
         self.core.acquire_staging(len)
     }
 
-    /// Held pinned staging of `len` bytes (kept past any transfer: see
+    /// Held pinned memory of `len` bytes (kept past any transfer: see
     /// [`Device::pinned`]), waiting for copies in flight when the pool is full.
     pub(crate) fn acquire_held_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
         self.core.acquire_staging_as(len, true)
@@ -743,8 +751,8 @@ mod tests {
         check::<Device>();
         check::<crate::Fence>();
         fn send_sync<T: Send + Sync>() {}
-        send_sync::<crate::Readback>();
-        send_sync::<crate::PendingReadback>();
+        send_sync::<crate::Downloaded>();
+        send_sync::<crate::PendingDownload>();
         send_sync::<crate::PinnedBuffer>();
         assert!(std::mem::size_of::<Device>() == std::mem::size_of::<usize>());
         assert!(std::mem::size_of::<ResidentBuffer>() <= 16);

@@ -156,24 +156,24 @@ pub enum Error {
         buffer_len: u64,
     },
 
-    /// A readback slot redeemed by the readback of another batch than the one that gave it.
+    /// A download slot redeemed by the download of another batch than the one that gave it.
     #[error(
         "slot {index} of readback batch {slot_batch} was given to the readback of batch {batch}: it names a read of \
-         another batch, whose bytes are not here. Fix: redeem each Slot with the Readback (or PendingReadback) of \
-         the batch that returned it; for a prepared set, use its own slots (PreparedReadbacks::slot) with its readbacks."
+         another batch, whose bytes are not here. Fix: redeem each Slot with the Downloaded (or PendingDownload) of \
+         the batch that returned it; for a prepared set, use its own slots (PreparedDownloads::slot) with its readbacks."
     )]
     ForeignSlot {
         /// The slot's index in its batch.
         index: u32,
         /// The identity of the slot's batch.
         slot_batch: u64,
-        /// The identity of the readback's batch.
+        /// The identity of the download's batch.
         batch: u64,
     },
 
     /// Host memory for a result could not be reserved.
     #[error(
-        "could not reserve {bytes} bytes of host memory for the result. Fix: read in smaller ranges, or into a slice you own (Device::read_into_slice)."
+        "could not reserve {bytes} bytes of host memory for the result. Fix: read in smaller ranges, or into a slice you own (Device::download_to_slice)."
     )]
     HostOutOfMemory {
         /// Bytes asked for.
@@ -206,7 +206,7 @@ pub enum Error {
     },
 
     /// An upload batch whose write failed part-way: its `write_with` closure panicked, or the
-    /// write was refused pinned staging. The batch takes no more writes and moves nothing.
+    /// write was refused pinned memory. The batch takes no more writes and moves nothing.
     #[error(
         "write {write} of this upload batch ({len} bytes at offset {offset} of {buffer:?}) {cause}; \
          the batch is poisoned: it takes no more writes and nothing of it was or will be moved. \
@@ -254,7 +254,7 @@ pub enum Error {
         address: usize,
     },
 
-    /// A pinned staging request larger than the pool's cap.
+    /// A pinned memory request larger than the pool's cap.
     #[error(
         "pinned staging of {requested} bytes was requested but the pool is capped at {cap} bytes. \
          Fix: raise Config::pinned_cap_bytes, or split the work into smaller batches."
@@ -281,7 +281,7 @@ pub enum Error {
         lent: u64,
     },
 
-    /// A readback batch or prepared set given more reads than a slot can number.
+    /// A download batch or prepared set given more reads than a slot can number.
     #[error(
         "a readback batch holds at most {most} reads (a Slot numbers them in 32 bits), and this one \
          would hold more; nothing was added. Fix: split the reads into several batches."
@@ -291,7 +291,7 @@ pub enum Error {
         most: usize,
     },
 
-    /// Held pinned staging (pinned buffers, prepared sets' regions, readback views) would take
+    /// Held pinned memory (pinned buffers, prepared sets' regions, download views) would take
     /// the part of the pool kept for transfers.
     #[error(
         "{requested} bytes of pinned memory to keep were requested, but {held} bytes of the pool are already \
@@ -316,7 +316,7 @@ pub enum Error {
         "{operation} was given {len} bytes of host memory at {address:#x} whose byte at {unpinned:#x} \
          is not pinned (page-locked): the driver would copy it synchronously, and the copy would not \
          overlap anything. Nothing was enqueued. Fix: pin the range with Device::pin_host, copy from \
-         or into memory from Device::pinned, or use the safe upload_at / read_into_slice, which \
+         or into memory from Device::pinned, or use the safe upload_at / download_to_slice, which \
          stage pageable memory themselves."
     )]
     NotPinned {
@@ -334,7 +334,7 @@ pub enum Error {
 impl Error {
     /// Whether this is the pinned pool refusing staging: more than the cap, more than is free
     /// of what callers hold, or more held staging than the reserve for transfers leaves. A
-    /// readback so refused streams through the pool; a prepared set moves as batches.
+    /// download so refused streams through the pool; a prepared set moves as batches.
     pub(crate) fn is_staging_refusal(&self) -> bool {
         matches!(
             self,

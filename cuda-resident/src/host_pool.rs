@@ -11,7 +11,7 @@
 //!
 //! Staging comes in two kinds. A transfer's staging is lent for as long as its copy is in
 //! flight. **Held** staging stays with its holder for as long as the holder likes:
-//! [`PinnedBuffer`]s, prepared sets' regions, the views of a [`Readback`](crate::Readback).
+//! [`PinnedBuffer`]s, prepared sets' regions, the views of a [`Downloaded`](crate::Downloaded).
 //! Held staging may fill the pool only up to `cap - reserve`: the reserve is kept for
 //! transfers, which then still move (in fewer chunks at a time), never fail for want of
 //! staging that others hold.
@@ -71,13 +71,14 @@ struct PoolState {
 
 /// Counters of the pool, for telemetry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PinnedStats {
     /// Pinned bytes held from the driver.
     pub reserved_bytes: u64,
     /// Pinned bytes lent out (in use by copies or by the caller).
     pub lent_bytes: u64,
     /// Of `lent_bytes`, those held outside transfers: pinned buffers, prepared sets' regions,
-    /// readback views.
+    /// download views.
     pub held_bytes: u64,
     /// The most that held staging may take (`cap_bytes` less the reserve kept for transfers).
     pub held_limit_bytes: u64,
@@ -104,7 +105,7 @@ pub(crate) struct HostPool {
 }
 
 /// The pinned memory lent out that the caller can reach ([`PinnedBuffer`]s, batch
-/// readbacks' views), of every pool of the process: arena start -> (arena
+/// downloads' views), of every pool of the process: arena start -> (arena
 /// bytes, lease), so that an `unsafe` copy given that memory, on any device (arenas are
 /// portable), keeps the lease alive until it completes ([`listed_leases_in`]).
 static LENT_BUFFERS: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>> = Mutex::new(BTreeMap::new());
@@ -386,7 +387,7 @@ impl HostLease {
     }
 
     /// Shares the lease and lists it among the pinned memory the caller can reach (a
-    /// [`PinnedBuffer`], a batch readback's views), so that an `unsafe`
+    /// [`PinnedBuffer`], a batch download's views), so that an `unsafe`
     /// asynchronous copy given that memory keeps the lease until it completes
     /// ([`listed_leases_in`]), even if its holder lets go first.
     pub(crate) fn into_listed(mut self) -> Arc<HostLease> {
@@ -434,7 +435,7 @@ impl Drop for HostLease {
     }
 }
 
-/// Pinned host memory lent by a device's staging pool: as fast to copy from or into as host
+/// Pinned host memory lent by a device's pinned pool: as fast to copy from or into as host
 /// memory gets. It goes back to the pool (not to the driver) when dropped, so acquiring one
 /// again is a matter of nanoseconds. Obtained from [`Device::pinned`](crate::Device::pinned).
 ///

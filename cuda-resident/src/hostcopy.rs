@@ -1,11 +1,11 @@
-//! Host copies out of pinned staging into the caller's memory.
+//! Host copies out of pinned memory into the caller's memory.
 //!
 //! An ordinary `memcpy` writes through the caches: every destination line is first read
-//! from memory (a read for ownership), then written. Copying a readback out of staging into
-//! caller memory that is not in the cache (a large readback never is) therefore moves each
+//! from memory (a read for ownership), then written. Copying a download out of staging into
+//! caller memory that is not in the cache (a large download never is) therefore moves each
 //! byte over the memory bus three times. On x86-64, copies of [`STREAM_MIN`] bytes or more
 //! write whole cache lines with streaming (non-temporal) stores instead, which skip the read
-//! for ownership, which measured faster for large readbacks into `Vec`s and pageable memory
+//! for ownership, which measured faster for large downloads into `Vec`s and pageable memory
 //! (BENCHMARKS.md). Smaller copies stay ordinary: their destinations are likely still in the
 //! cache when the caller reads them, and streaming measured no gain for 4 KiB reads.
 //!

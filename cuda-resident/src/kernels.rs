@@ -88,8 +88,8 @@ impl Kernels {
         unsafe { self.launch_copy(raw, stream, descriptors, count, self.max_blocks) }
     }
 
-    /// [`Kernels::copy`] for a table and copies whose host side lies in pinned staging, read
-    /// (uploads) or written (readbacks) by the kernel over the bus: one block per
+    /// [`Kernels::copy`] for a table and copies whose host side lies in pinned memory, read
+    /// (uploads) or written (downloads) by the kernel over the bus: one block per
     /// multiprocessor, which keeps the link busy (as many blocks as eight per multiprocessor
     /// measured no faster) while leaving most of every multiprocessor to the caller's
     /// kernels.

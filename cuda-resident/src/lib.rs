@@ -5,17 +5,17 @@
 //!   [`Device::free`]): buffers are small `Copy` handles ([`ResidentBuffer`]) sub-allocated
 //!   from slabs, so allocating and freeing cost nanoseconds, not a driver call; a stale or
 //!   foreign handle is an error, never a dangling pointer;
-//! - a **pinned staging pool** ([`Device::pinned`]): page-locked host memory, reused;
-//! - two **lanes**, one non-blocking stream per direction, so that uploads and readbacks
+//! - a **pinned pool** ([`Device::pinned`]): page-locked host memory, reused;
+//! - two **lanes**, one non-blocking stream per direction, so that uploads and downloads
 //!   overlap (uploads written in place also scatter on a second stream while the next
 //!   bytes are on the wire); submitted work completes into a [`Fence`];
-//! - **fused copies**: an [`UploadBatch`] or [`ReadbackBatch`] of thousands of small copies
-//!   costs one kernel launch per staging chunk, which reads or writes the pinned staging
+//! - **fused copies**: an [`UploadBatch`] or [`DownloadBatch`] of thousands of small copies
+//!   costs one kernel launch per staging chunk, which reads or writes the pinned memory
 //!   over the bus when the copies come in order ([`Config::small_copies_over_bus`]), or a
 //!   DMA (two for a readback: its table up, its bytes down) and one scatter or gather
-//!   launch; large copies from ordinary memory are pipelined through pinned staging by
+//!   launch; large copies from ordinary memory are pipelined through pinned memory by
 //!   several threads;
-//! - **prepared sets** ([`Device::prepare_uploads`], [`Device::prepare_readbacks`]): the same
+//! - **prepared sets** ([`Device::prepare_uploads`], [`Device::prepare_downloads`]): the same
 //!   ranges moved every step are checked and laid out once, with their descriptors resident
 //!   on the device; each move then costs a parallel copy of the bytes (uploads) and a launch
 //!   per chunk;
@@ -32,19 +32,19 @@
 //! let a = device.allocate(1 << 20)?; // budgeted, sub-allocated: no driver call
 //! let b = device.allocate(4096)?;
 //!
-//! // Small writes are fused, packed into pinned staging and moved by one DMA plus one
+//! // Small writes are fused, packed into pinned memory and moved by one DMA plus one
 //! // scatter launch.
 //! let (x, y) = (vec![1u8; 300], vec![2u8; 64]);
 //! let mut uploads = device.uploads();
 //! uploads.write(a, 0, &x)?.write(b, 128, &y)?;
-//! uploads.write_with(a, 4096, 1000, |dst| dst.fill(3))?; // fill pinned staging in place
+//! uploads.write_with(a, 4096, 1000, |dst| dst.fill(3))?; // fill pinned memory in place
 //! let fence = uploads.submit()?; // returns at once
 //!
 //! // Reads on the other lane wait for the writes on the device, not on the host.
-//! let mut reads = device.readbacks();
+//! let mut reads = device.downloads();
 //! let slot = reads.read(a, 0, 300)?;
 //! let done = reads.submit()?.wait()?;
-//! assert_eq!(done.get(slot), &x[..]); // a view into pinned staging, no copy
+//! assert_eq!(done.get(slot), &x[..]); // a view into pinned memory, no copy
 //! assert!(fence.is_complete()?);
 //! drop(done);
 //!
@@ -53,9 +53,9 @@
 //! let mut prepared = device.prepare_uploads(&ranges)?;
 //! let rows: Vec<Vec<u8>> = (0..1024).map(|i| vec![i as u8; 256]).collect();
 //! prepared.upload(&rows)?.wait()?;
-//! let mut back = device.prepare_readbacks(&ranges)?;
+//! let mut back = device.prepare_downloads(&ranges)?;
 //! let mut out = vec![Vec::new(); ranges.len()];
-//! back.read_into(&mut out)?;
+//! back.download_into(&mut out)?;
 //! assert_eq!(out, rows);
 //! drop((prepared, back));
 //! device.free(a)?;
@@ -105,7 +105,7 @@ pub use peer::{DeviceSet, FanOutPath, PeerBatch};
 pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;
 pub use transfer::{
-    PendingReadback, PreparedReadbacks, PreparedUploads, Readback, ReadbackBatch, Slot, UploadBatch,
+    DownloadBatch, Downloaded, PendingDownload, PreparedDownloads, PreparedUploads, Slot, UploadBatch,
 };
 
 /// The raw driver crate, re-exported for callers that make their own driver calls.

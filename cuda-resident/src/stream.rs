@@ -2,7 +2,7 @@
 //!
 //! Every submission on a lane gets the next sequence number and an event recorded after its
 //! work. The lane keeps the events of work in flight, in order, together with what that work
-//! needs alive (pinned staging); polling pops the completed ones, recycles their events and
+//! needs alive (pinned memory); polling pops the completed ones, recycles their events and
 //! releases what they kept. "Is submission `s` done?" is then one atomic load in the common
 //! case: `s <= completed`.
 //!
@@ -273,7 +273,7 @@ impl Lane {
 /// How far a lane's timeline has completed: every submission numbered up to it is done.
 /// Advanced by the thread that learned that submissions completed (a poll or a wait, which
 /// asked the driver), read by any thread without a lock: one that sees a number covered
-/// also sees what the advancing thread saw before (the bytes a readback brought, say).
+/// also sees what the advancing thread saw before (the bytes a download brought, say).
 struct Completed(AtomicU64);
 
 impl Completed {
@@ -600,7 +600,7 @@ impl fmt::Debug for Lanes {
 }
 
 impl Lanes {
-    /// The upload and readback lanes on new non-blocking streams of `ctx`, which must be
+    /// The upload and download lanes on new non-blocking streams of `ctx`, which must be
     /// current; host waits on their fences count in `host_waits`.
     pub(crate) fn new(ctx: Arc<Context>, host_waits: Arc<std::sync::atomic::AtomicU64>) -> Result<Lanes> {
         let lanes = [
@@ -627,6 +627,7 @@ impl Lanes {
 /// Dropping a fence does not cancel or wait for anything: the work completes on its own and
 /// what it needs stays alive until then. A fence keeps its device's context and lanes alive.
 #[derive(Clone)]
+#[must_use = "a fence is the only way to know that the submitted work has finished"]
 pub struct Fence {
     lanes: Option<Arc<Lanes>>,
     lane: LaneKind,
@@ -999,7 +1000,7 @@ mod loom {
         completed: Completed,
         /// The events of submissions 1 and 2: set by the device once their work is done.
         events: [AtomicBool; 2],
-        /// The bytes each submission brings (a readback into pinned memory).
+        /// The bytes each submission brings (a download into pinned memory).
         bytes: [UnsafeCell<u8>; 2],
     }
 

@@ -18,8 +18,8 @@ pub(crate) struct Telemetry {
     pub(crate) host_waits: Arc<AtomicU64>,
     /// Submissions on the upload lane.
     pub(crate) upload_submissions: AtomicU64,
-    /// Submissions on the readback lane.
-    pub(crate) readback_submissions: AtomicU64,
+    /// Submissions on the download lane.
+    pub(crate) download_submissions: AtomicU64,
     /// Bytes callers asked to move.
     pub(crate) bytes_requested: AtomicU64,
     /// Bytes that crossed the bus.
@@ -44,7 +44,7 @@ impl Telemetry {
     pub(crate) fn record(&self, lane: LaneKind, moves: Moves) {
         let submissions = match lane {
             LaneKind::Upload => &self.upload_submissions,
-            LaneKind::Readback => &self.readback_submissions,
+            LaneKind::Readback => &self.download_submissions,
         };
         Self::add(submissions, moves.submissions);
         Self::add(&self.bytes_requested, moves.requested);
@@ -70,14 +70,14 @@ pub(crate) struct Moves {
 pub struct TelemetrySnapshot {
     /// The resident store.
     pub memory: AllocatorStats,
-    /// The pinned staging pool.
+    /// The pinned pool.
     pub pinned: PinnedStats,
     /// Fences the host had to block on.
     pub host_waits: u64,
     /// Submissions on the upload lane.
     pub upload_submissions: u64,
-    /// Submissions on the readback lane.
-    pub readback_submissions: u64,
+    /// Submissions on the download lane.
+    pub download_submissions: u64,
     /// Bytes callers asked to move.
     pub bytes_requested: u64,
     /// Bytes that crossed the bus (after fusing overlaps, plus descriptors).
@@ -93,7 +93,7 @@ pub struct TelemetrySnapshot {
     /// Bytes copied into this device from device memory by peer batches on the peer path
     /// ([`Device::peer_copies`](crate::Device::peer_copies): from other GPUs, and inside this
     /// one), overlaps resolved: what landed. Batches staged through host memory count as
-    /// readbacks and uploads instead. Peer-path batches also count in `bytes_requested` (what
+    /// downloads and uploads instead. Peer-path batches also count in `bytes_requested` (what
     /// they named) and `bytes_moved` (what landed, plus their descriptor tables).
     pub peer_bytes: u64,
 }
@@ -106,7 +106,7 @@ impl TelemetrySnapshot {
             pinned,
             host_waits: get(&t.host_waits),
             upload_submissions: get(&t.upload_submissions),
-            readback_submissions: get(&t.readback_submissions),
+            download_submissions: get(&t.download_submissions),
             bytes_requested: get(&t.bytes_requested),
             bytes_moved: get(&t.bytes_moved),
             dma_copies: get(&t.dma_copies),

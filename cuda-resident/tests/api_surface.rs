@@ -8,9 +8,9 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuda_resident::{
-    AllocatorStats, Config, Device, DeviceInfo, DeviceSet, Error, FanOutPath, Fence, GRANULE,
-    MAX_CLASS_BYTES, PeerBatch, PendingReadback, PinnedBuffer, PinnedStats, PreparedReadbacks,
-    PreparedUploads, Readback, ReadbackBatch, ResidentBuffer, Result, Slot, TelemetrySnapshot, UploadBatch,
+    AllocatorStats, Config, Device, DeviceInfo, DeviceSet, DownloadBatch, Downloaded, Error, FanOutPath,
+    Fence, GRANULE, MAX_CLASS_BYTES, PeerBatch, PendingDownload, PinnedBuffer, PinnedStats,
+    PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Slot, TelemetrySnapshot, UploadBatch,
     cuda_sys,
 };
 
@@ -24,7 +24,7 @@ fn every_public_item_is_named() {
     let _: fn(Arc<cuda_sys::Driver>, usize, Config) -> Result<Device> = Device::open_with;
     let _: fn(&Device) -> &DeviceInfo = Device::info;
     let _: fn(&Device) -> &Config = Device::config;
-    let _: fn(&Device) -> bool = Device::small_copies_over_bus;
+    let _: fn(&Device) -> bool = Device::moves_small_copies_over_bus;
     let _: fn(&Device) -> &Arc<cuda_sys::Driver> = Device::driver;
     let _: fn(&Device) -> cuda_sys::CUcontext = Device::cu_context;
     let _: fn(&Device) -> Result<()> = Device::make_current;
@@ -36,7 +36,7 @@ fn every_public_item_is_named() {
     let _: fn(&Device, ResidentBuffer) -> Result<u64> = Device::device_ptr;
     let _: fn(&Device, ResidentBuffer) -> Result<u64> = Device::buffer_len;
     let _: fn(&Device) -> u64 = Device::allocated_bytes;
-    let _: fn(&Device) -> Result<u64> = Device::free_memory;
+    let _: fn(&Device) -> Result<u64> = Device::driver_free_bytes;
     let _: fn(&Device) -> Result<u64> = Device::trim;
     let _: fn(&Device, usize) -> Result<PinnedBuffer> = Device::pinned;
     let _: unsafe fn(&Device, *mut u8, usize) -> Result<()> = Device::pin_host;
@@ -52,22 +52,22 @@ fn every_public_item_is_named() {
     let _: fn(&Device, &[(ResidentBuffer, u64, &[u8])]) -> Result<()> = Device::upload_at_many;
     let _: fn(&Device, ResidentBuffer) -> Result<Vec<u8>> = Device::download;
     let _: fn(&Device, ResidentBuffer, u64, u64) -> Result<Vec<u8>> = Device::download_range;
-    let _: fn(&Device, ResidentBuffer, u64, &mut [u8]) -> Result<()> = Device::read_into_slice;
+    let _: fn(&Device, ResidentBuffer, u64, &mut [u8]) -> Result<()> = Device::download_to_slice;
     let _: fn(&Device, &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> = Device::download_many;
     let _: fn(&Device, Ranges<'_>) -> Result<Vec<Vec<u8>>> = Device::download_ranges;
     let _: fn(&Device, Ranges<'_>, &mut [Vec<u8>]) -> Result<()> = Device::download_into;
 
     // Batches, pending and finished downloads.
     let _: for<'a> fn(&'a Device) -> UploadBatch<'a> = Device::uploads;
-    let _: for<'a> fn(&'a Device) -> ReadbackBatch<'a> = Device::readbacks;
-    let _: fn(PendingReadback) -> Result<Readback> = PendingReadback::wait;
-    let _: fn(PendingReadback, &[Slot], &mut [Vec<u8>]) -> Result<Readback> = PendingReadback::wait_into;
-    let _: fn(&PendingReadback) -> &Fence = PendingReadback::fence;
-    let _: fn(&Readback, Slot) -> &[u8] = Readback::get;
-    let _: fn(&Readback, Slot, &mut Vec<u8>) = Readback::copy_into;
-    let _: fn(&Readback, &[Slot], &mut [Vec<u8>]) -> Result<()> = Readback::copy_all_into;
-    let _: fn(&Readback) -> usize = Readback::len;
-    let _: fn(&Readback) -> bool = Readback::is_empty;
+    let _: for<'a> fn(&'a Device) -> DownloadBatch<'a> = Device::downloads;
+    let _: fn(PendingDownload) -> Result<Downloaded> = PendingDownload::wait;
+    let _: fn(PendingDownload, &[Slot], &mut [Vec<u8>]) -> Result<Downloaded> = PendingDownload::wait_into;
+    let _: fn(&PendingDownload) -> &Fence = PendingDownload::fence;
+    let _: fn(&Downloaded, Slot) -> &[u8] = Downloaded::get;
+    let _: fn(&Downloaded, Slot, &mut Vec<u8>) = Downloaded::copy_into;
+    let _: fn(&Downloaded, &[Slot], &mut [Vec<u8>]) -> Result<()> = Downloaded::copy_all_into;
+    let _: fn(&Downloaded) -> usize = Downloaded::len;
+    let _: fn(&Downloaded) -> bool = Downloaded::is_empty;
     let _: fn() -> Fence = Fence::completed;
     let _: fn(&Fence) -> Result<()> = Fence::wait;
     let _: fn(&Fence) -> Result<bool> = Fence::is_complete;
@@ -75,18 +75,18 @@ fn every_public_item_is_named() {
 
     // Prepared sets.
     let _: fn(&Device, Ranges<'_>) -> Result<PreparedUploads> = Device::prepare_uploads;
-    let _: fn(&Device, Ranges<'_>) -> Result<PreparedReadbacks> = Device::prepare_readbacks;
+    let _: fn(&Device, Ranges<'_>) -> Result<PreparedDownloads> = Device::prepare_downloads;
     let _: fn(&mut PreparedUploads, &[Vec<u8>]) -> Result<Fence> = PreparedUploads::upload::<Vec<u8>>;
     let _: fn(&PreparedUploads) -> usize = PreparedUploads::len;
     let _: fn(&PreparedUploads) -> bool = PreparedUploads::is_empty;
     let _: fn(&PreparedUploads) -> bool = PreparedUploads::is_laid_out;
-    let _: fn(&mut PreparedReadbacks) -> Result<PendingReadback> = PreparedReadbacks::submit;
-    let _: fn(&mut PreparedReadbacks, &mut [Vec<u8>]) -> Result<()> = PreparedReadbacks::read_into;
-    let _: fn(&PreparedReadbacks, usize) -> Slot = PreparedReadbacks::slot;
-    let _: fn(&PreparedReadbacks) -> &[Slot] = PreparedReadbacks::slots;
-    let _: fn(&PreparedReadbacks) -> usize = PreparedReadbacks::len;
-    let _: fn(&PreparedReadbacks) -> bool = PreparedReadbacks::is_empty;
-    let _: fn(&PreparedReadbacks) -> bool = PreparedReadbacks::is_laid_out;
+    let _: fn(&mut PreparedDownloads) -> Result<PendingDownload> = PreparedDownloads::submit;
+    let _: fn(&mut PreparedDownloads, &mut [Vec<u8>]) -> Result<()> = PreparedDownloads::download_into;
+    let _: fn(&PreparedDownloads, usize) -> Slot = PreparedDownloads::slot;
+    let _: fn(&PreparedDownloads) -> &[Slot] = PreparedDownloads::slots;
+    let _: fn(&PreparedDownloads) -> usize = PreparedDownloads::len;
+    let _: fn(&PreparedDownloads) -> bool = PreparedDownloads::is_empty;
+    let _: fn(&PreparedDownloads) -> bool = PreparedDownloads::is_laid_out;
 
     // Several GPUs.
     let _: fn() -> Result<DeviceSet> = DeviceSet::open_all;
@@ -110,7 +110,7 @@ fn every_public_item_is_named() {
     batch_items(PhantomData);
     let _: fn(&Error) -> Option<cuda_sys::CUresult> = Error::cuda_code;
     let _ = (AllocatorStats::default(), PinnedStats::default(), TelemetrySnapshot::default());
-    let _: fn(&TelemetrySnapshot) -> u64 = |t| t.upload_submissions + t.readback_submissions;
+    let _: fn(&TelemetrySnapshot) -> u64 = |t| t.upload_submissions + t.download_submissions;
     assert_eq!((GRANULE, MAX_CLASS_BYTES), (256, 4 << 20));
 }
 
@@ -139,13 +139,13 @@ fn batch_items<'a>(_device: PhantomData<&'a Device>) {
     let _: fn(UploadBatch<'a>) -> Result<Fence> = UploadBatch::submit;
     let _: fn(&UploadBatch<'a>) -> usize = UploadBatch::len;
     let _: fn(&UploadBatch<'a>) -> bool = UploadBatch::is_empty;
-    let _: fn(&mut ReadbackBatch<'a>, ResidentBuffer, u64, u64) -> Result<Slot> = ReadbackBatch::read;
-    let _: fn(&mut ReadbackBatch<'a>, ResidentBuffer) -> Result<Slot> = ReadbackBatch::read_all;
-    let _: fn(&mut ReadbackBatch<'a>, &[ResidentBuffer]) -> Result<Vec<Slot>> = ReadbackBatch::read_many;
-    let _: fn(&ReadbackBatch<'a>) -> usize = ReadbackBatch::len;
-    let _: fn(&ReadbackBatch<'a>) -> bool = ReadbackBatch::is_empty;
-    let _: fn(ReadbackBatch<'a>) -> Result<PendingReadback> = ReadbackBatch::submit;
-    let _: fn(ReadbackBatch<'a>, &mut [Vec<u8>]) -> Result<()> = ReadbackBatch::submit_into;
+    let _: fn(&mut DownloadBatch<'a>, ResidentBuffer, u64, u64) -> Result<Slot> = DownloadBatch::read;
+    let _: fn(&mut DownloadBatch<'a>, ResidentBuffer) -> Result<Slot> = DownloadBatch::read_all;
+    let _: fn(&mut DownloadBatch<'a>, &[ResidentBuffer]) -> Result<Vec<Slot>> = DownloadBatch::read_many;
+    let _: fn(&DownloadBatch<'a>) -> usize = DownloadBatch::len;
+    let _: fn(&DownloadBatch<'a>) -> bool = DownloadBatch::is_empty;
+    let _: fn(DownloadBatch<'a>) -> Result<PendingDownload> = DownloadBatch::submit;
+    let _: fn(DownloadBatch<'a>, &mut [Vec<u8>]) -> Result<()> = DownloadBatch::submit_into;
     let _: fn(PeerBatch<'a>) -> Result<Fence> = PeerBatch::submit;
     let _: fn(&PeerBatch<'a>) -> usize = PeerBatch::len;
     let _: fn(&PeerBatch<'a>) -> bool = PeerBatch::is_empty;

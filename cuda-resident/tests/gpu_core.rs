@@ -185,7 +185,7 @@ fn async_copies_round_trip_and_order_across_lanes() {
     assert!(up.is_complete().unwrap(), "the readback waited for the upload");
     assert!(dst[..] == src[..], "read-after-write across lanes returned other bytes");
     let t = d.telemetry();
-    assert!(t.upload_submissions >= 1 && t.readback_submissions >= 1);
+    assert!(t.upload_submissions >= 1 && t.download_submissions >= 1);
     d.free(buffer).unwrap();
 }
 
@@ -212,7 +212,7 @@ fn bad_handles_and_ranges_are_errors() {
         let err = d.download_async_at(b, 0, out.as_mut_ptr(), 16).unwrap_err();
         assert!(matches!(err, Error::NotPinned { .. }), "{err}");
     }
-    assert_eq!(d.telemetry().upload_submissions + d.telemetry().readback_submissions, 0);
+    assert_eq!(d.telemetry().upload_submissions + d.telemetry().download_submissions, 0);
     // Pinned memory passes; a range that runs past a pinned region does not.
     let mut host = vec![3u8; 8192];
     // SAFETY: the vector's memory stays mapped until unpinned below; nothing is in flight
@@ -390,7 +390,7 @@ fn copies_wait_for_a_callers_stream() {
     let mut up = d.uploads();
     up.write(buffer, 0, &[0x77; 4096]).unwrap();
     let uploaded = up.submit().unwrap();
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let slot = reads.read(buffer, 0, LEN as u64).unwrap();
     let pending = reads.submit().unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));

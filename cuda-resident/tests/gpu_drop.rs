@@ -1,4 +1,4 @@
-//! Drop safety on a real GPU: dropping a `Device`, a batch, a pending readback, a readback or
+//! Drop safety on a real GPU: dropping a `Device`, a batch, a pending download, a download or
 //! a fence at any point leaves no leak and no use after free. Work in flight is waited for or
 //! kept alive by what still refers to it.
 //!
@@ -36,13 +36,13 @@ fn leak_checked(body: impl FnOnce(Device)) {
     anchor.download_ranges(&ranges).unwrap();
     anchor.free(warm).unwrap();
     anchor.synchronize().unwrap();
-    let before = anchor.free_memory().unwrap();
+    let before = anchor.driver_free_bytes().unwrap();
     let driver = Arc::new(Driver::load().unwrap());
     driver.faults().record();
     let config = Config::default().with_chunk_bytes(1 << 20).with_direct_threshold(64 << 10);
     body(Device::open_with(Arc::clone(&driver), 0, config).unwrap());
     common::balanced(&driver.faults().counts()).unwrap();
-    common::free_memory_kept(before, anchor.free_memory().unwrap()).unwrap();
+    common::free_memory_kept(before, anchor.driver_free_bytes().unwrap()).unwrap();
 }
 
 #[test]
@@ -57,7 +57,7 @@ fn dropping_the_device_with_uploads_and_readbacks_in_flight_waits_for_them() {
             batch.write(b, 0, &data[i << 23..(i + 1) << 23]).unwrap();
         }
         let fence = batch.submit().unwrap();
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         for &b in &buffers {
             reads.read_all(b).unwrap();
         }
@@ -82,7 +82,7 @@ fn a_pending_readback_and_a_fence_outlive_their_device_and_stay_correct() {
             batch.write(b, 0, &data).unwrap();
             batch.submit().unwrap()
         };
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         let whole = reads.read_all(b).unwrap();
         let part = reads.read(b, 12345, 100).unwrap();
         let pending = reads.submit().unwrap();
@@ -112,12 +112,12 @@ fn dropping_unsubmitted_batches_returns_their_staging() {
         batch.write_with(b, 0, 512 << 10, |dst| dst.fill(7)).unwrap();
         assert!(d.telemetry().pinned.lent_bytes > 0, "in-place writes hold staging");
         drop(batch);
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         reads.read_all(b).unwrap();
         drop(reads);
         let t = d.telemetry();
         assert_eq!(t.pinned.lent_bytes, 0, "{t:#?}");
-        assert_eq!((t.upload_submissions, t.readback_submissions), (0, 0), "nothing moved");
+        assert_eq!((t.upload_submissions, t.download_submissions), (0, 0), "nothing moved");
         d.free(b).unwrap();
     });
 }
@@ -130,7 +130,7 @@ fn freeing_buffers_with_copies_in_flight_defers_and_keeps_the_bytes() {
         let data = random_vec(&mut rng, 32 << 20);
         let b = d.allocate(data.len() as u64).unwrap();
         d.upload(b, &data).unwrap();
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         let slot = reads.read_all(b).unwrap();
         let pending = reads.submit().unwrap();
         // Freed while the readback may be copying out of it, then reused at once by another

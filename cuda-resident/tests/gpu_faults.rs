@@ -1,8 +1,8 @@
 //! Fault injection at every driver call the engine makes, on a real GPU.
 //!
 //! A recording run of a realistic sequence (open a device; allocate from a size class, a slab
-//! range and a dedicated allocation; packed, direct, in-place and single uploads; readbacks
-//! as views, into slices and ranged; pinned staging; frees; trim) counts the calls of every
+//! range and a dedicated allocation; packed, direct, in-place and single uploads; downloads
+//! as views, into slices and ranged; pinned memory; frees; trim) counts the calls of every
 //! entry point. Then, for every entry point and a spread of call numbers `k` along the
 //! sequence, a fresh run makes the `k`-th call of that entry point fail with one of four codes
 //! (out of memory, launch failure, illegal address, not initialized) without reaching the
@@ -89,7 +89,7 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
         (reference, recorded, driver.faults().counts())
     };
     driver.faults().clear();
-    let base = Baseline { seed, reference, anchor: &anchor, free: anchor.free_memory().unwrap() };
+    let base = Baseline { seed, reference, anchor: &anchor, free: anchor.driver_free_bytes().unwrap() };
     for (phase, counts) in [("sequence", &recorded), ("teardown", &teardown)] {
         println!("recorded {phase}: {} entry points", counts.len());
         for (entry, count) in counts {
@@ -181,7 +181,7 @@ struct Baseline<'a> {
 impl Baseline<'_> {
     /// Fails when the driver reports less free device memory than before the case.
     fn no_leak(&self) -> Result<(), String> {
-        common::free_memory_kept(self.free, self.anchor.free_memory().map_err(|e| e.to_string())?)
+        common::free_memory_kept(self.free, self.anchor.driver_free_bytes().map_err(|e| e.to_string())?)
     }
 }
 

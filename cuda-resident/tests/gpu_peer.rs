@@ -288,7 +288,7 @@ struct Moved {
 
 impl Moved {
     /// Checks which path the copies took by the bytes the devices counted as copied from
-    /// device memory: none on the staged path (a readback and an upload); on the direct path
+    /// device memory: none on the staged path (a download and an upload); on the direct path
     /// at least every destination byte written and at most the sum of the copies (overlaps
     /// resolved or not), all on the destination.
     fn assert_path(&self, direct: bool) {
@@ -596,7 +596,7 @@ fn read_after_write_chain(d0: &Device, d1: &Device, seed: u64) {
         expect_dst2[to as usize..][..v.len()].copy_from_slice(v);
     }
     let _copied = peer.submit().unwrap();
-    let mut reads = d1.readbacks();
+    let mut reads = d1.downloads();
     let slots: Vec<_> =
         pieces.iter().map(|(o, v)| reads.read(dst2, o + 1001, v.len() as u64).unwrap()).collect();
     let done = reads.submit().unwrap().wait().unwrap();

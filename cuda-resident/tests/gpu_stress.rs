@@ -3,7 +3,7 @@
 //! (some while their uploads are in flight) for a bounded time, each checking every byte it
 //! reads against its own model of what it wrote. At the end: no corruption, no deadlock
 //! (a watchdog fails the test if a thread is stuck), and exact accounting: with every buffer
-//! freed, the store holds only the lanes' staging and no pinned staging is lent.
+//! freed, the store holds only the lanes' staging and no pinned memory is lent.
 //!
 //! Callbacks that panic are mixed in: some batches of in-place writes have a fill closure
 //! that panics part-way (caught by the thread), and some prepared uploads an `AsRef` that
@@ -182,7 +182,7 @@ fn worker(d: &Device, seed: u64, deadline: Instant, totals: &Totals) {
             }
             // A batch of reads, checked as views or copied into vectors.
             50..=79 if !owned.is_empty() => {
-                let mut reads = d.readbacks();
+                let mut reads = d.downloads();
                 let mut expected = Vec::new();
                 for _ in 0..rng.usize(1..300) {
                     let i = rng.usize(0..owned.len());
@@ -313,7 +313,7 @@ fn sixteen_threads_of_random_work_corrupt_nothing_and_account_exactly() {
         totals.frees_in_flight.load(Ordering::Relaxed),
         t.memory.deferred_frees,
         t.upload_submissions,
-        t.readback_submissions,
+        t.download_submissions,
         t.host_waits,
     );
     assert!(totals.ops.load(Ordering::Relaxed) > threads * 10, "too little work to mean anything");

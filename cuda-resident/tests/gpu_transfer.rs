@@ -106,7 +106,7 @@ fn ragged_uploads_and_readbacks(d: &Device, seed: u64, rounds: usize) {
             model.expect[*i][*offset as usize..][..data.len()].copy_from_slice(data);
         }
         // Reads submitted at once, on the other lane: they must see the writes.
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         let ranges: Vec<_> = (0..rng.usize(1..500)).map(|_| model.range(&mut rng)).collect();
         let slots: Vec<_> =
             ranges.iter().map(|&(i, o, l)| reads.read(model.buffers[i], o, l).unwrap()).collect();
@@ -181,11 +181,14 @@ fn thousands_of_small_copies_cost_a_few_launches_over_the_bus_or_through_device_
     // staging (equal chunks: one here) an upload is one DMA and a scatter, a readback a table
     // upload, a gather and one DMA.
     let over_bus = device();
-    assert!(over_bus.small_copies_over_bus(), "the default, with unified addressing (every 64-bit GPU)");
+    assert!(
+        over_bus.moves_small_copies_over_bus(),
+        "the default, with unified addressing (every 64-bit GPU)"
+    );
     assert_eq!(thousands_in_order(&over_bus, 4), [(0, 3), (0, 1)]);
     let config = Config::default().with_small_copies_over_bus(false);
     let staged = Device::open_with(Arc::clone(over_bus.driver()), 0, config).unwrap();
-    assert!(!staged.small_copies_over_bus());
+    assert!(!staged.moves_small_copies_over_bus());
     assert_eq!(thousands_in_order(&staged, 5), [(1, 1), (2, 1)]);
 }
 
@@ -215,7 +218,7 @@ fn thousands_in_order(d: &Device, seed: u64) -> [(u64, u64); 2] {
         assert!(back[i * 512..][..3].iter().all(|&x| x == 0xA5), "before write {i}");
         assert!(back[i * 512 + 259..][..253].iter().all(|&x| x == 0xA5), "after write {i}");
     }
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let slots: Vec<_> = (0..4096).map(|i| reads.read(b, i * 512 + 3, 256).unwrap()).collect();
     let mut out = vec![vec![0x5Au8; 256]; 4096];
     let before = d.telemetry();
@@ -262,7 +265,7 @@ fn the_seed_operations_each_work() {
     let mut slots: Vec<Vec<u8>> = (0..3).map(|_| Vec::with_capacity(64)).collect();
     d.download_into(&ranges, &mut slots).unwrap();
     assert_eq!(slots, got);
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let s = reads.read_many(&[a, b]).unwrap();
     let done = reads.submit().unwrap().wait().unwrap();
     assert_eq!((done.get(s[0]), done.get(s[1])), (&va2[..], &vb2[..]));
@@ -298,7 +301,7 @@ fn bad_input_fails_the_batch_and_enqueues_nothing() {
     assert!(matches!(batch.write(freed, 0, &data), Err(Error::FreedBuffer { .. })));
     assert!(matches!(batch.submit(), Err(Error::OutOfRange { .. })), "the first error fails the batch");
 
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     assert!(matches!(reads.read(b, 999, 2), Err(Error::OutOfRange { .. })));
     assert!(reads.submit().is_err());
     let mut out = vec![Vec::new(); 1];
@@ -314,7 +317,7 @@ fn bad_input_fails_the_batch_and_enqueues_nothing() {
 
     let after = d.telemetry();
     assert_eq!(after.upload_submissions, before.upload_submissions, "nothing was enqueued");
-    assert_eq!(after.readback_submissions, before.readback_submissions);
+    assert_eq!(after.download_submissions, before.download_submissions);
     d.free(b).unwrap();
 }
 
@@ -470,7 +473,7 @@ fn prepared_sets_move_new_bytes_every_round_and_read_them_back() {
             ranges.push((m.buffers[i], at, len));
         }
         let mut up = d.prepare_uploads(&ranges).unwrap();
-        let mut reads = d.prepare_readbacks(&ranges).unwrap();
+        let mut reads = d.prepare_downloads(&ranges).unwrap();
         assert_eq!((up.is_laid_out(), reads.is_laid_out()), (n < 2, n < 2), "device {n}");
         for round in 0..3 {
             let data: Vec<Vec<u8>> =
@@ -487,7 +490,7 @@ fn prepared_sets_move_new_bytes_every_round_and_read_them_back() {
             }
             drop(views);
             let mut out: Vec<Vec<u8>> = ranges.iter().map(|&(_, _, len)| vec![0xA5; len as usize]).collect();
-            reads.read_into(&mut out).unwrap();
+            reads.download_into(&mut out).unwrap();
             assert!(out == data, "device {n}, round {round}: into vectors");
         }
         for b in m.buffers {
@@ -529,7 +532,7 @@ fn readback_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_
         };
         let poisoned = || vec![vec![0x5Au8; 100]; ranges.len()];
         // Views.
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         let slots: Vec<_> = ranges.iter().map(|&(at, len)| reads.read(b, at, len).unwrap()).collect();
         let done = reads.submit().unwrap().wait().unwrap();
         for (k, (&slot, w)) in slots.iter().zip(&want).enumerate() {
@@ -540,7 +543,7 @@ fn readback_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_
         same(&out, "copy_all_into");
         drop(done);
         // Into vectors.
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         let slots: Vec<_> = ranges.iter().map(|&(at, len)| reads.read(b, at, len).unwrap()).collect();
         let mut out = poisoned();
         reads.submit().unwrap().wait_into(&slots, &mut out).unwrap();
@@ -550,9 +553,9 @@ fn readback_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_
         d.download_into(&triples, &mut out).unwrap();
         same(&out, "download_into");
         same(&d.download_ranges(&triples).unwrap(), "download_ranges");
-        let mut set = d.prepare_readbacks(&triples).unwrap();
+        let mut set = d.prepare_downloads(&triples).unwrap();
         let mut out = poisoned();
-        set.read_into(&mut out).unwrap();
+        set.download_into(&mut out).unwrap();
         same(&out, "a prepared set");
         drop(set);
         d.synchronize().unwrap();

@@ -1,4 +1,4 @@
-//! What allocating device memory and pinned staging costs, against the raw driver: the
+//! What allocating device memory and pinned memory costs, against the raw driver: the
 //! measurements behind `alloc-bench` and `xfer-bench --suite alloc`.
 //!
 //! Warm, medians of 7 repetitions, 1 MiB unless said: `Device::allocate` + `Device::free` on

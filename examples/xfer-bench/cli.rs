@@ -15,7 +15,7 @@ pub(crate) enum Suite {
     Default,
     /// Many small copies over a grid: every --counts (default 1024,8192,65536) x every
     /// --sizes; a case of more than --max-case-mib is skipped, and the report says so (about
-    /// 1 to 2 minutes on an H200, most of it the baselines' 65536-copy readbacks).
+    /// 1 to 2 minutes on an H200, most of it the baselines' 65536-copy downloads).
     Grid,
     /// Single copies from 4 KiB to --large (x16 apart), pageable and pinned: H2D, D2H and
     /// both directions at once (well under a minute on an H200).
@@ -23,7 +23,7 @@ pub(crate) enum Suite {
     /// One copy, submit to done, of every --latency-sizes: H2D and D2H, pageable and pinned;
     /// median and 99th percentile in µs (about 10 seconds on an H200).
     Latency,
-    /// Allocation: device memory and pinned staging against cuMemAlloc, cuMemAllocAsync (in
+    /// Allocation: device memory and pinned memory against cuMemAlloc, cuMemAllocAsync (in
     /// the "batch API" column) and cuMemHostAlloc.
     Alloc,
     /// Copies between two GPUs, --device and the next ordinal: one `--large` copy, many small

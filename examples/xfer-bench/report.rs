@@ -126,7 +126,7 @@ pub(crate) fn print_header(d: &Device, plan: &SuitePlan) {
         c.direct_threshold >> 10,
         c.resolved_pack_threads(),
         c.pack_linger_us,
-        if d.small_copies_over_bus() { "over the bus" } else { "through device staging" }
+        if d.moves_small_copies_over_bus() { "over the bus" } else { "through device staging" }
     );
     println!(
         "device {}: {} | {} | {} | driver CUDA {} | {} copy engines",

@@ -36,7 +36,7 @@ enum Method {
     Ours,
 }
 
-/// The host side of a single copy: the source of an upload or the destination of a readback.
+/// The host side of a single copy: the source of an upload or the destination of a download.
 pub(crate) enum Host<'a> {
     Src(&'a [u8]),
     Dst(&'a mut [u8]),
@@ -49,7 +49,7 @@ pub(crate) enum Host<'a> {
 /// for pageable memory either the synchronous `cuMemcpyHtoD` / `cuMemcpyDtoH` (bandwidth
 /// cases) or the same async call + synchronize (`raw_async`: latency and both-at-once
 /// cases, where two synchronous calls would meet on the legacy stream). cuda-resident uses
-/// `upload_at` / `read_into_slice` (pageable) or `upload_async_at` / `download_async_at` +
+/// `upload_at` / `download_to_slice` (pageable) or `upload_async_at` / `download_async_at` +
 /// fence wait (pinned).
 pub(crate) struct Single<'a> {
     d: &'a Device,
@@ -144,7 +144,7 @@ impl<'a> Single<'a> {
                     .and_then(|f| f.wait())
                     .map_err(error)
             }
-            (Method::Ours, Host::Dst(dst)) => d.read_into_slice(buffer, 0, dst).map_err(error),
+            (Method::Ours, Host::Dst(dst)) => d.download_to_slice(buffer, 0, dst).map_err(error),
         }
     }
 

@@ -1,7 +1,7 @@
 //! The data the cases move: random host bytes, and the scattered device places of the
 //! many-small cases with their check.
 
-use cuda_resident::{Device, Readback, ReadbackBatch, ResidentBuffer, Slot, UploadBatch};
+use cuda_resident::{Device, DownloadBatch, Downloaded, ResidentBuffer, Slot, UploadBatch};
 
 use crate::BenchResult;
 
@@ -71,13 +71,13 @@ impl Scatter {
         Ok(batch)
     }
 
-    /// A readback batch of every copy's range, not yet submitted, and its slots.
+    /// A download batch of every copy's range, not yet submitted, and its slots.
     pub(crate) fn reads<'d>(
         &self,
         d: &'d Device,
         size: usize,
-    ) -> cuda_resident::Result<(ReadbackBatch<'d>, Vec<Slot>)> {
-        let mut reads = d.readbacks();
+    ) -> cuda_resident::Result<(DownloadBatch<'d>, Vec<Slot>)> {
+        let mut reads = d.downloads();
         let slots = self
             .places
             .iter()
@@ -87,7 +87,7 @@ impl Scatter {
     }
 
     /// Reads every copy's range back as one batch.
-    pub(crate) fn read_all(&self, d: &Device, size: usize) -> cuda_resident::Result<(Vec<Slot>, Readback)> {
+    pub(crate) fn read_all(&self, d: &Device, size: usize) -> cuda_resident::Result<(Vec<Slot>, Downloaded)> {
         let (reads, slots) = self.reads(d, size)?;
         Ok((slots, reads.submit()?.wait()?))
     }

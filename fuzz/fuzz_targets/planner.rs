@@ -18,7 +18,7 @@
 //! - a good upload plan, carried out on the model, leaves every buffer as writing the
 //!   requests in order does (later writes win), and keeps every structural promise of the
 //!   plan (`check::execute_upload`);
-//! - a good readback plan, carried out on the model after the writes, shows each read
+//! - a good download plan, carried out on the model after the writes, shows each read
 //!   exactly its bytes (`check::execute_readback`);
 //! - where the writes are in order and apart, the layout of the paths that skip the planner
 //!   (`check::execute_in_order`) keeps its promises and gives the same bytes;

@@ -134,6 +134,7 @@ struct Unreleased {
 
 /// Statistics of the resident store.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct AllocatorStats {
     /// Callers' live buffers.
     pub buffers: u64,

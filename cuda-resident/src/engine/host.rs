@@ -1,7 +1,7 @@
 //! The host side of a transfer: host memcpys of packing and unpacking ([`Piece`]), run on
 //! the device's packing threads ([`in_groups`], and `super::pipeline` for chunks
 //! overlapped with the wire), where a write's bytes come from ([`Source`]), descriptor
-//! tables built straight into pinned staging ([`PinnedDescriptors`]), and host memory for
+//! tables built straight into pinned memory ([`PinnedDescriptors`]), and host memory for
 //! results ([`zeroed_vec`]).
 
 use crate::device::Core;
@@ -139,7 +139,7 @@ pub(crate) enum Source<'a> {
     Arena { lease: u32, offset: usize },
 }
 
-/// Descriptors built straight into pinned staging, where the kernel reads them (or one DMA
+/// Descriptors built straight into pinned memory, where the kernel reads them (or one DMA
 /// takes them to the device): no copy of the table on the host. Grows by doubling; holds
 /// no staging once cleared.
 ///
@@ -253,7 +253,7 @@ impl PinnedDescriptors {
         }
     }
 
-    /// Hands the table over, in pinned staging of the device (to the submission that runs the
+    /// Hands the table over, in pinned memory of the device (to the submission that runs the
     /// kernel); the next batch starts a new one.
     pub(crate) fn take(&mut self, core: &Core) -> Result<Option<HostLease>> {
         if self.on_heap && self.len > 0 {

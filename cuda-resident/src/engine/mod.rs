@@ -3,7 +3,7 @@
 //! [`Exec::begin`] takes a lane for a batch; [`Exec::claim`] checks the batch's buffers, marks
 //! them as used by its last submission (so that freeing one waits for the copy) and makes the
 //! lane wait, on the device, for work of the other lane that uses them; [`Exec::region`]
-//! and [`Exec::lease`] give device and pinned staging; [`Exec::submit`] enqueues one
+//! and [`Exec::lease`] give device and pinned memory; [`Exec::submit`] enqueues one
 //! submission through an [`Enqueue`], which counts the DMAs, launches and bytes it enqueues;
 //! [`Exec::finish`] records what the batch moved (one telemetry record) and returns its
 //! [`Fence`] (made by [`fence`], the one place a transfer's fence is made). A path differs
@@ -138,12 +138,12 @@ impl<'a> Exec<'a> {
         self.core.lane(self.kind).stream()
     }
 
-    /// Pinned staging of `len` bytes, waiting for copies in flight when the pool is full.
+    /// Pinned memory of `len` bytes, waiting for copies in flight when the pool is full.
     pub(crate) fn lease(&self, len: usize) -> Result<HostLease> {
         self.core.acquire_staging(len)
     }
 
-    /// Pinned staging of `len` bytes if the pool has it free now, without waiting (for a
+    /// Pinned memory of `len` bytes if the pool has it free now, without waiting (for a
     /// chunk opened while earlier chunks of the batch hold leases not yet moved).
     pub(crate) fn try_lease(&self, len: usize) -> Result<Option<HostLease>> {
         self.core.pinned.try_acquire(len)
@@ -344,7 +344,7 @@ impl Enqueue<'_> {
         Ok(())
     }
 
-    /// [`Enqueue::launch`] for a table and copies whose host side lies in pinned staging,
+    /// [`Enqueue::launch`] for a table and copies whose host side lies in pinned memory,
     /// read or written by the kernel over the bus.
     ///
     /// # Safety

@@ -1,5 +1,5 @@
 //! Host work on the packing threads that overlaps the device's: uploads pack chunk `k + 1`
-//! while chunk `k` is on the wire, readbacks copy chunk `k` out while chunk `k + 1` lands.
+//! while chunk `k` is on the wire, downloads copy chunk `k` out while chunk `k + 1` lands.
 //! One parallel region serves the whole batch, not one per chunk: waking the pool for a
 //! chunk costs about as much as packing a megabyte.
 

@@ -1,5 +1,5 @@
 //! The vectors that batches reuse instead of allocating anew, kept per device: each batch
-//! kind's parts, emptied, and the host memory of the last streamed readback.
+//! kind's parts, emptied, and the host memory of the last streamed download.
 
 use crate::kernels::CopyDescriptor;
 use crate::plan::{ReadRequest, ReadView, WriteRequest};
@@ -14,14 +14,14 @@ use super::table::BufferTable;
 pub(crate) struct Spares {
     /// Upload batches' vectors.
     pub(crate) upload: Recycler<UploadParts>,
-    /// Readback batches' vectors, and the views of readbacks dropped.
+    /// Download batches' vectors, and the views of downloads dropped.
     pub(crate) readback: Recycler<(BufferTable, Vec<ReadRequest>)>,
     pub(crate) views: Recycler<Vec<ReadView>>,
     /// Peer batches' vectors.
     pub(crate) peer: Recycler<PeerParts>,
-    /// The host memory of the last streamed readback with views that was dropped (its
+    /// The host memory of the last streamed download with views that was dropped (its
     /// length is its size; its bytes are initialised), for the next one: fresh memory of
-    /// gigabytes costs its page faults on every readback. Released by `Device::trim`.
+    /// gigabytes costs its page faults on every download. Released by `Device::trim`.
     pub(crate) streamed_host: Mutex<Vec<u8>>,
 }
 
@@ -65,7 +65,7 @@ pub(crate) struct PeerParts {
     /// Per destination key: the end of its last copy so far.
     pub(crate) ends: Vec<u64>,
     pub(crate) out_of_order: bool,
-    /// The kernel's descriptors, in pinned staging of the destination device, and the
+    /// The kernel's descriptors, in pinned memory of the destination device, and the
     /// copies moved by DMA.
     pub(crate) descriptors: PinnedDescriptors,
     pub(crate) dmas: Vec<CopyDescriptor>,

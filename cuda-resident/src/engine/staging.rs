@@ -12,7 +12,7 @@ use super::host::Piece;
 /// What a lane's batches reuse, used only under the lane's batch lock: the planner and its
 /// plans, descriptor and piece lists, and the device staging where packed bytes and
 /// descriptors land before the scatter (uploads) or where the gather collects them
-/// (readbacks), grown on demand.
+/// (downloads), grown on demand.
 #[derive(Default)]
 pub(crate) struct DeviceStaging {
     pub(crate) region: DeviceRegion,

@@ -3,17 +3,17 @@
 //! Copies run on the destination device's upload lane. Small ones are moved by one launch
 //! of the copy kernel on the destination GPU, which reads the source GPU's memory directly
 //! (peer access over NVLink or PCIe); large ones by one `cuMemcpyPeerAsync` each. The
-//! kernel's descriptors are written straight into pinned staging as the copies are added,
+//! kernel's descriptors are written straight into pinned memory as the copies are added,
 //! and the kernel reads them there (one DMA takes them to the device where the GPU has no
 //! unified addressing): no copy of the table on the host. Without peer access the copies
-//! are staged through host memory instead: a readback on the source, an upload on the
+//! are staged through host memory instead: a download on the source, an upload on the
 //! destination.
 //!
 //! Ordering on the devices, no host waits: the destination lane waits (`cuStreamWaitEvent`)
 //! for the source device's uploads into the source buffers and for the destination
-//! device's readbacks of the destination buffers. On the source device an empty submission
-//! on its readback lane waits for the copy and marks the source buffers as read by it, so
-//! that freeing them, or uploading into them, waits for the copy as for any readback.
+//! device's downloads of the destination buffers. On the source device an empty submission
+//! on its download lane waits for the copy and marks the source buffers as read by it, so
+//! that freeing them, or uploading into them, waits for the copy as for any download.
 
 use std::fmt;
 use std::sync::Arc;
@@ -45,6 +45,7 @@ pub(crate) const PEER_DMA_MIN: u64 = 4 << 20;
 ///
 /// A source range that overlaps a destination range of the same batch (possible only when
 /// source and destination are the same device) reads unspecified bytes.
+#[must_use = "a peer batch moves nothing until it is submitted"]
 pub struct PeerBatch<'a> {
     dst: &'a Device,
     src: &'a Device,
@@ -59,7 +60,7 @@ fn pieces(len: u64) -> usize {
 
 impl PeerParts {
     /// Records a checked copy: `src_at` and `dst_at` are the device addresses of its first
-    /// byte. Fails only when pinned staging for its descriptors cannot be had.
+    /// byte. Fails only when pinned memory for its descriptors cannot be had.
     #[allow(clippy::too_many_arguments)] // One call site per public method; all scalars.
     #[inline]
     fn add(
@@ -339,7 +340,7 @@ impl PeerBatch<'_> {
         Ok(self)
     }
 
-    /// Passes `result` on; an error (no pinned staging for the descriptors) also fails the
+    /// Passes `result` on; an error (no pinned memory for the descriptors) also fails the
     /// batch, which may hold some of the copies of the call that failed.
     fn poison_on<T>(&mut self, result: Result<T>) -> Result<T> {
         if let Err(e) = &result {
@@ -506,7 +507,7 @@ impl PeerBatch<'_> {
         Ok(exec.finish())
     }
 
-    /// No peer access: groups of copies read back from the source into pinned staging and
+    /// No peer access: groups of copies read back from the source into pinned memory and
     /// uploaded from there, in order (so later copies still win). Every buffer is checked
     /// before anything moves; a driver failure part-way leaves the groups before it applied.
     fn submit_staged(&mut self) -> Result<Fence> {
@@ -523,7 +524,7 @@ impl PeerBatch<'_> {
         let mut pieces: Vec<(ResidentBuffer, u64, ResidentBuffer, u64, u64)> = Vec::new();
         let mut bytes = 0;
         let flush = |pieces: &mut Vec<(ResidentBuffer, u64, ResidentBuffer, u64, u64)>| -> Result<Fence> {
-            let mut reads = self.src.readbacks();
+            let mut reads = self.src.downloads();
             let slots =
                 pieces.iter().map(|&(b, o, _, _, len)| reads.read(b, o, len)).collect::<Result<Vec<_>>>()?;
             let done = reads.submit()?.wait()?;

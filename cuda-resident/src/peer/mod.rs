@@ -1,7 +1,7 @@
 //! Several GPUs in one host: a set of devices, peer access, fused peer copies and fan-out.
 //!
 //! Each [`Device`] of a [`DeviceSet`] keeps its own budget, allocator, staging and lanes;
-//! pinned staging is allocated portable, so any device can copy from any pool's memory.
+//! pinned memory is allocated portable, so any device can copy from any pool's memory.
 //!
 //! Calls that involve two devices (peer batches, fan-out, [`Device::enable_peer`]) make
 //! each device's context current on the calling thread as they need it and leave the last
@@ -26,7 +26,7 @@ use crate::sync::lock;
 /// How [`DeviceSet::fan_out_with`] reaches its devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FanOutPath {
-    /// Pack the bytes once into portable pinned staging, chunk by chunk, and copy each
+    /// Pack the bytes once into portable pinned memory, chunk by chunk, and copy each
     /// chunk to every device over that GPU's own link, all devices at once.
     EachLink,
     /// Upload to the first target, then copy from it to the others over the peer links
@@ -154,7 +154,7 @@ impl DeviceSet {
 }
 
 /// The fan-out over every GPU's own link: chunk `k` is packed (by the first target's
-/// packing threads) into pinned staging while the devices copy chunk `k - 1`; each device's
+/// packing threads) into pinned memory while the devices copy chunk `k - 1`; each device's
 /// upload lane moves every chunk to each of its targets. At most [`RING`] chunks are in
 /// flight, fewer when the first target's pinned pool holds fewer.
 ///

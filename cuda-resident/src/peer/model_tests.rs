@@ -115,12 +115,12 @@ fn without_peer_access_copies_stage_through_the_host_and_match() {
     let mut rng = fastrand::Rng::with_seed(9);
     let a = Model::new(&d0, &mut rng, &SIZES);
     let mut b = Model::new(&d1, &mut rng, &SIZES);
-    let readbacks = d0.telemetry().readback_submissions;
+    let readbacks = d0.telemetry().download_submissions;
     ragged(&d0, &d1, &a, &mut b, &mut rng, "staged 0 -> 1");
     // The kernel never read device 0's memory (the model would have flagged it); the copies
     // went through readbacks on device 0 and uploads on device 1.
     assert_eq!(d1.telemetry().peer_bytes, 0);
-    assert!(d0.telemetry().readback_submissions > readbacks, "read back on the source");
+    assert!(d0.telemetry().download_submissions > readbacks, "read back on the source");
 }
 
 #[test]
@@ -201,7 +201,7 @@ fn a_copy_into_a_buffer_waits_for_readbacks_of_it_on_the_destination() {
     let dst = d1.allocate(8192).unwrap();
     d0.upload(src, &new).unwrap();
     d1.upload(dst, &old).unwrap();
-    let mut reads = d1.readbacks();
+    let mut reads = d1.downloads();
     let slot = reads.read(dst, 0, 8192).unwrap();
     let pending = reads.submit().unwrap();
     let mut batch = d1.peer_copies(&d0);

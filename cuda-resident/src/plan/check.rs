@@ -282,7 +282,7 @@ pub fn execute_upload(
     }
 }
 
-/// Checks a readback plan and carries it out on the model into one flat staging region:
+/// Checks a download plan and carries it out on the model into one flat staging region:
 /// gather into "device staging" and one DMA of the packed region, direct pieces straight
 /// from the buffers. Then every view must show exactly its read's bytes.
 pub fn execute_readback(plan: &ReadbackPlan, reads: &[ReadRequest], cfg: &PlanConfig, buffers: &Buffers) {

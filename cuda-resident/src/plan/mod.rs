@@ -1,7 +1,7 @@
-//! The copy planner: turns a batch of uploads or readbacks into fused, chunked copies.
+//! The copy planner: turns a batch of uploads or downloads into fused, chunked copies.
 //!
 //! Pure CPU work: no driver types, no `unsafe`, no device. The executor (`transfer`) carries a
-//! plan out with pinned staging, DMA copies and one scatter or gather kernel per chunk. Keeping
+//! plan out with pinned memory, DMA copies and one scatter or gather kernel per chunk. Keeping
 //! the offset arithmetic here, away from the driver, lets it be property-tested against a byte
 //! model of the buffers (see the tests of this module).
 //!
@@ -16,7 +16,7 @@
 //! 3. **Split.** An interval of at least `direct_threshold` bytes is *direct*: one DMA between
 //!    staging and the buffer. Smaller ones are *packed*: laid end to end in the chunk's packed
 //!    region, moved by one DMA between host and device staging, and spread (uploads) or
-//!    collected (readbacks) by one scatter or gather kernel per chunk.
+//!    collected (downloads) by one scatter or gather kernel per chunk.
 //! 4. **Chunks.** Staging is processed in chunks of at most `chunk_bytes`, so the executor can
 //!    pack chunk `k + 1` while chunk `k` is on the wire.
 //!
@@ -228,7 +228,7 @@ pub enum PlanError {
 
 /// One contiguous copy between staging and a buffer.
 ///
-/// For an upload it moves `len` bytes from staging to the buffer; for a readback the other
+/// For an upload it moves `len` bytes from staging to the buffer; for a download the other
 /// way. `stage_offset` is flat (see the [module docs](self)); a copy never crosses a chunk.
 ///
 /// Import it by path (`plan::Copy`), not with a glob import, which would shadow the
@@ -247,7 +247,7 @@ pub struct Copy {
 
 /// A packed copy as the scatter or gather kernel sees it: its bytes sit at `region_offset`
 /// from the start of the chunk's packed region, which is all that device staging receives
-/// (uploads) or produces (readbacks). The executor turns it into a `{src, dst, len}`
+/// (uploads) or produces (downloads). The executor turns it into a `{src, dst, len}`
 /// descriptor once the device pointers are known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PackedCopy {
@@ -279,7 +279,7 @@ pub struct Chunk {
     /// the last (padding between them included); `0` when the chunk has none.
     pub packed_len: u64,
     /// Small intervals, moved as one DMA of the packed region plus one scatter (uploads) or
-    /// gather (readbacks) kernel.
+    /// gather (downloads) kernel.
     pub packed: Vec<Copy>,
     /// Large intervals or pieces of them, each its own DMA between staging and the buffer.
     pub direct: Vec<Copy>,
@@ -289,7 +289,7 @@ pub struct Chunk {
 /// DMA each direct piece to its buffer.
 pub type UploadChunk = Chunk;
 
-/// A chunk of a readback plan: gather the packed copies into device staging, DMA that to the
+/// A chunk of a download plan: gather the packed copies into device staging, DMA that to the
 /// packed region, and DMA each direct piece from its buffer into staging.
 pub type ReadbackChunk = Chunk;
 

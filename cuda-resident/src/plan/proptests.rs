@@ -71,7 +71,7 @@ proptest! {
         prop_assert_eq!(actual, expected);
     }
 
-    /// Every read's view shows exactly its bytes after the readback plan is executed.
+    /// Every read's view shows exactly its bytes after the download plan is executed.
     #[test]
     fn readback_views_show_the_requested_bytes((cfg, lens, raw) in batch()) {
         let reads: Vec<_> = fit(&lens, &raw)
@@ -226,7 +226,7 @@ proptest! {
 
     /// The route of a batch follows its shape: one small write from a slice moves alone,
     /// writes made in place move in place, many small writes in order and apart take the
-    /// in-order path, everything else the planner; readbacks alike.
+    /// in-order path, everything else the planner; downloads alike.
     #[test]
     fn routes_follow_the_shape_of_the_batch(
         writes in 0usize..200,

@@ -1,4 +1,4 @@
-//! Readback emission: the chunks' copies, and for every read the place of its bytes.
+//! Download emission: the chunks' copies, and for every read the place of its bytes.
 
 use super::fuse::Interval;
 use super::layout::{Emit, Layout, lay_out};
@@ -21,7 +21,7 @@ pub(super) fn emit<S: Sorted + ?Sized>(
     lay_out(entries, geo, chunks, directs, &mut Views { entries, geo, views })
 }
 
-/// The readback half of the layout: each read's view.
+/// The download half of the layout: each read's view.
 struct Views<'a, S: ?Sized> {
     entries: &'a S,
     geo: &'a Geometry,

@@ -26,7 +26,7 @@ use crate::kernels::{SEGMENT, table_bytes};
 /// The path an executor follows for a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Route {
-    /// One small write from a slice: one memcpy into pinned staging and one DMA.
+    /// One small write from a slice: one memcpy into pinned memory and one DMA.
     One,
     /// Every write made in place (`write_with`): the batch's arena is the staging. Writes
     /// that turn out to fuse go to the planner ([`Route::Planned`]) instead.
@@ -36,7 +36,7 @@ pub(crate) enum Route {
     InOrder,
     /// Fused and laid out by the planner.
     Planned,
-    /// A readback the pinned pool cannot lend at once: planned in half chunks and moved
+    /// A download the pinned pool cannot lend at once: planned in half chunks and moved
     /// through a ring of pinned chunks into host memory of its own.
     Streamed,
     /// [`Route::Streamed`] straight into the caller's vectors.
@@ -78,7 +78,7 @@ pub(crate) fn upload_route(batch: &UploadShape<'_>) -> Route {
     Route::Planned
 }
 
-/// The route of a readback batch of `reads` reads laid out as `apart`, whose planned
+/// The route of a download batch of `reads` reads laid out as `apart`, whose planned
 /// chunks hold `chunk_bytes` and whose copies of at least `direct_threshold` bytes move by
 /// their own DMA: [`Route::InOrder`] or [`Route::Planned`] ([`Route::Streamed`] is taken
 /// when the pool cannot lend the batch's staging at once, which only the pool knows).
@@ -110,7 +110,7 @@ pub(crate) fn in_order_chunk(configured: u64, total: u64, depth: u64) -> u64 {
 }
 
 /// Batches of at least this many requests, all small and in order and apart, skip planning
-/// (`execute_in_order` of uploads and readbacks, and prepared sets): fewer small copies
+/// (`execute_in_order` of uploads and downloads, and prepared sets): fewer small copies
 /// cost less as planned DMAs than as a launch.
 pub(crate) const IN_ORDER_MIN: usize = 64;
 

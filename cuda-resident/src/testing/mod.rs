@@ -4,7 +4,7 @@
 mod faults;
 pub(crate) mod model;
 
-use crate::{Config, Device, ReadbackBatch, ResidentBuffer, Slot};
+use crate::{Config, Device, DownloadBatch, ResidentBuffer, Slot};
 
 /// A device opened on a fresh model driver.
 pub(crate) fn device(config: Config) -> Device {
@@ -75,13 +75,13 @@ impl Model {
         ranges
     }
 
-    /// A readback batch of `ranges` `(buffer, offset, len)`, not yet submitted, and its slots.
+    /// A download batch of `ranges` `(buffer, offset, len)`, not yet submitted, and its slots.
     pub(crate) fn reads<'d>(
         &self,
         d: &'d Device,
         ranges: &[(usize, usize, usize)],
-    ) -> (ReadbackBatch<'d>, Vec<Slot>) {
-        let mut reads = d.readbacks();
+    ) -> (DownloadBatch<'d>, Vec<Slot>) {
+        let mut reads = d.downloads();
         let slots = ranges
             .iter()
             .map(|&(i, at, len)| reads.read(self.buffers[i], at as u64, len as u64).unwrap())

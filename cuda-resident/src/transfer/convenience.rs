@@ -72,12 +72,12 @@ impl Device {
             return Ok(self.download_ranges(&[(buffer, offset, len)])?.pop().unwrap_or_default());
         }
         let mut out = zeroed_vec(len)?;
-        self.read_into_slice(buffer, offset, &mut out)?;
+        self.download_to_slice(buffer, offset, &mut out)?;
         Ok(out)
     }
 
     /// Each whole buffer, read back as one batch (of any size: a batch larger than the
-    /// pinned pool streams through it, see [`ReadbackBatch`](crate::ReadbackBatch), each
+    /// pinned pool streams through it, see [`DownloadBatch`](crate::DownloadBatch), each
     /// chunk copied into the result vectors as it lands).
     pub fn download_many(&self, buffers: &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> {
         let mut out = vec![Vec::new(); buffers.len()];
@@ -87,7 +87,7 @@ impl Device {
 
     /// [`Device::download_many`] into `out` (one vector a buffer); the route the batch took.
     pub(crate) fn read_many_into(&self, buffers: &[ResidentBuffer], out: &mut [Vec<u8>]) -> Result<Route> {
-        let mut batch = self.readbacks();
+        let mut batch = self.downloads();
         batch.read_many(buffers)?;
         batch.submit_into_as(out, false)
     }
@@ -114,7 +114,7 @@ impl Device {
         self.read_ranges_into(ranges, out, true).map(drop)
     }
 
-    /// The ranges read into `out` as one batch ([`ReadbackBatch::submit_into`](crate::ReadbackBatch::submit_into), `pipelined`
+    /// The ranges read into `out` as one batch ([`DownloadBatch::submit_into`](crate::DownloadBatch::submit_into), `pipelined`
     /// or not); the route the batch took.
     pub(crate) fn read_ranges_into(
         &self,
@@ -122,7 +122,7 @@ impl Device {
         out: &mut [Vec<u8>],
         pipelined: bool,
     ) -> Result<Route> {
-        let mut batch = self.readbacks();
+        let mut batch = self.downloads();
         for &(b, o, l) in ranges {
             batch.read(b, o, l)?;
         }

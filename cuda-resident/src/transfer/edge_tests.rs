@@ -59,7 +59,7 @@ fn asynchronous_copies_of_zero_bytes_call_no_driver_and_return_a_completed_fence
     up.wait().unwrap();
     down.wait().unwrap();
     assert_eq!(driver_calls(&driver), 0, "no driver call: {:?}", driver.faults().counts());
-    assert_eq!(d.telemetry().upload_submissions + d.telemetry().readback_submissions, 0);
+    assert_eq!(d.telemetry().upload_submissions + d.telemetry().download_submissions, 0);
     // The range is still checked.
     // SAFETY: refused before anything is enqueued.
     let e = unsafe { d.upload_async_at(b, 4097, host.as_ptr(), 0) }.unwrap_err();
@@ -147,7 +147,7 @@ fn a_range_over_two_pinned_regions_with_a_pageable_gap_is_refused_naming_the_gap
         let e = unsafe { d.download_async_at(b, 0, base.add(at), len) }.unwrap_err();
         assert!(matches!(e, Error::NotPinned { unpinned, .. } if unpinned == base as usize + 4096), "{e}");
     }
-    assert_eq!(d.telemetry().upload_submissions + d.telemetry().readback_submissions, 0, "nothing enqueued");
+    assert_eq!(d.telemetry().upload_submissions + d.telemetry().download_submissions, 0, "nothing enqueued");
     // Each region alone is fine.
     // SAFETY: pinned, alive and unchanged until the fence is waited on.
     unsafe { d.upload_async_at(b, 0, base.add(2 * 4096).cast_const(), 4096) }.unwrap().wait().unwrap();
@@ -187,8 +187,8 @@ fn a_pinned_buffer_of_another_device_dropped_during_its_copy_is_not_lent_again()
     assert_eq!(d0.telemetry().pinned.lent_bytes, 0);
 }
 
-/// A readback's view given to an asynchronous copy, the readback dropped before the copy
-/// completes: its staging is not lent again (to the next readback) while the copy reads it.
+/// A download's view given to an asynchronous copy, the download dropped before the copy
+/// completes: its staging is not lent again (to the next download) while the copy reads it.
 #[test]
 fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_the_copy_completes() {
     let (_driver, d) = device(Config::default());
@@ -197,7 +197,7 @@ fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_t
     let mut rng = fastrand::Rng::with_seed(85);
     let data = crate::testing::random_vec(&mut rng, len);
     d.upload(a, &data).unwrap();
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let slot = reads.read_all(a).unwrap();
     let done = reads.submit().unwrap().wait().unwrap();
     let view = done.get(slot).as_ptr();
@@ -208,7 +208,7 @@ fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_t
     // The next readback of the same size takes other staging (no wait on the upload lane
     // here: the model has not carried the copy out).
     assert!(!fence.is_complete().unwrap());
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let slot = reads.read_all(a).unwrap();
     let next = reads.submit().unwrap().wait().unwrap();
     assert_ne!(next.get(slot).as_ptr(), view, "the memory the copy reads was lent again");

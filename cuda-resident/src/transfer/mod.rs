@@ -1,6 +1,6 @@
 //! Batches between host and device, and the blocking conveniences over them.
 //!
-//! A batch collects and checks its requests ([`UploadBatch`], [`ReadbackBatch`], against
+//! A batch collects and checks its requests ([`UploadBatch`], [`DownloadBatch`], against
 //! the [`BufferTable`] of the buffers it names), asks `crate::plan` for
 //! its route and layout, and moves through the executor (`crate::engine`). Prepared sets
 //! lay out a fixed set of ranges once; single copies move one range.
@@ -12,8 +12,8 @@ mod single;
 mod upload;
 
 pub(crate) use crate::engine::table::BufferTable;
-pub use prepared::{PreparedReadbacks, PreparedUploads};
-pub use readback::{PendingReadback, Readback, ReadbackBatch, Slot};
+pub use prepared::{PreparedDownloads, PreparedUploads};
+pub use readback::{DownloadBatch, Downloaded, PendingDownload, Slot};
 pub use upload::UploadBatch;
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ fn ragged_rounds(config: Config, seed: u64) {
         }
         // Reads of random ranges, on the other lane, without waiting for the writes on the
         // host: as views, and into vectors.
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         let ranges: Vec<_> = (0..rng.usize(1..200)).map(|_| m.range(&mut rng, 5000)).collect();
         let slots: Vec<_> = ranges
             .iter()
@@ -64,7 +64,7 @@ fn ragged_rounds(config: Config, seed: u64) {
         // One range the slow way round.
         let (i, offset, len) = m.range(&mut rng, 5000);
         let mut slice = vec![0x5a; len];
-        d.read_into_slice(m.buffers[i], offset as u64, &mut slice).unwrap();
+        d.download_to_slice(m.buffers[i], offset as u64, &mut slice).unwrap();
         assert_eq!(slice, &m.expect[i][offset..offset + len]);
         assert_eq!(
             d.download_range(m.buffers[i], offset as u64, len as u64).unwrap(),
@@ -152,7 +152,7 @@ fn a_device_dropped_with_work_in_flight_carries_it_out_first() {
         let mut batch = d.uploads();
         batch.write(b, 0, &data).unwrap();
         drop(batch.submit().unwrap());
-        d.readbacks()
+        d.downloads()
     };
     let slot = reads.read_all(b).unwrap();
     let pending = reads.submit().unwrap();
@@ -419,7 +419,7 @@ fn tiny_touching_requests_in_order_are_fused_by_the_planner_within_a_small_pinne
     assert_eq!(batch.route(), Route::Planned, "the upload batch was planned");
     batch.submit().unwrap().wait().unwrap();
     m.expect[0].copy_from_slice(&data);
-    let mut batch = d.readbacks();
+    let mut batch = d.downloads();
     let slots: Vec<_> = (0..16384u64).map(|k| batch.read(m.buffers[0], k * 4, 4).unwrap()).collect();
     let pending = batch.submit().unwrap();
     // Planned (here, in half chunks streamed through the small pool), not moved in order.
@@ -528,7 +528,7 @@ fn a_few_thousand_small_writes_or_reads_in_order_cost_a_few_launches_and_no_dma_
     // rest: the first launch leaves while the rest is packed). The kernel reads and writes
     // pinned staging itself.
     let d = device(Config::default());
-    assert!(d.small_copies_over_bus());
+    assert!(d.moves_small_copies_over_bus());
     // What crosses the bus each way: 4096 descriptors and the payload, no padding.
     let moved = 4096 * (24 + 256);
     assert_eq!(few_thousand_in_order(&d), [(0, 3, moved), (0, 1, moved)]);
@@ -548,7 +548,7 @@ fn without_unified_addressing_small_copies_go_through_device_staging() {
     // must fall back to DMAs.
     model::with(|g| g.no_unified_addressing = true);
     let d = device(Config::default());
-    assert!(!d.info().unified_addressing && !d.small_copies_over_bus());
+    assert!(!d.info().unified_addressing && !d.moves_small_copies_over_bus());
     let counts = few_thousand_in_order(&d);
     model::with(|g| g.no_unified_addressing = false);
     assert_eq!(counts.map(|(dmas, launches, _)| (dmas, launches)), [(1, 1), (2, 1)]);
@@ -577,7 +577,7 @@ fn few_thousand_in_order(d: &Device) -> [(u64, u64, u64); 2] {
     batch.submit().unwrap().wait().unwrap();
     let writes = counts(&before, &d.telemetry());
     m.check(d, "4096 small writes");
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let slots: Vec<_> = (0..4096).map(|k| reads.read(m.buffers[0], k * 512 + 3, 256).unwrap()).collect();
     let before = d.telemetry();
     let got = reads.submit().unwrap().wait().unwrap();
@@ -765,7 +765,7 @@ fn a_large_download_takes_the_staging_left_when_the_caller_holds_some() {
     let d = device(Config { chunk_bytes: 1 << 20, pinned_cap_bytes: 4 << 20, ..Config::default() });
     let mut rng = fastrand::Rng::with_seed(40);
     let m = Model::new(&d, &mut rng, &[8 << 20, 100]);
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let slot = reads.read_all(m.buffers[1]).unwrap();
     let held = reads.submit().unwrap().wait().unwrap();
     assert!(d.download(m.buffers[0]).unwrap() == m.expect[0], "the download's bytes");
@@ -879,7 +879,7 @@ fn prepared_sets_in_order_are_laid_out_once_and_move_by_launches_alone_every_tim
     m.expect_writes(&ranges, &second);
     m.check(&d, "prepared uploads back to back");
 
-    let mut reads = d.prepare_readbacks(&ranges).unwrap();
+    let mut reads = d.prepare_downloads(&ranges).unwrap();
     assert!(reads.is_laid_out());
     let before = d.telemetry();
     let held = reads.submit().unwrap().wait().unwrap();
@@ -898,7 +898,7 @@ fn prepared_sets_in_order_are_laid_out_once_and_move_by_launches_alone_every_tim
     let new = m.expected(&ranges);
     let second = reads.submit().unwrap().wait().unwrap();
     let slot0 = reads.slot(0);
-    let place = |r: &crate::Readback| r.get(slot0).as_ptr();
+    let place = |r: &crate::Downloaded| r.get(slot0).as_ptr();
     assert_ne!(place(&second), place(&held), "moved as a batch, into staging of its own");
     for k in 0..ranges.len() {
         assert_eq!(second.get(reads.slot(k)), &new[k][..], "second view {k}");
@@ -907,7 +907,7 @@ fn prepared_sets_in_order_are_laid_out_once_and_move_by_launches_alone_every_tim
     drop((held, second));
     // Dropped: the fast path again, into the set's region.
     let mut out = vec![vec![0xA5u8; 3]; ranges.len()];
-    reads.read_into(&mut out).unwrap();
+    reads.download_into(&mut out).unwrap();
     assert!(out == new, "read into vectors");
     let again = reads.submit().unwrap().wait().unwrap();
     assert_eq!(place(&again), first_place, "the set's region again");
@@ -920,7 +920,7 @@ fn prepared_sets_in_order_are_laid_out_once_and_move_by_launches_alone_every_tim
 fn prepared_sets_can_move_to_and_be_shared_between_threads() {
     fn shareable<T: Send + Sync>() {}
     shareable::<crate::PreparedUploads>();
-    shareable::<crate::PreparedReadbacks>();
+    shareable::<crate::PreparedDownloads>();
 }
 
 #[test]
@@ -942,14 +942,14 @@ fn prepared_sets_out_of_order_or_small_move_as_batches_with_the_same_result() {
             up.upload(&data).unwrap().wait().unwrap();
             m.expect_writes(ranges, &data);
             m.check(&d, what);
-            let mut reads = d.prepare_readbacks(ranges).unwrap();
+            let mut reads = d.prepare_downloads(ranges).unwrap();
             let got = reads.submit().unwrap().wait().unwrap();
             let want = m.expected(ranges);
             for (k, w) in want.iter().enumerate() {
                 assert_eq!(got.get(reads.slot(k)), &w[..], "{what}: view {k}");
             }
             let mut out = vec![Vec::new(); ranges.len()];
-            reads.read_into(&mut out).unwrap();
+            reads.download_into(&mut out).unwrap();
             assert!(out == want, "{what}: into vectors");
         }
     }
@@ -965,7 +965,7 @@ fn prepared_sets_refuse_bad_input_with_a_fix_and_move_nothing() {
     bad[10].1 = 1 << 40;
     let e = d.prepare_uploads(&bad).unwrap_err();
     assert!(matches!(e, Error::OutOfRange { .. }) && e.to_string().contains("Fix:"), "{e}");
-    assert!(matches!(d.prepare_readbacks(&bad).unwrap_err(), Error::OutOfRange { .. }));
+    assert!(matches!(d.prepare_downloads(&bad).unwrap_err(), Error::OutOfRange { .. }));
 
     let mut up = d.prepare_uploads(&ranges).unwrap();
     let mut data: Vec<Vec<u8>> =
@@ -990,8 +990,8 @@ fn prepared_sets_refuse_bad_input_with_a_fix_and_move_nothing() {
     assert_eq!(d.telemetry().upload_submissions, before.upload_submissions, "nothing enqueued");
     m.check(&d, "after refused uploads");
 
-    let mut reads = d.prepare_readbacks(&ranges).unwrap();
-    let e = reads.read_into(&mut vec![Vec::new(); 3]).unwrap_err();
+    let mut reads = d.prepare_downloads(&ranges).unwrap();
+    let e = reads.download_into(&mut vec![Vec::new(); 3]).unwrap_err();
     assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
 
     // A buffer freed after the sets were prepared fails them, with nothing enqueued.
@@ -1002,8 +1002,8 @@ fn prepared_sets_refuse_bad_input_with_a_fix_and_move_nothing() {
     assert!(matches!(reads.submit().unwrap_err(), Error::FreedBuffer { .. }));
     let after = d.telemetry();
     assert_eq!(
-        (after.upload_submissions, after.readback_submissions),
-        (before.upload_submissions, before.readback_submissions)
+        (after.upload_submissions, after.download_submissions),
+        (before.upload_submissions, before.download_submissions)
     );
     m.buffers.truncate(1);
     m.expect.truncate(1);
@@ -1100,7 +1100,7 @@ fn held_staging_leaves_the_reserve_to_transfers() {
     m.check(&d, "transfers beside held staging");
     // A readback with views finds no held staging left: it streams into memory of its own,
     // with the same views.
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let slots: Vec<_> = (0..3).map(|i| reads.read_all(m.buffers[i]).unwrap()).collect();
     let done = reads.submit().unwrap().wait().unwrap();
     for (i, &slot) in slots.iter().enumerate() {
@@ -1114,7 +1114,7 @@ fn held_staging_leaves_the_reserve_to_transfers() {
     assert_eq!(d.telemetry().pinned.held_bytes, 0);
 }
 
-/// Unreleased readbacks hold their staging as held staging: many of them stop at the held
+/// Unreleased downloads hold their staging as held staging: many of them stop at the held
 /// limit (later ones stream into memory of their own), and transfers still move.
 #[test]
 fn unreleased_readbacks_leave_the_reserve_to_transfers() {
@@ -1125,7 +1125,7 @@ fn unreleased_readbacks_leave_the_reserve_to_transfers() {
     let m = Model::new(&d, &mut rng, &[60_000, 50_000]);
     let mut kept = Vec::new();
     for _ in 0..200 {
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         let a = reads.read_all(m.buffers[0]).unwrap();
         let b = reads.read(m.buffers[1], 1000, 40_000).unwrap();
         let done = reads.submit().unwrap().wait().unwrap();

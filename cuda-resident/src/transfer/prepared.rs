@@ -1,14 +1,14 @@
 //! Prepared sets: ranges checked and laid out once, then moved again and again, with new
-//! bytes each time (uploads) or reading the buffers' current bytes (readbacks).
+//! bytes each time (uploads) or reading the buffers' current bytes (downloads).
 //!
-//! A batch pays, for every request, a check, a layout entry, a descriptor and (readbacks) a
+//! A batch pays, for every request, a check, a layout entry, a descriptor and (downloads) a
 //! view, on the calling thread; for thousands of small copies that costs as much as moving
 //! them. A runtime that moves the same ranges every step (a layer's slices, a table's rows,
 //! a simulator's cells) prepares them once: for ranges in order and apart
 //! ([`Apart`](crate::plan::route::Apart)), the set takes a pinned region of its own for the bytes and writes
 //! every descriptor once, into a device buffer of its own. An upload then only copies the
 //! bytes in, on the packing threads, and launches one kernel a chunk, which reads them over
-//! the bus; a readback only launches, the kernel writing the bytes into the set's region,
+//! the bus; a download only launches, the kernel writing the bytes into the set's region,
 //! where its views are fixed.
 //!
 //! Other sets (ranges out of order, overlapping, touching, large, fewer than a few dozen,
@@ -29,7 +29,7 @@ use crate::plan::route::{
     FIRST_CHUNK, IN_ORDER_MIN, PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, growing, in_order_chunk,
 };
 use crate::stream::{Fence, LaneKind};
-use crate::transfer::{PendingReadback, Slot};
+use crate::transfer::{PendingDownload, Slot};
 
 /// A set of upload ranges checked and laid out once ([`Device::prepare_uploads`]), uploaded
 /// with new bytes by [`PreparedUploads::upload`].
@@ -45,17 +45,17 @@ pub struct PreparedUploads {
     slices: Vec<&'static [u8]>,
 }
 
-/// A set of readback ranges checked and laid out once ([`Device::prepare_readbacks`]), read
-/// by [`PreparedReadbacks::submit`] or [`PreparedReadbacks::read_into`].
-pub struct PreparedReadbacks {
+/// A set of download ranges checked and laid out once ([`Device::prepare_downloads`]), read
+/// by [`PreparedDownloads::submit`] or [`PreparedDownloads::download_into`].
+pub struct PreparedDownloads {
     device: Device,
     ranges: Vec<(ResidentBuffer, u64, u64)>,
-    /// The layout, the views of its readbacks, and each chunk's first read then the count,
+    /// The layout, the views of its downloads, and each chunk's first read then the count,
     /// for the fast path.
     fast: Option<(Layout, Arc<[ReadView]>, Vec<usize>)>,
     /// `Slot`s of every range, in order, tagged with the set's identity.
     slots: Vec<Slot>,
-    /// The set's identity: its readbacks redeem its slots (those that move as a batch too).
+    /// The set's identity: its downloads redeem its slots (those that move as a batch too).
     id: u64,
 }
 
@@ -97,9 +97,9 @@ impl std::fmt::Debug for PreparedUploads {
     }
 }
 
-impl std::fmt::Debug for PreparedReadbacks {
+impl std::fmt::Debug for PreparedDownloads {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PreparedReadbacks")
+        f.debug_struct("PreparedDownloads")
             .field("ranges", &self.ranges.len())
             .field("laid_out", &self.fast.is_some())
             .finish_non_exhaustive()
@@ -145,23 +145,23 @@ impl Device {
     }
 
     /// Checks `ranges` (`(buffer, offset, len)` each) once, for reading them again and again
-    /// ([`PreparedReadbacks::submit`], [`PreparedReadbacks::read_into`]).
+    /// ([`PreparedDownloads::submit`], [`PreparedDownloads::download_into`]).
     ///
     /// Ranges in order and apart, as for [`Device::prepare_uploads`], are laid out once in a
     /// pinned region that the set keeps, with every descriptor and view made once: a
-    /// readback then costs one launch per chunk, and its [`Readback`](crate::Readback)'s views
-    /// point into that region. While one readback of the set is alive (or in flight), the
-    /// next moves as a [`ReadbackBatch`](crate::ReadbackBatch) of its own, so views never
-    /// change under a caller: drop a readback before the next submit to stay on the fast
+    /// download then costs one launch per chunk, and its [`Downloaded`](crate::Downloaded)'s views
+    /// point into that region. While one download of the set is alive (or in flight), the
+    /// next moves as a [`DownloadBatch`](crate::DownloadBatch) of its own, so views never
+    /// change under a caller: drop a download before the next submit to stay on the fast
     /// path. Other sets move as a batch each time, and so does a set whose region the
     /// pinned pool cannot lend (larger than
     /// [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes), or more than is free):
-    /// such a batch streams through the pool (see [`ReadbackBatch`](crate::ReadbackBatch)).
+    /// such a batch streams through the pool (see [`DownloadBatch`](crate::DownloadBatch)).
     ///
     /// # Errors
     /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept. The
     /// allocator's errors for the table.
-    pub fn prepare_readbacks(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedReadbacks> {
+    pub fn prepare_downloads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedDownloads> {
         if ranges.len() > super::readback::MAX_READS {
             return Err(Error::TooManyReads { most: super::readback::MAX_READS });
         }
@@ -171,7 +171,7 @@ impl Device {
         });
         let id = super::readback::next_batch_id();
         let slots = (0..ranges.len()).map(|i| Slot::nth(id, i)).collect();
-        Ok(PreparedReadbacks { device: self.clone(), ranges: ranges.to_vec(), fast, slots, id })
+        Ok(PreparedDownloads { device: self.clone(), ranges: ranges.to_vec(), fast, slots, id })
     }
 }
 
@@ -188,7 +188,7 @@ impl Layout {
         if ranges.len() < IN_ORDER_MIN
             || apart.broken
             || apart.longest >= device.config().direct_threshold
-            || !device.small_copies_over_bus()
+            || !device.moves_small_copies_over_bus()
         {
             return Ok(None);
         }
@@ -412,7 +412,7 @@ impl PreparedUploads {
     }
 }
 
-impl PreparedReadbacks {
+impl PreparedDownloads {
     /// Number of ranges.
     pub fn len(&self) -> usize {
         self.ranges.len()
@@ -428,16 +428,16 @@ impl PreparedReadbacks {
         self.fast.is_some()
     }
 
-    /// The slot of range `index` in every readback of this set (only this set's readbacks
-    /// redeem it: see [`Readback::get`](crate::Readback::get)).
+    /// The slot of range `index` in every download of this set (only this set's downloads
+    /// redeem it: see [`Downloaded::get`](crate::Downloaded::get)).
     ///
     /// # Panics
-    /// If `index` is not below [`PreparedReadbacks::len`].
+    /// If `index` is not below [`PreparedDownloads::len`].
     pub fn slot(&self, index: usize) -> Slot {
         self.slots[index]
     }
 
-    /// The slots of every range, in order (for [`PendingReadback::wait_into`]).
+    /// The slots of every range, in order (for [`PendingDownload::wait_into`]).
     pub fn slots(&self) -> &[Slot] {
         &self.slots
     }
@@ -446,7 +446,7 @@ impl PreparedReadbacks {
     ///
     /// # Errors
     /// A buffer freed since the set was prepared, with nothing enqueued.
-    pub fn submit(&mut self) -> Result<PendingReadback> {
+    pub fn submit(&mut self) -> Result<PendingDownload> {
         let device = &self.device;
         let core = device.core();
         let lane = core.lane(LaneKind::Readback);
@@ -467,7 +467,7 @@ impl PreparedReadbacks {
                 for k in 0..layout.spans.len() {
                     layout.launch(&mut exec, kernels, k)?;
                 }
-                return Ok(PendingReadback::prepared(
+                return Ok(PendingDownload::prepared(
                     device.clone(),
                     exec.finish(),
                     first_seq,
@@ -482,7 +482,7 @@ impl PreparedReadbacks {
     }
 
     /// The set's reads as a batch of its own (whose slots are the set's).
-    fn as_batch(&self) -> Result<crate::ReadbackBatch<'_>> {
+    fn as_batch(&self) -> Result<crate::DownloadBatch<'_>> {
         let mut batch = self.device.readbacks_as(self.id);
         for &(buffer, offset, len) in &self.ranges {
             batch.read(buffer, offset, len)?;
@@ -493,17 +493,17 @@ impl PreparedReadbacks {
     /// Reads every range into the caller's vector of the same index, replacing its contents
     /// (capacity is reused), and waits; each vector is filled on the packing threads as soon
     /// as its chunk has landed. A set that is not laid out and streams through the pinned
-    /// pool (see [`ReadbackBatch`](crate::ReadbackBatch)) copies each chunk straight into the
+    /// pool (see [`DownloadBatch`](crate::DownloadBatch)) copies each chunk straight into the
     /// vectors.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`] unless there is one vector per range (nothing enqueued);
-    /// those of [`PreparedReadbacks::submit`] and [`PendingReadback::wait_into`].
-    pub fn read_into(&mut self, out: &mut [Vec<u8>]) -> Result<()> {
+    /// those of [`PreparedDownloads::submit`] and [`PendingDownload::wait_into`].
+    pub fn download_into(&mut self, out: &mut [Vec<u8>]) -> Result<()> {
         self.read_into_as(out).map(drop)
     }
 
-    /// [`PreparedReadbacks::read_into`]; returns the route the reads took.
+    /// [`PreparedDownloads::download_into`]; returns the route the reads took.
     pub(crate) fn read_into_as(&mut self, out: &mut [Vec<u8>]) -> Result<Route> {
         if out.len() != self.ranges.len() {
             return Err(Error::LengthMismatch {

@@ -1,5 +1,5 @@
 //! Readbacks: a batch of reads, fused, gathered by the kernel (small ranges: into device
-//! staging and moved by one DMA, or, many small reads in order, straight into pinned staging
+//! staging and moved by one DMA, or, many small reads in order, straight into pinned memory
 //! over the bus) or copied directly (large ones), into one pinned region that the caller
 //! reads as `&[u8]` views. A batch larger than the pinned pool can lend streams through a
 //! ring of pinned chunks into one ordinary host allocation instead ([`execute_streamed`]).
@@ -28,9 +28,9 @@ use crate::sync::lock;
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
 const KERNEL_MIN_COPIES: usize = 3;
 
-/// Names one read of a [`ReadbackBatch`] (or one range of a
-/// [`PreparedReadbacks`](crate::PreparedReadbacks)); redeem it with [`Readback::get`] or
-/// the copying methods of the [`Readback`] that batch's submit produced.
+/// Names one read of a [`DownloadBatch`] (or one range of a
+/// [`PreparedDownloads`](crate::PreparedDownloads)); redeem it with [`Downloaded::get`] or
+/// the copying methods of the [`Downloaded`] that batch's submit produced.
 ///
 /// A slot carries the identity of its batch next to the read's index, so that a slot of
 /// another batch is caught (an error, or a panic where the method returns no `Result`)
@@ -62,64 +62,66 @@ pub(crate) fn next_batch_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A batch of device-to-host reads ([`Device::readbacks`]). Reads of one buffer that overlap
+/// A batch of device-to-host reads ([`Device::downloads`]). Reads of one buffer that overlap
 /// or touch are fused and move once.
 ///
-/// Every read is checked when it is added ([`ReadbackBatch::read`], [`ReadbackBatch::read_all`],
-/// [`ReadbackBatch::read_many`]): a bad one (a freed or foreign handle, a range out of its
-/// buffer) returns its error and poisons the batch: [`ReadbackBatch::submit`] fails with the
+/// Every read is checked when it is added ([`DownloadBatch::read`], [`DownloadBatch::read_all`],
+/// [`DownloadBatch::read_many`]): a bad one (a freed or foreign handle, a range out of its
+/// buffer) returns its error and poisons the batch: [`DownloadBatch::submit`] fails with the
 /// first such error and nothing moves, the good reads included.
 ///
 /// A batch of any size works, whatever [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes):
 /// one whose staging the pool cannot lend at once (more than the cap, more than is free of
 /// what callers hold, or more held staging than the pool's reserve for transfers leaves)
 /// streams through a ring of pinned chunks into one ordinary host allocation owned by its
-/// [`Readback`] (see there): same API and same bytes, one more host copy, and its `submit`
-/// returns only once every byte has landed. [`ReadbackBatch::submit_into`] streams such a
+/// [`Downloaded`] (see there): same API and same bytes, one more host copy, and its `submit`
+/// returns only once every byte has landed. [`DownloadBatch::submit_into`] streams such a
 /// batch straight into the caller's vectors instead.
-pub struct ReadbackBatch<'a> {
+#[must_use = "a download batch moves nothing until it is submitted"]
+pub struct DownloadBatch<'a> {
     device: &'a Device,
     table: BufferTable,
     reads: Vec<ReadRequest>,
     error: Option<Error>,
-    /// This batch's identity, carried by its slots and its readback.
+    /// This batch's identity, carried by its slots and its download.
     id: u64,
 }
 
-impl fmt::Debug for ReadbackBatch<'_> {
+impl fmt::Debug for DownloadBatch<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ReadbackBatch").field("reads", &self.reads.len()).finish_non_exhaustive()
+        f.debug_struct("DownloadBatch").field("reads", &self.reads.len()).finish_non_exhaustive()
     }
 }
 
 /// A submitted readback: the bytes are in flight.
 #[derive(Debug)]
-pub struct PendingReadback {
+#[must_use = "the bytes are reachable only through its wait"]
+pub struct PendingDownload {
     fence: Fence,
-    readback: Readback,
+    readback: Downloaded,
     /// The sequence number of the first chunk's submission (chunk `k` is `first_seq + k`).
     first_seq: u64,
     /// The route the batch took.
     pub(crate) route: Route,
 }
 
-/// Completed reads: views into pinned staging, valid while this value lives. Dropping it
+/// Completed reads: views into pinned memory, valid while this value lives. Dropping it
 /// returns the staging to the pool.
 ///
-/// A batch whose reads need more pinned staging than the pool can lend at once (more than
+/// A batch whose reads need more pinned memory than the pool can lend at once (more than
 /// [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes), or more than is free of
 /// what callers hold) is not refused: it streams through a ring of pinned chunks, each
 /// copied out as it lands into one ordinary host allocation that this value owns, and the
 /// views point there. The API is the same; such a batch costs one more host copy, holds no
-/// pinned staging once submitted, and its `submit` returns once every byte has landed.
-/// When it drops, the device keeps that host memory for the next such readback (the larger
+/// pinned memory once submitted, and its `submit` returns once every byte has landed.
+/// When it drops, the device keeps that host memory for the next such download (the larger
 /// of two; fresh gigabytes cost their page faults on each one) until
-/// [`Device::trim`](crate::Device::trim). ([`ReadbackBatch::submit_into`],
+/// [`Device::trim`](crate::Device::trim). ([`DownloadBatch::submit_into`],
 /// [`Device::download_many`], [`Device::download_ranges`] and [`Device::download_into`]
 /// skip the host allocation: each chunk goes straight into the result vectors.)
-pub struct Readback {
+pub struct Downloaded {
     device: Option<Device>,
-    /// The identity of the batch (or prepared set) whose slots this readback redeems.
+    /// The identity of the batch (or prepared set) whose slots this download redeems.
     batch: u64,
     lease: Option<Arc<HostLease>>,
     /// A streamed batch's flat staging, in ordinary host memory ([`execute_streamed`]);
@@ -137,15 +139,15 @@ pub struct Readback {
     in_order_bytes: usize,
 }
 
-impl Drop for ReadbackBatch<'_> {
+impl Drop for DownloadBatch<'_> {
     fn drop(&mut self) {
         use std::mem::take;
         self.device.core().spares.readback.give((take(&mut self.table), take(&mut self.reads)));
     }
 }
 
-/// A readback's views: its own (handed back to the device's pool when it goes), or those
-/// of a prepared set, shared by each of its readbacks.
+/// A download's views: its own (handed back to the device's pool when it goes), or those
+/// of a prepared set, shared by each of its downloads.
 enum Views {
     Pooled(Vec<ReadView>),
     Shared(Arc<[ReadView]>),
@@ -161,7 +163,7 @@ impl std::ops::Deref for Views {
     }
 }
 
-impl Drop for Readback {
+impl Drop for Downloaded {
     fn drop(&mut self) {
         if let (Some(device), Views::Pooled(views)) = (&self.device, &mut self.views) {
             device.core().spares.views.give(std::mem::take(views));
@@ -178,8 +180,8 @@ impl Drop for Readback {
     }
 }
 
-impl PendingReadback {
-    /// A readback of a prepared set's reads in order ([`super::prepared`]): its chunks are
+impl PendingDownload {
+    /// A download of a prepared set's reads in order ([`super::prepared`]): its chunks are
     /// submissions `first_seq..=fence`'s, `chunks` their first reads then the number of reads,
     /// and the bytes land in `lease` at the views' offsets; `views` comes with the set's
     /// identity, which its slots carry.
@@ -191,10 +193,10 @@ impl PendingReadback {
         (batch, views): (u64, Arc<[ReadView]>),
         chunks: Vec<usize>,
         bytes: usize,
-    ) -> PendingReadback {
-        PendingReadback {
+    ) -> PendingDownload {
+        PendingDownload {
             fence,
-            readback: Readback {
+            readback: Downloaded {
                 device: Some(device),
                 batch,
                 lease: Some(lease),
@@ -210,33 +212,33 @@ impl PendingReadback {
     }
 }
 
-impl fmt::Debug for Readback {
+impl fmt::Debug for Downloaded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Readback").field("reads", &self.views.len()).finish_non_exhaustive()
+        f.debug_struct("Downloaded").field("reads", &self.views.len()).finish_non_exhaustive()
     }
 }
 
 impl Device {
-    /// Starts a batch of readbacks.
-    pub fn readbacks(&self) -> ReadbackBatch<'_> {
+    /// Starts a batch of downloads.
+    pub fn downloads(&self) -> DownloadBatch<'_> {
         self.readbacks_as(next_batch_id())
     }
 
-    /// A batch whose slots and readback carry the identity `id` (a prepared set's, so that
-    /// the set's slots redeem the readbacks it moves as batches).
-    pub(crate) fn readbacks_as(&self, id: u64) -> ReadbackBatch<'_> {
+    /// A batch whose slots and download carry the identity `id` (a prepared set's, so that
+    /// the set's slots redeem the downloads it moves as batches).
+    pub(crate) fn readbacks_as(&self, id: u64) -> DownloadBatch<'_> {
         let (table, reads) = self.core().spares.readback.take();
-        ReadbackBatch { device: self, table, reads, error: None, id }
+        DownloadBatch { device: self, table, reads, error: None, id }
     }
 }
 
-impl ReadbackBatch<'_> {
+impl DownloadBatch<'_> {
     /// Adds a read of `len` bytes of `buffer` at `offset`.
     ///
     /// # Errors
     /// [`Error::FreedBuffer`], [`Error::ForeignBuffer`], or [`Error::OutOfRange`] (the range
     /// past the buffer's end, or `offset + len` overflowing); the batch is poisoned then:
-    /// [`ReadbackBatch::submit`] fails with the same error and moves nothing.
+    /// [`DownloadBatch::submit`] fails with the same error and moves nothing.
     pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
         if self.reads.len() >= MAX_READS {
             let e = Error::TooManyReads { most: MAX_READS };
@@ -252,7 +254,7 @@ impl ReadbackBatch<'_> {
     /// Adds a read of the whole buffer.
     ///
     /// # Errors
-    /// As [`ReadbackBatch::read`]: a freed or foreign handle poisons the batch.
+    /// As [`DownloadBatch::read`]: a freed or foreign handle poisons the batch.
     pub fn read_all(&mut self, buffer: ResidentBuffer) -> Result<Slot> {
         let len = match self.device.buffer_len(buffer) {
             Ok(len) => len,
@@ -267,7 +269,7 @@ impl ReadbackBatch<'_> {
     /// Adds a read of each whole buffer, in order.
     ///
     /// # Errors
-    /// As [`ReadbackBatch::read_all`], for the first bad buffer (the reads before it stay
+    /// As [`DownloadBatch::read_all`], for the first bad buffer (the reads before it stay
     /// added, but the batch is poisoned).
     pub fn read_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
         buffers.iter().map(|&b| self.read_all(b)).collect()
@@ -289,10 +291,10 @@ impl ReadbackBatch<'_> {
     /// The first bad read's error when any read was refused (the batch is poisoned), or
     /// [`Error::FreedBuffer`] for a buffer freed since its read was added; nothing is
     /// enqueued then, the good reads included. A batch too large for the pinned pool is not
-    /// an error: it streams (see [`ReadbackBatch`]), and this returns once it has landed;
+    /// an error: it streams (see [`DownloadBatch`]), and this returns once it has landed;
     /// [`Error::PinnedExhausted`] only when the caller holds so much staging that not even
     /// one chunk of the ring is left.
-    pub fn submit(mut self) -> Result<PendingReadback> {
+    pub fn submit(mut self) -> Result<PendingDownload> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
@@ -301,19 +303,19 @@ impl ReadbackBatch<'_> {
 
     /// Submits, waits, and reads read `i` (in the order the reads were added) into `out[i]`
     /// for every read, replacing each vector's contents and reusing its capacity: as
-    /// [`ReadbackBatch::submit`] then [`PendingReadback::wait_into`] with every slot, except
+    /// [`DownloadBatch::submit`] then [`PendingDownload::wait_into`] with every slot, except
     /// that a batch too large for the pinned pool streams each chunk straight into the
     /// vectors as it lands (no host allocation of the whole batch, no second copy): the way
     /// to read batches of gigabytes into vectors.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`] (nothing moved) unless `out` has one vector per read; else
-    /// as [`ReadbackBatch::submit`].
+    /// as [`DownloadBatch::submit`].
     pub fn submit_into(self, out: &mut [Vec<u8>]) -> Result<()> {
         self.submit_into_as(out, true).map(drop)
     }
 
-    /// [`ReadbackBatch::submit_into`]; without `pipelined`, a wait and then a copy of each
+    /// [`DownloadBatch::submit_into`]; without `pipelined`, a wait and then a copy of each
     /// read (for batches whose vectors the caller does not keep). Returns the route the
     /// batch took.
     pub(crate) fn submit_into_as(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<Route> {
@@ -346,9 +348,9 @@ impl ReadbackBatch<'_> {
     }
 }
 
-impl PendingReadback {
+impl PendingDownload {
     /// Blocks until the bytes are in host memory.
-    pub fn wait(self) -> Result<Readback> {
+    pub fn wait(self) -> Result<Downloaded> {
         self.fence.wait()?;
         Ok(self.readback)
     }
@@ -356,7 +358,7 @@ impl PendingReadback {
     /// Waits for the reads chunk by chunk and copies each read into the caller's vector of
     /// the same index as soon as its chunk has landed, while later chunks are still on the
     /// wire, on the packing threads; replaces each vector's contents (capacity is reused).
-    /// Returns the readback for views as well. On error the vectors are left empty.
+    /// Returns the download for views as well. On error the vectors are left empty.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`] unless there is one vector per slot; [`Error::ForeignSlot`]
@@ -365,7 +367,7 @@ impl PendingReadback {
     /// Slots are best passed in the order their reads were added: for a batch of small
     /// reads in order, a slot whose read lands in a later chunk than the one its position
     /// falls in is copied once everything has landed, on the calling thread.
-    pub fn wait_into(self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Readback> {
+    pub fn wait_into(self, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Downloaded> {
         if slots.len() != out.len() {
             return Err(Error::LengthMismatch {
                 what: "slots and output vectors",
@@ -439,13 +441,13 @@ impl PendingReadback {
         Ok(self.readback)
     }
 
-    /// [`PendingReadback::wait_into`] for reads in order, whose chunks hold runs of reads:
+    /// [`PendingDownload::wait_into`] for reads in order, whose chunks hold runs of reads:
     /// the packing threads take each chunk's share of `slots` (those of the same positions,
     /// assuming slots are passed in the order the reads were added) as soon as it has landed,
     /// and prepare, fill and size each vector themselves; the calling thread only waits. A
     /// slot whose read lands in a later chunk than its position's (slots out of order) is
     /// skipped there and copied once everything has landed.
-    fn wait_into_in_order(self, device: &Device, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Readback> {
+    fn wait_into_in_order(self, device: &Device, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Downloaded> {
         let (readback, lane) = (&self.readback, device.core().lane(LaneKind::Readback));
         let (views, starts) = (&readback.views, &readback.chunks);
         let chunks = starts.len() - 1;
@@ -520,15 +522,15 @@ impl PendingReadback {
     }
 }
 
-impl Readback {
-    /// The bytes of a read, viewed in pinned staging (no copy).
+impl Downloaded {
+    /// The bytes of a read, viewed in pinned memory (no copy).
     ///
     /// # Panics
-    /// If `slot` came from another batch (or another prepared set) than this readback's:
-    /// a slot is redeemed only by the readback of its own batch, never for another read's
-    /// bytes. [`Readback::copy_all_into`] reports the same as an error.
+    /// If `slot` came from another batch (or another prepared set) than this download's:
+    /// a slot is redeemed only by the download of its own batch, never for another read's
+    /// bytes. [`Downloaded::copy_all_into`] reports the same as an error.
     pub fn get(&self, slot: Slot) -> &[u8] {
-        let view = self.view(slot).unwrap_or_else(|e| panic!("Readback::get: {e}"));
+        let view = self.view(slot).unwrap_or_else(|e| panic!("Downloaded::get: {e}"));
         let (at, len) = (view.stage_offset as usize, view.len as usize);
         match &self.lease {
             // SAFETY: the reads completed (this value exists only after the fence), the
@@ -539,7 +541,7 @@ impl Readback {
         }
     }
 
-    /// Where a read's bytes will be in pinned staging, and their length; no reference is
+    /// Where a read's bytes will be in pinned memory, and their length; no reference is
     /// made, so this may be asked before they land.
     fn address_of(&self, slot: Slot) -> (*const u8, usize) {
         let view = self.views[slot.index as usize];
@@ -560,7 +562,7 @@ impl Readback {
     /// reused).
     ///
     /// # Panics
-    /// As [`Readback::get`], if `slot` came from another batch; `out` is left as it was.
+    /// As [`Downloaded::get`], if `slot` came from another batch; `out` is left as it was.
     pub fn copy_into(&self, slot: Slot, out: &mut Vec<u8>) {
         let bytes = self.get(slot);
         out.clear();
@@ -612,7 +614,7 @@ impl Readback {
     /// Gives each vector its read's length.
     ///
     /// # Safety
-    /// The copies [`Readback::push_copy`] listed for these slots and vectors have all run.
+    /// The copies [`Downloaded::push_copy`] listed for these slots and vectors have all run.
     unsafe fn set_lengths(&self, slots: &[Slot], out: &mut [Vec<u8>]) {
         for (&slot, vec) in slots.iter().zip(out.iter_mut()) {
             // SAFETY: the copies initialised exactly this many bytes, as the caller promises.
@@ -625,7 +627,7 @@ impl Readback {
         self.views.len()
     }
 
-    /// The view of `slot`, or [`Error::ForeignSlot`] unless it is one of this readback's.
+    /// The view of `slot`, or [`Error::ForeignSlot`] unless it is one of this download's.
     fn view(&self, slot: Slot) -> Result<ReadView> {
         match self.views.get(slot.index as usize) {
             Some(&view) if slot.batch == self.batch => Ok(view),
@@ -633,7 +635,7 @@ impl Readback {
         }
     }
 
-    /// Fails with [`Error::ForeignSlot`] for the first slot that is not this readback's.
+    /// Fails with [`Error::ForeignSlot`] for the first slot that is not this download's.
     fn check_slots(&self, slots: &[Slot]) -> Result<()> {
         slots.iter().try_for_each(|&slot| self.view(slot).map(drop))
     }
@@ -646,7 +648,7 @@ impl Readback {
 
 /// Moves the batch. A batch that streams ([`execute_streamed`]) copies its reads into the
 /// vectors of `sink` (read `i` into the `i`th) when there are some, and takes them then.
-fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Result<PendingReadback> {
+fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Result<PendingDownload> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
@@ -664,7 +666,7 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         let chunk = in_order_chunk(
             config.chunk_bytes,
             total,
-            if device.small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH },
+            if device.moves_small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH },
         );
         // Held staging: the readback's views keep it after the copy. The lease holds the
         // flat packed bytes, then the chunks' tables: one descriptor a read.
@@ -681,9 +683,9 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     let plan = &scratch.readback_plan;
     if plan.is_empty() {
         let views = plan.views.clone();
-        return Ok(PendingReadback {
+        return Ok(PendingDownload {
             fence: Fence::completed(),
-            readback: Readback {
+            readback: Downloaded {
                 device: None,
                 batch: batch.id,
                 lease: None,
@@ -764,9 +766,9 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     }
     let mut views = core.spares.views.take();
     views.extend_from_slice(&plan.views);
-    Ok(PendingReadback {
+    Ok(PendingDownload {
         fence: exec.finish(),
-        readback: Readback {
+        readback: Downloaded {
             device: Some(device.clone()),
             batch: batch.id,
             lease: Some(lease),
@@ -781,8 +783,8 @@ fn execute(batch: &ReadbackBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     })
 }
 
-/// Where a planned readback chunk's work reads and writes: its descriptor table (`area`
-/// bytes of `count` descriptors) in pinned staging, device staging at `dev`, and `staged`,
+/// Where a planned download chunk's work reads and writes: its descriptor table (`area`
+/// bytes of `count` descriptors) in pinned memory, device staging at `dev`, and `staged`,
 /// the pinned address of a flat staging offset of the chunk.
 struct ChunkPlaces<'a> {
     table: *const u8,
@@ -792,7 +794,7 @@ struct ChunkPlaces<'a> {
     staged: &'a dyn Fn(u64) -> *mut u8,
 }
 
-/// Enqueues a planned readback chunk on `stream`: with a table (`area > 0`), the table up
+/// Enqueues a planned download chunk on `stream`: with a table (`area > 0`), the table up
 /// into device staging, one gather launch and one DMA of the packed bytes down; then one DMA
 /// for each packed range moved without the kernel and each direct one.
 ///
@@ -833,17 +835,17 @@ unsafe fn enqueue_planned(
 /// chunks), moved through a ring of such leases (up to [`crate::plan::route::RING`], as many as the pool
 /// gives), each chunk copied into one ordinary host allocation as soon as it has landed,
 /// its lease then reused by a later chunk. Returns once every chunk has landed and been
-/// copied out; the readback's views point into the host allocation.
+/// copied out; the download's views point into the host allocation.
 ///
 /// With `out` (one vector a read, in read order), each chunk's share of every read goes
-/// straight into the read's vector instead, and no host allocation is made: the readback
+/// straight into the read's vector instead, and no host allocation is made: the download
 /// returned then has no views (the bytes are in `out`; on error every vector is empty).
 fn execute_streamed(
-    batch: &ReadbackBatch<'_>,
+    batch: &DownloadBatch<'_>,
     mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
     mut out: Option<&mut [Vec<u8>]>,
-) -> Result<PendingReadback> {
+) -> Result<PendingDownload> {
     let device = batch.device;
     let core = device.core();
     let config = device.config();
@@ -981,9 +983,9 @@ fn execute_streamed(
     if out.is_none() {
         views.extend_from_slice(&plan.views);
     }
-    Ok(PendingReadback {
+    Ok(PendingDownload {
         fence: exec.finish(),
-        readback: Readback {
+        readback: Downloaded {
             device: Some(device.clone()),
             batch: batch.id,
             lease: None,
@@ -998,8 +1000,8 @@ fn execute_streamed(
     })
 }
 
-/// Host memory of `len` bytes for a streamed readback's views: the last one's, kept by the
-/// device, when it is large enough (its bytes are initialised: those of an earlier readback,
+/// Host memory of `len` bytes for a streamed download's views: the last one's, kept by the
+/// device, when it is large enough (its bytes are initialised: those of an earlier download,
 /// all overwritten where a view reads), else fresh zeroed memory.
 fn streamed_host(device: &Device, len: u64) -> Result<Vec<u8>> {
     let spare = std::mem::take(&mut *lock(&device.core().spares.streamed_host));
@@ -1013,7 +1015,7 @@ fn streamed_host(device: &Device, len: u64) -> Result<Vec<u8>> {
     }
 }
 
-/// The caller's vectors, for the packing threads of [`PendingReadback::wait_into`]: each
+/// The caller's vectors, for the packing threads of [`PendingDownload::wait_into`]: each
 /// touches only the vectors of its own positions.
 struct SharedVecs(*mut Vec<u8>);
 
@@ -1038,12 +1040,12 @@ impl SharedVecs {
 /// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), or one table
 /// upload, one gather into device staging and one DMA.
 fn execute_in_order(
-    batch: &ReadbackBatch<'_>,
+    batch: &DownloadBatch<'_>,
     chunk_bytes: u64,
     mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
     lease: Arc<HostLease>,
-) -> Result<PendingReadback> {
+) -> Result<PendingDownload> {
     let device = batch.device;
     let core = device.core();
     let (reads, apart) = (&batch.reads[..], &batch.table.apart);
@@ -1061,7 +1063,7 @@ fn execute_in_order(
     // Where the kernel gathers to: the lease itself, or device staging (a chunk's packed
     // bytes, then its table).
     let table_in_staging = |span: &Span| span.len.next_multiple_of(256);
-    let dev = if device.small_copies_over_bus() {
+    let dev = if device.moves_small_copies_over_bus() {
         None
     } else {
         let need = spans
@@ -1119,9 +1121,9 @@ fn execute_in_order(
     if dev.is_none() {
         exec.moved(apart.requested);
     }
-    Ok(PendingReadback {
+    Ok(PendingDownload {
         fence: exec.finish(),
-        readback: Readback {
+        readback: Downloaded {
             device: Some(device.clone()),
             batch: batch.id,
             lease: Some(lease),

@@ -1,6 +1,6 @@
-//! Readbacks at the edges, on the model driver: bad ranges refused before host memory is
+//! Downloads at the edges, on the model driver: bad ranges refused before host memory is
 //! reserved, bad reads poisoning their batch, and slots redeemed only by their own batch's
-//! readback.
+//! download.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -34,15 +34,15 @@ fn a_download_range_past_the_buffer_is_out_of_range_before_any_host_memory_is_re
             &format!("download_into {what}"),
             d.download_into(&[(b, 0, 8), (b, offset, len)], &mut out),
         );
-        out_of_range(&format!("read {what}"), d.readbacks().read(b, offset, len));
-        out_of_range(&format!("prepare_readbacks {what}"), d.prepare_readbacks(&[(b, offset, len)]));
+        out_of_range(&format!("read {what}"), d.downloads().read(b, offset, len));
+        out_of_range(&format!("prepare_downloads {what}"), d.prepare_downloads(&[(b, offset, len)]));
         if len <= 4097 {
             let mut slice = vec![0u8; len as usize];
-            out_of_range(&format!("read_into_slice {what}"), d.read_into_slice(b, offset, &mut slice));
+            out_of_range(&format!("download_to_slice {what}"), d.download_to_slice(b, offset, &mut slice));
         }
     }
     let mut one = [0u8; 1];
-    out_of_range("read_into_slice at u64::MAX", d.read_into_slice(b, max, &mut one));
+    out_of_range("download_to_slice at u64::MAX", d.download_to_slice(b, max, &mut one));
     // SAFETY: the range is refused before anything is enqueued (checked first).
     let fence = unsafe { d.download_async_at(b, max, one.as_mut_ptr(), 1) };
     out_of_range("download_async_at at u64::MAX", fence);
@@ -60,7 +60,7 @@ fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
     let freed = d.allocate(1000).unwrap();
     d.free(freed).unwrap();
     let foreign = other.allocate(1000).unwrap();
-    type Bad = fn(&mut crate::ReadbackBatch<'_>, [crate::ResidentBuffer; 3]) -> crate::Result<()>;
+    type Bad = fn(&mut crate::DownloadBatch<'_>, [crate::ResidentBuffer; 3]) -> crate::Result<()>;
     let cases: [(&str, Bad); 7] = [
         ("read_all of a freed handle", |r, [freed, _, _]| r.read_all(freed).map(drop)),
         ("read of a freed handle", |r, [freed, _, _]| r.read(freed, 0, 10).map(drop)),
@@ -74,7 +74,7 @@ fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
         // Many small reads in order (the path that skips the planner) and a few ragged ones
         // (the planner's): good reads before and after the bad one.
         for count in [3usize, 200] {
-            let mut reads = d.readbacks();
+            let mut reads = d.downloads();
             for k in 0..count {
                 reads.read(m.buffers[0], k as u64 * 1000, 100).unwrap();
             }
@@ -91,13 +91,13 @@ fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
             assert_eq!(got.to_string(), e.to_string(), "{what}: submit fails with the read's error");
             assert!(counts.values().all(|c| c.calls == 0), "{what}, {count} reads: driver calls {counts:?}");
             let after = d.telemetry();
-            assert_eq!(after.readback_submissions, before.readback_submissions, "{what}: nothing submitted");
+            assert_eq!(after.download_submissions, before.download_submissions, "{what}: nothing submitted");
             assert_eq!(after.pinned.lent_bytes, 0, "{what}: no staging held");
         }
     }
     // A buffer freed between read and submit fails submit too, the good reads with it.
     let late = d.allocate(1000).unwrap();
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     reads.read_all(m.buffers[1]).unwrap();
     reads.read_all(late).unwrap();
     d.free(late).unwrap();
@@ -129,9 +129,9 @@ fn a_slot_of_another_batch_is_refused_never_redeemed_for_another_reads_bytes() {
     let m = Model::new(&d, &mut rng, &[300_000, 70_000]);
     // A large batch and a smaller one: slot 0 and slot 2 of the large one exist in the
     // small one's numbering too (slot 2 does not).
-    let mut big = d.readbacks();
+    let mut big = d.downloads();
     let big_slots: Vec<_> = (0..3).map(|k| big.read(m.buffers[0], k * 5000, 1000).unwrap()).collect();
-    let mut small = d.readbacks();
+    let mut small = d.downloads();
     let small_slots = [small.read(m.buffers[1], 7, 33).unwrap(), small.read(m.buffers[1], 100, 10).unwrap()];
     let big_done = big.submit().unwrap().wait().unwrap();
     let small_done = small.submit().unwrap().wait().unwrap();
@@ -151,7 +151,7 @@ fn a_slot_of_another_batch_is_refused_never_redeemed_for_another_reads_bytes() {
     }
     // wait_into: on a batch laid out by the planner and on one of small reads in order.
     for count in [2u64, 100] {
-        let mut reads = d.readbacks();
+        let mut reads = d.downloads();
         let slots: Vec<_> = (0..count).map(|k| reads.read(m.buffers[0], k * 2000, 500).unwrap()).collect();
         let mut out = vec![Vec::new(); 2];
         let e = reads.submit().unwrap().wait_into(&[slots[0], big_slots[1]], &mut out).unwrap_err();
@@ -160,8 +160,8 @@ fn a_slot_of_another_batch_is_refused_never_redeemed_for_another_reads_bytes() {
     // Prepared sets: their slots redeem their own readbacks only (the fast path and the
     // batches they move as while a readback is held), and a batch's slot not theirs.
     let ranges: Vec<_> = (0..100).map(|k| (m.buffers[0], k * 2000, 300)).collect();
-    let mut set = d.prepare_readbacks(&ranges).unwrap();
-    let mut other = d.prepare_readbacks(&ranges).unwrap();
+    let mut set = d.prepare_downloads(&ranges).unwrap();
+    let mut other = d.prepare_downloads(&ranges).unwrap();
     let held = set.submit().unwrap().wait().unwrap();
     let second = set.submit().unwrap().wait().unwrap();
     for readback in [&held, &second] {
@@ -179,7 +179,7 @@ fn a_slot_of_another_batch_is_refused_never_redeemed_for_another_reads_bytes() {
     let mut out = vec![Vec::new(); ranges.len()];
     let e = other.submit().unwrap().wait_into(set.slots(), &mut out).unwrap_err();
     assert!(matches!(e, Error::ForeignSlot { .. }), "{e}");
-    other.read_into(&mut out).unwrap();
+    other.download_into(&mut out).unwrap();
     assert_eq!(out[5], &m.expect[0][10_000..10_300]);
 }
 
@@ -195,7 +195,7 @@ fn tiny_pool() -> Config {
 
 /// Reads `ranges` of `m` every way a batch offers (views, `wait_into`, `copy_all_into`,
 /// `copy_into`, the `download_*` helpers, a prepared set), outputs poisoned with garbage
-/// first, and compares every byte; checks that pinned staging is back to `lent` after.
+/// first, and compares every byte; checks that pinned memory is back to `lent` after.
 fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what: &str) {
     let lent = d.telemetry().pinned.lent_bytes;
     let want: Vec<&[u8]> = ranges.iter().map(|&(i, at, len)| &m.expect[i][at..at + len]).collect();
@@ -258,7 +258,7 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     let route = reads.submit_into_as(&mut out, true).unwrap();
     same(&out, "submit_into");
     assert_eq!(route, Route::StreamedInto, "{what}: submit_into streamed straight into the vectors");
-    let mut set = d.prepare_readbacks(&bufs).unwrap();
+    let mut set = d.prepare_downloads(&bufs).unwrap();
     let mut out = poisoned();
     let route = set.read_into_as(&mut out).unwrap();
     same(&out, "a prepared set");

@@ -32,8 +32,8 @@ impl Device {
     ///
     /// `[src, src + len)` must be readable host memory that stays valid and unchanged until
     /// the copy completes. (A [`PinnedBuffer`](crate::PinnedBuffer), or the
-    /// [`Readback`](crate::Readback) of a batch whose view it is, may be dropped before
-    /// then: the copy keeps that memory. Not so a prepared set's readback.)
+    /// [`Downloaded`](crate::Downloaded) of a batch whose view it is, may be dropped before
+    /// then: the copy keeps that memory. Not so a prepared set's download.)
     ///
     /// # Errors
     ///
@@ -42,7 +42,7 @@ impl Device {
     /// where the driver reports the extent of pinned regions, as it does for `cuMemHostAlloc`
     /// and `cuMemHostRegister` (a range over two pinned regions with a pageable gap between
     /// them is refused); where it does not, the first and last byte. Pinned memory of
-    /// this crate (a [`PinnedBuffer`](crate::PinnedBuffer), a batch readback's views, of any
+    /// this crate (a [`PinnedBuffer`](crate::PinnedBuffer), a batch download's views, of any
     /// device) is kept out of its pool until the copy completes, even if its holder is
     /// dropped first. Managed memory (`cuMemAllocManaged`) is not pinned
     /// host memory and is refused too.
@@ -62,7 +62,7 @@ impl Device {
     }
 
     /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
-    /// readback lane, and returns at once; the bytes are there once the fence completes.
+    /// download lane, and returns at once; the bytes are there once the fence completes.
     /// A copy of 0 bytes (whose range is still checked) calls no driver entry point and
     /// returns a fence that is already complete.
     ///
@@ -88,8 +88,8 @@ impl Device {
     /// Reads `out.len()` bytes of `buffer` at `offset` into `out`, pipelined through a ring
     /// of pinned chunks: chunk `k + 1` is on the wire while chunk `k` is unpacked by the
     /// packing threads. For large ranges; any size works.
-    pub fn read_into_slice(&self, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        read_into(self.core(), buffer, offset, out)
+    pub fn download_to_slice(&self, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        download_into(self.core(), buffer, offset, out)
     }
 
     /// Blocks until every upload submitted so far has completed.
@@ -194,8 +194,8 @@ fn single_copy(
     Ok(exec.finish())
 }
 
-/// [`Device::read_into_slice`].
-fn read_into(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+/// [`Device::download_to_slice`].
+fn download_into(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
     let len = out.len() as u64;
     let src = core.checked_range(buffer, offset, len)?;
     if len == 0 {

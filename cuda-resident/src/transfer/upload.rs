@@ -38,6 +38,7 @@ const CLOSED: usize = usize::MAX;
 ///
 /// Every write is checked when it is added; a bad one returns its error and also fails
 /// `submit`, so a batch with a bad write never moves anything.
+#[must_use = "an upload batch moves nothing until it is submitted"]
 pub struct UploadBatch<'a> {
     device: &'a Device,
     table: BufferTable,
@@ -137,11 +138,11 @@ impl<'a> UploadBatch<'a> {
     }
 
     /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
-    /// place, straight into pinned staging: no copy of the caller's own.
+    /// place, straight into pinned memory: no copy of the caller's own.
     ///
     /// # Errors
     /// A bad range fails this write and `submit`, as for [`UploadBatch::write`]. When the
-    /// write cannot take pinned staging ([`Error::PinnedExhausted`], a driver error), that
+    /// write cannot take pinned memory ([`Error::PinnedExhausted`], a driver error), that
     /// error is returned and the batch is poisoned: every later call and `submit` fail with
     /// [`Error::BatchPoisoned`] naming this write, and its staging goes back to the pool at
     /// once. A batch already poisoned returns that error without calling `fill`.
@@ -581,7 +582,7 @@ fn execute_in_order(
     let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, PIPELINE_DEPTH);
     // Over the bus a chunk costs a launch: the first is small and leaves while the rest is
     // packed. Through device staging (a DMA and a launch a chunk) chunks stay equal.
-    if device.small_copies_over_bus() {
+    if device.moves_small_copies_over_bus() {
         cut_apart(offsets, |i| writes[i].len, growing(FIRST_CHUNK, chunk_bytes), spans);
     } else {
         cut_apart(offsets, |i| writes[i].len, |_| chunk_bytes, spans);
@@ -592,7 +593,8 @@ fn execute_in_order(
     exec.requested(requested);
     let kernels = exec.kernels()?;
     // Where the kernel finds the packed bytes: in the lease itself, or in device staging.
-    let dev = if device.small_copies_over_bus() { None } else { Some(exec.region(region, device_need)?) };
+    let dev =
+        if device.moves_small_copies_over_bus() { None } else { Some(exec.region(region, device_need)?) };
     let spans = &*spans;
     let threads = core.packers().current_num_threads();
     // Groups of about the same bytes, from the mean write (no pass over the writes): a

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use cuda_sys::CallCount;
 
 /// Acquire / release pairs whose successful calls must balance once every `Device`, fence,
-/// readback and pinned buffer is gone.
+/// download and pinned buffer is gone.
 pub const PAIRS: [(&str, &str); 6] = [
     ("cuMemAlloc_v2", "cuMemFree_v2"),
     ("cuMemHostAlloc", "cuMemFreeHost"),

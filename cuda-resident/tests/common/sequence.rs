@@ -6,8 +6,8 @@
 //! `upload_many` and `upload_at_many`; a ragged batch of small overlapping writes with a
 //! few direct ones, across chunks, and one direct write of the third buffer's head; an
 //! in-place batch; over a megabyte of small writes in order and reads of them into vectors
-//! (so on the packing threads' pipeline); a single small write; readbacks as views (whole
-//! buffers, a head, many small ranges), ranged, and into slices; pinned staging; frees.
+//! (so on the packing threads' pipeline); a single small write; downloads as views (whole
+//! buffers, a head, many small ranges), ranged, and into slices; pinned memory; frees.
 
 use super::{Device, Error, ResidentBuffer};
 
@@ -23,7 +23,7 @@ pub struct Shape {
     pub direct: usize,
     /// Small ranges read back in the last batch.
     pub ranges: usize,
-    /// Bytes of pinned staging lent at the end.
+    /// Bytes of pinned memory lent at the end.
     pub pinned: usize,
 }
 
@@ -155,7 +155,7 @@ fn sequence_body(
     for (offset, bytes) in &order {
         model[1][*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
     }
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let slots = order
         .iter()
         .map(|(offset, bytes)| reads.read(mid, *offset, bytes.len() as u64))
@@ -178,7 +178,7 @@ fn sequence_body(
     ops += 1;
 
     // Readbacks: whole buffers, a direct range, many small ranges; views and copies.
-    let mut reads = d.readbacks();
+    let mut reads = d.downloads();
     let all_small = reads.read_all(small)?;
     let all_mid = reads.read_all(mid)?;
     let head = reads.read(big, 0, shape.head as u64)?;
@@ -209,11 +209,11 @@ fn sequence_body(
     let range = d.download_range(mid, 12345, 777)?;
     same("download_range", &range, &model[1][12345..12345 + 777])?;
     let mut out = vec![0x5au8; shape.head];
-    d.read_into_slice(big, 0, &mut out)?;
-    same("read_into_slice", &out, &model[2])?;
+    d.download_to_slice(big, 0, &mut out)?;
+    same("download_to_slice", &out, &model[2])?;
     let mut slice = vec![0x5au8; 10_000];
-    d.read_into_slice(mid, 1234, &mut slice)?;
-    same("read_into_slice at an offset", &slice, &model[1][1234..11_234])?;
+    d.download_to_slice(mid, 1234, &mut slice)?;
+    same("download_to_slice at an offset", &slice, &model[1][1234..11_234])?;
     checked += 777 + out.len() as u64 + slice.len() as u64;
     ops += 3;
 

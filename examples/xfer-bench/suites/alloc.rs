@@ -1,4 +1,4 @@
-//! The alloc suite: allocating device memory and pinned staging against the raw driver
+//! The alloc suite: allocating device memory and pinned memory against the raw driver
 //! (the measurements are `cuda_resident_suite::alloc_bench`'s, shared with `alloc-bench`).
 
 use cuda_resident::Device;

@@ -66,7 +66,7 @@ impl Case<'_, '_> {
     }
 
     /// Host to device: the rows of every way of uploading; returns the case's ranges for
-    /// the prepared readbacks.
+    /// the prepared downloads.
     fn upload_rows(&self, rows: &mut Vec<Row>) -> BenchResult<Ranges> {
         let (d, s, sources, size, e) = (self.d, self.s, self.sources, self.size, error);
         let raw_h2d = median_secs(self.base_reps, || self.baseline.uploads(sources, &s.ptrs, size))?;
@@ -220,7 +220,7 @@ impl Case<'_, '_> {
         Ok(())
     }
 
-    /// Where the time of one readback into `outs` goes: adding reads, submit (laying out,
+    /// Where the time of one download into `outs` goes: adding reads, submit (laying out,
     /// enqueueing), waiting and copying out chunk by chunk.
     fn download_breakdown(&self, outs: &mut [Vec<u8>]) -> BenchResult<()> {
         let (d, s, size, e) = (self.d, self.s, self.size, error);
@@ -298,7 +298,7 @@ fn prepared_readbacks(
     outs: &mut [Vec<u8>],
 ) -> BenchResult<Option<[f64; 2]>> {
     let e = error;
-    let mut prepared = match d.prepare_readbacks(ranges) {
+    let mut prepared = match d.prepare_downloads(ranges) {
         Ok(p) => p,
         Err(err) => {
             eprintln!("prepared readbacks of {} ranges skipped: {err}", ranges.len());
@@ -309,7 +309,7 @@ fn prepared_readbacks(
     for o in outs.iter_mut() {
         o.fill(0x5A);
     }
-    let into = median_secs(args.reps, || prepared.read_into(outs).map_err(e))?;
+    let into = median_secs(args.reps, || prepared.download_into(outs).map_err(e))?;
     if outs != sources {
         return Err(format!("{what} into Vecs: bytes differ"));
     }
