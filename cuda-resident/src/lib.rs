@@ -72,6 +72,7 @@ mod alloc;
 pub mod budget;
 #[cfg(not(feature = "internals"))]
 mod budget;
+mod config;
 mod context;
 mod device;
 mod engine;
@@ -98,10 +99,11 @@ mod transfer;
 
 pub use alloc::classes::{GRANULE, MAX_CLASS_BYTES};
 pub use alloc::{AllocatorStats, ResidentBuffer};
-pub use device::{Config, Device, DeviceInfo};
+pub use config::{Config, DeviceInfo};
+pub use device::{Device, DeviceSet};
 pub use error::{Error, Result};
 pub use host_pool::{PinnedBuffer, PinnedStats};
-pub use peer::{DeviceSet, FanOutPath, PeerBatch};
+pub use peer::{FanOutPath, PeerBatch};
 pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;
 pub use transfer::{

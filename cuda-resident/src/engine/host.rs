@@ -4,12 +4,11 @@
 //! tables built straight into pinned memory ([`PinnedDescriptors`]), and host memory for
 //! results ([`zeroed_vec`]).
 
-use crate::device::Core;
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, PEER_SEGMENT, segments};
 
-use super::pipeline;
+use super::pipeline::{self, PARALLEL_MIN, Packers};
 
 /// A vector of `len` zero bytes, or an error instead of an abort when the host cannot give
 /// that much. Large zeroed allocations come from the OS already zero, so this costs no
@@ -47,8 +46,6 @@ unsafe impl Sync for Piece {}
 
 /// Pieces larger than this are split for the packing threads.
 const PIECE_SPLIT: usize = 256 << 10;
-/// Below this many bytes in all, one thread copies (waking the pool costs more).
-pub(crate) const PARALLEL_MIN: usize = 1 << 20;
 
 impl Piece {
     /// Appends `piece`, split into parts of at most [`PIECE_SPLIT`] bytes.
@@ -68,9 +65,9 @@ impl Piece {
     /// # Safety
     /// Each piece's source must be readable and its destination writable for `len` bytes,
     /// and no destination may overlap another piece's source or destination.
-    pub(crate) unsafe fn copy_all(core: &Core, pieces: &[Piece]) {
+    pub(crate) unsafe fn copy_all(packers: &Packers, pieces: &[Piece]) {
         // SAFETY: as the caller promises.
-        unsafe { Piece::run_all(core, pieces, std::ptr::copy_nonoverlapping::<u8>) }
+        unsafe { Piece::run_all(packers, pieces, std::ptr::copy_nonoverlapping::<u8>) }
     }
 
     /// [`Piece::copy_all`] out of landed staging into the caller's memory
@@ -78,19 +75,19 @@ impl Piece {
     ///
     /// # Safety
     /// As [`Piece::copy_all`].
-    pub(crate) unsafe fn copy_out_all(core: &Core, pieces: &[Piece]) {
+    pub(crate) unsafe fn copy_out_all(packers: &Packers, pieces: &[Piece]) {
         // SAFETY: as the caller promises.
-        unsafe { Piece::run_all(core, pieces, crate::hostcopy::copy_out) }
+        unsafe { Piece::run_all(packers, pieces, crate::hostcopy::copy_out) }
     }
 
     /// Performs every piece with `copy`, publishing each group's streaming stores.
     ///
     /// # Safety
     /// As [`Piece::copy_all`]; `copy(src, dst, len)` must copy `len` bytes from `src` to `dst`.
-    unsafe fn run_all(core: &Core, pieces: &[Piece], copy: unsafe fn(*const u8, *mut u8, usize)) {
+    unsafe fn run_all(packers: &Packers, pieces: &[Piece], copy: unsafe fn(*const u8, *mut u8, usize)) {
         let total: usize = pieces.iter().map(|p| p.len).sum();
         in_groups(
-            core,
+            packers,
             pieces.len(),
             total,
             |i| pieces[i].len,
@@ -110,7 +107,7 @@ impl Piece {
 /// enough to do: one task per range, not per item (thousands of tiny tasks cost more than
 /// the copies). Returns when every range is done.
 pub(crate) fn in_groups(
-    core: &Core,
+    packers: &Packers,
     count: usize,
     total: usize,
     bytes: impl Fn(usize) -> usize,
@@ -119,15 +116,24 @@ pub(crate) fn in_groups(
     if total < PARALLEL_MIN || count < 2 {
         return work(0..count);
     }
-    let pool = core.packers();
+    let pool = packers.pool();
     let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
     let mut groups = Vec::new();
     pipeline::split_by_bytes(0..count, bytes, target, |group| groups.push(group));
     use rayon::prelude::*;
-    let packing = pipeline::Packing::start(core);
+    let packing = pipeline::Packing::start(packers);
     pool.install(|| groups.into_par_iter().for_each(work));
     drop(packing);
-    pipeline::linger(core);
+    pipeline::linger(packers);
+}
+
+/// Where pinned memory for a transfer comes from: the device's pinned pool, waiting for
+/// copies in flight when it is full.
+pub(crate) trait Staging {
+    /// The most pinned memory the pool holds.
+    fn pinned_cap(&self) -> u64;
+    /// Pinned memory of `len` bytes for a transfer.
+    fn acquire_staging(&self, len: usize) -> Result<HostLease>;
 }
 
 /// Where a write's bytes come from.
@@ -185,7 +191,7 @@ impl PinnedDescriptors {
     }
 
     /// Makes room for `extra` more, from the device's pinned pool (or on the heap).
-    pub(crate) fn reserve(&mut self, core: &Core, extra: usize) -> Result<()> {
+    pub(crate) fn reserve(&mut self, staging: &impl Staging, extra: usize) -> Result<()> {
         let need = self.len.saturating_add(extra);
         if need <= self.capacity() {
             return Ok(());
@@ -194,8 +200,8 @@ impl PinnedDescriptors {
         let oom = |n: usize| Error::HostOutOfMemory { bytes: (n as u64).saturating_mul(DESCRIPTOR as u64) };
         if !self.on_heap {
             let bytes = room.saturating_mul(DESCRIPTOR);
-            if (bytes as u64) <= core.config.pinned_cap_bytes / 8
-                && let Ok(lease) = core.acquire_staging(bytes)
+            if (bytes as u64) <= staging.pinned_cap() / 8
+                && let Ok(lease) = staging.acquire_staging(bytes)
             {
                 if let Some(old) = &self.lease {
                     // SAFETY: both are pinned regions of this table's own, the new one larger.
@@ -255,9 +261,9 @@ impl PinnedDescriptors {
 
     /// Hands the table over, in pinned memory of the device (to the submission that runs the
     /// kernel); the next batch starts a new one.
-    pub(crate) fn take(&mut self, core: &Core) -> Result<Option<HostLease>> {
+    pub(crate) fn take(&mut self, staging: &impl Staging) -> Result<Option<HostLease>> {
         if self.on_heap && self.len > 0 {
-            let lease = core.acquire_staging(self.len * DESCRIPTOR)?;
+            let lease = staging.acquire_staging(self.len * DESCRIPTOR)?;
             // SAFETY: the lease holds the table's bytes and is fresh.
             unsafe {
                 std::ptr::copy_nonoverlapping(

@@ -10,14 +10,22 @@
 //! from another only in its plan (`crate::plan`, which also decides the route a batch takes,
 //! `plan::route::Route`) and in how it packs; the executor decides nothing.
 //!
-//! One upload batch, followed through: `Device::uploads` makes the batch, which checks each
-//! write as it is added (`transfer::upload`, against the batch's [`table::BufferTable`]);
+//! One upload batch, followed through: `Device::uploads` hands the device's [`core::Core`]
+//! to `transfer::upload::uploads`, which makes the batch; the batch checks each write as it
+//! is added (`transfer::upload`, against the batch's [`table::BufferTable`]);
 //! `submit` asks `plan::route::upload_route` for its route and the planner or
 //! `plan::route::cut_apart` for its layout; the route's function in `transfer::upload` then
 //! runs an [`Exec`]: claim, staging ([`staging`], [`host`], [`pipeline`]), one submission a
 //! chunk, fence. The engine's own scratch (lane staging, the parts batches reuse:
-//! [`spares`]) lives here, owned by the device's `Core`.
+//! [`spares`]) lives here, owned by the device's [`core::Core`], the shared state every batch
+//! works on.
+//!
+//! Inside the engine, each module uses only those listed before it: [`pipeline`] (the
+//! packing threads), [`host`], [`table`], [`staging`] and [`spares`], then [`core`], then
+//! the executor here. The leaves take the parts of the core they need (the packing
+//! threads, the allocator, a source of pinned staging), not the core.
 
+pub(crate) mod core;
 pub(crate) mod host;
 pub(crate) mod pipeline;
 pub(crate) mod spares;
@@ -28,8 +36,8 @@ use std::sync::Arc;
 
 use cuda_sys::{CUcontext, CUstream};
 
+use self::core::Core;
 use crate::alloc::ResidentBuffer;
-use crate::device::Core;
 use crate::error::Result;
 use crate::host_pool::HostLease;
 use crate::kernels::Kernels;
@@ -108,7 +116,7 @@ impl<'a> Exec<'a> {
     pub(crate) fn region(&self, region: &mut staging::DeviceRegion, len: u64) -> Result<u64> {
         // Before the claim, the batch's first number is the lane's next one.
         let first_seq = if self.claimed { self.first_seq } else { self.batch.next_seq() };
-        region.ensure(self.core, self.kind, len, first_seq - 1)
+        self.core.ensure_region(region, self.kind, len, first_seq - 1)
     }
 
     /// Claims `buffers` for one submission of this lane that stands for work another lane

@@ -7,12 +7,52 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::host::PARALLEL_MIN;
-use crate::device::Core;
 use crate::error::Result;
 // The signalling below is model-checked with loom (the `loom` tests at the end).
 use crate::sync::shim::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 use crate::sync::shim::{Condvar, Mutex, hint, lock, thread};
+
+/// Below this many bytes in all, one thread copies (waking the pool costs more).
+pub(crate) const PARALLEL_MIN: usize = 1 << 20;
+
+/// A device's packing threads, started on first use and kept for the device's life, and
+/// what keeps them awake between batches.
+pub(crate) struct Packers {
+    pool: std::sync::OnceLock<rayon::ThreadPool>,
+    threads: usize,
+    /// How long the threads stay awake after packing ([`linger`]).
+    linger: Duration,
+    /// Packing runs under way: the packing threads lingering after the last one stop when
+    /// another starts ([`linger`]).
+    packing: Arc<AtomicUsize>,
+}
+
+impl Packers {
+    /// `threads` packing threads that linger `linger_us` microseconds after packing; none
+    /// started yet.
+    pub(crate) fn new(threads: usize, linger_us: u64) -> Packers {
+        Packers {
+            pool: std::sync::OnceLock::new(),
+            threads,
+            linger: Duration::from_micros(linger_us),
+            packing: Default::default(),
+        }
+    }
+
+    /// The packing threads, started on first use.
+    pub(crate) fn pool(&self) -> &rayon::ThreadPool {
+        self.pool.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(self.threads)
+                .thread_name(|i| format!("cuda-resident-pack-{i}"))
+                .build()
+                // Spawning threads fails only when the system is out of resources; a pool
+                // of one thread (the caller) still packs correctly.
+                .or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).use_current_thread().build())
+                .expect("a one-thread pool on the current thread cannot fail")
+        })
+    }
+}
 
 /// A batch's items cut into groups for the packing threads: contiguous ranges of items in
 /// chunk order, none across two chunks.
@@ -132,7 +172,7 @@ pub(crate) enum Step {
 /// after it, and the packing threads start no group of a chunk not yet open (groups of
 /// chunks already open may still run; they touch only this batch's staging).
 pub(crate) fn run(
-    core: &Core,
+    packers: &Packers,
     groups: &Groups,
     total_bytes: usize,
     ahead: usize,
@@ -140,7 +180,7 @@ pub(crate) fn run(
     work: impl Fn(usize, Range<usize>) + Sync,
 ) -> Result<()> {
     let chunks = groups.per_chunk.len();
-    let pool = core.packers();
+    let pool = packers.pool();
     // On a packing thread (a nested call), jobs spawned here would wait behind this very
     // thread; and the one-thread fallback pool lives on the thread that first used it, which
     // runs jobs only from inside the pool: with it, no other thread's jobs would ever run.
@@ -182,7 +222,7 @@ pub(crate) fn run(
     };
     let worker = &worker;
     let workers = pool.current_num_threads().min(groups.groups.len());
-    let packing = Packing::start(core);
+    let packing = Packing::start(packers);
     let result = pool.in_place_scope(|scope| {
         // One job from here, which spawns the others from inside the pool: each spawn from
         // outside wakes a thread first (16 of them kept this thread from its own share of the
@@ -232,7 +272,7 @@ pub(crate) fn run(
         result
     });
     drop(packing);
-    linger(core);
+    linger(packers);
     result
 }
 
@@ -241,8 +281,8 @@ pub(crate) struct Packing<'a>(&'a AtomicUsize);
 
 impl Packing<'_> {
     /// Starts one: lingering threads stop spinning and take its work.
-    pub(crate) fn start(core: &Core) -> Packing<'_> {
-        Packing::enter(&core.packing)
+    pub(crate) fn start(packers: &Packers) -> Packing<'_> {
+        Packing::enter(&packers.packing)
     }
 
     /// Starts one counted in `active` (the device's count of packing runs under way).
@@ -263,8 +303,8 @@ impl Drop for Packing<'_> {
 /// batch's packing then starts without waking them (all but one: the one woken first by
 /// the next run's spawn). One job is spawned from here (a spawn from outside the pool wakes
 /// a thread), which spawns the others inside.
-pub(crate) fn linger(core: &Core) {
-    linger_for(core.packers(), &core.packing, Duration::from_micros(core.config.pack_linger_us));
+pub(crate) fn linger(packers: &Packers) {
+    linger_for(packers.pool(), &packers.packing, packers.linger);
 }
 
 fn linger_for(pool: &rayon::ThreadPool, packing: &Arc<AtomicUsize>, linger: Duration) {

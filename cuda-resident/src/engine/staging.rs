@@ -2,10 +2,7 @@
 //! piece lists, and the lane's device staging.
 
 use crate::alloc::ResidentBuffer;
-use crate::device::Core;
-use crate::error::Result;
 use crate::plan::route::Span;
-use crate::stream::LaneKind;
 
 use super::host::Piece;
 
@@ -32,28 +29,19 @@ pub(crate) struct DeviceRegion {
 }
 
 impl DeviceRegion {
-    /// The address of at least `len` bytes of device staging for `lane`, growing it if need
-    /// be. Must be called under the lane's batch lock; `last_seq` is the lane's last
-    /// submission, which may still use the old staging.
-    pub(crate) fn ensure(&mut self, core: &Core, lane: LaneKind, len: u64, last_seq: u64) -> Result<u64> {
-        if let Some((_, ptr, have)) = self.buffer
-            && have >= len
-        {
-            return Ok(ptr);
-        }
-        let want = len.max(1 << 20).next_power_of_two();
-        let new = core.allocate_for_library(want)?;
-        let (ptr, _) = core.alloc.resolve(new)?;
-        let staging = &core.telemetry.staging_bytes;
-        staging.fetch_add(want, std::sync::atomic::Ordering::Relaxed);
-        if let Some((old, _, old_len)) = self.buffer.replace((new, ptr, want)) {
-            staging.fetch_sub(old_len, std::sync::atomic::Ordering::Relaxed);
-            // Work already enqueued may still use it: free after that work.
-            core.alloc.mark_used(old, lane.index(), last_seq)?;
-            // A refused driver free is not this batch's failure: the memory stays listed
-            // and the next trim retries it.
-            let _ = core.alloc.free(old, &|last| core.is_known_idle(last));
-        }
-        Ok(ptr)
+    /// The address of the region if it holds at least `len` bytes.
+    pub(crate) fn holding(&self, len: u64) -> Option<u64> {
+        self.buffer.filter(|&(_, _, have)| have >= len).map(|(_, ptr, _)| ptr)
+    }
+
+    /// Makes `buffer`, `len` bytes at `ptr`, the region; returns the one it replaces, with
+    /// its length.
+    pub(crate) fn replace(
+        &mut self,
+        buffer: ResidentBuffer,
+        ptr: u64,
+        len: u64,
+    ) -> Option<(ResidentBuffer, u64)> {
+        self.buffer.replace((buffer, ptr, len)).map(|(old, _, old_len)| (old, old_len))
     }
 }

@@ -1,7 +1,9 @@
 //! The buffers a batch names, each resolved once, and the layout of its requests as added.
 
-use crate::alloc::ResidentBuffer;
-use crate::device::Core;
+use std::sync::Arc;
+
+use crate::alloc::{Allocator, ResidentBuffer};
+use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::plan::route::Apart;
 
@@ -82,7 +84,11 @@ fn probe_in(entries: &[Resolved], slots: &[u32], buffer: ResidentBuffer) -> std:
 
 impl BufferTable {
     /// The key of `buffer`, resolving it on first sight.
-    pub(crate) fn key(&mut self, core: &Core, buffer: ResidentBuffer) -> Result<(u32, Resolved)> {
+    pub(crate) fn key(
+        &mut self,
+        alloc: &Allocator<Arc<Context>>,
+        buffer: ResidentBuffer,
+    ) -> Result<(u32, Resolved)> {
         if self.entries.len() * 2 >= self.slots.len() {
             self.grow();
         }
@@ -90,7 +96,6 @@ impl BufferTable {
             Ok(key) => return Ok((key, self.entries[key as usize])),
             Err(empty) => empty,
         };
-        let alloc = &core.alloc;
         let now = alloc.validity();
         // Read before anything this batch resolves: a free after it invalidates them all.
         self.validity.get_or_insert(now);
@@ -134,7 +139,7 @@ impl BufferTable {
     #[inline]
     pub(crate) fn check(
         &mut self,
-        core: &Core,
+        alloc: &Allocator<Arc<Context>>,
         buffer: ResidentBuffer,
         offset: u64,
         len: u64,
@@ -148,7 +153,7 @@ impl BufferTable {
                 return Ok((key, entry.len));
             }
         }
-        let (key, buffer_len) = self.check_slow(core, buffer, offset, len, first_error)?;
+        let (key, buffer_len) = self.check_slow(alloc, buffer, offset, len, first_error)?;
         let entry = &mut self.entries[key as usize];
         self.apart.note(&mut entry.next, entry.ptr, offset, len);
         Ok((key, buffer_len))
@@ -158,13 +163,13 @@ impl BufferTable {
     #[cold]
     fn check_slow(
         &mut self,
-        core: &Core,
+        alloc: &Allocator<Arc<Context>>,
         buffer: ResidentBuffer,
         offset: u64,
         len: u64,
         first_error: &mut Option<Error>,
     ) -> Result<(u32, u64)> {
-        let checked = self.key(core, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
+        let checked = self.key(alloc, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
             Some(end) if end <= resolved.len => Ok((key, resolved.len)),
             _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
         });

@@ -19,8 +19,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
-use crate::device::Device;
 use crate::engine::Exec;
+use crate::engine::core::Core;
 use crate::engine::host::DESCRIPTOR;
 use crate::engine::spares::PeerParts;
 use crate::engine::table::BufferTable;
@@ -37,7 +37,7 @@ use crate::telemetry::Telemetry;
 pub(crate) const PEER_DMA_MIN: u64 = 4 << 20;
 
 /// A batch of copies from buffers of one device (the source) into buffers of the device
-/// that made it ([`Device::peer_copies`]). Copies apply in order: where two destinations
+/// that made it ([`Device::peer_copies`](crate::Device::peer_copies)). Copies apply in order: where two destinations
 /// overlap, the later copy wins. Nothing moves until [`PeerBatch::submit`].
 ///
 /// Every copy is checked when it is added; a bad one returns its error and also fails
@@ -47,8 +47,8 @@ pub(crate) const PEER_DMA_MIN: u64 = 4 << 20;
 /// source and destination are the same device) reads unspecified bytes.
 #[must_use = "a peer batch moves nothing until it is submitted"]
 pub struct PeerBatch<'a> {
-    dst: &'a Device,
-    src: &'a Device,
+    dst: &'a Arc<Core>,
+    src: &'a Arc<Core>,
     parts: PeerParts,
     error: Option<Error>,
 }
@@ -65,7 +65,7 @@ impl PeerParts {
     #[inline]
     fn add(
         &mut self,
-        dst_device: &Device,
+        dst: &Core,
         src_key: u32,
         src_offset: u64,
         src_at: u64,
@@ -76,7 +76,7 @@ impl PeerParts {
         len: u64,
     ) -> Result<()> {
         if len > 0 && !self.out_of_order && len < PEER_DMA_MIN {
-            self.descriptors.reserve(dst_device.core(), pieces(len))?;
+            self.descriptors.reserve(dst, pieces(len))?;
         }
         self.copies += 1;
         if len == 0 {
@@ -144,7 +144,7 @@ impl PeerParts {
     /// caller then adds range by range).
     fn extend_in_order(
         &mut self,
-        dst_device: &Device,
+        dst: &Core,
         dst_key: u32,
         src_ptr: u64,
         dst_ptr: u64,
@@ -155,7 +155,7 @@ impl PeerParts {
         if self.out_of_order {
             return Ok(false);
         }
-        self.descriptors.reserve(dst_device.core(), ranges.len())?;
+        self.descriptors.reserve(dst, ranges.len())?;
         if key >= self.ends.len() {
             self.ends.resize(key + 1, 0);
         }
@@ -205,7 +205,7 @@ impl PeerParts {
     /// For copies out of order: the descriptors and DMAs with overlaps resolved (the later
     /// copy wins), from an upload plan of the destinations (every interval direct, one
     /// chunk), whose fills say which copy supplies each destination byte.
-    fn resolve(&mut self, dst_device: &Device, planner: &mut Planner, plan: &mut UploadPlan) -> Result<()> {
+    fn resolve(&mut self, dst: &Core, planner: &mut Planner, plan: &mut UploadPlan) -> Result<()> {
         self.descriptors.clear();
         self.dmas.clear();
         let config = PlanConfig { direct_threshold: 0, chunk_bytes: 1 << 62, align: 1 };
@@ -229,7 +229,7 @@ impl PeerParts {
             })
             .collect();
         let kernel_copies = moves.iter().filter(|m| m.len < PEER_DMA_MIN).map(|m| pieces(m.len)).sum();
-        self.descriptors.reserve(dst_device.core(), kernel_copies)?;
+        self.descriptors.reserve(dst, kernel_copies)?;
         for m in moves {
             self.route(m);
         }
@@ -239,31 +239,23 @@ impl PeerParts {
 
 impl Drop for PeerBatch<'_> {
     fn drop(&mut self) {
-        self.dst.core().spares.peer.give(std::mem::take(&mut self.parts));
+        self.dst.spares.peer.give(std::mem::take(&mut self.parts));
     }
 }
 
 impl fmt::Debug for PeerBatch<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PeerBatch")
-            .field("src", &self.src.info().ordinal)
-            .field("dst", &self.dst.info().ordinal)
+            .field("src", &self.src.info.ordinal)
+            .field("dst", &self.dst.info.ordinal)
             .field("copies", &self.parts.copies)
             .finish_non_exhaustive()
     }
 }
 
-impl Device {
-    /// Starts a batch of copies from buffers of `src` into buffers of this device. `src` may
-    /// be this device itself (copies inside one GPU).
-    ///
-    /// The copies read `src`'s memory directly when this device may access it
-    /// ([`Device::enable_peer`]); otherwise they are staged through host memory, which
-    /// works between any two GPUs but blocks `submit` until the source bytes are on the
-    /// host.
-    pub fn peer_copies<'a>(&'a self, src: &'a Device) -> PeerBatch<'a> {
-        PeerBatch { dst: self, src, parts: self.core().spares.peer.take(), error: None }
-    }
+/// The work of [`Device::peer_copies`](crate::Device::peer_copies).
+pub(crate) fn peer_copies<'a>(core: &'a Arc<Core>, src: &'a Arc<Core>) -> PeerBatch<'a> {
+    PeerBatch { dst: core, src, parts: core.spares.peer.take(), error: None }
 }
 
 impl PeerBatch<'_> {
@@ -280,9 +272,9 @@ impl PeerBatch<'_> {
         let parts = &mut self.parts;
         // Peer batches keep no in-order layout of their own (they track order in `ends`).
         (parts.src_table.apart.broken, parts.dst_table.apart.broken) = (true, true);
-        let (src_key, _) = parts.src_table.check(self.src.core(), src, src_offset, len, &mut self.error)?;
+        let (src_key, _) = parts.src_table.check(&self.src.alloc, src, src_offset, len, &mut self.error)?;
         let (dst_key, dst_len) =
-            parts.dst_table.check(self.dst.core(), dst, dst_offset, len, &mut self.error)?;
+            parts.dst_table.check(&self.dst.alloc, dst, dst_offset, len, &mut self.error)?;
         let src_at = parts.src_table.entries[src_key as usize].ptr + src_offset;
         let dst_at = parts.dst_table.entries[dst_key as usize].ptr + dst_offset;
         let added =
@@ -302,8 +294,8 @@ impl PeerBatch<'_> {
         ranges: &[(u64, u64, u64)],
     ) -> Result<&mut Self> {
         let parts = &mut self.parts;
-        let (src_key, _) = parts.src_table.check(self.src.core(), src, 0, 0, &mut self.error)?;
-        let (dst_key, _) = parts.dst_table.check(self.dst.core(), dst, 0, 0, &mut self.error)?;
+        let (src_key, _) = parts.src_table.check(&self.src.alloc, src, 0, 0, &mut self.error)?;
+        let (dst_key, _) = parts.dst_table.check(&self.dst.alloc, dst, 0, 0, &mut self.error)?;
         let (s, d) = (parts.src_table.entries[src_key as usize], parts.dst_table.entries[dst_key as usize]);
         let fits = |offset: u64, len: u64, buffer_len: u64| {
             offset.checked_add(len).is_some_and(|end| end <= buffer_len)
@@ -379,13 +371,13 @@ impl PeerBatch<'_> {
             self.check_live()?;
             return Ok(Fence::completed());
         }
-        if self.dst.can_read_directly(self.src) { self.submit_direct() } else { self.submit_staged() }
+        if super::can_read_directly(self.dst, self.src) { self.submit_direct() } else { self.submit_staged() }
     }
 
     /// Fails if a buffer the batch names was freed since (for paths that claim none).
     fn check_live(&self) -> Result<()> {
-        let live = |d: &Device, t: &BufferTable| {
-            t.entries.iter().try_for_each(|e| d.core().alloc.resolve(e.buffer).map(drop))
+        let live = |d: &Core, t: &BufferTable| {
+            t.entries.iter().try_for_each(|e| d.alloc.resolve(e.buffer).map(drop))
         };
         live(self.src, &self.parts.src_table)?;
         live(self.dst, &self.parts.dst_table)
@@ -395,7 +387,7 @@ impl PeerBatch<'_> {
     /// on the destination's upload lane.
     fn submit_direct(&mut self) -> Result<Fence> {
         let (src, dst) = (self.src, self.dst);
-        let (src_core, dst_core) = (src.core(), dst.core());
+        let (src_core, dst_core) = (src, dst);
         let mut exec = Exec::begin(dst_core, LaneKind::Upload);
         let mut scratch = lock(&dst_core.staging[LaneKind::Upload.index()]);
         let scratch = &mut *scratch;
@@ -415,7 +407,7 @@ impl PeerBatch<'_> {
         };
         // What the kernel moves: what lands less what the DMAs move.
         let by_kernel = landed - self.parts.dmas.iter().map(|m| m.len).sum::<u64>();
-        let table = self.parts.descriptors.take(dst.core())?;
+        let table = self.parts.descriptors.take(&**dst)?;
         let parts = &self.parts;
         let mut keep = Vec::new();
         let mut kernel = None;
@@ -426,7 +418,7 @@ impl PeerBatch<'_> {
             // memory (mapped for every device): no upload of the table first, whose DMA and
             // wait cost more than the warps' reads over the bus (8192 x 256 B peer copies:
             // see BENCHMARKS.md). Otherwise it is uploaded to device staging.
-            let dev = if dst.info().unified_addressing {
+            let dev = if dst.info.unified_addressing {
                 None
             } else {
                 let area = kernels::table_bytes(count);
@@ -517,18 +509,18 @@ impl PeerBatch<'_> {
         // Each group is one readback into the source's pinned pool, whole: at most half its
         // cap, counting what a read takes there (its bytes, rounded for the gather, and its
         // descriptors).
-        let group = (self.dst.config().chunk_bytes.max(1 << 20) * crate::plan::route::RING as u64)
-            .min(self.src.config().pinned_cap_bytes / 2)
+        let group = (self.dst.config.chunk_bytes.max(1 << 20) * crate::plan::route::RING as u64)
+            .min(self.src.config.pinned_cap_bytes / 2)
             .max(1);
         let mut fence = Fence::completed();
         let mut pieces: Vec<(ResidentBuffer, u64, ResidentBuffer, u64, u64)> = Vec::new();
         let mut bytes = 0;
         let flush = |pieces: &mut Vec<(ResidentBuffer, u64, ResidentBuffer, u64, u64)>| -> Result<Fence> {
-            let mut reads = self.src.downloads();
+            let mut reads = crate::transfer::readback::downloads(self.src);
             let slots =
                 pieces.iter().map(|&(b, o, _, _, len)| reads.read(b, o, len)).collect::<Result<Vec<_>>>()?;
             let done = reads.submit()?.wait()?;
-            let mut uploads = self.dst.uploads();
+            let mut uploads = crate::transfer::upload::uploads(self.dst);
             for (&(_, _, b, o, _), &slot) in pieces.iter().zip(&slots) {
                 uploads.write(b, o, done.get(slot))?;
             }

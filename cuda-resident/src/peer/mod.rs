@@ -7,148 +7,69 @@
 //! each device's context current on the calling thread as they need it and leave the last
 //! one current: a caller that mixes in driver calls of its own makes its context current
 //! again first ([`Device::make_current`]).
+//!
+//! [`Device`]: crate::Device
+//! [`DeviceSet`]: crate::DeviceSet
+//! [`Device::enable_peer`]: crate::Device::enable_peer
+//! [`Device::make_current`]: crate::Device::make_current
 
-mod copy;
+pub(crate) mod copy;
 
 pub use copy::PeerBatch;
 
 use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
-use crate::device::{Config, Device, shared_driver};
 use crate::engine::Exec;
+use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::error::{Error, Result};
 use crate::plan::route::RING;
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
 
-/// How [`DeviceSet::fan_out_with`] reaches its devices.
+/// How [`DeviceSet::fan_out_with`](crate::DeviceSet::fan_out_with) reaches its devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FanOutPath {
     /// Pack the bytes once into portable pinned memory, chunk by chunk, and copy each
     /// chunk to every device over that GPU's own link, all devices at once.
     EachLink,
     /// Upload to the first target, then copy from it to the others over the peer links
-    /// ([`Device::peer_copies`]).
+    /// ([`Device::peer_copies`](crate::Device::peer_copies)).
     FirstThenPeers,
 }
 
-/// The GPUs of one host (all of them, or those chosen), each a [`Device`] with its own
-/// budget, resident store, staging and lanes.
-#[derive(Clone, Debug)]
-pub struct DeviceSet {
-    devices: Vec<Device>,
-}
-
-impl DeviceSet {
-    /// Opens every device the driver sees, each with the default [`Config`].
-    pub fn open_all() -> Result<DeviceSet> {
-        DeviceSet::open_all_with(Config::default())
+/// The work of [`DeviceSet::fan_out_with`](crate::DeviceSet::fan_out_with), once every
+/// target was checked: `places` holds each target's device, buffer and address at `offset`.
+pub(crate) fn fan_out(
+    path: FanOutPath,
+    data: &[u8],
+    places: &[(&Arc<Core>, ResidentBuffer, u64)],
+    offset: u64,
+) -> Result<Vec<Fence>> {
+    let len = data.len() as u64;
+    if data.is_empty() || places.is_empty() {
+        return Ok(vec![Fence::completed(); places.len()]);
     }
-
-    /// Opens every device the driver sees, each with `config` (each gets its own budget:
-    /// `budget_fraction` applies per device).
-    pub fn open_all_with(config: Config) -> Result<DeviceSet> {
-        let count = Device::count()?;
-        let driver = shared_driver()?;
-        let devices = (0..count).map(|i| Device::open_with(Arc::clone(&driver), i, config.clone()));
-        Ok(DeviceSet { devices: devices.collect::<Result<_>>()? })
-    }
-
-    /// A set of devices opened by the caller (with configs of their own), in that order.
-    pub fn from_devices(devices: Vec<Device>) -> DeviceSet {
-        DeviceSet { devices }
-    }
-
-    /// Number of devices.
-    pub fn len(&self) -> usize {
-        self.devices.len()
-    }
-
-    /// Whether the set holds no device.
-    pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
-    }
-
-    /// Device `index` of the set.
-    pub fn get(&self, index: usize) -> Result<&Device> {
-        self.devices.get(index).ok_or(Error::NotInSet { index, len: self.devices.len() })
-    }
-
-    /// The devices, in set order.
-    pub fn devices(&self) -> &[Device] {
-        &self.devices
-    }
-
-    /// Enables peer access between every pair of devices that can have it
-    /// ([`Device::enable_peer`]); pairs without a peer path are left as they are (their
-    /// copies stage through host memory). Returns the number of pairs with access.
-    pub fn enable_all_peers(&self) -> Result<usize> {
-        let mut enabled = 0;
-        for (i, a) in self.devices.iter().enumerate() {
-            for b in &self.devices[i + 1..] {
-                match a.enable_peer(b) {
-                    Ok(()) => enabled += 1,
-                    Err(Error::PeerUnsupported { .. }) => {}
-                    Err(e) => return Err(e),
+    match path {
+        FanOutPath::EachLink => fan_out_each_link(data, places),
+        FanOutPath::FirstThenPeers => {
+            let (first, first_buffer, _) = places[0];
+            let mut uploads = crate::transfer::upload::uploads(first);
+            uploads.write(first_buffer, offset, data)?;
+            let first_fence = uploads.submit()?;
+            let mut fences = vec![first_fence.clone()];
+            for &(device, buffer, _) in &places[1..] {
+                if buffer == first_buffer && std::ptr::eq(device, first) {
+                    // The first target named again: already written.
+                    fences.push(first_fence.clone());
+                    continue;
                 }
+                let mut copies = copy::peer_copies(device, first);
+                copies.copy(first_buffer, offset, buffer, offset, len)?;
+                fences.push(copies.submit()?);
             }
-        }
-        Ok(enabled)
-    }
-
-    /// Writes `data` at `offset` into every target (a device index of this set and a buffer
-    /// of that device), by [`FanOutPath::EachLink`], the faster path where measured
-    /// (docs/multi-gpu.md; [`DeviceSet::fan_out_with`] picks the other).
-    /// Returns one fence per target, in target order.
-    pub fn fan_out(
-        &self,
-        data: &[u8],
-        targets: &[(usize, ResidentBuffer)],
-        offset: u64,
-    ) -> Result<Vec<Fence>> {
-        self.fan_out_with(FanOutPath::EachLink, data, targets, offset)
-    }
-
-    /// [`DeviceSet::fan_out`] by the path given. Every target is checked before anything
-    /// moves.
-    pub fn fan_out_with(
-        &self,
-        path: FanOutPath,
-        data: &[u8],
-        targets: &[(usize, ResidentBuffer)],
-        offset: u64,
-    ) -> Result<Vec<Fence>> {
-        let len = data.len() as u64;
-        let mut places = Vec::with_capacity(targets.len());
-        for &(index, buffer) in targets {
-            let device = self.get(index)?;
-            places.push((device, buffer, device.checked_range(buffer, offset, len)?));
-        }
-        if data.is_empty() || places.is_empty() {
-            return Ok(vec![Fence::completed(); places.len()]);
-        }
-        match path {
-            FanOutPath::EachLink => fan_out_each_link(data, &places),
-            FanOutPath::FirstThenPeers => {
-                let (first, first_buffer, _) = places[0];
-                let mut uploads = first.uploads();
-                uploads.write(first_buffer, offset, data)?;
-                let first_fence = uploads.submit()?;
-                let mut fences = vec![first_fence.clone()];
-                for &(device, buffer, _) in &places[1..] {
-                    if buffer == first_buffer && std::ptr::eq(device.core(), first.core()) {
-                        // The first target named again: already written.
-                        fences.push(first_fence.clone());
-                        continue;
-                    }
-                    let mut copies = device.peer_copies(first);
-                    copies.copy(first_buffer, offset, buffer, offset, len)?;
-                    fences.push(copies.submit()?);
-                }
-                Ok(fences)
-            }
+            Ok(fences)
         }
     }
 }
@@ -161,18 +82,18 @@ impl DeviceSet {
 /// Only the first target's lane keeps a chunk's staging: after the other devices' copies of
 /// it, that lane gets a submission that waits for them on the GPU and holds the chunk, so
 /// the staging returns to its pool through the lanes that pool's own waits poll.
-fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> Result<Vec<Fence>> {
+fn fan_out_each_link(data: &[u8], places: &[(&Arc<Core>, ResidentBuffer, u64)]) -> Result<Vec<Fence>> {
     let stager = places[0].0;
     // One lane batch per distinct device, taken in one global order (by core address) so
     // that concurrent fan-outs cannot deadlock.
-    let mut devices: Vec<&Device> = places.iter().map(|p| p.0).collect();
-    devices.sort_by_key(|d| Arc::as_ptr(d.core()) as usize);
-    devices.dedup_by_key(|d| Arc::as_ptr(d.core()) as usize);
-    let same = |a: &Device, b: &Device| Arc::ptr_eq(a.core(), b.core());
+    let mut devices: Vec<&Arc<Core>> = places.iter().map(|p| p.0).collect();
+    devices.sort_by_key(|d| Arc::as_ptr(d) as usize);
+    devices.dedup_by_key(|d| Arc::as_ptr(d) as usize);
+    let same = |a: &Arc<Core>, b: &Arc<Core>| Arc::ptr_eq(a, b);
     let home = devices.iter().position(|d| same(d, stager)).expect("a target");
     let others = devices.len() > 1;
-    let mut execs: Vec<Exec<'_>> = devices.iter().map(|d| Exec::begin(d.core(), LaneKind::Upload)).collect();
-    let chunk = stager.config().chunk_bytes as usize;
+    let mut execs: Vec<Exec<'_>> = devices.iter().map(|d| Exec::begin(d, LaneKind::Upload)).collect();
+    let chunk = stager.config.chunk_bytes as usize;
     let ring = execs[home].room(chunk as u64).min(RING);
     let chunks = data.len().div_ceil(chunk) as u64;
     let mut finals = Vec::with_capacity(devices.len());
@@ -200,7 +121,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
         pieces.clear();
         Piece::push_split(&mut pieces, Piece { dst: base, src: part.as_ptr(), len: part.len() });
         // SAFETY: the pieces cover the fresh lease's first part.len() bytes from the live slice.
-        unsafe { Piece::copy_all(stager.core(), &pieces) };
+        unsafe { Piece::copy_all(&stager.packers, &pieces) };
         let at = (k * chunk) as u64;
         let mut row = Vec::with_capacity(devices.len());
         for (i, exec) in execs.iter_mut().enumerate() {
@@ -230,7 +151,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
         if others {
             // The first target's lane waits for every device's copy of this chunk, on the
             // GPU, then holds the chunk until then.
-            let ordered = stager.make_current().and_then(|()| {
+            let ordered = stager.ctx.bind().and_then(|_| {
                 execs.iter().zip(&row).try_for_each(|(exec, &seq)| exec.make_wait(seq, home_stream))
             });
             if let Err(e) = ordered {
@@ -246,7 +167,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
         .iter()
         .map(|p| {
             let i = devices.iter().position(|d| same(d, p.0)).expect("listed above");
-            crate::engine::fence(p.0.core(), LaneKind::Upload, finals[i])
+            crate::engine::fence(p.0, LaneKind::Upload, finals[i])
         })
         .collect())
 }
@@ -254,67 +175,57 @@ fn fan_out_each_link(data: &[u8], places: &[(&Device, ResidentBuffer, u64)]) -> 
 /// After a failure part-way through a fan-out chunk: the copies already submitted (`row`,
 /// in device order) may still read the chunk's staging, which no submission keeps. Waits for
 /// them; if that fails too, the staging is never lent again (the context is lost).
-fn hold_until_done(lease: &Arc<crate::host_pool::HostLease>, row: &[u64], devices: &[&Device]) {
-    let waited = devices.iter().zip(row).all(|(d, &seq)| d.core().lane(LaneKind::Upload).wait(seq).is_ok());
+fn hold_until_done(lease: &Arc<crate::host_pool::HostLease>, row: &[u64], devices: &[&Arc<Core>]) {
+    let waited = devices.iter().zip(row).all(|(d, &seq)| d.lane(LaneKind::Upload).wait(seq).is_ok());
     if !waited {
         std::mem::forget(Arc::clone(lease));
     }
 }
 
-impl Device {
-    /// Whether this device can be given access to `peer`'s memory (and the other way
-    /// round): both directions must have a peer path. A device can always access its own.
-    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
-        let (a, b) = (self.core().ctx.device, peer.core().ctx.device);
-        if a == b {
-            return Ok(true);
-        }
-        let raw = &self.core().ctx.raw;
-        Ok(raw.device_can_access_peer(a, b)? && raw.device_can_access_peer(b, a)?)
+/// The work of [`Device::can_access_peer`](crate::Device::can_access_peer).
+pub(crate) fn can_access_peer(core: &Arc<Core>, peer: &Arc<Core>) -> Result<bool> {
+    let (a, b) = (core.ctx.device, peer.ctx.device);
+    if a == b {
+        return Ok(true);
     }
+    let raw = &core.ctx.raw;
+    Ok(raw.device_can_access_peer(a, b)? && raw.device_can_access_peer(b, a)?)
+}
 
-    /// Lets this device and `peer` access each other's memory (`cuCtxEnablePeerAccess` in
-    /// both directions), so that [`Device::peer_copies`] between them move over the peer
-    /// link. Calling it again is harmless. Fails with [`Error::PeerUnsupported`] where the
-    /// pair has no peer path; copies between them still work, staged through host memory.
-    ///
-    /// Access lasts while both devices are open: each keeps the other's context alive. The
-    /// calling thread's current context changes.
-    pub fn enable_peer(&self, peer: &Device) -> Result<()> {
-        let (a, b) = (self.core(), peer.core());
-        if a.ctx.device == b.ctx.device {
-            return Ok(());
-        }
-        let ordinal = |d: &Device| d.info().ordinal;
-        let raw = &a.ctx.raw;
-        if !raw.device_can_access_peer(a.ctx.device, b.ctx.device)? {
-            return Err(Error::PeerUnsupported { device: ordinal(self), peer: ordinal(peer) });
-        }
-        if !raw.device_can_access_peer(b.ctx.device, a.ctx.device)? {
-            return Err(Error::PeerUnsupported { device: ordinal(peer), peer: ordinal(self) });
-        }
-        for (from, to) in [(a, b), (b, a)] {
-            let mut peers = lock(&from.peers);
-            if peers.iter().any(|c| c.device == to.ctx.device) {
-                continue;
-            }
-            from.ctx.bind()?.ctx_enable_peer_access(to.ctx.ctx)?;
-            peers.push(Arc::clone(&to.ctx));
-        }
-        Ok(())
+/// The work of [`Device::enable_peer`](crate::Device::enable_peer).
+pub(crate) fn enable_peer(core: &Arc<Core>, peer: &Arc<Core>) -> Result<()> {
+    let (a, b) = (core, peer);
+    if a.ctx.device == b.ctx.device {
+        return Ok(());
     }
+    let ordinal = |d: &Core| d.info.ordinal;
+    let raw = &a.ctx.raw;
+    if !raw.device_can_access_peer(a.ctx.device, b.ctx.device)? {
+        return Err(Error::PeerUnsupported { device: core.info.ordinal, peer: ordinal(peer) });
+    }
+    if !raw.device_can_access_peer(b.ctx.device, a.ctx.device)? {
+        return Err(Error::PeerUnsupported { device: ordinal(peer), peer: core.info.ordinal });
+    }
+    for (from, to) in [(a, b), (b, a)] {
+        let mut peers = lock(&from.peers);
+        if peers.iter().any(|c| c.device == to.ctx.device) {
+            continue;
+        }
+        from.ctx.bind()?.ctx_enable_peer_access(to.ctx.ctx)?;
+        peers.push(Arc::clone(&to.ctx));
+    }
+    Ok(())
+}
 
-    /// Whether this device may access `peer`'s memory: the same GPU, or peer access enabled
-    /// through this device or `peer` ([`Device::enable_peer`]).
-    pub fn is_peer_enabled(&self, peer: &Device) -> bool {
-        self.can_read_directly(peer)
-    }
+/// The work of [`Device::is_peer_enabled`](crate::Device::is_peer_enabled).
+pub(crate) fn is_peer_enabled(core: &Arc<Core>, peer: &Arc<Core>) -> bool {
+    can_read_directly(core, peer)
+}
 
-    /// Whether kernels of this device may read `src`'s memory.
-    pub(crate) fn can_read_directly(&self, src: &Device) -> bool {
-        let (a, b) = (self.core(), src.core());
-        a.ctx.device == b.ctx.device || lock(&a.peers).iter().any(|c| c.device == b.ctx.device)
-    }
+/// Whether kernels of this device may read `src`'s memory.
+pub(crate) fn can_read_directly(core: &Arc<Core>, src: &Arc<Core>) -> bool {
+    let (a, b) = (core, src);
+    a.ctx.device == b.ctx.device || lock(&a.peers).iter().any(|c| c.device == b.ctx.device)
 }
 
 #[cfg(test)]

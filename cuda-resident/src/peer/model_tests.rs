@@ -384,7 +384,7 @@ fn small_pinned_pools_still_serve_fan_out_and_staged_copies() {
     let fences = set.fan_out(&data, &targets, 3).unwrap();
     fences[0].wait().unwrap();
     d0.upload_at(targets[0].1, 0, &data[..1000]).unwrap();
-    drop(d0.acquire_staging(64 << 10).unwrap());
+    drop(d0.core().acquire_staging(64 << 10).unwrap());
     fences[1].wait().unwrap();
     // Many tiny staged copies: their descriptors count against the small pool too.
     let src = d0.allocate(1 << 20).unwrap();

@@ -5,11 +5,11 @@
 //! its route and layout, and moves through the executor (`crate::engine`). Prepared sets
 //! lay out a fixed set of ranges once; single copies move one range.
 
-mod convenience;
-mod prepared;
-mod readback;
-mod single;
-mod upload;
+pub(crate) mod convenience;
+pub(crate) mod prepared;
+pub(crate) mod readback;
+pub(crate) mod single;
+pub(crate) mod upload;
 
 pub(crate) use crate::engine::table::BufferTable;
 pub use prepared::{PreparedDownloads, PreparedUploads};

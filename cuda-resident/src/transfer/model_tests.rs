@@ -628,7 +628,7 @@ fn a_panic_while_opening_a_chunk_reaches_the_caller_without_hanging() {
     let groups = big_groups(4);
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         run(
-            d.core(),
+            &d.core().packers,
             &groups,
             8 << 20,
             2,
@@ -643,7 +643,7 @@ fn a_panic_while_opening_a_chunk_reaches_the_caller_without_hanging() {
     // The packing threads are free again.
     let done = std::sync::atomic::AtomicUsize::new(0);
     run(
-        d.core(),
+        &d.core().packers,
         &groups,
         8 << 20,
         2,
@@ -667,7 +667,7 @@ fn a_call_from_a_packing_thread_runs_on_it_alone_in_chunk_order() {
         .packers()
         .install(|| {
             run(
-                d.core(),
+                &d.core().packers,
                 &groups,
                 6 << 20,
                 3,
@@ -695,7 +695,7 @@ fn chunks_put_off_open_after_the_next_move_and_everything_runs_once() {
     let mut steps = Vec::new();
     let mut moved = 0;
     run(
-        d.core(),
+        &d.core().packers,
         &groups,
         12 << 20,
         4,
@@ -738,7 +738,7 @@ fn packing_threads_sleep_through_a_long_wait_for_a_chunk_and_wake_to_finish() {
     let before = SLEEPS.load(Ordering::Relaxed);
     let done = AtomicUsize::new(0);
     run(
-        d.core(),
+        &d.core().packers,
         &groups,
         6 << 20,
         3,
@@ -782,7 +782,7 @@ fn one_packing_thread_packs_on_the_calling_thread() {
     let before = runs();
     let done = std::sync::atomic::AtomicUsize::new(0);
     crate::engine::pipeline::run(
-        d.core(),
+        &d.core().packers,
         &groups,
         4 << 20,
         2,

@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use super::BufferTable;
 use crate::alloc::ResidentBuffer;
-use crate::device::Device;
 use crate::engine::Exec;
+use crate::engine::core::Core;
 use crate::engine::pipeline::{self, Groups, Step};
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
@@ -31,10 +31,10 @@ use crate::plan::route::{
 use crate::stream::{Fence, LaneKind};
 use crate::transfer::{PendingDownload, Slot};
 
-/// A set of upload ranges checked and laid out once ([`Device::prepare_uploads`]), uploaded
+/// A set of upload ranges checked and laid out once ([`Device::prepare_uploads`](crate::Device::prepare_uploads)), uploaded
 /// with new bytes by [`PreparedUploads::upload`].
 pub struct PreparedUploads {
-    device: Device,
+    core: Arc<Core>,
     ranges: Vec<(ResidentBuffer, u64, u64)>,
     /// The layout and the packing threads' groups, for the fast path.
     fast: Option<(Layout, Groups)>,
@@ -45,10 +45,10 @@ pub struct PreparedUploads {
     slices: Vec<&'static [u8]>,
 }
 
-/// A set of download ranges checked and laid out once ([`Device::prepare_downloads`]), read
+/// A set of download ranges checked and laid out once ([`Device::prepare_downloads`](crate::Device::prepare_downloads)), read
 /// by [`PreparedDownloads::submit`] or [`PreparedDownloads::download_into`].
 pub struct PreparedDownloads {
-    device: Device,
+    core: Arc<Core>,
     ranges: Vec<(ResidentBuffer, u64, u64)>,
     /// The layout, the views of its downloads, and each chunk's first read then the count,
     /// for the fast path.
@@ -66,7 +66,7 @@ pub struct PreparedDownloads {
 /// bus, which measured faster for small copies (BENCHMARKS.md).
 struct Layout {
     /// The device, which frees the table when the layout goes.
-    device: Device,
+    core: Arc<Core>,
     /// Each distinct buffer and the table, claimed by every move.
     buffers: Vec<ResidentBuffer>,
     offsets: Vec<u64>,
@@ -84,7 +84,7 @@ impl Drop for Layout {
     fn drop(&mut self) {
         // Freed once the moves that use it are done (they marked it used); a refused free
         // leaves the buffer listed, as any.
-        let _ = self.device.free(self.table);
+        let _ = self.core.free(self.table);
     }
 }
 
@@ -106,94 +106,71 @@ impl std::fmt::Debug for PreparedDownloads {
     }
 }
 
-impl Device {
-    /// Checks `ranges` (`(buffer, offset, len)` each) once, for uploading them again and
-    /// again with new bytes ([`PreparedUploads::upload`]): the fast way to move the same
-    /// thousands of small ranges every step.
-    ///
-    /// Ranges in order and apart (each past the end of the previous range of its buffer,
-    /// with a gap), none longer than 16 KiB and at least 64 of them, are laid out once: the
-    /// set keeps a pinned region for their bytes (from the pinned pool, packed as the ranges
-    /// lie, until the set is dropped) and a device buffer of 24 bytes a range (counted in
-    /// [`Device::allocated_bytes`]) with every descriptor written there once: an upload then
-    /// costs one parallel copy of the bytes and one launch per chunk. Other sets move
-    /// as an [`UploadBatch`](crate::UploadBatch) each time (writes in order; later ones win).
-    ///
-    /// # Errors
-    /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept.
-    /// [`Error::PinnedExhausted`] or [`Error::PinnedCapExceeded`] when the pool cannot hold
-    /// the region; the allocator's errors for the table.
-    pub fn prepare_uploads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedUploads> {
-        let fast = Layout::new(self, ranges, LaneKind::Upload)?.map(|layout| {
-            let spans = layout.spans.iter().enumerate().map(|(k, span)| (k, span.requests.clone()));
-            let groups = Groups::by_mean(
-                layout.spans.len(),
-                spans,
-                (ranges.len(), layout.requested as usize),
-                layout.chunk_bytes.min(layout.requested),
-                self.core().packers().current_num_threads(),
-            );
-            (layout, groups)
-        });
-        Ok(PreparedUploads {
-            device: self.clone(),
-            ranges: ranges.to_vec(),
-            fast,
-            last_seq: None,
-            slices: Vec::new(),
-        })
-    }
+/// The work of [`Device::prepare_uploads`](crate::Device::prepare_uploads).
+pub(crate) fn prepare_uploads(
+    core: &Arc<Core>,
+    ranges: &[(ResidentBuffer, u64, u64)],
+) -> Result<PreparedUploads> {
+    let fast = Layout::new(core, ranges, LaneKind::Upload)?.map(|layout| {
+        let spans = layout.spans.iter().enumerate().map(|(k, span)| (k, span.requests.clone()));
+        let groups = Groups::by_mean(
+            layout.spans.len(),
+            spans,
+            (ranges.len(), layout.requested as usize),
+            layout.chunk_bytes.min(layout.requested),
+            core.packers().current_num_threads(),
+        );
+        (layout, groups)
+    });
+    Ok(PreparedUploads {
+        core: Arc::clone(core),
+        ranges: ranges.to_vec(),
+        fast,
+        last_seq: None,
+        slices: Vec::new(),
+    })
+}
 
-    /// Checks `ranges` (`(buffer, offset, len)` each) once, for reading them again and again
-    /// ([`PreparedDownloads::submit`], [`PreparedDownloads::download_into`]).
-    ///
-    /// Ranges in order and apart, as for [`Device::prepare_uploads`], are laid out once in a
-    /// pinned region that the set keeps, with every descriptor and view made once: a
-    /// download then costs one launch per chunk, and its [`Downloaded`](crate::Downloaded)'s views
-    /// point into that region. While one download of the set is alive (or in flight), the
-    /// next moves as a [`DownloadBatch`](crate::DownloadBatch) of its own, so views never
-    /// change under a caller: drop a download before the next submit to stay on the fast
-    /// path. Other sets move as a batch each time, and so does a set whose region the
-    /// pinned pool cannot lend (larger than
-    /// [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes), or more than is free):
-    /// such a batch streams through the pool (see [`DownloadBatch`](crate::DownloadBatch)).
-    ///
-    /// # Errors
-    /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept. The
-    /// allocator's errors for the table.
-    pub fn prepare_downloads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedDownloads> {
-        if ranges.len() > super::readback::MAX_READS {
-            return Err(Error::TooManyReads { most: super::readback::MAX_READS });
-        }
-        let fast = Layout::new(self, ranges, LaneKind::Readback)?.map(|layout| {
-            let (views, chunks) = layout.views(ranges);
-            (layout, views, chunks)
-        });
-        let id = super::readback::next_batch_id();
-        let slots = (0..ranges.len()).map(|i| Slot::nth(id, i)).collect();
-        Ok(PreparedDownloads { device: self.clone(), ranges: ranges.to_vec(), fast, slots, id })
+/// The work of [`Device::prepare_downloads`](crate::Device::prepare_downloads).
+pub(crate) fn prepare_downloads(
+    core: &Arc<Core>,
+    ranges: &[(ResidentBuffer, u64, u64)],
+) -> Result<PreparedDownloads> {
+    if ranges.len() > super::readback::MAX_READS {
+        return Err(Error::TooManyReads { most: super::readback::MAX_READS });
     }
+    let fast = Layout::new(core, ranges, LaneKind::Readback)?.map(|layout| {
+        let (views, chunks) = layout.views(ranges);
+        (layout, views, chunks)
+    });
+    let id = super::readback::next_batch_id();
+    let slots = (0..ranges.len()).map(|i| Slot::nth(id, i)).collect();
+    Ok(PreparedDownloads { core: Arc::clone(core), ranges: ranges.to_vec(), fast, slots, id })
 }
 
 impl Layout {
     /// Checks every range; lays them out if they take the fast path (else `None`).
-    fn new(device: &Device, ranges: &[(ResidentBuffer, u64, u64)], kind: LaneKind) -> Result<Option<Layout>> {
+    fn new(
+        core: &Arc<Core>,
+        ranges: &[(ResidentBuffer, u64, u64)],
+        kind: LaneKind,
+    ) -> Result<Option<Layout>> {
         let mut table = BufferTable::default();
         let mut first_error = None;
         let mut keys = Vec::with_capacity(ranges.len());
         for &(buffer, offset, len) in ranges {
-            keys.push(table.check(device.core(), buffer, offset, len, &mut first_error)?.0);
+            keys.push(table.check(&core.alloc, buffer, offset, len, &mut first_error)?.0);
         }
         let apart = &table.apart;
         if ranges.len() < IN_ORDER_MIN
             || apart.broken
-            || apart.longest >= device.config().direct_threshold
-            || !device.moves_small_copies_over_bus()
+            || apart.longest >= core.config.direct_threshold
+            || !core.moves_small_copies_over_bus()
         {
             return Ok(None);
         }
         let depth = if kind == LaneKind::Upload { PIPELINE_DEPTH } else { READ_DEPTH };
-        let chunk_bytes = in_order_chunk(device.config().chunk_bytes, apart.requested, depth);
+        let chunk_bytes = in_order_chunk(core.config.chunk_bytes, apart.requested, depth);
         let mut spans = Vec::new();
         if kind == LaneKind::Upload {
             cut_apart(&apart.offsets, |i| ranges[i].2, growing(FIRST_CHUNK, chunk_bytes), &mut spans);
@@ -203,7 +180,7 @@ impl Layout {
         // Held staging: a set that finds no room for it (past the held limit, the pool's
         // reserve for transfers, or larger than the pool can lend) moves as batches do, which
         // stream through the pool.
-        let lease = match device.acquire_held_staging(apart.end as usize) {
+        let lease = match core.acquire_held_staging(apart.end as usize) {
             Ok(lease) => lease,
             Err(e) if e.is_staging_refusal() => return Ok(None),
             Err(e) => return Err(e),
@@ -226,19 +203,20 @@ impl Layout {
                 descriptors.len() * size_of::<CopyDescriptor>(),
             )
         };
-        let table_buffer = device.allocate_for_library(bytes.len() as u64)?;
-        let table_ptr =
-            match device.upload(table_buffer, bytes).and_then(|()| device.device_ptr(table_buffer)) {
-                Ok(ptr) => ptr,
-                Err(e) => {
-                    let _ = device.free(table_buffer);
-                    return Err(e);
-                }
-            };
+        let table_buffer = core.allocate_for_library(bytes.len() as u64)?;
+        let table_ptr = match super::convenience::upload(core, table_buffer, bytes)
+            .and_then(|()| core.device_ptr(table_buffer))
+        {
+            Ok(ptr) => ptr,
+            Err(e) => {
+                let _ = core.free(table_buffer);
+                return Err(e);
+            }
+        };
         let mut buffers: Vec<ResidentBuffer> = table.buffers().collect();
         buffers.push(table_buffer);
         Ok(Some(Layout {
-            device: device.clone(),
+            core: Arc::clone(core),
             buffers,
             offsets: std::mem::take(&mut table.apart.offsets),
             spans,
@@ -347,8 +325,7 @@ impl PreparedUploads {
         if let Some(i) = ranges.iter().zip(slices).position(|(r, d)| d.len() as u64 != r.2) {
             return Err(Error::PreparedDataLength { index: i, expected: ranges[i].2, got: slices[i].len() });
         }
-        let device = &self.device;
-        let core = device.core();
+        let core = &self.core;
         let lane = core.lane(LaneKind::Upload);
         if let Some((layout, groups)) = self.fast.as_mut() {
             if let Some(seq) = self.last_seq
@@ -365,7 +342,7 @@ impl PreparedUploads {
                 let base = layout.lease.as_ptr() as usize;
                 let mut final_seq = None;
                 let moved = pipeline::run(
-                    core,
+                    &core.packers,
                     groups,
                     layout.requested as usize,
                     layout.spans.len(),
@@ -404,7 +381,7 @@ impl PreparedUploads {
                 return Ok(exec.finish());
             }
         }
-        let mut batch = device.uploads();
+        let mut batch = super::upload::uploads(core);
         for (&(buffer, offset, _), &bytes) in self.ranges.iter().zip(slices) {
             batch.write(buffer, offset, bytes)?;
         }
@@ -447,8 +424,7 @@ impl PreparedDownloads {
     /// # Errors
     /// A buffer freed since the set was prepared, with nothing enqueued.
     pub fn submit(&mut self) -> Result<PendingDownload> {
-        let device = &self.device;
-        let core = device.core();
+        let core = &self.core;
         let lane = core.lane(LaneKind::Readback);
         if let Some((layout, views, chunks)) = self.fast.as_mut() {
             // Retire what completed: a readback that is done and dropped no longer holds
@@ -468,7 +444,7 @@ impl PreparedDownloads {
                     layout.launch(&mut exec, kernels, k)?;
                 }
                 return Ok(PendingDownload::prepared(
-                    device.clone(),
+                    Arc::clone(core),
                     exec.finish(),
                     first_seq,
                     Arc::clone(&layout.lease),
@@ -483,7 +459,7 @@ impl PreparedDownloads {
 
     /// The set's reads as a batch of its own (whose slots are the set's).
     fn as_batch(&self) -> Result<crate::DownloadBatch<'_>> {
-        let mut batch = self.device.readbacks_as(self.id);
+        let mut batch = super::readback::readbacks_as(&self.core, self.id);
         for &(buffer, offset, len) in &self.ranges {
             batch.read(buffer, offset, len)?;
         }

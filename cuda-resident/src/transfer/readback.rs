@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::BufferTable;
 use crate::alloc::ResidentBuffer;
-use crate::device::Device;
+use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::pipeline::{self, Groups, Step};
 use crate::engine::staging::DeviceStaging;
@@ -62,7 +62,7 @@ pub(crate) fn next_batch_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A batch of device-to-host reads ([`Device::downloads`]). Reads of one buffer that overlap
+/// A batch of device-to-host reads ([`Device::downloads`](crate::Device::downloads)). Reads of one buffer that overlap
 /// or touch are fused and move once.
 ///
 /// Every read is checked when it is added ([`DownloadBatch::read`], [`DownloadBatch::read_all`],
@@ -79,7 +79,7 @@ pub(crate) fn next_batch_id() -> u64 {
 /// batch straight into the caller's vectors instead.
 #[must_use = "a download batch moves nothing until it is submitted"]
 pub struct DownloadBatch<'a> {
-    device: &'a Device,
+    core: &'a Arc<Core>,
     table: BufferTable,
     reads: Vec<ReadRequest>,
     error: Option<Error>,
@@ -117,10 +117,10 @@ pub struct PendingDownload {
 /// When it drops, the device keeps that host memory for the next such download (the larger
 /// of two; fresh gigabytes cost their page faults on each one) until
 /// [`Device::trim`](crate::Device::trim). ([`DownloadBatch::submit_into`],
-/// [`Device::download_many`], [`Device::download_ranges`] and [`Device::download_into`]
+/// [`Device::download_many`](crate::Device::download_many), [`Device::download_ranges`](crate::Device::download_ranges) and [`Device::download_into`](crate::Device::download_into)
 /// skip the host allocation: each chunk goes straight into the result vectors.)
 pub struct Downloaded {
-    device: Option<Device>,
+    core: Option<Arc<Core>>,
     /// The identity of the batch (or prepared set) whose slots this download redeems.
     batch: u64,
     lease: Option<Arc<HostLease>>,
@@ -142,7 +142,7 @@ pub struct Downloaded {
 impl Drop for DownloadBatch<'_> {
     fn drop(&mut self) {
         use std::mem::take;
-        self.device.core().spares.readback.give((take(&mut self.table), take(&mut self.reads)));
+        self.core.spares.readback.give((take(&mut self.table), take(&mut self.reads)));
     }
 }
 
@@ -165,14 +165,14 @@ impl std::ops::Deref for Views {
 
 impl Drop for Downloaded {
     fn drop(&mut self) {
-        if let (Some(device), Views::Pooled(views)) = (&self.device, &mut self.views) {
-            device.core().spares.views.give(std::mem::take(views));
+        if let (Some(core), Views::Pooled(views)) = (&self.core, &mut self.views) {
+            core.spares.views.give(std::mem::take(views));
         }
         // A streamed readback's host memory goes to the next one, the larger of two kept.
-        if let Some(device) = &self.device
+        if let Some(core) = &self.core
             && !self.host.is_empty()
         {
-            let mut spare = lock(&device.core().spares.streamed_host);
+            let mut spare = lock(&core.spares.streamed_host);
             if spare.len() < self.host.len() {
                 *spare = std::mem::take(&mut self.host);
             }
@@ -186,7 +186,7 @@ impl PendingDownload {
     /// and the bytes land in `lease` at the views' offsets; `views` comes with the set's
     /// identity, which its slots carry.
     pub(super) fn prepared(
-        device: Device,
+        core: Arc<Core>,
         fence: Fence,
         first_seq: u64,
         lease: Arc<HostLease>,
@@ -197,7 +197,7 @@ impl PendingDownload {
         PendingDownload {
             fence,
             readback: Downloaded {
-                device: Some(device),
+                core: Some(core),
                 batch,
                 lease: Some(lease),
                 host: Vec::new(),
@@ -218,18 +218,16 @@ impl fmt::Debug for Downloaded {
     }
 }
 
-impl Device {
-    /// Starts a batch of downloads.
-    pub fn downloads(&self) -> DownloadBatch<'_> {
-        self.readbacks_as(next_batch_id())
-    }
+/// The work of [`Device::downloads`](crate::Device::downloads).
+pub(crate) fn downloads(core: &Arc<Core>) -> DownloadBatch<'_> {
+    readbacks_as(core, next_batch_id())
+}
 
-    /// A batch whose slots and download carry the identity `id` (a prepared set's, so that
-    /// the set's slots redeem the downloads it moves as batches).
-    pub(crate) fn readbacks_as(&self, id: u64) -> DownloadBatch<'_> {
-        let (table, reads) = self.core().spares.readback.take();
-        DownloadBatch { device: self, table, reads, error: None, id }
-    }
+/// A batch whose slots and download carry the identity `id` (a prepared set's, so that
+/// the set's slots redeem the downloads it moves as batches).
+pub(crate) fn readbacks_as(core: &Arc<Core>, id: u64) -> DownloadBatch<'_> {
+    let (table, reads) = core.spares.readback.take();
+    DownloadBatch { core, table, reads, error: None, id }
 }
 
 impl DownloadBatch<'_> {
@@ -245,7 +243,7 @@ impl DownloadBatch<'_> {
             self.error.get_or_insert_with(|| e.clone());
             return Err(e);
         }
-        let (key, buffer_len) = self.table.check(self.device.core(), buffer, offset, len, &mut self.error)?;
+        let (key, buffer_len) = self.table.check(&self.core.alloc, buffer, offset, len, &mut self.error)?;
         let slot = Slot::nth(self.id, self.reads.len());
         self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(slot)
@@ -256,7 +254,7 @@ impl DownloadBatch<'_> {
     /// # Errors
     /// As [`DownloadBatch::read`]: a freed or foreign handle poisons the batch.
     pub fn read_all(&mut self, buffer: ResidentBuffer) -> Result<Slot> {
-        let len = match self.device.buffer_len(buffer) {
+        let len = match self.core.buffer_len(buffer) {
             Ok(len) => len,
             Err(e) => {
                 self.error.get_or_insert_with(|| e.clone());
@@ -379,7 +377,7 @@ impl PendingDownload {
             out.iter_mut().for_each(Vec::clear);
             return Err(e);
         }
-        let Some(device) = self.readback.device.clone().filter(|_| self.readback.lease.is_some()) else {
+        let Some(core) = self.readback.core.clone().filter(|_| self.readback.lease.is_some()) else {
             // Nothing moved, or a streamed batch: its bytes are in host memory already.
             if let Err(e) = self.fence.wait().and_then(|()| self.readback.copy_all_into(slots, out)) {
                 out.iter_mut().for_each(Vec::clear);
@@ -388,7 +386,7 @@ impl PendingDownload {
             return Ok(self.readback);
         };
         if !self.readback.chunks.is_empty() {
-            return self.wait_into_in_order(&device, slots, out);
+            return self.wait_into_in_order(&core, slots, out);
         }
         // Reads grouped by the chunk that completes them, split into pieces for the packing
         // threads, which copy a chunk's reads out as soon as it has landed.
@@ -408,14 +406,14 @@ impl PendingDownload {
             }
             spans.push((views[slots[same[0]].index as usize].last_chunk as usize, first..pieces.len()));
         }
-        let threads = device.core().packers().current_num_threads();
+        let threads = core.packers().current_num_threads();
         let chunk_bytes = (total / chunks.max(1)) as u64;
         let groups =
             Groups::new(chunks, spans.into_iter(), |p| pieces[p].len, Groups::target(chunk_bytes, threads));
-        let lane = device.core().lane(LaneKind::Readback);
+        let lane = core.lane(LaneKind::Readback);
         let first_seq = self.first_seq;
         pipeline::run(
-            device.core(),
+            &core.packers,
             &groups,
             total,
             chunks,
@@ -447,8 +445,8 @@ impl PendingDownload {
     /// and prepare, fill and size each vector themselves; the calling thread only waits. A
     /// slot whose read lands in a later chunk than its position's (slots out of order) is
     /// skipped there and copied once everything has landed.
-    fn wait_into_in_order(self, device: &Device, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Downloaded> {
-        let (readback, lane) = (&self.readback, device.core().lane(LaneKind::Readback));
+    fn wait_into_in_order(self, core: &Arc<Core>, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Downloaded> {
+        let (readback, lane) = (&self.readback, core.lane(LaneKind::Readback));
         let (views, starts) = (&readback.views, &readback.chunks);
         let chunks = starts.len() - 1;
         let base = readback.lease.as_ref().map_or(0, |lease| lease.as_ptr() as usize + readback.base);
@@ -456,7 +454,7 @@ impl PendingDownload {
         let at = |k: usize| if k == chunks { slots.len() } else { starts[k].min(slots.len()) };
         let spans = (0..chunks).map(|k| (k, at(k)..at(k + 1)));
         let total = readback.in_order_bytes;
-        let threads = device.core().packers().current_num_threads();
+        let threads = core.packers().current_num_threads();
         let chunk_bytes = (total / chunks.max(1)) as u64;
         let groups = Groups::by_mean(chunks, spans, (views.len(), total), chunk_bytes, threads);
         let outs = SharedVecs(out.as_mut_ptr());
@@ -480,7 +478,7 @@ impl PendingDownload {
             }
         };
         let run = pipeline::run(
-            device.core(),
+            &core.packers,
             &groups,
             total,
             chunks,
@@ -584,7 +582,7 @@ impl Downloaded {
             });
         }
         self.check_slots(slots)?;
-        let Some(device) = &self.device else {
+        let Some(core) = &self.core else {
             out.iter_mut().for_each(Vec::clear);
             return Ok(());
         };
@@ -594,7 +592,7 @@ impl Downloaded {
         }
         // SAFETY: each destination is a distinct vector's spare capacity of at least its
         // source's length; sources are views of landed reads.
-        unsafe { Piece::copy_out_all(device.core(), &pieces) };
+        unsafe { Piece::copy_out_all(&core.packers, &pieces) };
         // SAFETY: the copies above ran.
         unsafe { self.set_lengths(slots, out) };
         Ok(())
@@ -649,9 +647,8 @@ impl Downloaded {
 /// Moves the batch. A batch that streams ([`execute_streamed`]) copies its reads into the
 /// vectors of `sink` (read `i` into the `i`th) when there are some, and takes them then.
 fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Result<PendingDownload> {
-    let device = batch.device;
-    let core = device.core();
-    let config = device.config();
+    let core = batch.core;
+    let config = &core.config;
     let apart = &batch.table.apart;
     let in_order = batch.reads.len() >= route::IN_ORDER_MIN && !apart.broken;
     let total: u64 = if in_order { apart.requested } else { batch.reads.iter().map(|r| r.len).sum() };
@@ -666,12 +663,12 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         let chunk = in_order_chunk(
             config.chunk_bytes,
             total,
-            if device.moves_small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH },
+            if core.moves_small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH },
         );
         // Held staging: the readback's views keep it after the copy. The lease holds the
         // flat packed bytes, then the chunks' tables: one descriptor a read.
         let len = apart.end.next_multiple_of(256) as usize + batch.reads.len() * size_of::<CopyDescriptor>();
-        return match device.acquire_held_staging(len) {
+        return match core.acquire_held_staging(len) {
             // Listed: the caller can reach its views.
             Ok(lease) => execute_in_order(batch, chunk, exec, scratch, lease.into_listed()),
             // Refused before anything was enqueued: the batch streams instead.
@@ -686,7 +683,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         return Ok(PendingDownload {
             fence: Fence::completed(),
             readback: Downloaded {
-                device: None,
+                core: None,
                 batch: batch.id,
                 lease: None,
                 host: Vec::new(),
@@ -709,7 +706,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         .collect();
     let tables: u64 = areas.iter().sum();
     // Held staging: the readback's views keep it after the copy.
-    let lease = match device.acquire_held_staging((tables + plan.total_staging) as usize) {
+    let lease = match core.acquire_held_staging((tables + plan.total_staging) as usize) {
         // Listed: the caller can reach its views.
         Ok(lease) => lease.into_listed(),
         // Nothing enqueued yet: the batch streams instead.
@@ -769,7 +766,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     Ok(PendingDownload {
         fence: exec.finish(),
         readback: Downloaded {
-            device: Some(device.clone()),
+            core: Some(Arc::clone(core)),
             batch: batch.id,
             lease: Some(lease),
             host: Vec::new(),
@@ -846,9 +843,8 @@ fn execute_streamed(
     scratch: &mut DeviceStaging,
     mut out: Option<&mut [Vec<u8>]>,
 ) -> Result<PendingDownload> {
-    let device = batch.device;
-    let core = device.core();
-    let config = device.config();
+    let core = batch.core;
+    let config = &core.config;
     let chunk_bytes = config.chunk_bytes / 2;
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
@@ -881,7 +877,7 @@ fn execute_streamed(
         order.extend((0..views.len()).filter(|&i| views[i].len > 0));
         order.sort_unstable_by_key(|&i| views[i].chunk);
     }
-    let mut host = if out.is_some() { Vec::new() } else { streamed_host(device, plan.total_staging)? };
+    let mut host = if out.is_some() { Vec::new() } else { streamed_host(core, plan.total_staging)? };
     // Reads with bytes in the chunk being copied out, and the next read of `order`.
     let (mut active, mut next) = (Vec::new(), 0);
     let chunks = plan.chunks.len();
@@ -935,7 +931,7 @@ fn execute_streamed(
         // SAFETY: the chunk's DMAs completed (waited above); the lease and the host
         // allocation (or the caller's vectors, each its own) are disjoint and hold these
         // bytes; no two destinations overlap.
-        unsafe { Piece::copy_out_all(core, pieces) };
+        unsafe { Piece::copy_out_all(&core.packers, pieces) };
         Ok(())
     };
     let mut seqs = Vec::with_capacity(chunks);
@@ -986,7 +982,7 @@ fn execute_streamed(
     Ok(PendingDownload {
         fence: exec.finish(),
         readback: Downloaded {
-            device: Some(device.clone()),
+            core: Some(Arc::clone(core)),
             batch: batch.id,
             lease: None,
             host,
@@ -1003,8 +999,8 @@ fn execute_streamed(
 /// Host memory of `len` bytes for a streamed download's views: the last one's, kept by the
 /// device, when it is large enough (its bytes are initialised: those of an earlier download,
 /// all overwritten where a view reads), else fresh zeroed memory.
-fn streamed_host(device: &Device, len: u64) -> Result<Vec<u8>> {
-    let spare = std::mem::take(&mut *lock(&device.core().spares.streamed_host));
+fn streamed_host(core: &Arc<Core>, len: u64) -> Result<Vec<u8>> {
+    let spare = std::mem::take(&mut *lock(&core.spares.streamed_host));
     match usize::try_from(len) {
         Ok(n) if spare.len() >= n => Ok(spare),
         _ => {
@@ -1046,8 +1042,7 @@ fn execute_in_order(
     scratch: &mut DeviceStaging,
     lease: Arc<HostLease>,
 ) -> Result<PendingDownload> {
-    let device = batch.device;
-    let core = device.core();
+    let core = batch.core;
     let (reads, apart) = (&batch.reads[..], &batch.table.apart);
     let offsets = &apart.offsets[..];
     debug_assert_eq!(offsets.len(), reads.len(), "one offset a read");
@@ -1063,7 +1058,7 @@ fn execute_in_order(
     // Where the kernel gathers to: the lease itself, or device staging (a chunk's packed
     // bytes, then its table).
     let table_in_staging = |span: &Span| span.len.next_multiple_of(256);
-    let dev = if device.moves_small_copies_over_bus() {
+    let dev = if core.moves_small_copies_over_bus() {
         None
     } else {
         let need = spans
@@ -1124,7 +1119,7 @@ fn execute_in_order(
     Ok(PendingDownload {
         fence: exec.finish(),
         readback: Downloaded {
-            device: Some(device.clone()),
+            core: Some(Arc::clone(core)),
             batch: batch.id,
             lease: Some(lease),
             host: Vec::new(),

@@ -249,7 +249,7 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     // (pipelined) move it.
     for pipelined in [false, true] {
         let mut out = poisoned();
-        let route = d.read_ranges_into(&bufs, &mut out, pipelined).unwrap();
+        let route = super::convenience::read_ranges_into(d.core(), &bufs, &mut out, pipelined).unwrap();
         assert_eq!(route, Route::StreamedInto, "{what}: the helpers streamed straight into the vectors");
         same(&out, "the helpers' batch");
     }
@@ -309,7 +309,7 @@ fn readback_batches_many_times_the_pinned_cap_stream_through_it_with_every_byte_
     let all = d.download_many(&m.buffers).unwrap();
     assert!(all == m.expect, "download_many");
     let mut all = vec![Vec::new(); m.buffers.len()];
-    let route = d.read_many_into(&m.buffers, &mut all).unwrap();
+    let route = super::convenience::read_many_into(d.core(), &m.buffers, &mut all).unwrap();
     assert!(matches!(route, Route::Streamed | Route::StreamedInto), "download_many streamed");
     assert!(all == m.expect, "download_many's batch");
     d.synchronize().unwrap();

@@ -1,4 +1,4 @@
-//! Single copies: one range between host and device. The asynchronous copies over memory
+//! Single copies: one range between host and core. The asynchronous copies over memory
 //! the caller pinned (one DMA each), pinning host memory, and large reads pipelined through
 //! a ring of pinned chunks.
 //!
@@ -9,124 +9,74 @@
 use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
-use crate::device::{Core, Device};
+use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
 use crate::plan::route::{PIPELINE_DEPTH, pipeline_chunk};
 use crate::stream::{Fence, LaneKind};
 
-impl Device {
-    /// Checks that `[offset, offset + len)` lies in `buffer`; returns the buffer's device
-    /// address of `offset`.
-    pub(crate) fn checked_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<u64> {
-        self.core().checked_range(buffer, offset, len)
-    }
+/// The work of [`Device::upload_async_at`](crate::Device::upload_async_at).
+pub(crate) unsafe fn upload_async_at(
+    core: &Arc<Core>,
+    buffer: ResidentBuffer,
+    offset: u64,
+    src: *const u8,
+    len: usize,
+) -> Result<Fence> {
+    let host = ("Device::upload_async_at", src);
+    single_copy(core, LaneKind::Upload, buffer, offset, len, host, |q, dst| {
+        // SAFETY: dst..dst+len lies in a live buffer (checked, and marked so that it is
+        // not reused before this copy completes); the caller vouches for the source.
+        unsafe { q.htod(dst, src, len) }
+    })
+}
 
-    /// Starts copying `len` bytes from host memory at `src` into `buffer` at `offset`, on the
-    /// upload lane, and returns at once. [`Device::synchronize_uploads`] or the returned
-    /// fence tells when it is done. A copy of 0 bytes (whose range is still checked) calls
-    /// no driver entry point and returns a fence that is already complete.
-    ///
-    /// # Safety
-    ///
-    /// `[src, src + len)` must be readable host memory that stays valid and unchanged until
-    /// the copy completes. (A [`PinnedBuffer`](crate::PinnedBuffer), or the
-    /// [`Downloaded`](crate::Downloaded) of a batch whose view it is, may be dropped before
-    /// then: the copy keeps that memory. Not so a prepared set's download.)
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotPinned`] (nothing enqueued) when the range is not pinned: pin it with
-    /// [`Device::pin_host`] or use memory from [`Device::pinned`]. Every byte is checked
-    /// where the driver reports the extent of pinned regions, as it does for `cuMemHostAlloc`
-    /// and `cuMemHostRegister` (a range over two pinned regions with a pageable gap between
-    /// them is refused); where it does not, the first and last byte. Pinned memory of
-    /// this crate (a [`PinnedBuffer`](crate::PinnedBuffer), a batch download's views, of any
-    /// device) is kept out of its pool until the copy completes, even if its holder is
-    /// dropped first. Managed memory (`cuMemAllocManaged`) is not pinned
-    /// host memory and is refused too.
-    pub unsafe fn upload_async_at(
-        &self,
-        buffer: ResidentBuffer,
-        offset: u64,
-        src: *const u8,
-        len: usize,
-    ) -> Result<Fence> {
-        let host = ("Device::upload_async_at", src);
-        single_copy(self.core(), LaneKind::Upload, buffer, offset, len, host, |q, dst| {
-            // SAFETY: dst..dst+len lies in a live buffer (checked, and marked so that it is
-            // not reused before this copy completes); the caller vouches for the source.
-            unsafe { q.htod(dst, src, len) }
-        })
-    }
+/// The work of [`Device::download_async_at`](crate::Device::download_async_at).
+pub(crate) unsafe fn download_async_at(
+    core: &Arc<Core>,
+    buffer: ResidentBuffer,
+    offset: u64,
+    dst: *mut u8,
+    len: usize,
+) -> Result<Fence> {
+    let host = ("Device::download_async_at", dst.cast_const());
+    single_copy(core, LaneKind::Readback, buffer, offset, len, host, |q, src| {
+        // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
+        unsafe { q.dtoh(dst, src, len) }
+    })
+}
 
-    /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
-    /// download lane, and returns at once; the bytes are there once the fence completes.
-    /// A copy of 0 bytes (whose range is still checked) calls no driver entry point and
-    /// returns a fence that is already complete.
-    ///
-    /// # Safety
-    ///
-    /// `[dst, dst + len)` must be writable host memory that stays valid, and that nothing
-    /// reads or writes, until the copy completes. It must be pinned, as for
-    /// [`Device::upload_async_at`] ([`Error::NotPinned`] otherwise).
-    pub unsafe fn download_async_at(
-        &self,
-        buffer: ResidentBuffer,
-        offset: u64,
-        dst: *mut u8,
-        len: usize,
-    ) -> Result<Fence> {
-        let host = ("Device::download_async_at", dst.cast_const());
-        single_copy(self.core(), LaneKind::Readback, buffer, offset, len, host, |q, src| {
-            // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
-            unsafe { q.dtoh(dst, src, len) }
-        })
-    }
+/// The work of [`Device::download_to_slice`](crate::Device::download_to_slice).
+pub(crate) fn download_to_slice(
+    core: &Arc<Core>,
+    buffer: ResidentBuffer,
+    offset: u64,
+    out: &mut [u8],
+) -> Result<()> {
+    download_into(core, buffer, offset, out)
+}
 
-    /// Reads `out.len()` bytes of `buffer` at `offset` into `out`, pipelined through a ring
-    /// of pinned chunks: chunk `k + 1` is on the wire while chunk `k` is unpacked by the
-    /// packing threads. For large ranges; any size works.
-    pub fn download_to_slice(&self, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        download_into(self.core(), buffer, offset, out)
-    }
+/// The work of [`Device::synchronize_uploads`](crate::Device::synchronize_uploads).
+pub(crate) fn synchronize_uploads(core: &Arc<Core>) -> Result<()> {
+    core.lane(LaneKind::Upload).synchronize().map(|_| ())
+}
 
-    /// Blocks until every upload submitted so far has completed.
-    pub fn synchronize_uploads(&self) -> Result<()> {
-        self.core().lane(LaneKind::Upload).synchronize().map(|_| ())
+/// The work of [`Device::pin_host`](crate::Device::pin_host).
+pub(crate) unsafe fn pin_host(core: &Arc<Core>, ptr: *mut u8, len: usize) -> Result<()> {
+    if len == 0 {
+        return Err(Error::EmptyHostRange { operation: "Device::pin_host", address: ptr as usize });
     }
+    let raw = core.ctx.bind()?;
+    // SAFETY: as the caller promises.
+    unsafe { raw.mem_host_register(ptr, len) }
+}
 
-    /// Page-locks `[ptr, ptr + len)` of host memory for fast, asynchronous copies
-    /// (`cuMemHostRegister`, portable).
-    ///
-    /// # Safety
-    ///
-    /// The range must be mapped host memory that stays mapped until [`Device::unpin_host`].
-    ///
-    /// # Errors
-    /// [`Error::EmptyHostRange`] for `len == 0` (the driver call is not made); the driver's
-    /// error otherwise.
-    pub unsafe fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
-        if len == 0 {
-            return Err(Error::EmptyHostRange { operation: "Device::pin_host", address: ptr as usize });
-        }
-        let raw = self.core().ctx.bind()?;
-        // SAFETY: as the caller promises.
-        unsafe { raw.mem_host_register(ptr, len) }
-    }
-
-    /// Undoes [`Device::pin_host`].
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be the start of a range pinned with `pin_host`, and no copy in flight may
-    /// use it.
-    pub unsafe fn unpin_host(&self, ptr: *mut u8) -> Result<()> {
-        let raw = self.core().ctx.bind()?;
-        // SAFETY: as the caller promises.
-        unsafe { raw.mem_host_unregister(ptr) }
-    }
+/// The work of [`Device::unpin_host`](crate::Device::unpin_host).
+pub(crate) unsafe fn unpin_host(core: &Arc<Core>, ptr: *mut u8) -> Result<()> {
+    let raw = core.ctx.bind()?;
+    // SAFETY: as the caller promises.
+    unsafe { raw.mem_host_unregister(ptr) }
 }
 
 /// Fails with [`Error::NotPinned`] unless all of `[ptr, ptr + len)` is pinned host
@@ -194,7 +144,7 @@ fn single_copy(
     Ok(exec.finish())
 }
 
-/// [`Device::download_to_slice`].
+/// `Device::download_to_slice`.
 fn download_into(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
     let len = out.len() as u64;
     let src = core.checked_range(buffer, offset, len)?;
@@ -219,7 +169,7 @@ fn download_into(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, out: &mu
         Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
         // SAFETY: the chunk's DMA completed (waited above); the ring lease and `out`
         // are disjoint and hold n bytes at these places.
-        unsafe { Piece::copy_out_all(core, &pieces) };
+        unsafe { Piece::copy_out_all(&core.packers, &pieces) };
         Ok(())
     };
     for k in 0..chunks {

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::BufferTable;
 use crate::alloc::ResidentBuffer;
-use crate::device::Device;
 use crate::engine::Exec;
+use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
 use crate::engine::pipeline::{self, Groups, Step};
@@ -33,14 +33,14 @@ const KERNEL_MIN_COPIES: usize = 3;
 /// `arena_used` of a lease that holds one large write and takes no more.
 const CLOSED: usize = usize::MAX;
 
-/// A batch of host-to-device writes ([`Device::uploads`]). Writes apply in order: where
+/// A batch of host-to-device writes ([`Device::uploads`](crate::Device::uploads)). Writes apply in order: where
 /// two overlap, the later one wins. Nothing moves until [`UploadBatch::submit`].
 ///
 /// Every write is checked when it is added; a bad one returns its error and also fails
 /// `submit`, so a batch with a bad write never moves anything.
 #[must_use = "an upload batch moves nothing until it is submitted"]
 pub struct UploadBatch<'a> {
-    device: &'a Device,
+    core: &'a Arc<Core>,
     table: BufferTable,
     writes: Vec<WriteRequest>,
     sources: Vec<Source<'a>>,
@@ -60,7 +60,7 @@ pub struct UploadBatch<'a> {
 /// own, without the batch's lifetime: the batch itself has no `Drop`, so it may borrow data
 /// declared after it, as any struct of references.
 struct Spare {
-    device: Device,
+    core: Arc<Core>,
     parts: UploadParts,
 }
 
@@ -69,7 +69,7 @@ impl Drop for Spare {
         // A batch dropped unsubmitted has nothing to hand back (and must not push out a
         // spare that has capacity).
         if self.parts.writes.capacity() > 0 {
-            self.device.core().spares.upload.give(std::mem::take(&mut self.parts));
+            self.core.spares.upload.give(std::mem::take(&mut self.parts));
         }
     }
 }
@@ -80,22 +80,20 @@ impl fmt::Debug for UploadBatch<'_> {
     }
 }
 
-impl Device {
-    /// Starts a batch of uploads.
-    pub fn uploads(&self) -> UploadBatch<'_> {
-        let parts = self.core().spares.upload.take();
-        UploadBatch {
-            device: self,
-            table: parts.table,
-            writes: parts.writes,
-            sources: parts.sources,
-            arena: Vec::new(),
-            arena_used: parts.arena_used,
-            arena_descriptors: parts.arena_descriptors,
-            slice_writes: 0,
-            error: None,
-            spare: Spare { device: self.clone(), parts: UploadParts::default() },
-        }
+/// The work of [`Device::uploads`](crate::Device::uploads).
+pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
+    let parts = core.spares.upload.take();
+    UploadBatch {
+        core,
+        table: parts.table,
+        writes: parts.writes,
+        sources: parts.sources,
+        arena: Vec::new(),
+        arena_used: parts.arena_used,
+        arena_descriptors: parts.arena_descriptors,
+        slice_writes: 0,
+        error: None,
+        spare: Spare { core: Arc::clone(core), parts: UploadParts::default() },
     }
 }
 
@@ -106,7 +104,7 @@ impl<'a> UploadBatch<'a> {
         if let Some(e @ Error::BatchPoisoned { .. }) = &self.error {
             return Err(e.clone());
         }
-        let (key, buffer_len) = self.table.check(self.device.core(), buffer, offset, len, &mut self.error)?;
+        let (key, buffer_len) = self.table.check(&self.core.alloc, buffer, offset, len, &mut self.error)?;
         self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(())
     }
@@ -164,13 +162,13 @@ impl<'a> UploadBatch<'a> {
         let fits = |lease: &HostLease, used: usize| used.next_multiple_of(16) + residue + len <= lease.len();
         // A write that will be its own DMA gets a lease of its own, so that arena leases hold
         // only packed writes and move whole.
-        let own = len as u64 >= self.device.config().direct_threshold;
+        let own = len as u64 >= self.core.config.direct_threshold;
         let last = self.arena.len().checked_sub(1);
         let open = |i: usize| self.arena_used[i] != CLOSED && fits(&self.arena[i], self.arena_used[i]);
         let reuse = !own && last.is_some_and(open);
         if !reuse {
-            let size = if own { len + 16 } else { (self.device.config().chunk_bytes as usize).max(len + 32) };
-            match self.device.acquire_staging(size) {
+            let size = if own { len + 16 } else { (self.core.config.chunk_bytes as usize).max(len + 32) };
+            match self.core.acquire_staging(size) {
                 Ok(lease) => {
                     self.arena.push(lease);
                     // An own lease is closed to later writes.
@@ -250,7 +248,7 @@ impl<'a> UploadBatch<'a> {
             in_place: !self.arena.is_empty(),
             slice_writes: self.slice_writes,
             apart: &self.table.apart,
-            direct_threshold: self.device.config().direct_threshold,
+            direct_threshold: self.core.config.direct_threshold,
         })
     }
 
@@ -263,7 +261,7 @@ impl<'a> UploadBatch<'a> {
                 let ([write], [Source::Slice(data)]) = (&self.writes[..], &self.sources[..]) else {
                     unreachable!("the route of one write from a slice")
                 };
-                execute_one(self.device, &self.table, write, data)
+                execute_one(self.core, &self.table, write, data)
             }
             // Writes that fuse go to the planner.
             Route::InPlace => match execute_in_place(self)? {
@@ -291,14 +289,14 @@ impl Source<'_> {
 /// One small write (below the direct threshold), the latency path: staged by one memcpy on
 /// this thread and moved by one DMA, no planning. Larger single writes take the general
 /// path, which packs on the packing threads and pipelines chunks.
-fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data: &[u8]) -> Result<Fence> {
+fn execute_one(core: &Arc<Core>, table: &BufferTable, write: &WriteRequest, data: &[u8]) -> Result<Fence> {
     let target = table.entries[write.buffer as usize];
-    let mut lease = device.acquire_staging(data.len())?;
+    let mut lease = core.acquire_staging(data.len())?;
     // SAFETY: the lease is fresh (no copy uses it) and holds data.len() bytes.
     unsafe { lease.as_mut_slice() }.copy_from_slice(data);
     let lease = Arc::new(lease);
     let src = lease.as_ptr();
-    let mut exec = Exec::begin(device.core(), LaneKind::Upload);
+    let mut exec = Exec::begin(core, LaneKind::Upload);
     exec.claim(std::iter::once(target.buffer), 1)?;
     exec.requested(write.len);
     exec.submit(vec![lease], |q| {
@@ -319,14 +317,13 @@ fn execute_one(device: &Device, table: &BufferTable, write: &WriteRequest, data:
 /// wire; the last one's scatter runs on the lane's stream, after the side work.
 /// Returns `None` (changing nothing) when writes overlap or touch, for the general path.
 fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
-    let device = batch.device;
-    let core = device.core();
+    let core = batch.core;
     let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
     let plan_config = PlanConfig {
-        direct_threshold: device.config().direct_threshold,
-        chunk_bytes: device.config().chunk_bytes,
+        direct_threshold: core.config.direct_threshold,
+        chunk_bytes: core.config.chunk_bytes,
         align: 16,
     };
     // Writes apart (as added) are all non-empty and in order.
@@ -456,9 +453,8 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
 
 /// The routes [`Route::InOrder`] and [`Route::Planned`].
 fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
-    let device = batch.device;
-    let core = device.core();
-    let config = device.config();
+    let core = batch.core;
+    let config = &core.config;
     // Uploads keep the configured chunk: cutting mid-size batches finer (as readbacks do)
     // measured no better.
     let plan_config =
@@ -523,7 +519,7 @@ fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
         }
         // SAFETY: fills cover disjoint staging ranges inside the lease, sources are live
         // slices or the batch's arena.
-        unsafe { Piece::copy_all(core, &scratch.pieces) };
+        unsafe { Piece::copy_all(&core.packers, &scratch.pieces) };
 
         let descriptor_count = scratch.descriptors.len() as u64;
         let seq = exec.submit(vec![lease], |q| {
@@ -572,17 +568,16 @@ fn execute_in_order(
     mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
 ) -> Result<Fence> {
-    let device = batch.device;
-    let core = device.core();
+    let core = batch.core;
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
     let DeviceStaging { spans, region, .. } = scratch;
     let (writes, apart) = (&batch.writes[..], &batch.table.apart);
     let (offsets, requested) = (&apart.offsets[..], apart.requested);
     debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
-    let chunk_bytes = in_order_chunk(device.config().chunk_bytes, requested, PIPELINE_DEPTH);
+    let chunk_bytes = in_order_chunk(core.config.chunk_bytes, requested, PIPELINE_DEPTH);
     // Over the bus a chunk costs a launch: the first is small and leaves while the rest is
     // packed. Through device staging (a DMA and a launch a chunk) chunks stay equal.
-    if device.moves_small_copies_over_bus() {
+    if core.moves_small_copies_over_bus() {
         cut_apart(offsets, |i| writes[i].len, growing(FIRST_CHUNK, chunk_bytes), spans);
     } else {
         cut_apart(offsets, |i| writes[i].len, |_| chunk_bytes, spans);
@@ -593,8 +588,7 @@ fn execute_in_order(
     exec.requested(requested);
     let kernels = exec.kernels()?;
     // Where the kernel finds the packed bytes: in the lease itself, or in device staging.
-    let dev =
-        if device.moves_small_copies_over_bus() { None } else { Some(exec.region(region, device_need)?) };
+    let dev = if core.moves_small_copies_over_bus() { None } else { Some(exec.region(region, device_need)?) };
     let spans = &*spans;
     let threads = core.packers().current_num_threads();
     // Groups of about the same bytes, from the mean write (no pass over the writes): a
@@ -611,7 +605,7 @@ fn execute_in_order(
     let bases: Vec<AtomicUsize> = spans.iter().map(|_| AtomicUsize::new(0)).collect();
     let mut seqs = Vec::with_capacity(spans.len());
     pipeline::run(
-        core,
+        &core.packers,
         &groups,
         requested as usize,
         RING,

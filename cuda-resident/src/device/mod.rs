@@ -1,0 +1,495 @@
+//! `Device`: one GPU's primary context, its lanes, its resident store and its pinned pool.
+
+mod set;
+
+pub use set::DeviceSet;
+
+use std::fmt;
+use std::sync::Arc;
+
+use cuda_sys::{CUcontext, Driver};
+
+use crate::alloc::ResidentBuffer;
+use crate::config::{Config, DeviceInfo};
+use crate::engine::core::{Core, shared_driver};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
+use crate::host_pool::PinnedBuffer;
+use crate::peer::PeerBatch;
+use crate::raw::{Raw, release_retrying};
+use crate::stream::Fence;
+use crate::sync::lock;
+use crate::telemetry::TelemetrySnapshot;
+use crate::transfer::{DownloadBatch, PreparedDownloads, PreparedUploads, UploadBatch};
+
+/// One GPU: its primary context, two copy lanes, a budgeted resident store and a pinned
+/// pool.
+///
+/// `Device` is `Send + Sync` and cheap to clone (an `Arc` inside); clones share everything.
+/// The context and all memory are released when the last clone, fence and lent staging
+/// region are gone.
+///
+/// Its blocking conveniences ([`upload`](Device::upload), [`upload_at`](Device::upload_at),
+/// [`upload_many`](Device::upload_many), [`upload_at_many`](Device::upload_at_many),
+/// [`download`](Device::download), [`download_range`](Device::download_range),
+/// [`download_to_slice`](Device::download_to_slice), [`download_many`](Device::download_many),
+/// [`download_ranges`](Device::download_ranges), [`download_into`](Device::download_into))
+/// each do what one batch does, submitted and waited for; the batches
+/// ([`uploads`](Device::uploads), [`downloads`](Device::downloads)) are the non-blocking form.
+#[derive(Clone)]
+pub struct Device {
+    core: Arc<Core>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.core.info.ordinal)
+            .field("name", &self.core.info.name)
+            .finish()
+    }
+}
+
+impl Device {
+    /// How many CUDA devices the driver sees. Fails when no driver can be loaded.
+    pub fn count() -> Result<usize> {
+        let raw = Raw::new(shared_driver()?);
+        raw.init()?;
+        raw.device_count()
+    }
+
+    /// Opens device `ordinal` with the default [`Config`], loading the driver on first use.
+    pub fn open(ordinal: usize) -> Result<Device> {
+        Device::open_with(shared_driver()?, ordinal, Config::default())
+    }
+
+    /// Opens device `ordinal` through `driver` (for a driver loaded from a particular path,
+    /// or one whose table was altered for testing) with `config`.
+    pub fn open_with(driver: Arc<Driver>, ordinal: usize, config: Config) -> Result<Device> {
+        Core::open(driver, ordinal, config).map(|core| Device { core: Arc::new(core) })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn core(&self) -> &Arc<Core> {
+        &self.core
+    }
+
+    /// What the device is and can do.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.core.info
+    }
+
+    /// The configuration it was opened with.
+    pub fn config(&self) -> &Config {
+        &self.core.config
+    }
+
+    /// Whether batches of small copies in order move over the bus on this device: the
+    /// configuration asks for it ([`Config::small_copies_over_bus`]) and the GPU has unified
+    /// addressing, without which its kernels cannot reach pinned host memory.
+    pub fn moves_small_copies_over_bus(&self) -> bool {
+        self.core.moves_small_copies_over_bus()
+    }
+
+    /// The loaded driver, for raw calls of the caller's own.
+    pub fn driver(&self) -> &Arc<Driver> {
+        &self.core.ctx.raw.driver
+    }
+
+    /// The device's primary context (retained for as long as the device lives), for the
+    /// caller's own kernels and streams.
+    pub fn cu_context(&self) -> CUcontext {
+        self.core.ctx.ctx
+    }
+
+    /// Makes the device's context current on the calling thread, for raw driver calls.
+    pub fn make_current(&self) -> Result<()> {
+        self.core.ctx.bind().map(|_| ())
+    }
+
+    /// Makes the copies this device runs, submitted from now on, wait on the GPU for the
+    /// work enqueued so far on `stream`, one of the caller's (a compute or NCCL stream):
+    /// uploads into the device, downloads from it and peer batches into it start after that
+    /// work, with no host wait. The other direction is [`Fence::make_stream_wait`].
+    ///
+    /// Copies already submitted are not affected, nor are peer batches *out of* this device
+    /// (they run on their destination): call it on the destination, with a stream of its
+    /// own, or wait on the host. Deferred frees do not know about the caller's work either:
+    /// wait on the host before freeing a buffer the stream uses.
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of this device's primary context (or null, the legacy
+    /// default stream).
+    ///
+    /// [`Fence::make_stream_wait`]: crate::Fence::make_stream_wait
+    pub unsafe fn wait_for_stream(&self, stream: cuda_sys::CUstream) -> Result<()> {
+        let raw = self.core.ctx.bind()?;
+        let event = raw.event_create()?;
+        let waited = raw.event_record(event, stream).and_then(|()| {
+            self.core.lanes.iter().try_for_each(|lane| {
+                // Between batches, not inside one.
+                let _batch = lane.batch();
+                raw.stream_wait_event(lane.stream(), event)
+            })
+        });
+        // A wait already enqueued keeps what it waits for: the event can go at once.
+        let _ = release_retrying(|| raw.event_destroy(event));
+        waited
+    }
+
+    /// Allocates `bytes` of device memory under the budget. Buffers are 256-byte aligned.
+    ///
+    /// Fails for zero bytes, and when the budget (or the driver, after cached memory was
+    /// released) refuses; the error gives the request, the bytes in use and the limit.
+    pub fn allocate(&self, bytes: u64) -> Result<ResidentBuffer> {
+        self.core.alloc.allocate(bytes, &|last| self.core.is_idle(last))
+    }
+
+    /// Frees a buffer. The handle is invalid at once; if a copy still uses the buffer, its
+    /// memory is reused only after the copy completes.
+    ///
+    /// An error from the driver's own free (`cuMemFree`, for a buffer past the slab size)
+    /// is returned, but the handle is freed all the same: the memory stays counted as held
+    /// and the next [`Device::trim`] tries again.
+    pub fn free(&self, buffer: ResidentBuffer) -> Result<()> {
+        self.core.free(buffer)
+    }
+
+    /// The buffer's device address, for the caller's kernels. Valid until the buffer is freed.
+    pub fn device_ptr(&self, buffer: ResidentBuffer) -> Result<u64> {
+        self.core.device_ptr(buffer)
+    }
+
+    /// The buffer's length in bytes, as allocated.
+    pub fn buffer_len(&self, buffer: ResidentBuffer) -> Result<u64> {
+        self.core.buffer_len(buffer)
+    }
+
+    /// Bytes held by the caller's live buffers, as requested. The library's own device
+    /// memory (device staging of the two lanes, prepared sets' tables) is not in it: it is
+    /// [`AllocatorStats::library_bytes`](crate::AllocatorStats::library_bytes) in
+    /// [`Device::telemetry`], so this returns to its baseline once the caller has freed
+    /// every buffer.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.core.alloc.allocated_bytes()
+    }
+
+    /// Device memory free right now, as the driver reports it (`cuMemGetInfo`): what every
+    /// process on the GPU leaves, not this device's budget.
+    pub fn driver_free_bytes(&self) -> Result<u64> {
+        Ok(self.core.ctx.bind()?.mem_get_info()?.0)
+    }
+
+    /// Releases cached device memory and free pinned memory back to the driver, and the
+    /// host memory kept from the last download that streamed into memory of its own (see
+    /// [`Downloaded`](crate::Downloaded)). Returns the bytes of device memory released.
+    pub fn trim(&self) -> Result<u64> {
+        let released = self.core.alloc.trim(&|last| self.core.is_idle(last))?;
+        drop(std::mem::take(&mut *lock(&self.core.spares.streamed_host)));
+        self.core.pinned.trim()?;
+        Ok(released)
+    }
+
+    /// Lends `len` bytes of pinned host memory from the pinned pool (at least 1 byte is
+    /// lent for 0). It returns to the pool when dropped. When the pool is at its cap, waits
+    /// for copies in flight to release their staging.
+    ///
+    /// Pinned buffers, prepared sets and download views are held staging: together they may
+    /// take the pool's cap less a reserve kept for transfers ([`Config::pinned_cap_bytes`]);
+    /// past that, [`Error::PinnedReserved`].
+    pub fn pinned(&self, len: usize) -> Result<PinnedBuffer> {
+        self.core.acquire_held_staging(len).map(PinnedBuffer::new)
+    }
+
+    /// Blocks until every copy submitted so far, in both directions, has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        for lane in self.core.lanes.iter() {
+            lane.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// A snapshot of the device's counters and memory statistics.
+    pub fn telemetry(&self) -> TelemetrySnapshot {
+        TelemetrySnapshot::gather(&self.core.telemetry, self.core.alloc.stats(), self.core.pinned.stats())
+    }
+
+    /// Uploads `data` as the whole contents of `buffer` and waits until it has landed.
+    ///
+    /// # Errors
+    /// [`Error::UploadLength`] (nothing moved) unless `data` is exactly as long as the buffer:
+    /// a shorter slice would leave the buffer's tail as it was, which is rarely what a caller
+    /// of a whole-buffer upload means. Use [`Device::upload_at`] for a partial write.
+    pub fn upload(&self, buffer: ResidentBuffer, data: &[u8]) -> Result<()> {
+        crate::transfer::convenience::upload(&self.core, buffer, data)
+    }
+
+    /// Uploads `data` to `buffer` at `offset` and waits until it has landed.
+    pub fn upload_at(&self, buffer: ResidentBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        crate::transfer::convenience::upload_at(&self.core, buffer, offset, data)
+    }
+
+    /// Uploads each `(buffer, data)` as the whole contents of its buffer, as one batch, and
+    /// waits.
+    ///
+    /// # Errors
+    /// [`Error::UploadLength`] (nothing moved) unless every `data` is exactly as long as its
+    /// buffer, as for [`Device::upload`]; [`Device::upload_at_many`] writes parts.
+    pub fn upload_many(&self, writes: &[(ResidentBuffer, &[u8])]) -> Result<()> {
+        crate::transfer::convenience::upload_many(&self.core, writes)
+    }
+
+    /// Uploads each `(buffer, offset, data)`, as one batch (later writes win where they
+    /// overlap), and waits.
+    pub fn upload_at_many(&self, writes: &[(ResidentBuffer, u64, &[u8])]) -> Result<()> {
+        crate::transfer::convenience::upload_at_many(&self.core, writes)
+    }
+
+    /// The whole buffer, read back.
+    pub fn download(&self, buffer: ResidentBuffer) -> Result<Vec<u8>> {
+        crate::transfer::convenience::download(&self.core, buffer)
+    }
+
+    /// `len` bytes of `buffer` at `offset`, read back.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when the range does not lie in the buffer (`offset + len`
+    /// overflowing included), checked before any host memory is reserved for the result.
+    pub fn download_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Vec<u8>> {
+        crate::transfer::convenience::download_range(&self.core, buffer, offset, len)
+    }
+
+    /// Each whole buffer, read back as one batch (of any size: a batch larger than the
+    /// pinned pool streams through it, see [`DownloadBatch`], each
+    /// chunk copied into the result vectors as it lands).
+    pub fn download_many(&self, buffers: &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> {
+        crate::transfer::convenience::download_many(&self.core, buffers)
+    }
+
+    /// Each `(buffer, offset, len)` range, read back as one batch (of any size, as
+    /// [`Device::download_many`]).
+    pub fn download_ranges(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<Vec<Vec<u8>>> {
+        crate::transfer::convenience::download_ranges(&self.core, ranges)
+    }
+
+    /// Reads each `(buffer, offset, len)` range into the caller's vector of the same index,
+    /// replacing its contents and reusing its capacity; one batch (of any size, as
+    /// [`Device::download_many`]), one wait.
+    pub fn download_into(&self, ranges: &[(ResidentBuffer, u64, u64)], out: &mut [Vec<u8>]) -> Result<()> {
+        crate::transfer::convenience::download_into(&self.core, ranges, out)
+    }
+
+    /// Starts copying `len` bytes from host memory at `src` into `buffer` at `offset`, on the
+    /// upload lane, and returns at once. [`Device::synchronize_uploads`] or the returned
+    /// fence tells when it is done. A copy of 0 bytes (whose range is still checked) calls
+    /// no driver entry point and returns a fence that is already complete.
+    ///
+    /// # Safety
+    ///
+    /// `[src, src + len)` must be readable host memory that stays valid and unchanged until
+    /// the copy completes. (A [`PinnedBuffer`], or the
+    /// [`Downloaded`](crate::Downloaded) of a batch whose view it is, may be dropped before
+    /// then: the copy keeps that memory. Not so a prepared set's download.)
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotPinned`] (nothing enqueued) when the range is not pinned: pin it with
+    /// [`Device::pin_host`] or use memory from [`Device::pinned`]. Every byte is checked
+    /// where the driver reports the extent of pinned regions, as it does for `cuMemHostAlloc`
+    /// and `cuMemHostRegister` (a range over two pinned regions with a pageable gap between
+    /// them is refused); where it does not, the first and last byte. Pinned memory of
+    /// this crate (a [`PinnedBuffer`], a batch download's views, of any
+    /// device) is kept out of its pool until the copy completes, even if its holder is
+    /// dropped first. Managed memory (`cuMemAllocManaged`) is not pinned
+    /// host memory and is refused too.
+    pub unsafe fn upload_async_at(
+        &self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<Fence> {
+        // SAFETY: as the caller promises.
+        unsafe { crate::transfer::single::upload_async_at(&self.core, buffer, offset, src, len) }
+    }
+
+    /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
+    /// download lane, and returns at once; the bytes are there once the fence completes.
+    /// A copy of 0 bytes (whose range is still checked) calls no driver entry point and
+    /// returns a fence that is already complete.
+    ///
+    /// # Safety
+    ///
+    /// `[dst, dst + len)` must be writable host memory that stays valid, and that nothing
+    /// reads or writes, until the copy completes. It must be pinned, as for
+    /// [`Device::upload_async_at`] ([`Error::NotPinned`] otherwise).
+    pub unsafe fn download_async_at(
+        &self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<Fence> {
+        // SAFETY: as the caller promises.
+        unsafe { crate::transfer::single::download_async_at(&self.core, buffer, offset, dst, len) }
+    }
+
+    /// Reads `out.len()` bytes of `buffer` at `offset` into `out`, pipelined through a ring
+    /// of pinned chunks: chunk `k + 1` is on the wire while chunk `k` is unpacked by the
+    /// packing threads. For large ranges; any size works.
+    pub fn download_to_slice(&self, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        crate::transfer::single::download_to_slice(&self.core, buffer, offset, out)
+    }
+
+    /// Blocks until every upload submitted so far has completed.
+    pub fn synchronize_uploads(&self) -> Result<()> {
+        crate::transfer::single::synchronize_uploads(&self.core)
+    }
+
+    /// Page-locks `[ptr, ptr + len)` of host memory for fast, asynchronous copies
+    /// (`cuMemHostRegister`, portable).
+    ///
+    /// # Safety
+    ///
+    /// The range must be mapped host memory that stays mapped until [`Device::unpin_host`].
+    ///
+    /// # Errors
+    /// [`Error::EmptyHostRange`] for `len == 0` (the driver call is not made); the driver's
+    /// error otherwise.
+    pub unsafe fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { crate::transfer::single::pin_host(&self.core, ptr, len) }
+    }
+
+    /// Undoes [`Device::pin_host`].
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be the start of a range pinned with `pin_host`, and no copy in flight may
+    /// use it.
+    pub unsafe fn unpin_host(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { crate::transfer::single::unpin_host(&self.core, ptr) }
+    }
+
+    /// Starts a batch of uploads.
+    pub fn uploads(&self) -> UploadBatch<'_> {
+        crate::transfer::upload::uploads(&self.core)
+    }
+
+    /// Starts a batch of downloads.
+    pub fn downloads(&self) -> DownloadBatch<'_> {
+        crate::transfer::readback::downloads(&self.core)
+    }
+
+    /// Checks `ranges` (`(buffer, offset, len)` each) once, for uploading them again and
+    /// again with new bytes ([`PreparedUploads::upload`]): the fast way to move the same
+    /// thousands of small ranges every step.
+    ///
+    /// Ranges in order and apart (each past the end of the previous range of its buffer,
+    /// with a gap), none longer than 16 KiB and at least 64 of them, are laid out once: the
+    /// set keeps a pinned region for their bytes (from the pinned pool, packed as the ranges
+    /// lie, until the set is dropped) and a device buffer of 24 bytes a range (counted in
+    /// [`Device::allocated_bytes`]) with every descriptor written there once: an upload then
+    /// costs one parallel copy of the bytes and one launch per chunk. Other sets move
+    /// as an [`UploadBatch`] each time (writes in order; later ones win).
+    ///
+    /// # Errors
+    /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept.
+    /// [`Error::PinnedExhausted`] or [`Error::PinnedCapExceeded`] when the pool cannot hold
+    /// the region; the allocator's errors for the table.
+    pub fn prepare_uploads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedUploads> {
+        crate::transfer::prepared::prepare_uploads(&self.core, ranges)
+    }
+
+    /// Checks `ranges` (`(buffer, offset, len)` each) once, for reading them again and again
+    /// ([`PreparedDownloads::submit`], [`PreparedDownloads::download_into`]).
+    ///
+    /// Ranges in order and apart, as for [`Device::prepare_uploads`], are laid out once in a
+    /// pinned region that the set keeps, with every descriptor and view made once: a
+    /// download then costs one launch per chunk, and its [`Downloaded`](crate::Downloaded)'s views
+    /// point into that region. While one download of the set is alive (or in flight), the
+    /// next moves as a [`DownloadBatch`] of its own, so views never
+    /// change under a caller: drop a download before the next submit to stay on the fast
+    /// path. Other sets move as a batch each time, and so does a set whose region the
+    /// pinned pool cannot lend (larger than
+    /// [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes), or more than is free):
+    /// such a batch streams through the pool (see [`DownloadBatch`]).
+    ///
+    /// # Errors
+    /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept. The
+    /// allocator's errors for the table.
+    pub fn prepare_downloads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedDownloads> {
+        crate::transfer::prepared::prepare_downloads(&self.core, ranges)
+    }
+
+    /// Whether this device can be given access to `peer`'s memory (and the other way
+    /// round): both directions must have a peer path. A device can always access its own.
+    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
+        crate::peer::can_access_peer(&self.core, &peer.core)
+    }
+
+    /// Lets this device and `peer` access each other's memory (`cuCtxEnablePeerAccess` in
+    /// both directions), so that [`Device::peer_copies`] between them move over the peer
+    /// link. Calling it again is harmless. Fails with [`Error::PeerUnsupported`] where the
+    /// pair has no peer path; copies between them still work, staged through host memory.
+    ///
+    /// Access lasts while both devices are open: each keeps the other's context alive. The
+    /// calling thread's current context changes.
+    pub fn enable_peer(&self, peer: &Device) -> Result<()> {
+        crate::peer::enable_peer(&self.core, &peer.core)
+    }
+
+    /// Whether this device may access `peer`'s memory: the same GPU, or peer access enabled
+    /// through this device or `peer` ([`Device::enable_peer`]).
+    pub fn is_peer_enabled(&self, peer: &Device) -> bool {
+        crate::peer::is_peer_enabled(&self.core, &peer.core)
+    }
+
+    /// Starts a batch of copies from buffers of `src` into buffers of this device. `src` may
+    /// be this device itself (copies inside one GPU).
+    ///
+    /// The copies read `src`'s memory directly when this device may access it
+    /// ([`Device::enable_peer`]); otherwise they are staged through host memory, which
+    /// works between any two GPUs but blocks `submit` until the source bytes are on the
+    /// host.
+    pub fn peer_copies<'a>(&'a self, src: &'a Device) -> PeerBatch<'a> {
+        crate::peer::copy::peer_copies(&self.core, &src.core)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    #[test]
+    fn device_is_send_sync_and_cheap_to_clone() {
+        fn check<T: Send + Sync + Clone>() {}
+        check::<Device>();
+        check::<crate::Fence>();
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<crate::Downloaded>();
+        send_sync::<crate::PendingDownload>();
+        send_sync::<crate::PinnedBuffer>();
+        assert!(std::mem::size_of::<Device>() == std::mem::size_of::<usize>());
+        assert!(std::mem::size_of::<ResidentBuffer>() <= 16);
+    }
+
+    #[test]
+    fn open_with_a_library_that_is_not_cuda_fails_with_the_entry_point_named() {
+        let driver = Arc::new(Driver::load_from("libc.so.6").unwrap());
+        let err = Device::open_with(driver, 0, Config::default()).unwrap_err();
+        assert!(matches!(&err, Error::MissingSymbol(m) if m.entry() == "cuInit"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_config_is_reported_before_the_driver_is_touched() {
+        let driver = Arc::new(Driver::load_from("libc.so.6").unwrap());
+        let config = Config { budget_fraction: 2.0, ..Config::default() };
+        let err = Device::open_with(driver, 0, config).unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { field: "budget_fraction", .. }), "{err}");
+    }
+}

@@ -1,0 +1,291 @@
+//! `Core`: the shared state of one device, which the engine and every batch work on, and
+//! its opening.
+
+use std::sync::{Arc, OnceLock};
+
+use cuda_sys::Driver;
+
+use crate::alloc::{Allocator, AllocatorConfig, LastUse, ResidentBuffer};
+use crate::config::{Config, DeviceInfo};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::host_pool::HostPool;
+use crate::kernels::Kernels;
+use crate::raw::{Raw, release_retrying};
+use crate::stream::{Lane, LaneKind, Lanes};
+use crate::sync::Mutex;
+use crate::telemetry::Telemetry;
+
+use super::host::Staging;
+use super::pipeline::Packers;
+use super::spares::Spares;
+use super::staging::{DeviceRegion, DeviceStaging};
+
+/// The process-wide driver, loaded on first use.
+pub(crate) fn shared_driver() -> Result<Arc<Driver>> {
+    static DRIVER: OnceLock<Result<Arc<Driver>, cuda_sys::LoadError>> = OnceLock::new();
+    DRIVER.get_or_init(|| Driver::load().map(Arc::new)).clone().map_err(Error::from)
+}
+
+/// The shared state of a device. Fences hold its lanes and lent staging its context, so
+/// that nothing they refer to goes away early; dropping it waits for the copies in flight
+/// before their memory is freed.
+pub(crate) struct Core {
+    pub(crate) ctx: Arc<Context>,
+    pub(crate) info: DeviceInfo,
+    pub(crate) config: Config,
+    pub(crate) alloc: Allocator<Arc<Context>>,
+    pub(crate) pinned: Arc<HostPool>,
+    pub(crate) lanes: Arc<Lanes>,
+    pub(crate) telemetry: Telemetry,
+    /// Device staging per lane, used under that lane's batch lock.
+    pub(crate) staging: [Mutex<DeviceStaging>; 2],
+    kernels: OnceLock<Kernels>,
+    /// The packing threads.
+    pub(crate) packers: Packers,
+    /// The contexts of the devices whose memory this context was given access to
+    /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
+    pub(crate) peers: Mutex<Vec<Arc<Context>>>,
+    /// What finished batches leave for the next ones.
+    pub(crate) spares: Spares,
+}
+
+impl Core {
+    /// Opens device `ordinal` through `driver` with `config`: retains its primary context
+    /// and sets up its lanes, pinned pool and allocator.
+    pub(crate) fn open(driver: Arc<Driver>, ordinal: usize, config: Config) -> Result<Core> {
+        config.validate()?;
+        let raw = Raw::new(driver);
+        raw.init()?;
+        let count = raw.device_count()?;
+        let cu_ordinal = i32::try_from(ordinal).ok().filter(|_| ordinal < count);
+        let Some(cu_ordinal) = cu_ordinal else {
+            return Err(Error::NoSuchDevice { ordinal, count });
+        };
+        let cu_device = raw.device_get(cu_ordinal)?;
+        let ctx = Arc::new(Context::retain(raw, cu_device)?);
+        let raw = ctx.bind()?;
+        let info = query_info(raw, cu_device, ordinal)?;
+        let telemetry = Telemetry::default();
+        let lanes = Arc::new(Lanes::new(Arc::clone(&ctx), Arc::clone(&telemetry.host_waits))?);
+        let pinned =
+            Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes, config.pinned_reserve()));
+        pinned.prewarm(config.chunk_bytes as usize, config.pinned_prewarm_bytes)?;
+        let alloc = Allocator::new(
+            Arc::clone(&ctx),
+            ordinal,
+            AllocatorConfig {
+                total_memory: info.total_memory,
+                budget_fraction: config.budget_fraction,
+                slab_bytes: config.slab_bytes,
+            },
+        );
+        let packers = Packers::new(config.resolved_pack_threads(), config.pack_linger_us);
+        Ok(Core {
+            ctx,
+            info,
+            config,
+            alloc,
+            pinned,
+            lanes,
+            telemetry,
+            staging: Default::default(),
+            kernels: OnceLock::new(),
+            packers,
+            peers: Mutex::new(Vec::new()),
+            spares: Default::default(),
+        })
+    }
+
+    #[inline]
+    pub(crate) fn lane(&self, kind: LaneKind) -> &Lane {
+        self.lanes.lane(kind)
+    }
+
+    /// The scatter/gather kernel, loaded on first use.
+    pub(crate) fn kernels(&self) -> Result<&Kernels> {
+        if let Some(k) = self.kernels.get() {
+            return Ok(k);
+        }
+        let loaded = Kernels::load(self.ctx.bind()?, self.info.multiprocessors)?;
+        if let Err(lost) = self.kernels.set(loaded) {
+            // Another thread loaded it first.
+            let _ = lost.unload(&self.ctx.raw);
+        }
+        Ok(self.kernels.get().expect("set above"))
+    }
+
+    /// The packing threads, started on first use and kept for the device's life.
+    pub(crate) fn packers(&self) -> &rayon::ThreadPool {
+        self.packers.pool()
+    }
+
+    /// Whether no copy in flight uses a buffer whose last uses were `last`, asking the
+    /// driver when the timelines do not already say so.
+    pub(crate) fn is_idle(&self, last: LastUse) -> bool {
+        LaneKind::ALL.iter().all(|&k| self.lane(k).is_done(last[k.index()]).unwrap_or(false))
+    }
+
+    /// The same from the timelines alone: atomic loads, no lock, no driver call (safe to ask
+    /// under the allocator's shard locks). `false` may mean "not known yet".
+    pub(crate) fn is_known_idle(&self, last: LastUse) -> bool {
+        LaneKind::ALL.iter().all(|&k| self.lane(k).is_known_done(last[k.index()]))
+    }
+
+    /// Pinned memory of `len` bytes for a transfer, waiting for copies in flight when the
+    /// pool is full.
+    pub(crate) fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        self.acquire_staging_as(len, false)
+    }
+
+    /// Pinned memory of `len` bytes, held past any transfer (`held`: see
+    /// `Device::pinned`) or for one, waiting for copies in flight when the pool is full.
+    pub(crate) fn acquire_staging_as(&self, len: usize, held: bool) -> Result<crate::host_pool::HostLease> {
+        let mut retried = false;
+        loop {
+            if let Some(lease) = self.pinned.try_acquire_as(len, held)? {
+                return Ok(lease);
+            }
+            // Full: retire completed copies, and wait for the oldest one on each lane, which
+            // releases its staging. Once nothing is in flight, one more try, then give up.
+            let mut waited = false;
+            for &kind in &LaneKind::ALL {
+                let lane = self.lane(kind);
+                lane.poll()?;
+                if let Some(seq) = lane.oldest_in_flight() {
+                    waited |= lane.wait(seq)?;
+                }
+            }
+            if !waited {
+                if retried {
+                    let stats = self.pinned.stats();
+                    return Err(Error::PinnedExhausted {
+                        requested: len as u64,
+                        cap: stats.cap_bytes,
+                        lent: stats.lent_bytes,
+                    });
+                }
+                retried = true;
+            }
+        }
+    }
+
+    /// The address of at least `len` bytes of `region`, `lane`'s device staging, growing it
+    /// if need be. Must be called under the lane's batch lock; `last_seq` is the lane's last
+    /// submission, which may still use the old staging.
+    pub(crate) fn ensure_region(
+        &self,
+        region: &mut DeviceRegion,
+        lane: LaneKind,
+        len: u64,
+        last_seq: u64,
+    ) -> Result<u64> {
+        if let Some(ptr) = region.holding(len) {
+            return Ok(ptr);
+        }
+        let want = len.max(1 << 20).next_power_of_two();
+        let new = self.allocate_for_library(want)?;
+        let (ptr, _) = self.alloc.resolve(new)?;
+        let staging = &self.telemetry.staging_bytes;
+        staging.fetch_add(want, std::sync::atomic::Ordering::Relaxed);
+        if let Some((old, old_len)) = region.replace(new, ptr, want) {
+            staging.fetch_sub(old_len, std::sync::atomic::Ordering::Relaxed);
+            // Work already enqueued may still use it: free after that work.
+            self.alloc.mark_used(old, lane.index(), last_seq)?;
+            // A refused driver free is not this batch's failure: the memory stays listed
+            // and the next trim retries it.
+            let _ = self.alloc.free(old, &|last| self.is_known_idle(last));
+        }
+        Ok(ptr)
+    }
+
+    /// Frees `buffer` (see `Device::free`).
+    #[inline]
+    pub(crate) fn free(&self, buffer: ResidentBuffer) -> Result<()> {
+        self.alloc.free(buffer, &|last| self.is_known_idle(last))
+    }
+
+    /// The buffer's device address.
+    #[inline]
+    pub(crate) fn device_ptr(&self, buffer: ResidentBuffer) -> Result<u64> {
+        self.alloc.resolve(buffer).map(|(ptr, _)| ptr)
+    }
+
+    /// The buffer's length in bytes, as allocated.
+    #[inline]
+    pub(crate) fn buffer_len(&self, buffer: ResidentBuffer) -> Result<u64> {
+        self.alloc.resolve(buffer).map(|(_, len)| len)
+    }
+
+    /// Held pinned memory of `len` bytes (kept past any transfer: see `Device::pinned`),
+    /// waiting for copies in flight when the pool is full.
+    pub(crate) fn acquire_held_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        self.acquire_staging_as(len, true)
+    }
+
+    /// Whether batches of small copies in order move over the bus: the configuration asks
+    /// for it and the GPU has unified addressing.
+    pub(crate) fn moves_small_copies_over_bus(&self) -> bool {
+        self.config.small_copies_over_bus && self.info.unified_addressing
+    }
+
+    /// Allocates a buffer of the library's own (device staging, prepared sets' tables):
+    /// under the same budget, counted apart from the caller's bytes.
+    pub(crate) fn allocate_for_library(&self, bytes: u64) -> Result<ResidentBuffer> {
+        self.alloc.allocate_as(bytes, true, &|last| self.is_idle(last))
+    }
+
+    /// Checks that `[offset, offset + len)` lies in `buffer`; returns the buffer's device
+    /// address of `offset`.
+    pub(crate) fn checked_range(&self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<u64> {
+        let (ptr, buffer_len) = self.alloc.resolve(buffer)?;
+        match offset.checked_add(len) {
+            Some(end) if end <= buffer_len => Ok(ptr + offset),
+            _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len }),
+        }
+    }
+}
+
+impl Staging for Core {
+    fn pinned_cap(&self) -> u64 {
+        self.config.pinned_cap_bytes
+    }
+
+    fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        Core::acquire_staging(self, len)
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        // Copies in flight finish before the memory they use is freed.
+        for lane in self.lanes.iter() {
+            let _ = lane.synchronize();
+        }
+        let _ = release_retrying(|| self.ctx.bind().map(drop));
+        if let Some(kernels) = self.kernels.get() {
+            let _ = release_retrying(|| kernels.unload(&self.ctx.raw));
+        }
+        let _ = self.alloc.release_all();
+    }
+}
+fn query_info(raw: &Raw, device: cuda_sys::CUdevice, ordinal: usize) -> Result<DeviceInfo> {
+    use cuda_sys::*;
+    let attr = |a| raw.device_attribute(device, a);
+    Ok(DeviceInfo {
+        ordinal,
+        name: raw.device_name(device)?,
+        pci_bus_id: raw.device_pci_bus_id(device)?,
+        total_memory: raw.device_total_mem(device)?,
+        compute_capability: (
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        multiprocessors: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        copy_engines: attr(CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)? as u32,
+        memory_pools: attr(CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0,
+        batch_memcpy: raw.driver.api().cuMemcpyBatchAsync_v2.is_ok(),
+        unified_addressing: attr(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)? != 0,
+        driver_version: raw.driver.version().unwrap_or(DriverVersion(0)),
+    })
+}
