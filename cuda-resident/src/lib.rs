@@ -101,7 +101,7 @@ pub use alloc::classes::{GRANULE, MAX_CLASS_BYTES};
 pub use alloc::{AllocatorStats, ResidentBuffer};
 pub use config::{Config, DeviceInfo};
 pub use device::{Device, DeviceSet};
-pub use error::{Error, Result};
+pub use error::{Error, PlanError, Result};
 pub use host_pool::{PinnedBuffer, PinnedStats};
 pub use peer::{FanOutPath, PeerBatch};
 pub use stream::Fence;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cuda_resident::{
     AllocatorStats, Config, Device, DeviceInfo, DeviceSet, DownloadBatch, Downloaded, Error, FanOutPath,
-    Fence, GRANULE, MAX_CLASS_BYTES, PeerBatch, PendingDownload, PinnedBuffer, PinnedStats,
+    Fence, GRANULE, MAX_CLASS_BYTES, PeerBatch, PendingDownload, PinnedBuffer, PinnedStats, PlanError,
     PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Slot, TelemetrySnapshot, UploadBatch,
     cuda_sys,
 };
@@ -109,6 +109,9 @@ fn every_public_item_is_named() {
     // Errors, stats and constants.
     batch_items(PhantomData);
     let _: fn(&Error) -> Option<cuda_sys::CUresult> = Error::cuda_code;
+    let planned = Error::from(PlanError::TooManyRequests { count: 1 << 33 });
+    assert!(matches!(&planned, Error::Plan(PlanError::TooManyRequests { .. })), "{planned}");
+    assert!(planned.to_string().contains("Fix: "), "{planned}");
     let _ = (AllocatorStats::default(), PinnedStats::default(), TelemetrySnapshot::default());
     let _: fn(&TelemetrySnapshot) -> u64 = |t| t.upload_submissions + t.download_submissions;
     assert_eq!((GRANULE, MAX_CLASS_BYTES), (256, 4 << 20));

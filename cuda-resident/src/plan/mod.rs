@@ -155,76 +155,7 @@ pub struct ReadRequest {
     pub len: u64,
 }
 
-/// Why a batch could not be planned. Nothing of the batch was planned.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PlanError {
-    /// A request reaches past the end of its buffer (or `offset + len` overflows `u64`).
-    #[error(
-        "request {index} (buffer {buffer}, offset {offset}, len {len}) reaches past the end of its \
-         buffer of {buffer_len} bytes; the whole batch was rejected. Fix: keep offset + len within \
-         the buffer's length"
-    )]
-    OutOfRange {
-        /// The request's position in the batch.
-        index: usize,
-        /// The buffer it names.
-        buffer: BufferKey,
-        /// Its offset.
-        offset: u64,
-        /// Its length.
-        len: u64,
-        /// The buffer's length.
-        buffer_len: u64,
-    },
-    /// `PlanConfig::align` is not a power of two.
-    #[error(
-        "the plan config's align is {align}, which is not a power of two. Fix: use a power of two \
-         such as 16 (the default)"
-    )]
-    InvalidAlign {
-        /// The rejected alignment.
-        align: u64,
-    },
-    /// `PlanConfig::chunk_bytes` is smaller than `align`, so a chunk could hold nothing.
-    #[error(
-        "the plan config's chunk_bytes ({chunk_bytes}) is smaller than its align ({align}), so a \
-         chunk could hold nothing. Fix: make chunk_bytes at least align (the default is 8 MiB)"
-    )]
-    ChunkTooSmall {
-        /// The rejected chunk size.
-        chunk_bytes: u64,
-        /// The alignment it must hold.
-        align: u64,
-    },
-    /// The batch has more requests than a `u32` index can name.
-    #[error(
-        "the batch has {count} requests, more than the {} the planner can index. Fix: split the batch",
-        u32::MAX
-    )]
-    TooManyRequests {
-        /// How many requests the batch has.
-        count: usize,
-    },
-    /// The batch needs more than `u32::MAX` chunks, or more than `u64::MAX` bytes of staging.
-    #[error(
-        "the batch needs more than {} chunks of {chunk_capacity} bytes of staging. Fix: split the \
-         batch, or raise chunk_bytes",
-        u32::MAX
-    )]
-    TooLarge {
-        /// The chunk capacity the batch was planned with.
-        chunk_capacity: u64,
-    },
-    /// Memory for the plan's chunk list could not be reserved.
-    #[error(
-        "could not reserve memory for a plan of {chunks} chunks. Fix: split the batch, or raise \
-         chunk_bytes so that it needs fewer chunks"
-    )]
-    OutOfMemory {
-        /// How many chunks the plan needed.
-        chunks: u64,
-    },
-}
+pub use crate::error::PlanError;
 
 /// One contiguous copy between staging and a buffer.
 ///
