@@ -32,7 +32,7 @@ pub fn balanced(counts: &BTreeMap<&str, CallCount>) -> Result<(), String> {
 }
 
 /// Compares the device's free memory after a test with before. Under compute-sanitizer
-/// (`scripts/sanitize.sh` sets `CUDA_RESIDENT_SANITIZER`) the tool's own device allocations
+/// (`tests/sanitize.sh` sets `CUDA_RESIDENT_SANITIZER`) the tool's own device allocations
 /// move the figure (2 MiB per test seen on the H200 machines), so there the difference is
 /// only reported: the sanitizer's `--leak-check full` and the balanced call counts check
 /// for leaks instead.

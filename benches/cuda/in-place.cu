@@ -4,7 +4,7 @@
 // with gaps, 16-byte aligned in leases of 16 MiB. The clock runs from the first enqueue to the
 // streams' end (the writes are made before it starts), median of 15 after two warm-ups.
 //
-//   nvcc -O2 -o in-place scripts/in-place.cu && ./in-place
+//   nvcc -O2 -o in-place benches/cuda/in-place.cu && ./in-place
 #include <cstring>
 
 #include "../cuda-resident/kernels/copy.cu"

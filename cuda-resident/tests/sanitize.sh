@@ -2,13 +2,13 @@
 # compute-sanitizer over the GPU tests: memcheck (with device leak checking) over every GPU
 # test binary, racecheck and synccheck over the tests that run the copy kernel hardest.
 #
-# Usage: scripts/sanitize.sh DEPS_DIR
+# Usage: cuda-resident/tests/sanitize.sh DEPS_DIR
 #   DEPS_DIR holds the test binaries: target/release/deps after
 #   `cargo test --release --workspace --no-run`, or the same folder of an extracted nextest
 #   archive. Needs an NVIDIA GPU and compute-sanitizer (CUDA toolkit).
 # Prints each tool's ERROR SUMMARY; exits non-zero if any run reports an error.
 set -uo pipefail
-deps=${1:?usage: scripts/sanitize.sh DEPS_DIR}
+deps=${1:?usage: cuda-resident/tests/sanitize.sh DEPS_DIR}
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 bin() { find "$deps" -maxdepth 1 -type f -executable -name "$1-*" | head -n 1; }
 status=0

@@ -3,7 +3,7 @@
 // chunks and moved by cudaMemcpyAsync, with no scatter kernel. Times in microseconds, median
 // of 9 after one warm-up. BENCHMARKS.md compares it with xfer-bench's rows.
 //
-//   nvcc -O2 -Xcompiler -fopenmp -o pack_dma scripts/pack_dma.cu -lgomp
+//   nvcc -O2 -Xcompiler -fopenmp -o pack_dma benches/cuda/pack_dma.cu -lgomp
 //   ./pack_dma [bytes per copy = 4096] [chunks = 4] [threads = 16]
 #include <cstdio>
 #include <cstdlib>
