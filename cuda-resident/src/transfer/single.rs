@@ -1,4 +1,4 @@
-//! Single copies: one range between host and core. The asynchronous copies over memory
+//! Single copies: one range between host and device. The asynchronous copies over memory
 //! the caller pinned (one DMA each), pinning host memory, and large reads pipelined through
 //! a ring of pinned chunks.
 //!
@@ -17,6 +17,9 @@ use crate::plan::route::{PIPELINE_DEPTH, pipeline_chunk};
 use crate::stream::{Fence, LaneKind};
 
 /// The work of [`Device::upload_async_at`](crate::Device::upload_async_at).
+///
+/// # Safety
+/// As for [`Device::upload_async_at`](crate::Device::upload_async_at).
 pub(crate) unsafe fn upload_async_at(
     core: &Arc<Core>,
     buffer: ResidentBuffer,
@@ -33,6 +36,9 @@ pub(crate) unsafe fn upload_async_at(
 }
 
 /// The work of [`Device::download_async_at`](crate::Device::download_async_at).
+///
+/// # Safety
+/// As for [`Device::download_async_at`](crate::Device::download_async_at).
 pub(crate) unsafe fn download_async_at(
     core: &Arc<Core>,
     buffer: ResidentBuffer,
@@ -63,6 +69,9 @@ pub(crate) fn synchronize_uploads(core: &Arc<Core>) -> Result<()> {
 }
 
 /// The work of [`Device::pin_host`](crate::Device::pin_host).
+///
+/// # Safety
+/// As for [`Device::pin_host`](crate::Device::pin_host).
 pub(crate) unsafe fn pin_host(core: &Arc<Core>, ptr: *mut u8, len: usize) -> Result<()> {
     if len == 0 {
         return Err(Error::EmptyHostRange { operation: "Device::pin_host", address: ptr as usize });
@@ -73,6 +82,9 @@ pub(crate) unsafe fn pin_host(core: &Arc<Core>, ptr: *mut u8, len: usize) -> Res
 }
 
 /// The work of [`Device::unpin_host`](crate::Device::unpin_host).
+///
+/// # Safety
+/// As for [`Device::unpin_host`](crate::Device::unpin_host).
 pub(crate) unsafe fn unpin_host(core: &Arc<Core>, ptr: *mut u8) -> Result<()> {
     let raw = core.ctx.bind()?;
     // SAFETY: as the caller promises.
