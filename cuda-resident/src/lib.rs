@@ -12,7 +12,7 @@
 //! - **fused copies**: an [`UploadBatch`] or [`DownloadBatch`] of thousands of small copies
 //!   costs one kernel launch per staging chunk, which reads or writes the pinned memory
 //!   over the bus when the copies come in order ([`Config::small_copies_over_bus`]), or a
-//!   DMA (two for a readback: its table up, its bytes down) and one scatter or gather
+//!   DMA (two for a download: its table up, its bytes down) and one scatter or gather
 //!   launch; large copies from ordinary memory are pipelined through pinned memory by
 //!   several threads;
 //! - **prepared sets** ([`Device::prepare_uploads`], [`Device::prepare_downloads`]): the same

@@ -381,7 +381,7 @@ impl Device {
 
     /// Starts a batch of downloads.
     pub fn downloads(&self) -> DownloadBatch<'_> {
-        crate::transfer::readback::downloads(&self.core)
+        crate::transfer::download::downloads(&self.core)
     }
 
     /// Checks `ranges` (`(buffer, offset, len)` each) once, for uploading them again and

@@ -516,7 +516,7 @@ impl PeerBatch<'_> {
         let mut pieces: Vec<(ResidentBuffer, u64, ResidentBuffer, u64, u64)> = Vec::new();
         let mut bytes = 0;
         let flush = |pieces: &mut Vec<(ResidentBuffer, u64, ResidentBuffer, u64, u64)>| -> Result<Fence> {
-            let mut reads = crate::transfer::readback::downloads(self.src);
+            let mut reads = crate::transfer::download::downloads(self.src);
             let slots =
                 pieces.iter().map(|&(b, o, _, _, len)| reads.read(b, o, len)).collect::<Result<Vec<_>>>()?;
             let done = reads.submit()?.wait()?;

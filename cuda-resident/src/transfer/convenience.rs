@@ -80,7 +80,7 @@ pub(crate) fn read_many_into(
     buffers: &[ResidentBuffer],
     out: &mut [Vec<u8>],
 ) -> Result<Route> {
-    let mut batch = super::readback::downloads(core);
+    let mut batch = super::download::downloads(core);
     batch.read_many(buffers)?;
     batch.submit_into_as(out, false)
 }
@@ -119,7 +119,7 @@ pub(crate) fn read_ranges_into(
     out: &mut [Vec<u8>],
     pipelined: bool,
 ) -> Result<Route> {
-    let mut batch = super::readback::downloads(core);
+    let mut batch = super::download::downloads(core);
     for &(b, o, l) in ranges {
         batch.read(b, o, l)?;
     }

@@ -6,21 +6,21 @@
 //! lay out a fixed set of ranges once; single copies move one range.
 
 pub(crate) mod convenience;
+pub(crate) mod download;
 pub(crate) mod prepared;
-pub(crate) mod readback;
 pub(crate) mod single;
 pub(crate) mod upload;
 
 pub(crate) use crate::engine::table::BufferTable;
+pub use download::{DownloadBatch, Downloaded, PendingDownload, Slot};
 pub use prepared::{PreparedDownloads, PreparedUploads};
-pub use readback::{DownloadBatch, Downloaded, PendingDownload, Slot};
 pub use upload::UploadBatch;
 
 #[cfg(test)]
 mod callback_tests;
 #[cfg(test)]
+mod download_tests;
+#[cfg(test)]
 mod edge_tests;
 #[cfg(test)]
 pub(crate) mod model_tests;
-#[cfg(test)]
-mod readback_tests;

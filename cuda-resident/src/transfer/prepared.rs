@@ -136,14 +136,14 @@ pub(crate) fn prepare_downloads(
     core: &Arc<Core>,
     ranges: &[(ResidentBuffer, u64, u64)],
 ) -> Result<PreparedDownloads> {
-    if ranges.len() > super::readback::MAX_READS {
-        return Err(Error::TooManyReads { most: super::readback::MAX_READS });
+    if ranges.len() > super::download::MAX_READS {
+        return Err(Error::TooManyReads { most: super::download::MAX_READS });
     }
     let fast = Layout::new(core, ranges, LaneKind::Readback)?.map(|layout| {
         let (views, chunks) = layout.views(ranges);
         (layout, views, chunks)
     });
-    let id = super::readback::next_batch_id();
+    let id = super::download::next_batch_id();
     let slots = (0..ranges.len()).map(|i| Slot::nth(id, i)).collect();
     Ok(PreparedDownloads { core: Arc::clone(core), ranges: ranges.to_vec(), fast, slots, id })
 }
@@ -459,7 +459,7 @@ impl PreparedDownloads {
 
     /// The set's reads as a batch of its own (whose slots are the set's).
     fn as_batch(&self) -> Result<crate::DownloadBatch<'_>> {
-        let mut batch = super::readback::readbacks_as(&self.core, self.id);
+        let mut batch = super::download::downloads_as(&self.core, self.id);
         for &(buffer, offset, len) in &self.ranges {
             batch.read(buffer, offset, len)?;
         }

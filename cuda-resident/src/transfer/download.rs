@@ -1,4 +1,4 @@
-//! Readbacks: a batch of reads, fused, gathered by the kernel (small ranges: into device
+//! Downloads: a batch of reads, fused, gathered by the kernel (small ranges: into device
 //! staging and moved by one DMA, or, many small reads in order, straight into pinned memory
 //! over the bus) or copied directly (large ones), into one pinned region that the caller
 //! reads as `&[u8]` views. A batch larger than the pinned pool can lend streams through a
@@ -93,7 +93,7 @@ impl fmt::Debug for DownloadBatch<'_> {
     }
 }
 
-/// A submitted readback: the bytes are in flight.
+/// A submitted download: the bytes are in flight.
 #[derive(Debug)]
 #[must_use = "the bytes are reachable only through its wait"]
 pub struct PendingDownload {
@@ -220,12 +220,12 @@ impl fmt::Debug for Downloaded {
 
 /// The work of [`Device::downloads`](crate::Device::downloads).
 pub(crate) fn downloads(core: &Arc<Core>) -> DownloadBatch<'_> {
-    readbacks_as(core, next_batch_id())
+    downloads_as(core, next_batch_id())
 }
 
 /// A batch whose slots and download carry the identity `id` (a prepared set's, so that
 /// the set's slots redeem the downloads it moves as batches).
-pub(crate) fn readbacks_as(core: &Arc<Core>, id: u64) -> DownloadBatch<'_> {
+pub(crate) fn downloads_as(core: &Arc<Core>, id: u64) -> DownloadBatch<'_> {
     let (table, reads) = core.spares.readback.take();
     DownloadBatch { core, table, reads, error: None, id }
 }
