@@ -237,7 +237,7 @@ proptest! {
         longest in 0u64..1000,
         threshold in 1u64..1000,
     ) {
-        use route::{Apart, Route, UploadShape, readback_route, upload_route};
+        use route::{Apart, Route, UploadShape, download_route, upload_route};
         let apart = Apart { broken, longest, ..Apart::default() };
         let shape = UploadShape { writes, single_slice: single, in_place, slice_writes, apart: &apart, direct_threshold: threshold };
         let expected = if single.is_some_and(|len| len > 0 && len < threshold) {
@@ -251,6 +251,6 @@ proptest! {
         };
         prop_assert_eq!(upload_route(&shape), expected);
         let read = if writes >= route::IN_ORDER_MIN && !broken && longest < threshold { Route::InOrder } else { Route::Planned };
-        prop_assert_eq!(readback_route(writes, &apart, threshold), read);
+        prop_assert_eq!(download_route(writes, &apart, threshold), read);
     }
 }

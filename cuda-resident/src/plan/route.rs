@@ -1,6 +1,6 @@
 //! The route a batch takes and the layouts of the paths that skip the planner: which
 //! executor path moves a batch ([`Route`], decided by [`upload_route`] and
-//! [`readback_route`]), how large its chunks are ([`pipeline_chunk`], [`in_order_chunk`],
+//! [`download_route`]), how large its chunks are ([`pipeline_chunk`], [`in_order_chunk`],
 //! [`growing`]), and, for requests in order and apart ([`Apart`], the one meaning of "in
 //! order" of those paths), where each request's bytes go and where chunks are cut
 //! ([`cut_apart`]). Pure functions, tested here and against the byte model
@@ -82,7 +82,7 @@ pub(crate) fn upload_route(batch: &UploadShape<'_>) -> Route {
 /// chunks hold `chunk_bytes` and whose copies of at least `direct_threshold` bytes move by
 /// their own DMA: [`Route::InOrder`] or [`Route::Planned`] ([`Route::Streamed`] is taken
 /// when the pool cannot lend the batch's staging at once, which only the pool knows).
-pub(crate) fn readback_route(reads: usize, apart: &Apart, direct_threshold: u64) -> Route {
+pub(crate) fn download_route(reads: usize, apart: &Apart, direct_threshold: u64) -> Route {
     if reads >= IN_ORDER_MIN && !apart.broken && apart.longest < direct_threshold {
         Route::InOrder
     } else {

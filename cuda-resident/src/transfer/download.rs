@@ -658,7 +658,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     let mut exec = Exec::begin(core, LaneKind::Readback);
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
-    let route = route::readback_route(batch.reads.len(), apart, plan_config.direct_threshold);
+    let route = route::download_route(batch.reads.len(), apart, plan_config.direct_threshold);
     if route == Route::InOrder {
         let chunk = in_order_chunk(
             config.chunk_bytes,
