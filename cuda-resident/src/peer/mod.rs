@@ -60,7 +60,7 @@ pub(crate) fn fan_out(
             let first_fence = uploads.submit()?;
             let mut fences = vec![first_fence.clone()];
             for &(device, buffer, _) in &places[1..] {
-                if buffer == first_buffer && std::ptr::eq(device, first) {
+                if buffer == first_buffer && Arc::ptr_eq(device, first) {
                     // The first target named again: already written.
                     fences.push(first_fence.clone());
                     continue;

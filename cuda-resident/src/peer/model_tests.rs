@@ -285,6 +285,28 @@ fn fan_out_writes_every_target_by_either_path() {
 }
 
 #[test]
+fn fan_out_first_then_peers_writes_a_target_named_again_through_another_handle_once() {
+    let (d0, _d1) = pair();
+    // Two handles of one device: the second target is the first one again.
+    let set = DeviceSet::from_devices(vec![d0.clone(), d0.clone()]);
+    let b = d0.allocate(4096).unwrap();
+    let mut rng = fastrand::Rng::with_seed(15);
+    let data = random_vec(&mut rng, 1000);
+    let before = d0.telemetry();
+    let fences = set.fan_out_with(FanOutPath::FirstThenPeers, &data, &[(0, b), (1, b)], 5).unwrap();
+    assert_eq!(fences.len(), 2);
+    for f in &fences {
+        f.wait().unwrap();
+    }
+    let after = d0.telemetry();
+    assert_eq!(after.upload_submissions - before.upload_submissions, 1, "one upload");
+    assert_eq!(after.download_submissions, before.download_submissions, "no copy onto itself");
+    assert_eq!(after.peer_bytes, before.peer_bytes, "no copy onto itself");
+    assert_eq!(d0.download_range(b, 5, 1000).unwrap(), data);
+    assert!(with(|g| g.errors.is_empty()));
+}
+
+#[test]
 fn fan_out_checks_every_target_before_moving_anything() {
     let (d0, d1) = pair();
     let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
