@@ -625,7 +625,9 @@ impl Lanes {
 /// it valid.
 ///
 /// Dropping a fence does not cancel or wait for anything: the work completes on its own and
-/// what it needs stays alive until then. A fence keeps its device's context and lanes alive.
+/// what it needs stays alive until then. A fence keeps its device's context and lanes alive,
+/// not its buffers: those are freed when the last [`Device`](crate::Device) handle is
+/// dropped (after the copies in flight complete), fence or no fence.
 #[derive(Clone)]
 #[must_use = "a fence is the only way to know that the submitted work has finished"]
 pub struct Fence {

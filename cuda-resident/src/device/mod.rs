@@ -27,8 +27,14 @@ use crate::transfer::{DownloadBatch, PreparedDownloads, PreparedUploads, UploadB
 /// pool.
 ///
 /// `Device` is `Send + Sync` and cheap to clone (an `Arc` inside); clones share everything.
-/// The context and all memory are released when the last clone, fence and lent staging
-/// region are gone.
+/// Dropping the last clone (and the last prepared set and [`Downloaded`](crate::Downloaded)
+/// made from it, which hold the device's state too) waits for every copy in flight, then
+/// frees the device's buffers; the context is released once the fences and lent pinned
+/// memory that keep it are gone too. A [`Fence`](crate::Fence) keeps the context and the
+/// lanes only: it can still be waited on after the device is dropped, but the buffers are
+/// freed by then, so work of your own that uses a buffer (after
+/// [`Fence::make_stream_wait`](crate::Fence::make_stream_wait)) must finish before the last
+/// `Device` goes.
 ///
 /// Its blocking conveniences ([`upload`](Device::upload), [`upload_at`](Device::upload_at),
 /// [`upload_many`](Device::upload_many), [`upload_at_many`](Device::upload_at_many),

@@ -250,8 +250,8 @@ impl<'a> Exec<'a> {
     /// Gives the lane back; what was counted is recorded by the [`Ended`].
     pub(crate) fn end(self) -> Ended<'a> {
         debug_assert!(
-            self.moves.submissions == 0 || self.core.lane(self.kind).last_submitted() >= self.final_seq,
-            "a batch submits what it claimed"
+            self.moves.submissions == 0 || self.core.lane(self.kind).last_submitted() == self.final_seq,
+            "a batch submits exactly what it claimed: its buffers are marked with its last submission"
         );
         Ended { core: self.core, kind: self.kind, final_seq: self.final_seq, moves: self.moves }
     }

@@ -231,6 +231,33 @@ pub(crate) fn downloads_as(core: &Arc<Core>, id: u64) -> DownloadBatch<'_> {
 }
 
 impl DownloadBatch<'_> {
+    /// The bytes the batch moves and the planner's settings for it: chunks sized to the
+    /// batch ([`pipeline_chunk`]), the direct threshold at most a chunk.
+    fn sizing(&self) -> (u64, PlanConfig) {
+        let config = &self.core.config;
+        let apart = &self.table.apart;
+        let in_order = self.reads.len() >= route::IN_ORDER_MIN && !apart.broken;
+        let total: u64 = if in_order { apart.requested } else { self.reads.iter().map(|r| r.len).sum() };
+        let chunk_bytes = pipeline_chunk(config.chunk_bytes, total, PIPELINE_DEPTH);
+        (
+            total,
+            PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 },
+        )
+    }
+
+    /// The route [`route::download_route`] gives the batch's reads under `plan_config`.
+    fn route_with(&self, plan_config: &PlanConfig) -> Route {
+        route::download_route(self.reads.len(), &self.table.apart, plan_config.direct_threshold)
+    }
+
+    /// The route the batch takes as its reads stand, when the pinned pool can lend it at
+    /// submit ([`route::download_route`]); a batch it cannot lend streams instead
+    /// ([`Route::Streamed`]).
+    #[cfg(test)]
+    pub(crate) fn route(&self) -> Route {
+        self.route_with(&self.sizing().1)
+    }
+
     /// Adds a read of `len` bytes of `buffer` at `offset`.
     ///
     /// # Errors
@@ -650,16 +677,11 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     let core = batch.core;
     let config = &core.config;
     let apart = &batch.table.apart;
-    let in_order = batch.reads.len() >= route::IN_ORDER_MIN && !apart.broken;
-    let total: u64 = if in_order { apart.requested } else { batch.reads.iter().map(|r| r.len).sum() };
-    let chunk_bytes = pipeline_chunk(config.chunk_bytes, total, PIPELINE_DEPTH);
-    let plan_config =
-        PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
+    let (total, plan_config) = batch.sizing();
     let mut exec = Exec::begin(core, LaneKind::Readback);
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
-    let route = route::download_route(batch.reads.len(), apart, plan_config.direct_threshold);
-    if route == Route::InOrder {
+    if batch.route_with(&plan_config) == Route::InOrder {
         let chunk = in_order_chunk(
             config.chunk_bytes,
             total,

@@ -246,7 +246,9 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     d.download_into(&bufs, &mut out).unwrap();
     same(&out, "download_into");
     // The helpers' batch, as download_ranges (a copy of each read) and download_into
-    // (pipelined) move it.
+    // (pipelined) move it. The public methods above are one-line wrappers of these
+    // (`convenience.rs`, `DownloadBatch::submit_into`, `PreparedDownloads::download_into`),
+    // which return the route they took.
     for pipelined in [false, true] {
         let mut out = poisoned();
         let route = super::convenience::read_ranges_into(d.core(), &bufs, &mut out, pipelined).unwrap();

@@ -377,7 +377,7 @@ impl PreparedUploads {
                     self.last_seq = final_seq;
                 }
                 moved?;
-                debug_assert!(final_seq.is_some(), "chunk 0 opened: the run succeeded");
+                final_seq.expect("chunk 0 opened: the run succeeded");
                 return Ok(exec.finish());
             }
         }
