@@ -113,6 +113,11 @@ pub use transfer::{
 /// The raw driver crate, re-exported for callers that make their own driver calls.
 pub use cuda_sys;
 
+// The README's code blocks, compiled and checked as doc tests (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme_doctests {}
+
 /// The copy planner and the budget rule, for the benches (`benches/plan.rs`) and the fuzz
 /// target (`fuzz/`), behind the `internals` feature. Not part of the API: no stability
 /// promise, hidden from the docs.

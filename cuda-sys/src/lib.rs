@@ -47,6 +47,11 @@ pub use bindings::*;
 pub use faults::{CallCount, Fault, Faults, InvalidFault};
 pub use loader::{Attempt, DEFAULT_LIBRARY_NAMES, Driver, DriverVersion, ENV_VAR, LoadError, MissingSymbol};
 
+// The README's code blocks, compiled and checked as doc tests (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme_doctests {}
+
 /// Calls a driver entry point through a [`Driver`]'s symbol table.
 ///
 /// `call!(driver, cuMemAlloc_v2(&mut ptr, len))` evaluates to

@@ -3,6 +3,11 @@
 
 pub mod alloc_bench;
 
+// The workspace README's code blocks, compiled and checked as doc tests (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+mod readme_doctests {}
+
 /// Where this build came from; every benchmark report prints it.
 #[derive(Clone, Copy, Debug)]
 pub struct Provenance {
