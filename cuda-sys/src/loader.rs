@@ -45,13 +45,31 @@ impl Driver {
     /// each of [`DEFAULT_LIBRARY_NAMES`] in turn through the system's library search path.
     ///
     /// The error lists every place tried, with the system's reason for each, and a fix.
+    ///
+    /// Loading a library runs its initialisers, which is why [`Driver::load_from`] is
+    /// `unsafe`. This function is safe because the caller picks no library: it opens the
+    /// NVIDIA driver by the names its installer gives it, through the system's library search
+    /// path, which is the trust any program linked against `libcuda` places in the system.
+    /// [`ENV_VAR`] can name another file, but the process environment is already trusted
+    /// with that power: `LD_PRELOAD` and `LD_LIBRARY_PATH` let whoever sets it load any
+    /// library into the process before `main` runs.
     pub fn load() -> Result<Driver, LoadError> {
         Self::search(std::env::var_os(ENV_VAR), DEFAULT_LIBRARY_NAMES)
     }
 
     /// Loads the driver from exactly `path` (a file path, or a bare name resolved through
     /// the system's library search path).
-    pub fn load_from(path: impl AsRef<Path>) -> Result<Driver, LoadError> {
+    ///
+    /// # Safety
+    ///
+    /// Loading a shared library runs its initialisers (constructors, `.init_array`), which
+    /// may do anything, and the calls made through the returned driver trust the library to
+    /// honour the CUDA driver API's signatures and contracts for every entry point it exports
+    /// under a driver's name. `path` must name a library for which both hold: the NVIDIA
+    /// driver's `libcuda`, or a library whose initialisers are sound and whose exports of
+    /// driver entry-point names (if any) behave as the driver's. A library that exports none
+    /// of them (as in the tests, which load `libc`) loads and reports every call as missing.
+    pub unsafe fn load_from(path: impl AsRef<Path>) -> Result<Driver, LoadError> {
         let path = path.as_ref();
         Self::open(path.as_os_str(), Origin::Explicit)
             .map_err(|attempt| LoadError { attempts: vec![attempt] })
@@ -74,9 +92,10 @@ impl Driver {
     }
 
     fn open(name: &OsStr, origin: Origin) -> Result<Driver, Attempt> {
-        // SAFETY: loading a shared library runs its initialisers. We only open what the
-        // caller named or the driver's well-known names; that trust is inherent to loading
-        // any driver. `from_library` only looks symbols up and stores them.
+        // SAFETY: loading a shared library runs its initialisers. We only open a path the
+        // caller of the `unsafe` `load_from` vouched for, or the driver's well-known names and
+        // the environment's override (trusted as `Driver::load` explains). `from_library` only
+        // looks symbols up and stores them.
         let api = unsafe { DriverApi::new(name) }.map_err(|e| Attempt {
             name: name.to_owned(),
             origin,
@@ -388,7 +407,8 @@ mod tests {
 
     #[test]
     fn explicit_path_failure_names_the_path() {
-        let err = Driver::load_from("/nonexistent/dir/libcuda.so.1").unwrap_err();
+        // SAFETY: the path does not exist, so nothing is loaded.
+        let err = unsafe { Driver::load_from("/nonexistent/dir/libcuda.so.1") }.unwrap_err();
         let text = err.to_string();
         assert!(text.contains("/nonexistent/dir/libcuda.so.1 (explicit path: "), "{text}");
         assert!(text.contains("Fix: pass the full path"), "{text}");
@@ -396,7 +416,9 @@ mod tests {
 
     #[test]
     fn a_library_that_is_not_cuda_loads_but_its_calls_fail_with_the_entry_point_named() {
-        let driver = Driver::load_from(NOT_CUDA).expect("libc loads");
+        // SAFETY: libc's initialisers are sound (it is already loaded) and it exports no
+        // driver entry point.
+        let driver = unsafe { Driver::load_from(NOT_CUDA) }.expect("libc loads");
         assert_eq!(driver.version(), None);
         // SAFETY: the entry point is missing, so nothing is called.
         let err = unsafe { crate::call!(driver, cuInit(0)) }.unwrap_err();
@@ -420,7 +442,9 @@ mod tests {
             REAL_CALLS.fetch_add(1, Ordering::SeqCst);
             CUDA_SUCCESS
         }
-        let mut driver = Driver::load_from(NOT_CUDA).expect("libc loads");
+        // SAFETY: libc's initialisers are sound (it is already loaded) and it exports no
+        // driver entry point.
+        let mut driver = unsafe { Driver::load_from(NOT_CUDA) }.expect("libc loads");
         // SAFETY: fake_init has cuInit's signature and honours its contract (no outputs).
         unsafe { driver.api_mut() }.cuInit = Ok(fake_init);
         let init = |driver: &Driver| {

@@ -486,14 +486,18 @@ mod tests {
 
     #[test]
     fn open_with_a_library_that_is_not_cuda_fails_with_the_entry_point_named() {
-        let driver = Arc::new(Driver::load_from("libc.so.6").unwrap());
+        // SAFETY: libc's initialisers are sound (it is already loaded) and it exports no
+        // driver entry point.
+        let driver = Arc::new(unsafe { Driver::load_from("libc.so.6") }.unwrap());
         let err = Device::open_with(driver, 0, Config::default()).unwrap_err();
         assert!(matches!(&err, Error::MissingSymbol(m) if m.entry() == "cuInit"), "{err}");
     }
 
     #[test]
     fn a_bad_config_is_reported_before_the_driver_is_touched() {
-        let driver = Arc::new(Driver::load_from("libc.so.6").unwrap());
+        // SAFETY: libc's initialisers are sound (it is already loaded) and it exports no
+        // driver entry point.
+        let driver = Arc::new(unsafe { Driver::load_from("libc.so.6") }.unwrap());
         let config = Config { budget_fraction: 2.0, ..Config::default() };
         let err = Device::open_with(driver, 0, config).unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { field: "budget_fraction", .. }), "{err}");
