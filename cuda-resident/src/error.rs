@@ -191,6 +191,16 @@ pub enum Error {
         right: usize,
     },
 
+    /// A value handed over from another crate (the `cudarc` feature) does not fit the call:
+    /// a stream of another context, a buffer that is not a whole number of elements.
+    #[error("{what}. Fix: {fix}.")]
+    Interop {
+        /// What does not fit, with the values.
+        what: String,
+        /// What to pass instead.
+        fix: &'static str,
+    },
+
     /// An item of data for a prepared upload does not have its range's length.
     #[error(
         "prepared upload range {index} is {expected} bytes long but its data has {got} bytes; nothing was uploaded. \
@@ -513,6 +523,7 @@ mod tests {
             Error::PinnedReserved { requested: 2, held: 3, limit: 4, cap: 5 },
             Error::TooManyReads { most: 7 },
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
+            Error::Interop { what: "a stream of another context".into(), fix: "pass one of this device" },
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
             Error::HostOutOfMemory { bytes: 1 },
             Error::ForeignSlot { index: 3, slot_batch: 7, batch: 9 },

@@ -74,6 +74,8 @@ pub mod budget;
 mod budget;
 mod config;
 mod context;
+#[cfg(feature = "cudarc")]
+pub mod cudarc;
 mod device;
 mod engine;
 mod error;

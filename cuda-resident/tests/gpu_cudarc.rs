@@ -1,0 +1,111 @@
+//! cuda-resident beside cudarc on a real GPU (feature `cudarc`): an upload, a cudarc kernel
+//! and a download ordered on the GPU only, and the view's checks.
+#![cfg(feature = "cudarc")]
+
+use cuda_resident::cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+use cuda_resident::cudarc::nvrtc::Ptx;
+use cuda_resident::{Device, Error};
+
+/// `add_one(u8 *data, u32 n)`: `data[i] += 1` for every `i < n`.
+const ADD_ONE_PTX: &str = r#"
+.version 7.0
+.target sm_75
+.address_size 64
+
+.visible .entry add_one(
+    .param .u64 data,
+    .param .u32 n
+)
+{
+    .reg .pred %p<2>;
+    .reg .b16 %rs<3>;
+    .reg .b32 %r<6>;
+    .reg .b64 %rd<5>;
+
+    ld.param.u64 %rd1, [data];
+    ld.param.u32 %r1, [n];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mad.lo.s32 %r5, %r2, %r3, %r4;
+    setp.ge.u32 %p1, %r5, %r1;
+    @%p1 bra DONE;
+    cvta.to.global.u64 %rd2, %rd1;
+    cvt.u64.u32 %rd3, %r5;
+    add.s64 %rd4, %rd2, %rd3;
+    ld.global.u8 %rs1, [%rd4];
+    add.s16 %rs2, %rs1, 1;
+    st.global.u8 [%rd4], %rs2;
+DONE:
+    ret;
+}
+"#;
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn an_upload_a_cudarc_kernel_and_a_download_are_ordered_on_the_gpu() {
+    let device = Device::open(0).unwrap();
+    let ctx = CudaContext::new(device.info().ordinal).unwrap();
+    assert_eq!(ctx.cu_ctx().cast::<()>(), device.cu_context().cast::<()>(), "one primary context");
+    let stream = ctx.new_stream().unwrap();
+    let kernel = ctx.load_module(Ptx::from_src(ADD_ONE_PTX)).unwrap().load_function("add_one").unwrap();
+
+    const ROWS: u64 = 2048;
+    const ROW: u64 = 300;
+    let buffer = device.allocate(ROWS * ROW).unwrap();
+    let rows: Vec<Vec<u8>> = (0..ROWS).map(|i| (0..ROW).map(|j| (i * 13 + j) as u8).collect()).collect();
+    let host_waits = device.telemetry().host_waits;
+
+    let mut uploads = device.uploads();
+    for (i, r) in rows.iter().enumerate() {
+        uploads.write(buffer, i as u64 * ROW, r).unwrap();
+    }
+    uploads.submit().unwrap().make_cudarc_stream_wait(&stream).unwrap();
+
+    let mut view = device.cudarc_view::<u8>(buffer, &stream).unwrap();
+    assert_eq!(view.len() as u64, ROWS * ROW);
+    assert_eq!(view.device_address(), device.device_ptr(buffer).unwrap());
+    let n = view.len() as u32;
+    let mut launch = stream.launch_builder(&kernel);
+    launch.arg(&mut view).arg(&n);
+    // SAFETY: add_one takes a u8* and a u32, as pushed; the buffer outlives the download.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
+
+    device.wait_for_cudarc_stream(&stream).unwrap();
+    let mut reads = device.downloads();
+    let slots: Vec<_> = (0..ROWS).map(|i| reads.read(buffer, i * ROW, ROW).unwrap()).collect();
+    let pending = reads.submit().unwrap();
+    assert_eq!(device.telemetry().host_waits, host_waits, "no host wait before the download's own");
+    let done = pending.wait().unwrap();
+    for (i, (slot, sent)) in slots.iter().zip(&rows).enumerate() {
+        let want: Vec<u8> = sent.iter().map(|b| b.wrapping_add(1)).collect();
+        assert_eq!(done.get(*slot), &want[..], "row {i}");
+    }
+    drop(done);
+    device.free(buffer).unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_view_refuses_a_length_that_is_not_whole_elements_and_a_freed_buffer() {
+    let device = Device::open(0).unwrap();
+    let stream = CudaContext::new(device.info().ordinal).unwrap().new_stream().unwrap();
+    let odd = device.allocate(10).unwrap();
+    let err = device.cudarc_view::<f32>(odd, &stream).unwrap_err();
+    assert!(matches!(err, Error::Interop { .. }), "{err}");
+    assert!(err.to_string().contains("Fix:"), "{err}");
+    assert_eq!(device.cudarc_view::<u16>(odd, &stream).unwrap().len(), 5);
+    device.free(odd).unwrap();
+    let err = device.cudarc_view::<u8>(odd, &stream).unwrap_err();
+    assert!(matches!(err, Error::FreedBuffer { .. }), "{err}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_lanes_refuse_a_stream_of_another_context() {
+    let device = Device::open(0).unwrap();
+    let Ok(other) = Device::open(1) else { return }; // needs a second GPU
+    let stream = CudaContext::new(other.info().ordinal).unwrap().new_stream().unwrap();
+    let err = device.wait_for_cudarc_stream(&stream).unwrap_err();
+    assert!(matches!(err, Error::Interop { .. }), "{err}");
+}
