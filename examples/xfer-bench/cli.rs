@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::{BenchResult, error};
+use crate::{BenchResult, error, size};
 
 /// Which cases to run.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,7 +41,12 @@ pub(crate) enum Suite {
 #[command(
     version,
     about = "Side-by-side transfer benchmarks: the raw CUDA driver, cuMemcpyBatchAsync and cuda-resident, in one run.",
-    after_help = "Writes report.json (every row, the build's provenance, the device, skipped cases) and SVG plots into --out."
+    after_help = "Sizes: bytes (4096) or a whole number of B, KiB, MiB or GiB (256B, 4KiB, 1MiB, 1GiB).\n\
+Writes report.json (every row with the spread of its repetitions, the settings, the build's \
+provenance, the host, the device, the start time, skipped cases) and SVG plots into --out.\n\n\
+Exit status: 0 done; 1 a step failed (a CUDA call, writing the report); 2 a bad flag; \
+3 no usable CUDA driver or GPU (or fewer GPUs than the suite needs); 4 a transfer's bytes \
+did not verify."
 )]
 pub(crate) struct Args {
     /// Which cases to run.
@@ -50,30 +55,37 @@ pub(crate) struct Args {
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     pub(crate) device: usize,
-    /// Timed repetitions per case (median reported; at least 5).
-    #[arg(long, default_value_t = 5)]
+    /// Timed repetitions per case (median reported; at least 5: fewer are refused).
+    #[arg(long, default_value_t = MIN_REPS, value_parser = reps)]
     pub(crate) reps: usize,
     /// Copies per many-small case, a comma list [default: 8192; 1024,8192,65536 for --suite
     /// grid and all].
     #[arg(long, alias = "count", value_delimiter = ',', value_parser = positive)]
     pub(crate) counts: Option<Vec<usize>>,
-    /// Copy sizes of the many-small cases, in bytes.
-    #[arg(long, value_delimiter = ',', value_parser = positive, default_value = "256,4096,65536")]
+    /// Copy sizes of the many-small cases, a comma list of sizes.
+    #[arg(long, value_delimiter = ',', value_parser = size::positive, default_value = "256,4KiB,64KiB")]
     pub(crate) sizes: Vec<usize>,
     /// Largest many-small case, count x size, in MiB; larger ones are skipped and listed.
     #[arg(long, value_parser = positive, default_value_t = 1024)]
     pub(crate) max_case_mib: usize,
-    /// Copy sizes of the latency suite, in bytes (the default suite times 4 KiB uploads only).
-    #[arg(long, value_delimiter = ',', value_parser = positive, default_value = "4,256,4096,65536")]
+    /// Copy sizes of the latency suite, a comma list of sizes (the default suite times 4 KiB
+    /// uploads only).
+    #[arg(long, value_delimiter = ',', value_parser = size::positive, default_value = "4,256,4KiB,64KiB")]
     pub(crate) latency_sizes: Vec<usize>,
-    /// Bytes of the large single-copy cases, and the sweep's largest size.
-    #[arg(long, value_parser = positive, default_value_t = 1 << 30)]
+    /// Size of the large single-copy cases, and the sweep's largest size.
+    #[arg(long, value_parser = size::positive, default_value = "1GiB")]
     pub(crate) large: usize,
-    /// cuda-resident's staging chunk in KiB (Config::chunk_bytes; default: the library's).
-    #[arg(long)]
+    /// cuda-resident's staging chunk, a size (Config::chunk_bytes; default: the library's).
+    #[arg(long, value_parser = size::parse, conflicts_with = "chunk_kib")]
+    pub(crate) chunk: Option<u64>,
+    /// The staging chunk in KiB (the same as --chunk <N>KiB).
+    #[arg(long, hide = true)]
     pub(crate) chunk_kib: Option<u64>,
-    /// cuda-resident's direct-copy threshold in KiB (Config::direct_threshold).
-    #[arg(long)]
+    /// cuda-resident's direct-copy threshold, a size (Config::direct_threshold).
+    #[arg(long, value_parser = size::parse, conflicts_with = "direct_kib")]
+    pub(crate) direct: Option<u64>,
+    /// The direct-copy threshold in KiB (the same as --direct <N>KiB).
+    #[arg(long, hide = true)]
     pub(crate) direct_kib: Option<u64>,
     /// cuda-resident's packing threads (Config::pack_threads; 0 = one per core, up to 16).
     #[arg(long)]
@@ -89,12 +101,36 @@ pub(crate) struct Args {
     /// Also print where the time of an upload batch goes (adding writes, submit, wait).
     #[arg(long)]
     pub(crate) breakdown: bool,
+    /// How the table is printed: aligned text, or a Markdown table.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub(crate) format: Format,
     /// Folder for the JSON report and the SVG plots.
     #[arg(long, default_value = "target/xfer-bench")]
     pub(crate) out: PathBuf,
 }
 
-/// A whole number of at least 1 (a count, a size in bytes, a limit).
+/// How the table is printed.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Format {
+    /// Aligned columns.
+    Text,
+    /// A Markdown table (for a pull request or an issue).
+    Markdown,
+}
+
+/// The fewest timed repetitions: a median of fewer is noise.
+pub(crate) const MIN_REPS: usize = 5;
+
+/// `--reps`: at least [`MIN_REPS`].
+fn reps(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= MIN_REPS => Ok(n),
+        Ok(_) => Err(format!("it must be at least {MIN_REPS}: the median of fewer repetitions is noise")),
+        Err(_) => Err(format!("expected a whole number of at least {MIN_REPS}")),
+    }
+}
+
+/// A whole number of at least 1 (a count, a limit).
 fn positive(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(0) => Err("it must be at least 1".into()),
@@ -121,11 +157,19 @@ pub(crate) fn usage_line(e: &clap::Error) -> String {
 /// cuda-resident's configuration as the flags set it, checked before any device is opened.
 pub(crate) fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
     let mut config = cuda_resident::Config::default();
-    if let Some(kib) = args.chunk_kib {
-        config.chunk_bytes = kib << 10;
+    let kib = |flag: &str, kib: u64| {
+        kib.checked_mul(1 << 10)
+            .ok_or_else(|| format!("--{flag} {kib} is too large. Fix: pass a smaller size."))
+    };
+    if let Some(bytes) = args.chunk {
+        config.chunk_bytes = bytes;
+    } else if let Some(n) = args.chunk_kib {
+        config.chunk_bytes = kib("chunk-kib", n)?;
     }
-    if let Some(kib) = args.direct_kib {
-        config.direct_threshold = kib << 10;
+    if let Some(bytes) = args.direct {
+        config.direct_threshold = bytes;
+    } else if let Some(n) = args.direct_kib {
+        config.direct_threshold = kib("direct-kib", n)?;
     }
     if let Some(us) = args.pack_linger_us {
         config.pack_linger_us = us;
@@ -174,5 +218,29 @@ mod tests {
         let args = parse(&["--chunk-kib", "0"]).unwrap();
         assert!(config(&args).is_err_and(|e| e.contains("Fix")));
         assert!(config(&parse(&[]).unwrap()).is_ok());
+    }
+
+    #[test]
+    fn sizes_take_units_and_a_bad_one_names_the_flag_and_the_forms() {
+        let args =
+            parse(&["--sizes", "256,4KiB,1MiB", "--large", "1GiB", "--latency-sizes", "4,4096"]).unwrap();
+        assert_eq!(args.sizes, [256, 4096, 1 << 20]);
+        assert_eq!((args.large, &args.latency_sizes[..]), (1 << 30, &[4, 4096][..]));
+        assert_eq!(parse(&["--large", "1073741824"]).unwrap().large, 1 << 30);
+        let line = usage_line(&parse(&["--large", "1GB"]).unwrap_err());
+        assert!(line.contains("--large") && line.contains("KiB, MiB or GiB"), "{line}");
+        let c = config(&parse(&["--chunk", "4MiB", "--direct", "128KiB"]).unwrap()).unwrap();
+        assert_eq!((c.chunk_bytes, c.direct_threshold), (4 << 20, 128 << 10));
+        let c = config(&parse(&["--chunk-kib", "4096", "--direct-kib", "128"]).unwrap()).unwrap();
+        assert_eq!((c.chunk_bytes, c.direct_threshold), (4 << 20, 128 << 10), "the KiB spellings");
+        assert!(parse(&["--chunk", "4MiB", "--chunk-kib", "4096"]).is_err(), "one or the other");
+    }
+
+    #[test]
+    fn too_few_reps_are_refused_not_raised() {
+        let line = usage_line(&parse(&["--reps", "2"]).unwrap_err());
+        assert!(line.contains("--reps") && line.contains("at least 5") && line.contains("Fix:"), "{line}");
+        assert_eq!(parse(&["--reps", "5"]).unwrap().reps, 5);
+        assert_eq!(parse(&[]).unwrap().reps, 5);
     }
 }

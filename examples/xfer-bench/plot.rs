@@ -1,6 +1,6 @@
 //! SVG line charts of the results: bandwidth against size, a color per group of cases
 //! (a copy count, a direction) and a line style per method; [`plots`] picks the charts from
-//! the rows of a run.
+//! the rows of a run. The x axis has a tick at each measured size, in binary units.
 
 use std::path::{Path, PathBuf};
 
@@ -39,6 +39,34 @@ pub struct Series {
     pub stroke: Stroke,
 }
 
+/// The lines' colors: dark enough to read on white, none of them yellow.
+const COLORS: [RGBColor; 6] = [
+    RGBColor(0x1f, 0x5f, 0xb4), // blue
+    RGBColor(0xc8, 0x28, 0x28), // red
+    RGBColor(0x2a, 0x8a, 0x2a), // green
+    RGBColor(0x7b, 0x3f, 0xb0), // purple
+    RGBColor(0x8c, 0x50, 0x20), // brown
+    RGBColor(0x20, 0x20, 0x20), // near black
+];
+
+/// The color of index `i`.
+fn color(i: usize) -> RGBColor {
+    COLORS[i % COLORS.len()]
+}
+
+/// The most x-axis ticks a chart gets; with more measured sizes, every other one (or every
+/// third...) is labelled.
+const MAX_TICKS: usize = 12;
+
+/// The x-axis ticks: each measured size of `series`, ascending, thinned to [`MAX_TICKS`].
+fn ticks(series: &[Series]) -> Vec<f64> {
+    let mut xs: Vec<f64> = series.iter().flat_map(|s| s.points.iter().map(|&(x, _)| x)).collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    let step = xs.len().div_ceil(MAX_TICKS).max(1);
+    xs.into_iter().step_by(step).collect()
+}
+
 /// Draws `series` on a log-log chart (bytes on x, GB/s on y) into an SVG file.
 pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
     let all = series.iter().flat_map(|s| s.points.iter());
@@ -58,17 +86,19 @@ pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<()
             .x_label_area_size(48)
             .y_label_area_size(64)
             .build_cartesian_2d(
-                (x_lo * 0.8..x_hi * 1.25).log_scale(),
+                (x_lo * 0.8..x_hi * 1.25).log_scale().with_key_points(ticks(series)),
                 (y_lo * 0.5..y_hi * 2.0).log_scale(),
             )?;
         chart
             .configure_mesh()
             .x_desc("bytes per copy")
             .y_desc("GB/s")
-            .x_label_formatter(&|x| crate::report::human(*x as usize))
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 16))
+            .x_label_formatter(&|x| crate::size::human(x.round() as usize))
             .draw()?;
         for s in series {
-            let color = Palette99::pick(s.color).to_rgba();
+            let color = color(s.color);
             let style = color.stroke_width(2);
             let points = s.points.iter().copied();
             let drawn = match s.stroke.dashes() {
@@ -87,7 +117,9 @@ pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<()
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.9))
+            .label_font(("sans-serif", 15))
+            .legend_area_size(40)
+            .background_style(WHITE)
             .border_style(BLACK)
             .draw()?;
         root.present()?;
@@ -170,7 +202,7 @@ pub(crate) fn plots(rows: &[Row], out: &Path) -> BenchResult<Vec<PathBuf>> {
 
 #[cfg(test)]
 mod tests {
-    use super::plots;
+    use super::{COLORS, Series, Stroke, plots, ticks};
     use crate::report::{Row, human};
 
     #[test]
@@ -208,6 +240,30 @@ mod tests {
         }
         let h2d = std::fs::read_to_string(&files[0]).unwrap();
         assert!(h2d.contains("1024 copies") && h2d.contains("8192 copies"), "a series per count");
+        for tick in ["256 B", "4 KiB", "64 KiB"] {
+            assert!(h2d.lines().any(|l| l.trim() == tick), "a tick at each measured size: {tick}");
+        }
         std::fs::remove_dir_all(&out).unwrap();
+    }
+
+    #[test]
+    fn ticks_are_the_measured_sizes_and_colors_read_on_white() {
+        let line = |xs: &[f64]| Series {
+            name: String::new(),
+            points: xs.iter().map(|&x| (x, 1.0)).collect(),
+            color: 0,
+            stroke: Stroke::Solid,
+        };
+        let sizes = [4096.0, 256.0, 65536.0];
+        assert_eq!(ticks(&[line(&sizes), line(&[256.0])]), [256.0, 4096.0, 65536.0]);
+        let many: Vec<f64> = (0..30).map(|i| f64::from(1 << i)).collect();
+        let thinned = ticks(&[line(&many)]);
+        assert!(thinned.len() <= super::MAX_TICKS && thinned[0] == 1.0, "{thinned:?}");
+        for c in COLORS {
+            // Relative luminance well below white's, and not yellow (red and green high, blue low).
+            let luminance = 0.2126 * f64::from(c.0) + 0.7152 * f64::from(c.1) + 0.0722 * f64::from(c.2);
+            assert!(luminance < 140.0, "{c:?} is too light on white");
+            assert!(!(c.0 > 150 && c.1 > 150 && c.2 < 100), "{c:?} is yellow");
+        }
     }
 }

@@ -4,9 +4,14 @@
 use cuda_resident::Device;
 use cuda_resident_suite::PROVENANCE;
 
-use crate::cli::Args;
+pub(crate) use crate::size::human;
+
+use std::time::SystemTime;
+
+use crate::cli::{Args, Format};
 use crate::single::ByMethod;
 use crate::suites::SuitePlan;
+use crate::timing::{Spread, spread_of};
 
 /// One row of the report.
 #[derive(Debug)]
@@ -22,6 +27,9 @@ pub(crate) struct Row {
     pub(crate) ours: f64,
     /// Anything the reader of this row should know (fewer baseline repetitions).
     pub(crate) note: Option<String>,
+    /// The fewest, median and most of the repetitions of `raw`, `batch` and `ours` (in that
+    /// order), in `unit`, where the row was timed as a median of repetitions.
+    pub(crate) spread: [Option<Spread>; 3],
 }
 
 impl Row {
@@ -32,12 +40,20 @@ impl Row {
         batch: Option<f64>,
         ours: f64,
     ) -> Row {
-        Row { case, count: None, size: None, unit, raw, batch, ours, note: None }
+        Row { case, count: None, size: None, unit, raw, batch, ours, note: None, spread: [None; 3] }
     }
 
+    /// A bandwidth row from the median seconds of each method, with the spread of each
+    /// where it was timed with [`crate::timing::median_of`].
     pub(crate) fn gbps(case: String, bytes: usize, raw: Option<f64>, batch: Option<f64>, ours: f64) -> Row {
         let rate = |secs: f64| bytes as f64 / secs / 1e9;
-        Row::new(case, "GB/s", raw.map(rate), batch.map(rate), rate(ours))
+        // The fewest seconds are the highest rate.
+        let spread = |secs: Option<f64>| {
+            spread_of(secs?).map(|s| Spread { min: rate(s.max), median: rate(s.median), max: rate(s.min) })
+        };
+        let mut row = Row::new(case, "GB/s", raw.map(rate), batch.map(rate), rate(ours));
+        row.spread = [spread(raw), spread(batch), spread(Some(ours))];
+        row
     }
 
     /// A bandwidth row from the times of each method.
@@ -60,20 +76,17 @@ impl Row {
     }
 
     fn json(&self) -> serde_json::Value {
+        let spread = |s: Option<Spread>| {
+            s.map(|s| serde_json::json!({ "min": s.min, "median": s.median, "max": s.max }))
+        };
         serde_json::json!({
             "case": self.case, "count": self.count, "bytes_per_copy": self.size, "unit": self.unit,
             "raw": self.raw, "batch": self.batch, "cuda_resident": self.ours, "note": self.note,
+            "spread": {
+                "raw": spread(self.spread[0]), "batch": spread(self.spread[1]),
+                "cuda_resident": spread(self.spread[2]),
+            },
         })
-    }
-}
-
-/// `bytes` as people write it: `4 KiB`, `1 GiB`, `100 B`.
-pub(crate) fn human(bytes: usize) -> String {
-    match bytes {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
-        b => format!("{b} B"),
     }
 }
 
@@ -100,6 +113,73 @@ fn pci_link(root: &std::path::Path, bus_id: &str) -> Option<String> {
 fn link_of(d: &Device) -> String {
     pci_link(std::path::Path::new("/sys/bus/pci/devices"), &d.info().pci_bus_id)
         .unwrap_or_else(|| "link unknown".to_owned())
+}
+
+/// cuda-resident's configuration as the device resolved it.
+pub(crate) fn config_json(d: &Device) -> serde_json::Value {
+    let c = d.config();
+    serde_json::json!({
+        "budget_fraction": c.budget_fraction, "slab_bytes": c.slab_bytes,
+        "pinned_cap_bytes": c.pinned_cap_bytes, "pinned_prewarm_bytes": c.pinned_prewarm_bytes,
+        "chunk_bytes": c.chunk_bytes, "direct_threshold": c.direct_threshold,
+        "pack_threads": c.pack_threads, "resolved_pack_threads": c.resolved_pack_threads(),
+        "pack_linger_us": c.pack_linger_us, "small_copies_over_bus": c.small_copies_over_bus,
+        "moves_small_copies_over_bus": d.moves_small_copies_over_bus(),
+    })
+}
+
+/// Every flag's value, as the run used it.
+fn settings_json(a: &Args) -> serde_json::Value {
+    let lower = |v: &dyn std::fmt::Debug| format!("{v:?}").to_lowercase();
+    serde_json::json!({
+        "suite": lower(&a.suite), "device": a.device, "reps": a.reps, "counts": a.counts,
+        "sizes": a.sizes, "max_case_mib": a.max_case_mib, "latency_sizes": a.latency_sizes,
+        "large": a.large, "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
+        "direct_kib": a.direct_kib, "pack_threads": a.pack_threads,
+        "pack_linger_us": a.pack_linger_us, "staged_small_copies": a.staged_small_copies,
+        "breakdown": a.breakdown, "format": lower(&a.format), "out": a.out.display().to_string(),
+    })
+}
+
+/// The host as Linux describes it under `proc` (`/proc`) and in `os_release`
+/// (`/etc/os-release`): its name, CPU model and logical cores, and the OS; `null` for what
+/// is not there.
+fn host_json(proc: &std::path::Path, os_release: &std::path::Path) -> serde_json::Value {
+    let read = |p: &std::path::Path| std::fs::read_to_string(p).ok();
+    let cpuinfo = read(&proc.join("cpuinfo")).unwrap_or_default();
+    let field = |line: &str, key: &str| {
+        let (k, v) = line.split_once(':')?;
+        (k.trim() == key).then(|| v.trim().to_owned())
+    };
+    let cpu = cpuinfo.lines().find_map(|l| field(l, "model name"));
+    let cores = cpuinfo.lines().filter(|l| field(l, "processor").is_some()).count();
+    let os = read(os_release).and_then(|text| {
+        text.lines().find_map(|l| l.strip_prefix("PRETTY_NAME=").map(|v| v.trim_matches('"').to_owned()))
+    });
+    let trimmed = |p: &std::path::Path| read(p).map(|s| s.trim().to_owned());
+    serde_json::json!({
+        "hostname": trimmed(&proc.join("sys/kernel/hostname")), "cpu": cpu,
+        "cores": if cores > 0 { Some(cores) } else { std::thread::available_parallelism().ok().map(|n| n.get()) },
+        "os": os, "kernel": trimmed(&proc.join("sys/kernel/osrelease")),
+    })
+}
+
+/// `t` as UTC in ISO 8601, to the second: `2026-12-01T18:06:00Z`.
+pub(crate) fn utc_iso8601(t: SystemTime) -> String {
+    let secs = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (days, rest) = ((secs / 86_400) as i64, secs % 86_400);
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's days_from_civil, inverted).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, s) = (rest / 3600, rest % 3600 / 60, rest % 60);
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}Z")
 }
 
 /// What the report says about the device.
@@ -143,7 +223,10 @@ pub(crate) fn print_header(d: &Device, plan: &SuitePlan) {
 }
 
 /// The table of every row, then the rows' notes.
-pub(crate) fn print_table(rows: &[Row]) {
+pub(crate) fn print_table(rows: &[Row], format: Format) {
+    if format == Format::Markdown {
+        return print!("{}", markdown(rows));
+    }
     let fmt = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.2}"));
     println!(
         "{:<40} {:>5} {:>10} {:>12} {:>14} {:>8} {:>9}",
@@ -166,14 +249,47 @@ pub(crate) fn print_table(rows: &[Row]) {
     }
 }
 
+/// The table of every row as Markdown, then the rows' notes as a list.
+fn markdown(rows: &[Row]) -> String {
+    let fmt = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.2}"));
+    let mut out = String::from(
+        "| case | unit | raw | batch API | cuda-resident | vs raw | vs batch |\n|---|---|--:|--:|--:|--:|--:|\n",
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {:.2} | {} | {} |\n",
+            r.case.replace('|', "\\|"),
+            r.unit,
+            fmt(r.raw),
+            fmt(r.batch),
+            r.ours,
+            r.ratio(r.raw),
+            r.ratio(r.batch)
+        ));
+    }
+    let mut notes = rows.iter().filter_map(|r| Some((&r.case, r.note.as_deref()?))).peekable();
+    if notes.peek().is_some() {
+        out.push('\n');
+    }
+    for (case, note) in notes {
+        out.push_str(&format!("- {case}: {note}\n"));
+    }
+    out
+}
+
+/// What a run was, besides its rows: the flags, the plan, when it started and the
+/// configuration the device resolved.
+pub(crate) struct Run<'a> {
+    pub(crate) args: &'a Args,
+    pub(crate) plan: &'a SuitePlan,
+    pub(crate) started: SystemTime,
+    pub(crate) config: &'a serde_json::Value,
+}
+
 /// Writes `report.json` and the plots into `--out` and names each file written; the error
 /// is the line to print, with its fix.
-pub(crate) fn write(
-    args: &Args,
-    plan: &SuitePlan,
-    rows: &[Row],
-    device: serde_json::Value,
-) -> Result<(), String> {
+pub(crate) fn write(run: &Run<'_>, rows: &[Row], device: serde_json::Value) -> Result<(), String> {
+    let (args, plan) = (run.args, run.plan);
     let report = serde_json::json!({
         "provenance": { "git": PROVENANCE.git_revision, "rustc": PROVENANCE.rustc, "profile": PROVENANCE.profile, "target": PROVENANCE.target },
         "device": device,
@@ -181,6 +297,9 @@ pub(crate) fn write(
         "reps": args.reps,
         "skipped": plan.skipped,
         "rows": rows.iter().map(Row::json).collect::<Vec<_>>(),
+        "started": utc_iso8601(run.started),
+        "settings": { "flags": settings_json(args), "config": run.config },
+        "host": host_json(std::path::Path::new("/proc"), std::path::Path::new("/etc/os-release")),
     });
     std::fs::create_dir_all(&args.out)
         .and_then(|()| {
@@ -204,7 +323,43 @@ pub(crate) fn write(
 
 #[cfg(test)]
 mod tests {
-    use super::pci_link;
+    use super::{Row, host_json, markdown, pci_link, utc_iso8601};
+    use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn times_are_utc_iso8601() {
+        let at = |secs: u64| utc_iso8601(SystemTime::UNIX_EPOCH + Duration::from_secs(secs));
+        assert_eq!(at(0), "1970-01-01T00:00:00Z");
+        assert_eq!(at(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(at(1_796_142_360), "2026-12-01T16:26:00Z");
+    }
+
+    #[test]
+    fn the_host_is_read_from_proc_and_os_release() {
+        let root = std::env::temp_dir().join(format!("xfer-bench-host-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("sys/kernel")).unwrap();
+        let cpu = "processor\t: 0\nmodel name\t: Example CPU @ 2.0GHz\n\nprocessor\t: 1\nmodel name\t: Example CPU @ 2.0GHz\n";
+        std::fs::write(root.join("cpuinfo"), cpu).unwrap();
+        std::fs::write(root.join("sys/kernel/hostname"), "box\n").unwrap();
+        std::fs::write(root.join("os-release"), "NAME=X\nPRETTY_NAME=\"X Linux 1\"\n").unwrap();
+        let host = host_json(&root, &root.join("os-release"));
+        assert_eq!(host["cpu"], "Example CPU @ 2.0GHz");
+        assert_eq!((host["cores"].as_u64(), host["hostname"].as_str()), (Some(2), Some("box")));
+        assert_eq!(host["os"], "X Linux 1");
+        assert!(host["kernel"].is_null(), "a missing file is null");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn the_markdown_table_has_a_row_per_case_and_the_notes() {
+        let mut row = Row::new("D2H 8192 x 4 KiB into caller Vecs".into(), "GB/s", Some(1.0), None, 4.0);
+        row.note = Some("raw: median of 5 repetitions".into());
+        let table = markdown(&[row]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("| case |") && lines[1].starts_with("|---|"), "{table}");
+        assert_eq!(lines[2], "| D2H 8192 x 4 KiB into caller Vecs | GB/s | 1.00 | n/a | 4.00 | 4.0x | n/a |");
+        assert_eq!(lines[4], "- D2H 8192 x 4 KiB into caller Vecs: raw: median of 5 repetitions");
+    }
 
     #[test]
     fn the_link_is_read_from_sysfs_files_and_missing_files_give_none() {

@@ -179,7 +179,10 @@ impl<'a> Single<'a> {
             Host::Dst(dst) => dst,
         };
         if host != &device[..] {
-            return Err(format!("{}: bytes differ after cuda-resident's copy", self.label()));
+            return Err(crate::mismatch(format!(
+                "{}: bytes differ after cuda-resident's copy",
+                self.label()
+            )));
         }
         Ok(())
     }

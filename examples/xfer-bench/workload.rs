@@ -111,7 +111,9 @@ pub(crate) fn verify_scatter(
     let back = d.download_many(&s.buffers).map_err(|e| e.to_string())?;
     for (src, &(b, o)) in sources.iter().zip(&s.places) {
         if back[b][o as usize..][..size] != src[..] {
-            return Err(format!("{what}: a copy of {size} bytes to buffer {b} at {o} differs"));
+            return Err(crate::mismatch(format!(
+                "{what}: a copy of {size} bytes to buffer {b} at {o} differs"
+            )));
         }
     }
     Ok(())

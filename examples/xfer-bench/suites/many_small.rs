@@ -201,7 +201,7 @@ impl Case<'_, '_> {
             reads.submit_into(&mut outs).map_err(e)
         })?;
         if outs != sources {
-            return Err(format!("D2H {count} x {size} into Vecs: bytes differ"));
+            return Err(crate::mismatch(format!("D2H {count} x {size} into Vecs: bytes differ")));
         }
         if self.args.breakdown {
             self.download_breakdown(&mut outs)?;
@@ -250,7 +250,7 @@ impl Case<'_, '_> {
             let (slots, done) = s.read_all(d, size).map_err(e)?;
             seen = slots.iter().filter(|&&slot| done.get(slot).len() == size).count();
             if slots.iter().zip(sources).take(64).any(|(&slot, src)| done.get(slot) != &src[..]) {
-                return Err("D2H views: bytes differ".into());
+                return Err(crate::mismatch("D2H views: bytes differ".into()));
             }
             Ok(())
         })?;
@@ -259,7 +259,7 @@ impl Case<'_, '_> {
         }
         let (slots, done) = s.read_all(d, size).map_err(e)?;
         if slots.iter().zip(sources).any(|(&slot, src)| done.get(slot) != &src[..]) {
-            return Err(format!("D2H {count} x {size} views: bytes differ"));
+            return Err(crate::mismatch(format!("D2H {count} x {size} views: bytes differ")));
         }
         drop(done);
         Ok(ours_views)
@@ -311,18 +311,18 @@ fn prepared_readbacks(
     }
     let into = median_secs(args.reps, || prepared.download_into(outs).map_err(e))?;
     if outs != sources {
-        return Err(format!("{what} into Vecs: bytes differ"));
+        return Err(crate::mismatch(format!("{what} into Vecs: bytes differ")));
     }
     let views = median_secs(args.reps, || {
         let done = prepared.submit().map_err(e)?.wait().map_err(e)?;
         if (0..ranges.len().min(64)).any(|k| done.get(prepared.slot(k)) != &sources[k][..]) {
-            return Err(format!("{what} views: bytes differ"));
+            return Err(crate::mismatch(format!("{what} views: bytes differ")));
         }
         Ok(())
     })?;
     let done = prepared.submit().map_err(e)?.wait().map_err(e)?;
     if (0..ranges.len()).any(|k| done.get(prepared.slot(k)) != &sources[k][..]) {
-        return Err(format!("{what} views: bytes differ"));
+        return Err(crate::mismatch(format!("{what} views: bytes differ")));
     }
     Ok(Some([into, views]))
 }

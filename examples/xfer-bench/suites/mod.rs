@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::baselines::DriverBaseline;
 use crate::cli::{Args, Suite};
 use crate::report::{self, Row, human};
-use crate::{BenchResult, error};
+use crate::{BenchResult, error, no_gpu};
 
 /// Copy counts of the many-small grid when `--counts` is not given.
 const GRID_COUNTS: [usize; 3] = [1024, 8192, 65536];
@@ -103,10 +103,10 @@ pub(crate) fn run(
     args: &Args,
     plan: &mut SuitePlan,
     config: cuda_resident::Config,
-) -> BenchResult<(Vec<Row>, serde_json::Value)> {
-    let driver = Driver::load().map(Arc::new).map_err(|e| e.to_string())?;
-    let d = Device::open_with(driver, args.device, config).map_err(error)?;
-    d.make_current().map_err(error)?;
+) -> BenchResult<(Vec<Row>, serde_json::Value, serde_json::Value)> {
+    let driver = Driver::load().map(Arc::new).map_err(|e| no_gpu(e.to_string()))?;
+    let d = Device::open_with(driver, args.device, config).map_err(|e| no_gpu(error(e)))?;
+    d.make_current().map_err(|e| no_gpu(error(e)))?;
     let baseline = DriverBaseline::new(&d)?;
     let gpus = count_peers(args, plan)?;
     report::print_header(&d, plan);
@@ -118,7 +118,7 @@ pub(crate) fn run(
     run_cases(&d, &baseline, args, plan, gpus, &mut rows, &progress)?;
     progress.finish_and_clear();
     drop(baseline);
-    Ok((rows, report::device_json(&d)))
+    Ok((rows, report::device_json(&d), report::config_json(&d)))
 }
 
 /// How many GPUs the driver sees where the peer suite runs (0 where it does not); with
@@ -128,7 +128,7 @@ fn count_peers(args: &Args, plan: &mut SuitePlan) -> BenchResult<usize> {
     let gpus = if plan.peer.is_some() { Device::count().map_err(error)? } else { 0 };
     if plan.peer.is_some() && gpus < 2 {
         if args.suite == Suite::Peer {
-            return Err(format!("{}. {}", peer::too_few(gpus), peer::FEW_FIX));
+            return Err(no_gpu(format!("{}. {}", peer::too_few(gpus), peer::FEW_FIX)));
         }
         plan.peer = None;
         plan.skipped.push(format!("peer: {}", peer::too_few(gpus)));

@@ -198,7 +198,7 @@ fn poison(d: &Device, stream: CUstream, buffer: ResidentBuffer, offset: u64, len
 fn verify(d: &Device, buffer: ResidentBuffer, offset: u64, expected: &[u8], case: &str) -> BenchResult<()> {
     let back = d.download_range(buffer, offset, expected.len() as u64).map_err(error)?;
     if back != expected {
-        return Err(format!("{case}: bytes differ after cuda-resident's copy"));
+        return Err(crate::mismatch(format!("{case}: bytes differ after cuda-resident's copy")));
     }
     Ok(())
 }
