@@ -72,6 +72,7 @@ mod alloc;
 pub mod budget;
 #[cfg(not(feature = "internals"))]
 mod budget;
+mod completion;
 mod config;
 mod context;
 mod device;
@@ -99,6 +100,7 @@ mod transfer;
 
 pub use alloc::classes::{GRANULE, MAX_CLASS_BYTES};
 pub use alloc::{AllocatorStats, ResidentBuffer};
+pub use completion::{FenceEvent, FenceFuture};
 pub use config::{Config, DeviceInfo};
 pub use device::{Device, DeviceSet};
 pub use error::{Error, PlanError, Result};
