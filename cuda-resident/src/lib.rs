@@ -25,6 +25,10 @@
 //!
 //! Every error says what happened and ends with `Fix: …`.
 //!
+//! Beside your own kernels, streams, cudarc or PyTorch: [`interop`], "Using cuda-resident
+//! from your own runtime" (the shared context, threads, ordering both ways, awaiting a
+//! [`Fence`], and every `unsafe` entry point).
+//!
 //! ```no_run
 //! use cuda_resident::Device;
 //!
@@ -81,6 +85,7 @@ mod error;
 mod handle;
 mod host_pool;
 mod hostcopy;
+pub mod interop;
 mod kernels;
 mod peer;
 #[cfg(feature = "internals")]
