@@ -676,6 +676,11 @@ impl Lanes {
 /// Completion of submitted work: an event on one lane, and the lanes and context that keep
 /// it valid.
 ///
+/// Wait for it on the host ([`wait`](Fence::wait)), await it (`fence.await`, under any
+/// executor: [`FenceFuture`](crate::FenceFuture)), make a stream of yours wait for it on the
+/// GPU ([`make_stream_wait`](Fence::make_stream_wait)), or hand it on as an event
+/// ([`record_event`](Fence::record_event)); the [`interop`](crate::interop) chapter says more.
+///
 /// Dropping a fence does not cancel or wait for anything: the work completes on its own and
 /// what it needs stays alive until then. A fence keeps its device's context and lanes alive,
 /// not its buffers: those are freed when the last [`Device`](crate::Device) handle is
