@@ -25,6 +25,10 @@
 //!
 //! Every error says what happened and ends with `Fix: …`.
 //!
+//! Beside your own kernels, streams, cudarc or PyTorch: [`interop`], "Using cuda-resident
+//! from your own runtime" (the shared context, threads, ordering both ways, awaiting a
+//! [`Fence`], and every `unsafe` entry point).
+//!
 //! ```no_run
 //! use cuda_resident::Device;
 //!
@@ -72,6 +76,7 @@ mod alloc;
 pub mod budget;
 #[cfg(not(feature = "internals"))]
 mod budget;
+mod completion;
 mod config;
 mod context;
 #[cfg(feature = "cudarc")]
@@ -82,6 +87,7 @@ mod error;
 mod handle;
 mod host_pool;
 mod hostcopy;
+pub mod interop;
 mod kernels;
 mod peer;
 #[cfg(feature = "internals")]
@@ -101,6 +107,7 @@ mod transfer;
 
 pub use alloc::classes::{GRANULE, MAX_CLASS_BYTES};
 pub use alloc::{AllocatorStats, ResidentBuffer};
+pub use completion::{FenceEvent, FenceFuture};
 pub use config::{Config, DeviceInfo};
 pub use device::{Device, DeviceSet};
 pub use error::{Error, PlanError, Result};

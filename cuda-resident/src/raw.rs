@@ -222,6 +222,24 @@ impl Raw {
         unsafe { cu!(self, cuStreamWaitEvent(stream, event, 0)) }
     }
 
+    /// Enqueues `callback` on `stream`: the driver calls it on a thread of its own, with
+    /// `data`, once the work enqueued before it has completed, or with the error code when
+    /// that work failed (`cuStreamAddCallback`, which unlike `cuLaunchHostFunc` also calls
+    /// back after an error). The callback must not call the driver.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is live; `callback` may be called with `data` from another thread, once.
+    pub(crate) unsafe fn stream_add_callback(
+        &self,
+        stream: CUstream,
+        callback: CUstreamCallback,
+        data: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's promises above.
+        unsafe { cu!(self, cuStreamAddCallback(stream, callback, data, 0)) }
+    }
+
     pub(crate) fn event_create(&self) -> Result<CUevent> {
         let mut event: CUevent = std::ptr::null_mut();
         // SAFETY: writes one handle; needs a current context.

@@ -270,6 +270,53 @@ impl Lane {
     }
 }
 
+impl Lane {
+    /// Has the driver call `callback` with `data` once submission `seq` (and everything
+    /// enqueued on the lane before the call) has completed, or failed. `Ok(false)`, with
+    /// nothing enqueued, when `seq` is already known to be done.
+    ///
+    /// # Safety
+    ///
+    /// As [`Raw::stream_add_callback`]: `callback` may be called with `data` from another
+    /// thread, once.
+    pub(crate) unsafe fn call_after(
+        &self,
+        seq: u64,
+        callback: cuda_sys::CUstreamCallback,
+        data: *mut std::os::raw::c_void,
+    ) -> Result<bool> {
+        if self.is_known_done(seq) {
+            return Ok(false);
+        }
+        // Under the lock, the callback lands after every submission recorded so far, in
+        // stream order (submissions enqueue under this lock), so after `seq`'s work.
+        let state = lock(&self.state);
+        if state.inflight.is_empty() {
+            return Ok(false);
+        }
+        // SAFETY: the lane's stream is live; the rest is the caller's promise.
+        unsafe { self.ctx.raw.stream_add_callback(self.stream, callback, data) }?;
+        drop(state);
+        Ok(true)
+    }
+
+    /// Records `event` on the lane's stream after submission `seq`'s work (and whatever was
+    /// submitted since). Records nothing when `seq` is known to be done: an event never
+    /// recorded counts as complete for every wait and query.
+    pub(crate) fn record_after(&self, seq: u64, event: CUevent) -> Result<()> {
+        if self.is_known_done(seq) {
+            return Ok(());
+        }
+        let state = lock(&self.state);
+        if state.inflight.is_empty() {
+            return Ok(());
+        }
+        self.ctx.raw.event_record(event, self.stream)?;
+        drop(state);
+        Ok(())
+    }
+}
+
 /// How far a lane's timeline has completed: every submission numbered up to it is done.
 /// Advanced by the thread that learned that submissions completed (a poll or a wait, which
 /// asked the driver), read by any thread without a lock: one that sees a number covered
@@ -615,6 +662,11 @@ impl Lanes {
         &self.lanes[kind.index()]
     }
 
+    /// The context the lanes live in.
+    pub(crate) fn ctx(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
     /// Both lanes, upload first.
     pub(crate) fn iter(&self) -> std::slice::Iter<'_, Lane> {
         self.lanes.iter()
@@ -623,6 +675,11 @@ impl Lanes {
 
 /// Completion of submitted work: an event on one lane, and the lanes and context that keep
 /// it valid.
+///
+/// Wait for it on the host ([`wait`](Fence::wait)), await it (`fence.await`, under any
+/// executor: [`FenceFuture`](crate::FenceFuture)), make a stream of yours wait for it on the
+/// GPU ([`make_stream_wait`](Fence::make_stream_wait)), or hand it on as an event
+/// ([`record_event`](Fence::record_event)); the [`interop`](crate::interop) chapter says more.
 ///
 /// Dropping a fence does not cancel or wait for anything: the work completes on its own and
 /// what it needs stays alive until then. A fence keeps its device's context and lanes alive,
@@ -645,6 +702,12 @@ impl fmt::Debug for Fence {
 impl Fence {
     pub(crate) fn new(lanes: Arc<Lanes>, lane: LaneKind, seq: u64) -> Fence {
         Fence { lanes: Some(lanes), lane, seq }
+    }
+
+    /// The lanes, lane and submission this fence waits for; `None` for a fence with
+    /// nothing to wait for.
+    pub(crate) fn target(&self) -> Option<(&Arc<Lanes>, LaneKind, u64)> {
+        self.lanes.as_ref().map(|lanes| (lanes, self.lane, self.seq))
     }
 
     /// A fence with nothing to wait for (an empty batch).

@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use cuda_resident::{
     AllocatorStats, Config, Device, DeviceInfo, DeviceSet, DownloadBatch, Downloaded, Error, FanOutPath,
-    Fence, GRANULE, MAX_CLASS_BYTES, PeerBatch, PendingDownload, PinnedBuffer, PinnedStats, PlanError,
-    PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Slot, TelemetrySnapshot, UploadBatch,
-    cuda_sys,
+    Fence, FenceEvent, FenceFuture, GRANULE, MAX_CLASS_BYTES, PeerBatch, PendingDownload, PinnedBuffer,
+    PinnedStats, PlanError, PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Slot,
+    TelemetrySnapshot, UploadBatch, cuda_sys,
 };
 
 type Ranges<'r> = &'r [(ResidentBuffer, u64, u64)];
@@ -72,6 +72,15 @@ fn every_public_item_is_named() {
     let _: fn(&Fence) -> Result<()> = Fence::wait;
     let _: fn(&Fence) -> Result<bool> = Fence::is_complete;
     let _: unsafe fn(&Fence, cuda_sys::CUstream) -> Result<()> = Fence::make_stream_wait;
+    let _: fn(&Fence) -> Result<Option<FenceEvent>> = Fence::record_event;
+    let _: fn(&FenceEvent) -> cuda_sys::CUevent = FenceEvent::as_raw;
+    let _: unsafe fn(&Device, cuda_sys::CUevent) -> Result<()> = Device::wait_for_event;
+    fn awaits<F: std::future::IntoFuture<Output = Result<()>, IntoFuture = FenceFuture>>() {}
+    awaits::<Fence>();
+    awaits::<&Fence>();
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<FenceEvent>();
+    send_sync::<FenceFuture>();
 
     // Prepared sets.
     let _: fn(&Device, Ranges<'_>) -> Result<PreparedUploads> = Device::prepare_uploads;

@@ -133,16 +133,35 @@ impl Device {
     pub unsafe fn wait_for_stream(&self, stream: cuda_sys::CUstream) -> Result<()> {
         let raw = self.core.ctx.bind()?;
         let event = raw.event_create()?;
-        let waited = raw.event_record(event, stream).and_then(|()| {
-            self.core.lanes.iter().try_for_each(|lane| {
-                // Between batches, not inside one.
-                let _batch = lane.batch();
-                raw.stream_wait_event(lane.stream(), event)
-            })
-        });
+        // SAFETY: the event was just made in this context and lives until after the waits.
+        let waited = raw.event_record(event, stream).and_then(|()| unsafe { self.wait_for_event(event) });
         // A wait already enqueued keeps what it waits for: the event can go at once.
         let _ = release_retrying(|| raw.event_destroy(event));
         waited
+    }
+
+    /// Makes the copies this device runs, submitted from now on, wait on the GPU for
+    /// `event`, one of the caller's, as last recorded before this call (an event never
+    /// recorded is complete: nothing waits). As [`wait_for_stream`](Self::wait_for_stream),
+    /// which records an event on the stream and calls this, with the same limits. The other
+    /// direction is [`Fence::record_event`].
+    ///
+    /// Blocks while another thread is submitting a batch on this device (the waits go
+    /// between batches, not inside one). The event may be destroyed or recorded again as
+    /// soon as this returns: the waits keep what they wait for.
+    ///
+    /// # Safety
+    ///
+    /// `event` must be a live event (created and not destroyed), of any context.
+    ///
+    /// [`Fence::record_event`]: crate::Fence::record_event
+    pub unsafe fn wait_for_event(&self, event: cuda_sys::CUevent) -> Result<()> {
+        let raw = self.core.ctx.bind()?;
+        self.core.lanes.iter().try_for_each(|lane| {
+            // Between batches, not inside one.
+            let _batch = lane.batch();
+            raw.stream_wait_event(lane.stream(), event)
+        })
     }
 
     /// Allocates `bytes` of device memory under the budget. Buffers are 256-byte aligned.

@@ -36,6 +36,9 @@ enum Op {
     Copy { dst: usize, src: usize, len: usize },
     /// The copy kernel: `count` descriptors (`src, dst, len` as `u64`s) at device `table`.
     Kernel { table: usize, count: u64 },
+    /// A host callback (`cuStreamAddCallback`), called with the model's sticky error or
+    /// success. It must not call the driver (the model is borrowed while it runs).
+    Callback { callback: CUstreamCallback, data: usize },
 }
 
 /// The model GPU of the calling thread.
@@ -172,6 +175,13 @@ impl FakeGpu {
             match op {
                 Op::Wait { stream: other, at } => self.complete_to(other, at),
                 Op::Copy { dst, src, len } => self.copy(dst, src, len),
+                Op::Callback { callback, data } => {
+                    let status = self.sticky().unwrap_or(CUDA_SUCCESS);
+                    if let Some(callback) = callback {
+                        // SAFETY: the callback and its data as the code under test enqueued them.
+                        unsafe { callback(stream as CUstream, status, data as *mut c_void) };
+                    }
+                }
                 Op::Kernel { table, count } => {
                     // Pinned host memory is mapped for every device with unified addressing.
                     let bytes = count as usize * 24;
@@ -364,6 +374,16 @@ unsafe extern "C" fn stream_wait_event(stream: CUstream, event: CUevent, _flags:
         Some(None) => CUDA_SUCCESS,
         None => CUDA_ERROR_INVALID_HANDLE,
     })
+}
+
+unsafe extern "C" fn stream_add_callback(
+    stream: CUstream,
+    callback: CUstreamCallback,
+    data: *mut c_void,
+    _flags: c_uint,
+) -> CUresult {
+    with(|g| g.enqueue(stream, Op::Callback { callback, data: data as usize }));
+    CUDA_SUCCESS
 }
 
 unsafe extern "C" fn event_create(event: *mut CUevent, _flags: c_uint) -> CUresult {
@@ -675,6 +695,7 @@ pub(crate) fn driver() -> Arc<Driver> {
     api.cuStreamDestroy_v2 = Ok(stream_destroy);
     api.cuStreamSynchronize = Ok(stream_synchronize);
     api.cuStreamWaitEvent = Ok(stream_wait_event);
+    api.cuStreamAddCallback = Ok(stream_add_callback);
     api.cuEventCreate = Ok(event_create);
     api.cuEventRecord = Ok(event_record);
     api.cuEventQuery = Ok(event_query);
