@@ -35,7 +35,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use ::cudarc::driver::{
-    CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop,
+    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop,
 };
 
 use crate::alloc::ResidentBuffer;
@@ -83,6 +83,15 @@ impl Device {
         // SAFETY: `stream` is live while borrowed and, as just checked, of this device's
         // primary context.
         unsafe { self.wait_for_stream(stream.cu_stream().cast()) }
+    }
+
+    /// Makes this device's copies, submitted from now on, wait on the GPU for a cudarc event:
+    /// for the work recorded before it. The safe form of [`Device::wait_for_event`]; an event
+    /// of any context or device will do.
+    pub fn wait_for_cudarc_event(&self, event: &CudaEvent) -> Result<()> {
+        // SAFETY: `event` is live while borrowed (cudarc destroys it only when dropped), and
+        // the lanes may wait on an event of any context.
+        unsafe { self.wait_for_event(event.cu_event().cast()) }
     }
 
     /// A typed, non-owning view of `buffer` as `buffer_len / size_of::<T>()` elements of

@@ -44,6 +44,18 @@ DONE:
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn an_upload_a_cudarc_kernel_and_a_download_are_ordered_on_the_gpu() {
+    upload_kernel_download(false);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_download_ordered_after_a_cudarc_kernel_by_its_event_reads_what_it_wrote() {
+    upload_kernel_download(true);
+}
+
+/// An upload, a cudarc kernel after its fence, and a download after the kernel: ordered
+/// after the kernel's stream, or after an event recorded on it (`by_event`).
+fn upload_kernel_download(by_event: bool) {
     let device = Device::open(0).unwrap();
     let ctx = CudaContext::new(device.info().ordinal).unwrap();
     assert_eq!(ctx.cu_ctx().cast::<()>(), device.cu_context().cast::<()>(), "one primary context");
@@ -71,7 +83,12 @@ fn an_upload_a_cudarc_kernel_and_a_download_are_ordered_on_the_gpu() {
     // SAFETY: add_one takes a u8* and a u32, as pushed; the buffer outlives the download.
     unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
 
-    device.wait_for_cudarc_stream(&stream).unwrap();
+    if by_event {
+        let event = stream.record_event(None).unwrap();
+        device.wait_for_cudarc_event(&event).unwrap();
+    } else {
+        device.wait_for_cudarc_stream(&stream).unwrap();
+    }
     let mut reads = device.downloads();
     let slots: Vec<_> = (0..ROWS).map(|i| reads.read(buffer, i * ROW, ROW).unwrap()).collect();
     let pending = reads.submit().unwrap();
