@@ -22,6 +22,7 @@ fn every_public_item_is_named() {
     let _: fn() -> Result<usize> = Device::count;
     let _: fn(usize) -> Result<Device> = Device::open;
     let _: fn(Arc<cuda_sys::Driver>, usize, Config) -> Result<Device> = Device::open_with;
+    let _: fn(usize, Config) -> Result<Device> = Device::open_with_config;
     let _: fn(&Device) -> &DeviceInfo = Device::info;
     let _: fn(&Device) -> &Config = Device::config;
     let _: fn(&Device) -> bool = Device::moves_small_copies_over_bus;

@@ -111,7 +111,8 @@ fn allocations_hold_their_bytes() {
 #[ignore = "needs an NVIDIA GPU"]
 fn the_budget_is_enforced_with_a_small_fraction() {
     let config = Config::default().with_budget_fraction(0.01);
-    let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
+    let d = Device::open_with_config(0, config.clone()).unwrap();
+    assert_eq!(d.config().budget_fraction, config.budget_fraction, "opened with the config given");
     let total = d.info().total_memory;
     let mut held = Vec::new();
     let err = loop {

@@ -67,7 +67,20 @@ impl Device {
 
     /// Opens device `ordinal` with the default [`Config`], loading the driver on first use.
     pub fn open(ordinal: usize) -> Result<Device> {
-        Device::open_with(shared_driver()?, ordinal, Config::default())
+        Device::open_with_config(ordinal, Config::default())
+    }
+
+    /// Opens device `ordinal` with `config`, loading the driver on first use: a larger
+    /// pinned cap for a host cache, a smaller device budget, another chunk size.
+    ///
+    /// ```no_run
+    /// use cuda_resident::{Config, Device};
+    ///
+    /// let device = Device::open_with_config(0, Config::default().with_pinned_cap_bytes(4 << 30))?;
+    /// # Ok::<(), cuda_resident::Error>(())
+    /// ```
+    pub fn open_with_config(ordinal: usize, config: Config) -> Result<Device> {
+        Device::open_with(shared_driver()?, ordinal, config)
     }
 
     /// Opens device `ordinal` through `driver` (for a driver loaded from a particular path,
