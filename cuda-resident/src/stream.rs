@@ -190,6 +190,11 @@ impl Lane {
         self.completed.covers(seq)
     }
 
+    /// The submission up to which every one is known to have completed.
+    pub(crate) fn known_done(&self) -> u64 {
+        self.completed.get()
+    }
+
     /// Whether submission `seq` has completed, asking the driver if need be.
     pub(crate) fn is_done(&self, seq: u64) -> Result<bool> {
         if self.is_known_done(seq) {
@@ -256,16 +261,17 @@ impl Lane {
         self.wait(self.last_submitted())
     }
 
-    /// Makes `stream` wait, on the device, for submission `seq` of this lane.
-    pub(crate) fn make_stream_wait(&self, seq: u64, stream: CUstream) -> Result<()> {
+    /// Makes `stream` wait, on the device, for submission `seq` of this lane. Returns
+    /// whether a wait was enqueued (none for work known to be done).
+    pub(crate) fn make_stream_wait(&self, seq: u64, stream: CUstream) -> Result<bool> {
         if self.is_known_done(seq) {
-            return Ok(());
+            return Ok(false);
         }
         // The lock keeps the event from being recycled while the wait is enqueued.
         let state = lock(&self.state);
         match state.event_for(seq) {
-            Some((_, event)) => self.ctx.raw.stream_wait_event(stream, event),
-            None => Ok(()),
+            Some((_, event)) => self.ctx.raw.stream_wait_event(stream, event).map(|()| true),
+            None => Ok(false),
         }
     }
 }
@@ -341,9 +347,9 @@ impl Completed {
         self.0.fetch_max(seq, Ordering::AcqRel);
     }
 
-    /// The number, for display.
+    /// The number. Acquire, as [`covers`](Completed::covers).
     fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+        self.0.load(Ordering::Acquire)
     }
 }
 
@@ -745,7 +751,7 @@ impl Fence {
             None => Ok(()),
             Some(lanes) => {
                 lanes.ctx.bind()?;
-                lanes.lane(self.lane).make_stream_wait(self.seq, stream)
+                lanes.lane(self.lane).make_stream_wait(self.seq, stream).map(drop)
             }
         }
     }

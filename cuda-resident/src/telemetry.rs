@@ -32,6 +32,8 @@ pub(crate) struct Telemetry {
     pub(crate) staging_bytes: AtomicU64,
     /// Bytes copied into this device from device memory (peer copies, copies inside it).
     pub(crate) peer_bytes: AtomicU64,
+    /// Waits of one lane for the other enqueued on the device (overlapping bytes).
+    pub(crate) lane_waits: AtomicU64,
 }
 
 impl Telemetry {
@@ -96,6 +98,10 @@ pub struct TelemetrySnapshot {
     /// downloads and uploads instead. Peer-path batches also count in `bytes_requested` (what
     /// they named) and `bytes_moved` (what landed, plus their descriptor tables).
     pub peer_bytes: u64,
+    /// Times a batch was made to wait, on the device, for a batch of the other direction
+    /// still in flight that uses some of the same bytes. Batches on disjoint byte ranges of
+    /// one buffer (ranges that touch included) do not wait for each other.
+    pub lane_waits: u64,
 }
 
 impl TelemetrySnapshot {
@@ -113,6 +119,7 @@ impl TelemetrySnapshot {
             kernel_launches: get(&t.kernel_launches),
             staging_bytes: get(&t.staging_bytes),
             peer_bytes: get(&t.peer_bytes),
+            lane_waits: get(&t.lane_waits),
         }
     }
 }

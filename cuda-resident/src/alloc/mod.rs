@@ -403,15 +403,17 @@ impl<M: DeviceMemory> Allocator<M> {
         self.with_slot(buffer, |slot| slot.last_use[lane] = slot.last_use[lane].max(seq))
     }
 
-    /// Checks every buffer and records that submission `seq` of lane `lane` uses it. Returns
-    /// the latest submission of the other lane that used any of them, so that the caller can
-    /// order after it. Fails on the first stale or foreign handle (a mark already made is
-    /// harmless: it names a submission that comes later anyway).
+    /// Checks every buffer and records that submission `seq` of lane `lane` uses it, handing
+    /// each one's address and length to `each`. Returns the latest submission of the other
+    /// lane that used any of them, so that the caller can order after it. Fails on the first
+    /// stale or foreign handle (a mark already made is harmless: it names a submission that
+    /// comes later anyway).
     pub(crate) fn mark_used_many(
         &self,
         buffers: impl Iterator<Item = ResidentBuffer>,
         lane: usize,
         seq: u64,
+        mut each: impl FnMut(u64, u64),
     ) -> Result<u64> {
         let other = 1 - lane;
         let mut latest_other = 0;
@@ -430,6 +432,7 @@ impl<M: DeviceMemory> Allocator<M> {
             let slot = self.live_slot(&mut shard.slots, buffer, slot_index)?;
             slot.last_use[lane] = slot.last_use[lane].max(seq);
             latest_other = latest_other.max(slot.last_use[other]);
+            each(slot.block.ptr, slot.len);
         }
         Ok(latest_other)
     }

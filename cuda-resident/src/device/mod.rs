@@ -26,6 +26,13 @@ use crate::transfer::{DownloadBatch, PreparedDownloads, PreparedUploads, UploadB
 /// One GPU: its primary context, two copy lanes, a budgeted resident store and a pinned
 /// pool.
 ///
+/// The two lanes (one stream for uploads, one for downloads) run at once. Work on one lane
+/// runs in the order it was submitted; a batch waits, on the device, for work of the other
+/// lane still in flight only where the two use the same bytes: a download of some blocks of a
+/// buffer and an upload of other blocks of it (touching ones included) overlap, while a
+/// download of bytes an upload is writing waits for the upload. [`TelemetrySnapshot::lane_waits`](crate::TelemetrySnapshot::lane_waits)
+/// counts those waits.
+///
 /// `Device` is `Send + Sync` and cheap to clone (an `Arc` inside); clones share everything.
 /// Dropping the last clone (and the last prepared set and [`Downloaded`](crate::Downloaded)
 /// made from it, which hold the device's state too) waits for every copy in flight, then

@@ -17,6 +17,7 @@ use crate::sync::Mutex;
 use crate::telemetry::Telemetry;
 
 use super::host::Staging;
+use super::order::Ledger;
 use super::pipeline::Packers;
 use super::spares::Spares;
 use super::staging::{DeviceRegion, DeviceStaging};
@@ -48,6 +49,8 @@ pub(crate) struct Core {
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,
     /// What finished batches leave for the next ones.
     pub(crate) spares: Spares,
+    /// The device ranges each lane's batches in flight use.
+    pub(crate) order: Ledger,
 }
 
 impl Core {
@@ -94,6 +97,7 @@ impl Core {
             packers,
             peers: Mutex::new(Vec::new()),
             spares: Default::default(),
+            order: Ledger::default(),
         })
     }
 

@@ -21,12 +21,14 @@
 //! works on.
 //!
 //! Inside the engine, each module uses only those listed before it: [`pipeline`] (the
-//! packing threads), [`host`], [`table`], [`staging`] and [`spares`], then [`core`], then
-//! the executor here. The leaves take the parts of the core they need (the packing
-//! threads, the allocator, a source of pinned staging), not the core.
+//! packing threads), [`host`], [`order`] (ordering by byte range), [`table`], [`staging`]
+//! and [`spares`], then [`core`], then the executor here. The leaves take the parts of the
+//! core they need (the packing threads, the allocator, a source of pinned staging), not the
+//! core.
 
 pub(crate) mod core;
 pub(crate) mod host;
+pub(crate) mod order;
 pub(crate) mod pipeline;
 pub(crate) mod spares;
 pub(crate) mod staging;
@@ -37,6 +39,7 @@ use std::sync::Arc;
 use cuda_sys::{CUcontext, CUstream};
 
 use self::core::Core;
+use self::order::{Ranges, Seen};
 use crate::alloc::ResidentBuffer;
 use crate::error::Result;
 use crate::host_pool::HostLease;
@@ -87,23 +90,75 @@ impl<'a> Exec<'a> {
         }
     }
 
-    /// Claims `buffers` for `submissions` submissions (at least one): checks that every
-    /// buffer is live and marks it as used by the last one (so that freeing it waits), and
-    /// makes the lane wait, on the device, for work of the other lane that uses them.
-    /// Nothing is enqueued if a buffer is stale. Returns the last submission's number.
+    /// Claims `buffers`, whole, for `submissions` submissions (at least one): checks that
+    /// every buffer is live and marks it as used by the last one (so that freeing it waits),
+    /// and makes the lane wait, on the device, for work of the other lane still in flight
+    /// that uses them ([`order`]). Nothing is enqueued if a buffer is stale. Returns the last
+    /// submission's number.
     pub(crate) fn claim(
         &mut self,
         buffers: impl Iterator<Item = ResidentBuffer>,
         submissions: u64,
     ) -> Result<u64> {
+        self.claim_with(buffers, submissions, None)
+    }
+
+    /// [`Exec::claim`] of the byte ranges `fill` names (absolute device addresses inside
+    /// `buffers`), not of whole buffers: the lane waits only for work of the other lane on
+    /// overlapping bytes.
+    pub(crate) fn claim_ranges(
+        &mut self,
+        buffers: impl Iterator<Item = ResidentBuffer>,
+        submissions: u64,
+        fill: impl FnOnce(&mut Ranges),
+    ) -> Result<u64> {
+        let mut ranges = self.core.order.ranges(self.kind.index());
+        fill(&mut ranges);
+        self.claim_with(buffers, submissions, Some(ranges))
+    }
+
+    fn claim_with(
+        &mut self,
+        buffers: impl Iterator<Item = ResidentBuffer>,
+        submissions: u64,
+        ranges: Option<Ranges>,
+    ) -> Result<u64> {
         let core = self.core;
         self.first_seq = self.batch.next_seq();
         let final_seq = self.first_seq + submissions.max(1) - 1;
         self.batch.reserve(final_seq);
-        let last_other = core.alloc.mark_used_many(buffers, self.kind.index(), final_seq)?;
-        core.lane(self.kind.other()).make_stream_wait(last_other, core.lane(self.kind).stream())?;
+        let need = self.enter(buffers, final_seq, ranges)?;
+        if need > 0 && core.lane(self.kind.other()).make_stream_wait(need, core.lane(self.kind).stream())? {
+            Telemetry::add(&core.telemetry.lane_waits, 1);
+        }
         (self.final_seq, self.claimed) = (final_seq, true);
         Ok(final_seq)
+    }
+
+    /// Marks `buffers` as used by submission `seq` of this lane and enters the batch's ranges
+    /// (whole buffers when `ranges` is `None`) in the ledger. Returns the submission of the
+    /// other lane the batch must wait for (0: none).
+    fn enter(
+        &self,
+        buffers: impl Iterator<Item = ResidentBuffer>,
+        seq: u64,
+        ranges: Option<Ranges>,
+    ) -> Result<u64> {
+        let (core, lane) = (self.core, self.kind.index());
+        let (ranges, last_other) = match ranges {
+            Some(ranges) => (ranges, core.alloc.mark_used_many(buffers, lane, seq, |_, _| ())?),
+            None => {
+                let mut whole = core.order.ranges(lane);
+                let last_other =
+                    core.alloc.mark_used_many(buffers, lane, seq, |ptr, len| whole.push(ptr, len))?;
+                (whole, last_other)
+            }
+        };
+        let mut done = [0; 2];
+        for kind in [LaneKind::Upload, LaneKind::Readback] {
+            done[kind.index()] = core.lane(kind).known_done();
+        }
+        Ok(core.order.enter(lane, seq, ranges, Seen { done, last_other }))
     }
 
     /// The sequence number of the batch's first submission (after [`Exec::claim`]).
@@ -120,25 +175,25 @@ impl<'a> Exec<'a> {
     }
 
     /// Claims `buffers` for one submission of this lane that stands for work another lane
-    /// (of another device) does with them: marks them as used by it and returns the last
-    /// submission of this device's other lane that uses them, which that work must wait for
+    /// (of another device) does with them: marks them as used by it and returns the
+    /// submission of this device's other lane that work must wait for
     /// ([`Exec::make_wait_other`]).
     pub(crate) fn claim_for_other(&mut self, buffers: impl Iterator<Item = ResidentBuffer>) -> Result<u64> {
         let seq = self.batch.next_seq();
         self.batch.reserve(seq);
         (self.first_seq, self.final_seq, self.claimed) = (seq, seq, true);
-        self.core.alloc.mark_used_many(buffers, self.kind.index(), seq)
+        self.enter(buffers, seq, None)
     }
 
     /// Makes `stream` wait, on the device, for this device's other lane up to its
     /// submission `seq`.
     pub(crate) fn make_wait_other(&self, seq: u64, stream: CUstream) -> Result<()> {
-        self.core.lane(self.kind.other()).make_stream_wait(seq, stream)
+        self.core.lane(self.kind.other()).make_stream_wait(seq, stream).map(drop)
     }
 
     /// Makes `stream` wait, on the device, for this lane up to its submission `seq`.
     pub(crate) fn make_wait(&self, seq: u64, stream: CUstream) -> Result<()> {
-        self.core.lane(self.kind).make_stream_wait(seq, stream)
+        self.core.lane(self.kind).make_stream_wait(seq, stream).map(drop)
     }
 
     /// The lane's stream.

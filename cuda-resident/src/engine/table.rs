@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use crate::alloc::{Allocator, ResidentBuffer};
 use crate::context::Context;
+use crate::engine::order::Ranges;
 use crate::error::{Error, Result};
 use crate::plan::route::Apart;
 
@@ -196,5 +197,13 @@ impl BufferTable {
 
     pub(crate) fn buffers(&self) -> impl Iterator<Item = ResidentBuffer> + '_ {
         self.entries.iter().map(|e| e.buffer)
+    }
+
+    /// Adds the device range of each of `requests` (key, offset in its buffer, length) to
+    /// `ranges`, for `engine::Exec::claim_ranges`.
+    pub(crate) fn push_ranges(&self, ranges: &mut Ranges, requests: impl Iterator<Item = (u64, u64, u64)>) {
+        for (key, offset, len) in requests {
+            ranges.push(self.entries[key as usize].ptr + offset, len);
+        }
     }
 }

@@ -487,6 +487,7 @@ impl PeerBatch<'_> {
                     parts.src_table.buffers(),
                     LaneKind::Readback.index(),
                     u64::MAX,
+                    |_, _| (),
                 );
                 return Err(e);
             }

@@ -12,6 +12,7 @@ use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
+use crate::engine::order::Ranges;
 use crate::engine::pipeline::{self, Groups, Step};
 use crate::engine::staging::DeviceStaging;
 use crate::engine::{Enqueue, Exec};
@@ -231,6 +232,11 @@ pub(crate) fn downloads_as(core: &Arc<Core>, id: u64) -> DownloadBatch<'_> {
 }
 
 impl DownloadBatch<'_> {
+    /// The device ranges of the batch's reads, for `Exec::claim_ranges`.
+    fn ranges(&self) -> impl FnOnce(&mut Ranges) + '_ {
+        |ranges| self.table.push_ranges(ranges, self.reads.iter().map(|r| (r.buffer, r.offset, r.len)))
+    }
+
     /// The bytes the batch moves and the planner's settings for it: chunks sized to the
     /// batch ([`pipeline_chunk`]), the direct threshold at most a chunk.
     fn sizing(&self) -> (u64, PlanConfig) {
@@ -739,7 +745,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     };
     let base = lease.as_ptr();
 
-    let final_seq = exec.claim(batch.table.buffers(), plan.chunks.len() as u64)?;
+    let final_seq = exec.claim_ranges(batch.table.buffers(), plan.chunks.len() as u64, batch.ranges())?;
     exec.requested(plan.requested_bytes);
 
     let kernels = if areas.iter().any(|&a| a > 0) { Some(exec.kernels()?) } else { None };
@@ -905,7 +911,7 @@ fn execute_streamed(
     let chunks = plan.chunks.len();
     // The ring is taken before anything is enqueued.
     let ring = exec.ring(ring_bytes, chunks.min(crate::plan::route::RING))?;
-    exec.claim(batch.table.buffers(), chunks as u64)?;
+    exec.claim_ranges(batch.table.buffers(), chunks as u64, batch.ranges())?;
     exec.requested(plan.requested_bytes);
     let first_seq = exec.first_seq();
     let device_need = plan.chunks.iter().filter(|c| area_of(c) > 0).map(|c| area_of(c) + c.packed_len).max();
@@ -1074,7 +1080,7 @@ fn execute_in_order(
     // in read order (chunk `k`'s table starts at its first read's).
     let tables = apart.end.next_multiple_of(256);
     let base = lease.as_ptr();
-    let final_seq = exec.claim(batch.table.buffers(), spans.len() as u64)?;
+    let final_seq = exec.claim_ranges(batch.table.buffers(), spans.len() as u64, batch.ranges())?;
     exec.requested(apart.requested);
     let kernels = exec.kernels()?;
     // Where the kernel gathers to: the lease itself, or device staging (a chunk's packed

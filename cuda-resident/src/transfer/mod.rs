@@ -24,3 +24,5 @@ mod download_tests;
 mod edge_tests;
 #[cfg(test)]
 pub(crate) mod model_tests;
+#[cfg(test)]
+mod order_tests;

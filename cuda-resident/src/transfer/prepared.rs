@@ -69,6 +69,8 @@ struct Layout {
     core: Arc<Core>,
     /// Each distinct buffer and the table, claimed by every move.
     buffers: Vec<ResidentBuffer>,
+    /// The device range of each range, and the table's: what a move uses.
+    device_ranges: Vec<(u64, u64)>,
     offsets: Vec<u64>,
     spans: Vec<Span>,
     lease: Arc<HostLease>,
@@ -215,9 +217,15 @@ impl Layout {
         };
         let mut buffers: Vec<ResidentBuffer> = table.buffers().collect();
         buffers.push(table_buffer);
+        let mut device_ranges: Vec<(u64, u64)> = descriptors
+            .iter()
+            .map(|d| if kind == LaneKind::Upload { (d.dst, d.len) } else { (d.src, d.len) })
+            .collect();
+        device_ranges.push((table_ptr, bytes.len() as u64));
         Ok(Some(Layout {
             core: Arc::clone(core),
             buffers,
+            device_ranges,
             offsets: std::mem::take(&mut table.apart.offsets),
             spans,
             // Not listed for the unsafe copies (`into_listed`): the set decides that the
@@ -248,7 +256,11 @@ impl Layout {
     /// Claims the buffers for one submission a chunk: the last one's sequence. Counts what
     /// a move of the set costs beyond its launches: the payload over the bus.
     fn claim(&self, exec: &mut Exec<'_>) -> Result<u64> {
-        let final_seq = exec.claim(self.buffers.iter().copied(), self.spans.len() as u64)?;
+        let final_seq = exec.claim_ranges(self.buffers.iter().copied(), self.spans.len() as u64, |r| {
+            for &(start, len) in &self.device_ranges {
+                r.push(start, len);
+            }
+        })?;
         exec.requested(self.requested);
         exec.moved(self.requested);
         Ok(final_seq)

@@ -3,8 +3,8 @@
 //! a ring of pinned chunks.
 //!
 //! Every copy is ordered against copies in flight in the other direction that touch the same
-//! buffer (on the device, with `cuStreamWaitEvent`), and marks the buffer as used by its
-//! submission so that freeing it waits for the copy.
+//! bytes (on the device, with `cuStreamWaitEvent`; `engine::order`), and marks the buffer as
+//! used by its submission so that freeing it waits for the copy.
 
 use std::sync::Arc;
 
@@ -150,7 +150,7 @@ fn single_copy(
     let keep = crate::host_pool::listed_leases_in(host.1 as usize, len);
     check_pinned(core, host.0, host.1, len)?;
     let mut exec = Exec::begin(core, kind);
-    exec.claim(std::iter::once(buffer), 1)?;
+    exec.claim_ranges(std::iter::once(buffer), 1, |r| r.push(address, len as u64))?;
     exec.requested(len as u64);
     exec.submit(keep, |q| copy(q, address))?;
     Ok(exec.finish())
@@ -166,7 +166,7 @@ fn download_into(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, out: &mu
     let chunk = pipeline_chunk(core.config.chunk_bytes, len, PIPELINE_DEPTH);
     let chunks = len.div_ceil(chunk) as usize;
     let mut exec = Exec::begin(core, LaneKind::Readback);
-    exec.claim(std::iter::once(buffer), chunks as u64)?;
+    exec.claim_ranges(std::iter::once(buffer), chunks as u64, |r| r.push(src, len))?;
     exec.requested(len);
     let ring = exec.ring(chunk as usize, chunks.min(crate::plan::route::RING))?;
     let ring_len = ring.len();

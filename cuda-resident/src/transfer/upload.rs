@@ -13,6 +13,7 @@ use crate::engine::Exec;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
+use crate::engine::order::Ranges;
 use crate::engine::pipeline::{self, Groups, Step};
 use crate::engine::spares::UploadParts;
 use crate::engine::staging::DeviceStaging;
@@ -98,6 +99,11 @@ pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
 }
 
 impl<'a> UploadBatch<'a> {
+    /// The device ranges of the batch's writes, for `Exec::claim_ranges`.
+    fn ranges(&self) -> impl FnOnce(&mut Ranges) + '_ {
+        |ranges| self.table.push_ranges(ranges, self.writes.iter().map(|w| (w.buffer, w.offset, w.len)))
+    }
+
     /// Checks a write and records it; on error, poisons the batch. A batch poisoned by a
     /// write that failed part-way ([`Error::BatchPoisoned`]) takes no more writes.
     fn add(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<()> {
@@ -297,7 +303,7 @@ fn execute_one(core: &Arc<Core>, table: &BufferTable, write: &WriteRequest, data
     let lease = Arc::new(lease);
     let src = lease.as_ptr();
     let mut exec = Exec::begin(core, LaneKind::Upload);
-    exec.claim(std::iter::once(target.buffer), 1)?;
+    exec.claim_ranges(std::iter::once(target.buffer), 1, |r| r.push(target.ptr + write.offset, write.len))?;
     exec.requested(write.len);
     exec.submit(vec![lease], |q| {
         // SAFETY: pinned staging kept alive by this submission, into a live, marked buffer
@@ -360,7 +366,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     // A DMA, then a table and a launch, for each packed lease; a DMA for each own one.
     let submissions =
         (2 * packed.len() + (0..leases.len()).filter(|&i| own(i) && has_bytes(i)).count()) as u64;
-    exec.claim(batch.table.buffers(), submissions)?;
+    exec.claim_ranges(batch.table.buffers(), submissions, batch.ranges())?;
     exec.requested(requested);
     let dev = if packed_need > 0 { exec.region(&mut scratch.region, regions * region_stride)? } else { 0 };
     let kernels = if packed_need > 0 { Some(exec.kernels()?) } else { None };
@@ -471,7 +477,7 @@ fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
         return Ok(Fence::completed());
     }
     // Every buffer is checked (and marked as used by this batch) before anything moves.
-    exec.claim(batch.table.buffers(), plan.chunks.len() as u64)?;
+    exec.claim_ranges(batch.table.buffers(), plan.chunks.len() as u64, batch.ranges())?;
     exec.requested(plan.requested_bytes);
 
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
@@ -584,7 +590,7 @@ fn execute_in_order(
     }
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
-    exec.claim(batch.table.buffers(), spans.len() as u64)?;
+    exec.claim_ranges(batch.table.buffers(), spans.len() as u64, batch.ranges())?;
     exec.requested(requested);
     let kernels = exec.kernels()?;
     // Where the kernel finds the packed bytes: in the lease itself, or in device staging.

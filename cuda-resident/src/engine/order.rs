@@ -1,0 +1,318 @@
+//! Ordering by byte range: which batches of the other lane, still in flight, a batch must
+//! wait for on the device.
+//!
+//! Each lane is one stream, so a lane's batches run in the order they were submitted. The
+//! two lanes run at once; a batch waits for the other lane only where the two touch the same
+//! bytes. Every claimed batch enters the [`Ledger`] with the device ranges it uses
+//! ([`Ranges`], absolute device addresses: ranges of live buffers never alias, and a
+//! buffer's memory is not reused while a batch that uses it is in flight). It then waits for
+//! the newest batch of the other lane, entered before it and not known to be done, whose
+//! ranges overlap its own. Ranges that only touch (one ends where the other starts) do not
+//! overlap. A path that does not name its ranges claims whole buffers.
+//!
+//! A batch waits only for batches entered before it, so waits never form a circle; a batch
+//! entered between another's claim and its entry is ordered by the ledger alone, as two
+//! threads' batches submitted at once may run in either order.
+//!
+//! Cost: one lock and a push per batch; the ranges themselves are built as the batch's
+//! requests are walked once (touching ranges in order merge as they come). Ranges are
+//! sorted only when a batch of the other lane is in flight on the same buffers, once per
+//! batch, and then compared by one sweep (or a binary search for a handful of ranges).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, OnceLock};
+
+use crate::sync::{Mutex, lock};
+
+/// How many batches in flight a lane's log keeps by their ranges; older ones are folded into
+/// a floor that a later batch of the other lane sharing a buffer waits for whole.
+const LOG_MOST: usize = 64;
+
+/// The device ranges one batch uses: `[start, end)` pairs, absolute device addresses.
+#[derive(Debug, Default)]
+pub(crate) struct Ranges {
+    spans: Vec<(u64, u64)>,
+    /// Whether `spans` is sorted and no two overlap or touch: then it is its own union.
+    unordered: bool,
+}
+
+impl Ranges {
+    /// Adds `len` bytes at device address `start`. A range that starts inside or at the end
+    /// of the last one merges into it.
+    #[inline]
+    pub(crate) fn push(&mut self, start: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let end = start.saturating_add(len);
+        if let Some(last) = self.spans.last_mut() {
+            if start >= last.0 && start <= last.1 {
+                last.1 = last.1.max(end);
+                return;
+            }
+            self.unordered |= start < last.1;
+        }
+        self.spans.push((start, end));
+    }
+
+    fn clear(&mut self) {
+        self.spans.clear();
+        self.unordered = false;
+    }
+
+    /// The union of the ranges, sorted, no two touching.
+    fn union(&self) -> Vec<(u64, u64)> {
+        let mut sorted = self.spans.clone();
+        sorted.sort_unstable_by_key(|s| s.0);
+        let mut union: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+        for (start, end) in sorted {
+            match union.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => union.push((start, end)),
+            }
+        }
+        union
+    }
+}
+
+/// One batch in a lane's log: its last submission and its ranges.
+#[derive(Debug)]
+struct Entry {
+    seq: u64,
+    ranges: Ranges,
+    /// The union, for ranges out of order, made by the first comparison that needs it.
+    union: OnceLock<Vec<(u64, u64)>>,
+}
+
+impl Entry {
+    fn union(&self) -> &[(u64, u64)] {
+        if self.ranges.unordered {
+            self.union.get_or_init(|| self.ranges.union())
+        } else {
+            &self.ranges.spans
+        }
+    }
+}
+
+/// Whether two sorted unions, neither with touching ranges, share a byte.
+fn overlap(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
+    let (small, large) = if a.len() <= b.len() { (a, b) } else { (b, a) };
+    // A handful against many: a binary search each.
+    if small.len().saturating_mul(large.len().max(2).ilog2() as usize) < large.len() {
+        return small.iter().any(|&(start, end)| {
+            // The first range of `large` that ends after `start` is the only one that can
+            // hold byte `start`, or the first one past it.
+            let at = large.partition_point(|r| r.1 <= start);
+            large.get(at).is_some_and(|r| r.0 < end)
+        });
+    }
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        if a[i].1 <= b[j].0 {
+            i += 1;
+        } else if b[j].1 <= a[i].0 {
+            j += 1;
+        } else {
+            return true;
+        }
+    }
+    false
+}
+
+/// One lane's batches in flight, oldest first.
+#[derive(Debug, Default)]
+struct Log {
+    entries: VecDeque<Arc<Entry>>,
+    /// The newest batch dropped from `entries` while maybe in flight.
+    floor: u64,
+    /// Emptied ranges of retired entries, for the next batches.
+    spare: Vec<Ranges>,
+}
+
+impl Log {
+    /// Drops the entries of batches up to `done`, keeping their vectors.
+    fn retire(&mut self, done: u64) {
+        while self.entries.front().is_some_and(|e| e.seq <= done) {
+            let entry = self.entries.pop_front().expect("checked above");
+            if let Ok(entry) = Arc::try_unwrap(entry)
+                && self.spare.len() < 4
+            {
+                let mut ranges = entry.ranges;
+                ranges.clear();
+                self.spare.push(ranges);
+            }
+        }
+    }
+}
+
+/// Both lanes' batches in flight, by the ranges they use.
+#[derive(Debug, Default)]
+pub(crate) struct Ledger {
+    logs: Mutex<[Log; 2]>,
+}
+
+/// What [`Ledger::enter`] knows of the lanes: how far each has completed, and the newest
+/// submission of the other lane that uses a buffer of the batch (0 for none).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Seen {
+    pub(crate) done: [u64; 2],
+    pub(crate) last_other: u64,
+}
+
+impl Ledger {
+    /// An empty [`Ranges`], with the capacity of a retired batch's when there is one.
+    pub(crate) fn ranges(&self, lane: usize) -> Ranges {
+        lock(&self.logs)[lane].spare.pop().unwrap_or_default()
+    }
+
+    /// Enters a batch of lane `lane` whose submissions end at `seq` and use `ranges`, and
+    /// returns the submission of the other lane it must wait for (0: none).
+    pub(crate) fn enter(&self, lane: usize, seq: u64, ranges: Ranges, seen: Seen) -> u64 {
+        let other = 1 - lane;
+        let own = Arc::new(Entry { seq, ranges, union: OnceLock::new() });
+        let in_flight = seen.last_other > seen.done[other];
+        // Snapshot under the lock, compared after it: the other lane's batches entered so far.
+        let (snapshot, floor) = {
+            let mut logs = lock(&self.logs);
+            logs[0].retire(seen.done[0]);
+            logs[1].retire(seen.done[1]);
+            let mine = &mut logs[lane];
+            if mine.entries.len() >= LOG_MOST {
+                let dropped = mine.entries.pop_front().expect("the log is full");
+                mine.floor = mine.floor.max(dropped.seq);
+            }
+            mine.entries.push_back(Arc::clone(&own));
+            if !in_flight {
+                return 0;
+            }
+            let theirs = &logs[other];
+            (theirs.entries.iter().cloned().collect::<Vec<_>>(), theirs.floor)
+        };
+        // A batch folded into the floor is waited for whole, if it may share a buffer.
+        let mut need = if floor > seen.done[other] { floor.min(seen.last_other) } else { 0 };
+        for entry in snapshot.iter().rev() {
+            if entry.seq <= need.max(seen.done[other]) {
+                break;
+            }
+            if overlap(own.union(), entry.union()) {
+                need = entry.seq;
+                break;
+            }
+        }
+        need
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Ledger, Ranges, Seen, overlap};
+
+    fn ranges(pairs: &[(u64, u64)]) -> Ranges {
+        let mut r = Ranges::default();
+        for &(start, len) in pairs {
+            r.push(start, len);
+        }
+        r
+    }
+
+    /// Enters a batch, with the other lane's last use on its buffers at `last_other` and
+    /// nothing known done.
+    fn enter(ledger: &Ledger, lane: usize, seq: u64, pairs: &[(u64, u64)], last_other: u64) -> u64 {
+        ledger.enter(lane, seq, ranges(pairs), Seen { done: [0, 0], last_other })
+    }
+
+    #[test]
+    fn touching_ranges_in_order_merge_and_stay_sorted() {
+        let r = ranges(&[(0, 16), (16, 16), (40, 8), (44, 10), (100, 0)]);
+        assert_eq!(r.spans, [(0, 32), (40, 54)]);
+        assert!(!r.unordered);
+        let r = ranges(&[(100, 8), (0, 8), (4, 8), (8, 92)]);
+        assert!(r.unordered);
+        assert_eq!(r.union(), [(0, 108)]);
+    }
+
+    #[test]
+    fn overlap_is_shared_bytes_not_touching() {
+        let a = [(0, 16), (32, 48)];
+        assert!(!overlap(&a, &[(16, 32)]), "touching on both sides");
+        assert!(!overlap(&a, &[(48, 64), (100, 200)]));
+        assert!(overlap(&a, &[(15, 16)]));
+        assert!(overlap(&a, &[(47, 49)]));
+        assert!(overlap(&a, &[(0, 1000)]));
+        // Many against many, by the sweep: every other block against every block between.
+        let evens: Vec<_> = (0..1000u64).map(|i| (i * 32, i * 32 + 16)).collect();
+        let odds: Vec<_> = (0..1000u64).map(|i| (i * 32 + 16, i * 32 + 32)).collect();
+        assert!(!overlap(&evens, &odds));
+        let mut one_more = odds.clone();
+        one_more[500] = (500 * 32 + 15, 500 * 32 + 32);
+        assert!(overlap(&evens, &one_more));
+    }
+
+    #[test]
+    fn disjoint_batches_of_the_two_lanes_do_not_wait() {
+        let ledger = Ledger::default();
+        // Swap out even blocks, swap in odd ones, touching, of one buffer.
+        let out: Vec<_> = (0..64u64).map(|i| (i * 2 * 4096, 4096)).collect();
+        let into: Vec<_> = (0..64u64).rev().map(|i| ((i * 2 + 1) * 4096, 4096)).collect();
+        assert_eq!(enter(&ledger, 1, 5, &out, 0), 0);
+        assert_eq!(enter(&ledger, 0, 9, &into, 5), 0, "disjoint, touching: no wait");
+        // A read of a block just written waits for the write.
+        assert_eq!(enter(&ledger, 1, 6, &[(4096, 8)], 9), 9);
+        // A write of block 0 waits for the batch that reads it, not for the newer one.
+        assert_eq!(enter(&ledger, 0, 10, &[(0, 1)], 6), 5);
+    }
+
+    #[test]
+    fn a_batch_waits_for_the_newest_overlapping_one_only() {
+        let ledger = Ledger::default();
+        assert_eq!(enter(&ledger, 0, 1, &[(0, 100)], 0), 0);
+        assert_eq!(enter(&ledger, 0, 2, &[(200, 100)], 0), 0);
+        assert_eq!(enter(&ledger, 0, 3, &[(400, 100)], 0), 0);
+        assert_eq!(enter(&ledger, 1, 1, &[(250, 10), (1000, 10)], 3), 2);
+        assert_eq!(enter(&ledger, 1, 2, &[(50, 10)], 3), 1);
+        assert_eq!(enter(&ledger, 1, 3, &[(500, 10), (600, 1)], 3), 0, "touching the end of 3");
+    }
+
+    #[test]
+    fn batches_known_done_are_not_waited_for() {
+        let ledger = Ledger::default();
+        enter(&ledger, 0, 4, &[(0, 100)], 0);
+        let seen = Seen { done: [0, 4], last_other: 4 };
+        assert_eq!(ledger.enter(1, 1, ranges(&[(0, 100)]), seen), 4);
+        let seen = Seen { done: [4, 0], last_other: 4 };
+        assert_eq!(ledger.enter(1, 2, ranges(&[(0, 100)]), seen), 0, "4 is done");
+        assert!(lock_len(&ledger, 0) == 0, "the done batch left the log");
+    }
+
+    fn lock_len(ledger: &Ledger, lane: usize) -> usize {
+        crate::sync::lock(&ledger.logs)[lane].entries.len()
+    }
+
+    #[test]
+    fn a_full_log_folds_its_oldest_into_a_floor_waited_for_whole() {
+        let ledger = Ledger::default();
+        for seq in 1..=super::LOG_MOST as u64 + 1 {
+            enter(&ledger, 0, seq, &[(seq * 1000, 10)], 0);
+        }
+        assert_eq!(lock_len(&ledger, 0), super::LOG_MOST);
+        // Batch 1 no longer has its ranges in the log: a batch sharing a buffer with it waits
+        // for it, even on ranges apart; one that shares no buffer (last use 0) does not.
+        assert_eq!(enter(&ledger, 1, 1, &[(5, 1)], 1), 1);
+        assert_eq!(enter(&ledger, 1, 2, &[(5, 1)], 0), 0);
+        // A batch overlapping a newer one waits for that one.
+        assert_eq!(enter(&ledger, 1, 3, &[(30_000, 1)], 30), 30);
+    }
+
+    #[test]
+    fn retired_ranges_are_reused() {
+        let ledger = Ledger::default();
+        let mut r = ledger.ranges(0);
+        for i in 0..1000 {
+            r.push(i * 10, 5);
+        }
+        ledger.enter(0, 1, r, Seen { done: [0, 0], last_other: 0 });
+        ledger.enter(0, 2, Ranges::default(), Seen { done: [1, 0], last_other: 0 });
+        let reused = ledger.ranges(0);
+        assert!(reused.spans.is_empty() && reused.spans.capacity() >= 1000);
+    }
+}
