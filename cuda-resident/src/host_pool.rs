@@ -110,6 +110,15 @@ pub(crate) struct HostPool {
 /// portable), keeps the lease alive until it completes ([`listed_leases_in`]).
 static LENT_BUFFERS: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>> = Mutex::new(BTreeMap::new());
 
+/// The listed arena that holds byte `ptr`, live: its start and length. Pinned memory of this
+/// crate, allocated portable and so mapped for every device with unified addressing at the
+/// same address: a kernel may read or write it over the bus.
+pub(crate) fn lent_extent(ptr: usize) -> Option<(usize, usize)> {
+    let buffers = lock(&LENT_BUFFERS);
+    let (&start, &(bytes, ref lease)) = buffers.range(..=ptr).next_back()?;
+    (ptr < start.saturating_add(bytes) && lease.strong_count() > 0).then_some((start, bytes))
+}
+
 /// The leases of the listed memory (by any device's pool: see [`LENT_BUFFERS`]) whose arenas overlap
 /// `[ptr, ptr + len)`: a copy that uses that memory keeps them, so that a buffer dropped
 /// before the copy completes is not lent again while the copy still reads or writes it.

@@ -116,7 +116,8 @@ pub use peer::{FanOutPath, PeerBatch};
 pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;
 pub use transfer::{
-    DownloadBatch, Downloaded, PendingDownload, PreparedDownloads, PreparedUploads, Slot, UploadBatch,
+    DownloadBatch, Downloaded, PendingDownload, PreparedDownloads, PreparedUploads, Scope, ScopedDownloads,
+    ScopedUploads, Slot, UploadBatch,
 };
 
 /// The raw driver crate, re-exported for callers that make their own driver calls.

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use cuda_resident::{
     AllocatorStats, Config, Device, DeviceInfo, DeviceSet, DownloadBatch, Downloaded, Error, FanOutPath,
     Fence, FenceEvent, FenceFuture, GRANULE, MAX_CLASS_BYTES, PeerBatch, PendingDownload, PinnedBuffer,
-    PinnedStats, PlanError, PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Slot,
-    TelemetrySnapshot, UploadBatch, cuda_sys,
+    PinnedStats, PlanError, PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Scope,
+    ScopedDownloads, ScopedUploads, Slot, TelemetrySnapshot, UploadBatch, cuda_sys,
 };
 
 type Ranges<'r> = &'r [(ResidentBuffer, u64, u64)];
@@ -82,6 +82,9 @@ fn every_public_item_is_named() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<FenceEvent>();
     send_sync::<FenceFuture>();
+
+    // Scoped transfers: the caller's memory as the other end.
+    let _ = |d: &Device| d.scope(|s: &Scope<'_, '_>| -> Result<u8> { Ok(scoped_items(s)) });
 
     // Prepared sets.
     let _: fn(&Device, Ranges<'_>) -> Result<PreparedUploads> = Device::prepare_uploads;
@@ -191,4 +194,31 @@ fn config_is_built_from_its_defaults_with_setters() {
     assert_eq!(config.resolved_pack_threads(), 2);
     let bad = Config::default().with_budget_fraction(1.5).validate().unwrap_err();
     assert!(bad.to_string().contains("Fix:"), "{bad}");
+}
+
+/// The items of a scope's batches, named with the scope's lifetime.
+fn scoped_items<'scope>(s: &'scope Scope<'scope, '_>) -> u8 {
+    let _: ScopedUploads<'scope> = s.uploads();
+    let _: ScopedDownloads<'scope> = s.downloads();
+    let _: for<'b> fn(
+        &'b mut ScopedUploads<'scope>,
+        ResidentBuffer,
+        u64,
+        &'scope [u8],
+    ) -> Result<&'b mut ScopedUploads<'scope>> = ScopedUploads::write;
+    let _: for<'b> fn(
+        &'b mut ScopedDownloads<'scope>,
+        ResidentBuffer,
+        u64,
+        &'scope mut [u8],
+    ) -> Result<&'b mut ScopedDownloads<'scope>> = ScopedDownloads::read_into;
+    let _: fn(ScopedUploads<'scope>) -> Result<()> = ScopedUploads::submit;
+    let _: fn(ScopedUploads<'scope>) -> Result<Fence> = ScopedUploads::submit_fenced;
+    let _: fn(ScopedDownloads<'scope>) -> Result<()> = ScopedDownloads::submit;
+    let _: fn(ScopedDownloads<'scope>) -> Result<Fence> = ScopedDownloads::submit_fenced;
+    let _: fn(&ScopedUploads<'scope>) -> usize = ScopedUploads::len;
+    let _: fn(&ScopedUploads<'scope>) -> bool = ScopedUploads::is_empty;
+    let _: fn(&ScopedDownloads<'scope>) -> usize = ScopedDownloads::len;
+    let _: fn(&ScopedDownloads<'scope>) -> bool = ScopedDownloads::is_empty;
+    0
 }

@@ -619,3 +619,66 @@ fn a_paging_step_on_disjoint_blocks_moves_both_ways_without_waits_between_lanes(
         d.free(pool).unwrap();
     }
 }
+
+/// A paging step through a scope on a GPU: blocks of one pool buffer swapped out into a
+/// pinned host cache and others swapped in from it, in place (no staging), both directions
+/// at once; then the same with a pageable cache (staged). Every byte is checked; the cache's
+/// out half is poisoned first.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cache() {
+    let d = Device::open_with_config(0, Config::default().with_pinned_cap_bytes(2 << 30)).unwrap();
+    let mut rng = fastrand::Rng::with_seed(34);
+    for block in [4 << 10, 16 << 10, 256 << 10, 2 << 20] {
+        let blocks = (512 << 20) / block;
+        let n = blocks / 8;
+        let pool = d.allocate((block * blocks) as u64).unwrap();
+        let mut expect = random_vec(&mut rng, block * blocks);
+        d.upload(pool, &expect).unwrap();
+        for pinned in [true, false] {
+            let mut order: Vec<usize> = (0..blocks).collect();
+            rng.shuffle(&mut order);
+            let (out, into) = (&order[..n], &order[n..2 * n]);
+            let mut pinned_cache;
+            let mut pageable_cache;
+            let cache: &mut [u8] = if pinned {
+                pinned_cache = d.pinned(2 * n * block).unwrap();
+                &mut pinned_cache
+            } else {
+                pageable_cache = vec![0u8; 2 * n * block];
+                &mut pageable_cache
+            };
+            cache[..n * block].fill(0xA5);
+            rng.fill(&mut cache[n * block..]);
+            let incoming = cache[n * block..].to_vec();
+            let (out_half, in_half) = cache.split_at_mut(n * block);
+            let moves = d.telemetry();
+            d.scope(|s| {
+                let mut reads = s.downloads();
+                for (&b, dst) in out.iter().zip(out_half.chunks_mut(block)) {
+                    reads.read_into(pool, (b * block) as u64, dst)?;
+                }
+                let mut writes = s.uploads();
+                for (&b, src) in into.iter().zip(in_half.chunks(block)) {
+                    writes.write(pool, (b * block) as u64, src)?;
+                }
+                writes.submit()?;
+                reads.submit()
+            })
+            .unwrap();
+            assert_eq!(d.telemetry().lane_waits, moves.lane_waits, "{block} B: the directions waited");
+            for (i, &b) in out.iter().enumerate() {
+                let got = &cache[i * block..(i + 1) * block];
+                assert!(
+                    got == &expect[b * block..(b + 1) * block],
+                    "{block} B, pinned {pinned}: block {b} out"
+                );
+            }
+            for (i, &b) in into.iter().enumerate() {
+                expect[b * block..(b + 1) * block].copy_from_slice(&incoming[i * block..(i + 1) * block]);
+            }
+            assert!(d.download(pool).unwrap() == expect, "{block} B, pinned {pinned}: the pool differs");
+        }
+        d.free(pool).unwrap();
+    }
+}

@@ -21,7 +21,7 @@ use crate::raw::{Raw, release_retrying};
 use crate::stream::Fence;
 use crate::sync::lock;
 use crate::telemetry::TelemetrySnapshot;
-use crate::transfer::{DownloadBatch, PreparedDownloads, PreparedUploads, UploadBatch};
+use crate::transfer::{DownloadBatch, PreparedDownloads, PreparedUploads, Scope, UploadBatch};
 
 /// One GPU: its primary context, two copy lanes, a budgeted resident store and a pinned
 /// pool.
@@ -422,6 +422,52 @@ impl Device {
     /// Starts a batch of uploads.
     pub fn uploads(&self) -> UploadBatch<'_> {
         crate::transfer::upload::uploads(&self.core)
+    }
+
+    /// Runs `f` with a [`Scope`], whose batches move bytes straight between the device and
+    /// the caller's own memory, then waits for every transfer submitted in it, and returns
+    /// what `f` returned.
+    ///
+    /// The batches ([`Scope::uploads`], [`Scope::downloads`]) borrow the caller's slices for
+    /// the whole scope, so nothing can touch them while the GPU may; the scope waits even if
+    /// `f` returns an error or panics (the panic then goes on). Memory of this crate's pinned
+    /// pool ([`Device::pinned`]) moves with no staging copy: large ranges by one DMA each,
+    /// small ones by the copy kernel over the bus, many to a launch; other memory takes the
+    /// staged path of ordinary batches. This is the shape of a paging step: swap blocks out
+    /// to a pinned host cache and others in, both directions at once.
+    ///
+    /// ```no_run
+    /// use cuda_resident::{Config, Device};
+    ///
+    /// let device = Device::open_with_config(0, Config::default().with_pinned_cap_bytes(1 << 30))?;
+    /// let pool = device.allocate(64 << 20)?;
+    /// let mut cache = device.pinned(8 << 20)?; // the host cache, pinned
+    /// let block = 256 << 10;
+    /// let (out_half, in_half) = cache.split_at_mut(4 << 20);
+    /// device.scope(|s| {
+    ///     // Swap blocks 0..16 out into the first half, and the second half in as blocks 16..32.
+    ///     let mut out = s.downloads();
+    ///     for (i, dst) in out_half.chunks_mut(block).enumerate() {
+    ///         out.read_into(pool, (i * block) as u64, dst)?;
+    ///     }
+    ///     let mut into = s.uploads();
+    ///     for (i, src) in in_half.chunks(block).enumerate() {
+    ///         into.write(pool, ((16 + i) * block) as u64, src)?;
+    ///     }
+    ///     out.submit()?;
+    ///     into.submit()?;
+    ///     Ok(())
+    /// })?; // both directions done, the cache's bytes are in place
+    /// # Ok::<(), cuda_resident::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// What `f` returned, else a failed wait for the scope's transfers.
+    pub fn scope<'env, R>(
+        &'env self,
+        f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>,
+    ) -> Result<R> {
+        crate::transfer::scope::scope(&self.core, f)
     }
 
     /// Starts a batch of downloads.

@@ -229,6 +229,11 @@ impl Core {
 
     /// Whether batches of small copies in order move over the bus: the configuration asks
     /// for it and the GPU has unified addressing.
+    /// An empty set of device ranges for a batch on `kind`'s lane (`engine::Exec::claim_built`).
+    pub(crate) fn ranges(&self, kind: LaneKind) -> super::order::Ranges {
+        self.order.ranges(kind.index())
+    }
+
     pub(crate) fn moves_small_copies_over_bus(&self) -> bool {
         self.config.small_copies_over_bus && self.info.unified_addressing
     }

@@ -117,6 +117,16 @@ impl<'a> Exec<'a> {
         self.claim_with(buffers, submissions, Some(ranges))
     }
 
+    /// [`Exec::claim_ranges`] of ranges already built (from [`core::Core::ranges`]).
+    pub(crate) fn claim_built(
+        &mut self,
+        buffers: impl Iterator<Item = ResidentBuffer>,
+        submissions: u64,
+        ranges: Ranges,
+    ) -> Result<u64> {
+        self.claim_with(buffers, submissions, Some(ranges))
+    }
+
     fn claim_with(
         &mut self,
         buffers: impl Iterator<Item = ResidentBuffer>,

@@ -32,8 +32,11 @@ const LOG_MOST: usize = 64;
 #[derive(Debug, Default)]
 pub(crate) struct Ranges {
     spans: Vec<(u64, u64)>,
-    /// Whether `spans` is sorted and no two overlap or touch: then it is its own union.
+    /// Whether `spans` may be out of order or overlap (sorted spans that only touch are in
+    /// order: a query finds overlaps in them as in their union).
     unordered: bool,
+    /// Whether a range pushed overlapped the one before it (they were merged).
+    overlapped: bool,
 }
 
 impl Ranges {
@@ -47,6 +50,7 @@ impl Ranges {
         let end = start.saturating_add(len);
         if let Some(last) = self.spans.last_mut() {
             if start >= last.0 && start <= last.1 {
+                self.overlapped |= start < last.1;
                 last.1 = last.1.max(end);
                 return;
             }
@@ -55,9 +59,25 @@ impl Ranges {
         self.spans.push((start, end));
     }
 
+    /// Puts the ranges in order; returns whether no two share a byte (touching ones do
+    /// not). Ranges that overlap are merged.
+    pub(crate) fn sort_disjoint(&mut self) -> bool {
+        if !self.unordered {
+            return !self.overlapped;
+        }
+        self.spans.sort_unstable_by_key(|s| s.0);
+        let disjoint = !self.overlapped && self.spans.windows(2).all(|w| w[0].1 <= w[1].0);
+        if !disjoint {
+            self.spans = self.union();
+        }
+        self.unordered = false;
+        disjoint
+    }
+
     fn clear(&mut self) {
         self.spans.clear();
         self.unordered = false;
+        self.overlapped = false;
     }
 
     /// The union of the ranges, sorted, no two touching.
@@ -229,6 +249,20 @@ mod tests {
         let r = ranges(&[(100, 8), (0, 8), (4, 8), (8, 92)]);
         assert!(r.unordered);
         assert_eq!(r.union(), [(0, 108)]);
+    }
+
+    #[test]
+    fn sorting_finds_overlaps_and_keeps_touching_ranges_apart() {
+        let mut r = ranges(&[(100, 10), (0, 10), (10, 5), (50, 50)]);
+        assert!(r.sort_disjoint(), "touching only");
+        assert_eq!(r.spans, [(0, 15), (50, 100), (100, 110)], "(10, 5) touched (0, 10) as pushed");
+        assert!(!r.unordered);
+        assert!(!ranges(&[(100, 10), (0, 10), (5, 1)]).sort_disjoint(), "merged as pushed, but overlapping");
+        let mut r = ranges(&[(100, 10), (0, 10), (105, 20)]);
+        assert!(!r.sort_disjoint());
+        assert_eq!(r.spans, [(0, 10), (100, 125)], "merged into the union");
+        assert!(ranges(&[(0, 8), (8, 8)]).sort_disjoint(), "in order, touching");
+        assert!(!ranges(&[(0, 8), (7, 8)]).sort_disjoint(), "in order, overlapping");
     }
 
     #[test]

@@ -8,12 +8,14 @@
 pub(crate) mod convenience;
 pub(crate) mod download;
 pub(crate) mod prepared;
+pub(crate) mod scope;
 pub(crate) mod single;
 pub(crate) mod upload;
 
 pub(crate) use crate::engine::table::BufferTable;
 pub use download::{DownloadBatch, Downloaded, PendingDownload, Slot};
 pub use prepared::{PreparedDownloads, PreparedUploads};
+pub use scope::{Scope, ScopedDownloads, ScopedUploads};
 pub use upload::UploadBatch;
 
 #[cfg(test)]
@@ -26,3 +28,5 @@ mod edge_tests;
 pub(crate) mod model_tests;
 #[cfg(test)]
 mod order_tests;
+#[cfg(test)]
+mod scope_tests;

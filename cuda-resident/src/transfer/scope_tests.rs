@@ -1,0 +1,239 @@
+//! Scoped transfers on the model driver: caller memory as the other end of a batch, pinned
+//! (moved in place: DMAs and launches over the bus, no staging) or not (staged), checked byte
+//! for byte. The model carries work out only when the host waits, so a scope that returned
+//! without waiting would leave the caller's memory without its bytes.
+
+use crate::testing::{device, model, random_vec};
+use crate::{Config, Device, Error, ResidentBuffer};
+
+fn pool(d: &Device, rng: &mut fastrand::Rng, len: usize) -> (ResidentBuffer, Vec<u8>) {
+    let buffer = d.allocate(len as u64).unwrap();
+    let bytes = random_vec(rng, len);
+    d.upload(buffer, &bytes).unwrap();
+    (buffer, bytes)
+}
+
+/// Blocks `out` swapped out of `pool` into `cache`'s first half (block `i` of the list to
+/// slot `i`), and blocks `into` swapped in from its second half, in one scope, both
+/// directions submitted before either is waited for.
+fn swap(d: &Device, pool: ResidentBuffer, cache: &mut [u8], block: usize, out: &[usize], into: &[usize]) {
+    let (out_half, in_half) = cache.split_at_mut(out.len() * block);
+    d.scope(|s| {
+        let mut reads = s.downloads();
+        for (&b, dst) in out.iter().zip(out_half.chunks_mut(block)) {
+            reads.read_into(pool, (b * block) as u64, dst)?;
+        }
+        let mut writes = s.uploads();
+        for (&b, src) in into.iter().zip(in_half.chunks(block)) {
+            writes.write(pool, (b * block) as u64, src)?;
+        }
+        reads.submit()?;
+        writes.submit()?;
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// One paging step into and out of `cache`, checked: the blocks swapped out are in the
+/// cache, those swapped in are in the pool, nothing else changed.
+fn paging_step(d: &Device, cache: &mut [u8], block: usize, seed: u64) -> (u64, u64, u64) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let blocks = 64;
+    let (buffer, mut expect) = pool(d, &mut rng, block * blocks);
+    let mut order: Vec<usize> = (0..blocks).collect();
+    rng.shuffle(&mut order);
+    let (out, into) = (&order[..16], &order[16..32]);
+    rng.fill(cache);
+    let incoming = cache[16 * block..32 * block].to_vec();
+    let before = d.telemetry();
+    swap(d, buffer, cache, block, out, into);
+    let after = d.telemetry();
+    assert_eq!(after.lane_waits, before.lane_waits, "disjoint blocks waited");
+    assert_eq!(
+        after.bytes_requested - before.bytes_requested,
+        32 * block as u64,
+        "{block} B blocks: bytes asked"
+    );
+    for (i, &b) in out.iter().enumerate() {
+        assert!(cache[i * block..(i + 1) * block] == expect[b * block..(b + 1) * block], "block {b} out");
+    }
+    for (i, &b) in into.iter().enumerate() {
+        expect[b * block..(b + 1) * block].copy_from_slice(&incoming[i * block..(i + 1) * block]);
+    }
+    assert!(d.download(buffer).unwrap() == expect, "{block} B blocks: the pool differs");
+    assert!(model::with(|g| g.errors.is_empty()));
+    d.free(buffer).unwrap();
+    let extra = (after.bytes_moved - before.bytes_moved) - (after.bytes_requested - before.bytes_requested);
+    (after.kernel_launches - before.kernel_launches, after.dma_copies - before.dma_copies, extra)
+}
+
+#[test]
+fn a_paging_step_with_a_pinned_cache_moves_in_place_without_staging() {
+    // Past the bytes asked for, only the descriptor tables cross the bus (24 bytes a block):
+    // no staging copy and no second trip.
+    for (block, moves) in [(4096, (2, 0, 32 * 24)), (16 << 10, (2, 0, 32 * 24)), (256 << 10, (0, 32, 0))] {
+        let d = device(Config::default());
+        let mut cache = d.pinned(32 * block).unwrap();
+        assert_eq!(
+            paging_step(&d, &mut cache, block, block as u64),
+            moves,
+            "{block} B blocks: launches, DMAs, extra"
+        );
+    }
+}
+
+#[test]
+fn a_paging_step_with_a_pageable_cache_is_staged_with_the_same_bytes() {
+    for block in [4096, 16 << 10, 256 << 10] {
+        let d = device(Config::default());
+        let mut cache = vec![0u8; 32 * block];
+        paging_step(&d, &mut cache, block, block as u64 + 1);
+    }
+}
+
+#[test]
+fn without_unified_addressing_pinned_ranges_move_by_dmas() {
+    model::with(|g| g.no_unified_addressing = true);
+    let d = device(Config::default());
+    let mut cache = d.pinned(32 * 4096).unwrap();
+    let moves = paging_step(&d, &mut cache, 4096, 5);
+    model::with(|g| g.no_unified_addressing = false);
+    assert_eq!(moves, (0, 32, 0), "one DMA a block");
+}
+
+#[test]
+fn pinned_and_pageable_ranges_mix_in_one_batch_and_overlapping_writes_apply_in_order() {
+    let d = device(Config::default().with_direct_threshold(8 << 10));
+    let mut rng = fastrand::Rng::with_seed(11);
+    let (buffer, mut expect) = pool(&d, &mut rng, 1 << 20);
+    let mut pinned = d.pinned(256 << 10).unwrap();
+    rng.fill(&mut pinned);
+    let pageable = random_vec(&mut rng, 256 << 10);
+    // Writes from both kinds, small and large, apart; then a batch whose writes overlap.
+    let apart = [
+        (0usize, true, 0usize, 100usize),
+        (1000, false, 0, 5000),
+        (10_000, true, 1000, 20_000),
+        (50_000, false, 7, 3),
+    ];
+    let overlapping = [
+        (200_000usize, true, 0usize, 10_000usize),
+        (205_000, false, 100, 10_000),
+        (200_100, true, 50_000, 50),
+    ];
+    for writes in [&apart[..], &overlapping[..]] {
+        d.scope(|s| {
+            let mut batch = s.uploads();
+            for &(at, is_pinned, from, len) in writes {
+                let src = if is_pinned { &pinned[from..from + len] } else { &pageable[from..from + len] };
+                batch.write(buffer, at as u64, src)?;
+            }
+            batch.submit()
+        })
+        .unwrap();
+        for &(at, is_pinned, from, len) in writes {
+            let src = if is_pinned { &pinned[from..from + len] } else { &pageable[from..from + len] };
+            expect[at..at + len].copy_from_slice(src);
+        }
+        assert!(d.download(buffer).unwrap() == expect, "writes {writes:?}");
+    }
+    // Reads into both kinds, in one batch.
+    let mut out_pinned = d.pinned(64 << 10).unwrap();
+    out_pinned.fill(0xA5);
+    let mut out_vec = vec![0x5Au8; 64 << 10];
+    // Distinct `&mut` slices of one buffer: split, as the borrow rules ask.
+    let (p0, rest) = out_pinned.split_at_mut(100);
+    let p1 = &mut rest[900..40_900];
+    let (v0, rest) = out_vec.split_at_mut(30_000);
+    let (v1, v2) = rest[10_000..].split_at_mut(1);
+    d.scope(|s| {
+        let mut batch = s.downloads();
+        batch.read_into(buffer, 3, p0)?;
+        batch.read_into(buffer, 70_000, v0)?;
+        batch.read_into(buffer, 100_000, p1)?;
+        batch.read_into(buffer, 9, v1)?;
+        batch.read_into(buffer, 9, &mut v2[..0])?;
+        batch.submit()
+    })
+    .unwrap();
+    assert_eq!(out_pinned[..100], expect[3..103]);
+    assert_eq!(out_pinned[100..1000], [0xA5; 900], "no byte outside the reads");
+    assert!(out_pinned[1000..41_000] == expect[100_000..140_000]);
+    assert!(out_vec[..30_000] == expect[70_000..100_000]);
+    assert_eq!(out_vec[40_000], expect[9]);
+    assert_eq!(out_vec[40_001], 0x5A);
+    assert!(model::with(|g| g.errors.is_empty()));
+}
+
+#[test]
+fn a_scope_waits_for_its_transfers_when_its_closure_fails_or_panics() {
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(12);
+    let (buffer, expect) = pool(&d, &mut rng, 64 << 10);
+    let mut cache = d.pinned(64 << 10).unwrap();
+    cache.fill(0);
+    // An error after a submit: the scope returns it, once the read has landed.
+    let err = d
+        .scope(|s| -> crate::Result<()> {
+            let mut reads = s.downloads();
+            reads.read_into(buffer, 0, &mut cache[..4096])?;
+            reads.submit()?;
+            let mut bad = s.downloads();
+            bad.read_into(buffer, 64 << 10, &mut [0u8; 0][..])?;
+            Err(Error::LengthMismatch { what: "test", left: 1, right: 2 })
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::LengthMismatch { .. }), "{err}");
+    assert_eq!(cache[..4096], expect[..4096], "the read landed before the scope returned");
+    // A panic after a submit: the same, and the panic goes on.
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = d.scope(|s| -> crate::Result<()> {
+            let mut reads = s.downloads();
+            reads.read_into(buffer, 4096, &mut cache[4096..8192])?;
+            reads.submit()?;
+            panic!("the caller's closure panics");
+        });
+    }));
+    assert!(caught.is_err(), "the panic went on");
+    assert_eq!(cache[4096..8192], expect[4096..8192], "the read landed before the panic went on");
+    assert!(model::with(|g| g.errors.is_empty()));
+}
+
+#[test]
+fn bad_ranges_fail_the_batch_and_move_nothing() {
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(13);
+    let (buffer, expect) = pool(&d, &mut rng, 4096);
+    let cache = d.pinned(8192).unwrap();
+    let before = d.telemetry();
+    let result = d.scope(|s| {
+        let mut batch = s.uploads();
+        batch.write(buffer, 0, &cache[..100])?;
+        let err = batch.write(buffer, 4000, &cache[..100]).unwrap_err();
+        assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
+        assert!(batch.write(buffer, u64::MAX, &cache[..1]).is_err(), "an offset past every length");
+        batch.submit()
+    });
+    assert!(matches!(result, Err(Error::OutOfRange { .. })), "{result:?}");
+    let freed = d.allocate(4096).unwrap();
+    d.free(freed).unwrap();
+    let mut out = vec![0u8; 16];
+    let result = d.scope(|s| {
+        let mut batch = s.downloads();
+        batch.read_into(freed, 0, &mut out)?;
+        batch.submit()
+    });
+    assert!(matches!(result, Err(Error::FreedBuffer { .. })), "{result:?}");
+    let after = d.telemetry();
+    assert_eq!((after.dma_copies, after.kernel_launches), (before.dma_copies, before.kernel_launches));
+    assert!(d.download(buffer).unwrap() == expect);
+    // Empty batches and empty slices move nothing and succeed.
+    d.scope(|s| {
+        s.uploads().submit()?;
+        let mut batch = s.uploads();
+        batch.write(buffer, 4096, &[])?;
+        batch.submit()?;
+        s.downloads().submit()
+    })
+    .unwrap();
+}
