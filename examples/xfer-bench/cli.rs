@@ -42,8 +42,9 @@ pub(crate) enum Suite {
     version,
     about = "Side-by-side transfer benchmarks: the raw CUDA driver, cuMemcpyBatchAsync and cuda-resident, in one run.",
     after_help = "Sizes: bytes (4096) or a whole number of B, KiB, MiB or GiB (256B, 4KiB, 1MiB, 1GiB).\n\
-Writes report.json (every row with the spread of its repetitions, the settings, the build's \
-provenance, the host, the device, the start time, skipped cases) and SVG plots into --out.\n\n\
+Writes report.json (every row with each method's spread: the fewest, median and most of its \
+repetitions, or of every copy timed in latency rows; the settings, the build's provenance, \
+the host, the device, the start time, skipped cases) and SVG plots into --out.\n\n\
 Exit status: 0 done; 1 a step failed (a CUDA call, writing the report); 2 a bad flag; \
 3 no usable CUDA driver or GPU (or fewer GPUs than the suite needs); 4 a transfer's bytes \
 did not verify."

@@ -133,9 +133,9 @@ pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<()
 pub(crate) fn plots(rows: &[Row], out: &Path) -> BenchResult<Vec<PathBuf>> {
     type Pick = fn(&Row) -> Option<f64>;
     let methods: [(&str, Pick, Stroke); 3] = [
-        ("raw driver", |r| r.raw, Stroke::Dashed),
-        ("cuMemcpyBatchAsync", |r| r.batch, Stroke::Dotted),
-        ("cuda-resident", |r| Some(r.ours), Stroke::Solid),
+        ("raw driver", |r| r.raw.map(|f| f.value), Stroke::Dashed),
+        ("cuMemcpyBatchAsync", |r| r.batch.map(|f| f.value), Stroke::Dotted),
+        ("cuda-resident", |r| Some(r.ours.value), Stroke::Solid),
     ];
     // One line per method over the rows that `matches`, in color `color`.
     let series = |matches: &dyn Fn(&Row) -> bool, label: &str, color: usize| -> Vec<Series> {
@@ -204,6 +204,7 @@ pub(crate) fn plots(rows: &[Row], out: &Path) -> BenchResult<Vec<PathBuf>> {
 mod tests {
     use super::{COLORS, Series, Stroke, plots, ticks};
     use crate::report::{Row, human};
+    use crate::timing::Spread;
 
     #[test]
     fn plots_are_written_for_measured_rows() {
@@ -214,7 +215,9 @@ mod tests {
                     format!("H2D {count} x {} from pageable", human(size)),
                     format!("D2H {count} x {} into caller Vecs", human(size)),
                 ] {
-                    let mut r = Row::gbps(case, size * count, Some(0.1 * (i + 1) as f64), Some(0.2), 1.0);
+                    let secs = |s: f64| Spread::exact(s);
+                    let raw = Some(secs(0.1 * (i + 1) as f64));
+                    let mut r = Row::gbps(case, size * count, raw, Some(secs(0.2)), secs(1.0));
                     (r.count, r.size) = (Some(count), Some(size));
                     rows.push(r);
                 }
@@ -222,7 +225,8 @@ mod tests {
             for dir in ["H2D", "D2H", "both"] {
                 for memory in ["pinned", "pageable"] {
                     let case = format!("sweep {dir} {memory} {}", human(size));
-                    rows.push(Row::gbps(case, size, Some(1.0), None, 2.0 + i as f64).sized(size));
+                    let (raw, ours) = (Spread::exact(1.0), Spread::exact(2.0 + i as f64));
+                    rows.push(Row::gbps(case, size, Some(raw), None, ours).sized(size));
                 }
             }
         }
