@@ -14,8 +14,8 @@ pub(crate) enum Suite {
     /// directions at once, one 4 KiB upload's latency (under a minute on an H200).
     Default,
     /// Many small copies over a grid: every --counts (default 1024,8192,65536) x every
-    /// --sizes; a case of more than --max-case-mib is skipped, and the report says so (about
-    /// 1 to 2 minutes on an H200, most of it the baselines' 65536-copy downloads).
+    /// --sizes; a case of more than --max-case is skipped, and the report says so (about 1 to
+    /// 2 minutes on an H200, most of it the baselines' 65536-copy downloads).
     Grid,
     /// Single copies from 4 KiB to --large (x16 apart), pageable and pinned: H2D, D2H and
     /// both directions at once (well under a minute on an H200).
@@ -66,9 +66,12 @@ pub(crate) struct Args {
     /// Copy sizes of the many-small cases, a comma list of sizes.
     #[arg(long, value_delimiter = ',', value_parser = size::positive, default_value = "256,4KiB,64KiB")]
     pub(crate) sizes: Vec<usize>,
-    /// Largest many-small case, count x size, in MiB; larger ones are skipped and listed.
-    #[arg(long, value_parser = positive, default_value_t = 1024)]
-    pub(crate) max_case_mib: usize,
+    /// Largest many-small case, count x size, a size; larger ones are skipped and listed.
+    #[arg(long, value_parser = size::positive, default_value = "1GiB", conflicts_with = "max_case_mib")]
+    pub(crate) max_case: usize,
+    /// The largest many-small case in MiB (deprecated: --max-case <N>MiB is the same).
+    #[arg(long, hide = true, value_parser = positive)]
+    pub(crate) max_case_mib: Option<usize>,
     /// Copy sizes of the latency suite, a comma list of sizes (the default suite times 4 KiB
     /// uploads only).
     #[arg(long, value_delimiter = ',', value_parser = size::positive, default_value = "4,256,4KiB,64KiB")]
@@ -117,6 +120,24 @@ pub(crate) enum Format {
     Text,
     /// A Markdown table (for a pull request or an issue).
     Markdown,
+}
+
+impl Args {
+    /// The largest many-small case in bytes: `--max-case`, or the deprecated `--max-case-mib`.
+    pub(crate) fn max_case_bytes(&self) -> usize {
+        self.max_case_mib.map_or(self.max_case, |mib| mib.saturating_mul(1 << 20))
+    }
+
+    /// A line for each deprecated flag given, naming what replaces it.
+    pub(crate) fn deprecations(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        if let Some(mib) = self.max_case_mib {
+            lines.push(format!(
+                "--max-case-mib is deprecated; it still works for now: use --max-case {mib}MiB"
+            ));
+        }
+        lines
+    }
 }
 
 /// The fewest timed repetitions: a median of fewer is noise.
@@ -203,6 +224,9 @@ mod tests {
             &["--latency-sizes", ""],
             &["--suite", "fast"],
             &["--max-case-mib", "0"],
+            &["--max-case", "0"],
+            &["--max-case", "4GB"],
+            &["--max-case", "1GiB", "--max-case-mib", "1024"],
             &["--large", "-1"],
             &["--no-such-flag"],
         ] {
@@ -235,6 +259,24 @@ mod tests {
         let c = config(&parse(&["--chunk-kib", "4096", "--direct-kib", "128"]).unwrap()).unwrap();
         assert_eq!((c.chunk_bytes, c.direct_threshold), (4 << 20, 128 << 10), "the KiB spellings");
         assert!(parse(&["--chunk", "4MiB", "--chunk-kib", "4096"]).is_err(), "one or the other");
+    }
+
+    #[test]
+    fn max_case_takes_a_size_and_the_mib_spelling_still_works() {
+        let default = parse(&[]).unwrap();
+        assert_eq!((default.max_case_bytes(), default.deprecations().len()), (1 << 30, 0));
+        assert_eq!(parse(&["--max-case", "4GiB"]).unwrap().max_case_bytes(), 4 << 30);
+        assert_eq!(parse(&["--max-case", "65536"]).unwrap().max_case_bytes(), 65536, "plain bytes");
+        let old = parse(&["--max-case-mib", "4096"]).unwrap();
+        assert_eq!(old.max_case_bytes(), 4 << 30);
+        assert_eq!(
+            old.deprecations(),
+            ["--max-case-mib is deprecated; it still works for now: use --max-case 4096MiB"]
+        );
+        let line = usage_line(&parse(&["--max-case", "1GiB", "--max-case-mib", "1024"]).unwrap_err());
+        assert!(line.contains("--max-case") && line.contains("Fix:"), "one or the other: {line}");
+        let line = usage_line(&parse(&["--max-case", "4GB"]).unwrap_err());
+        assert!(line.contains("--max-case") && line.contains("KiB, MiB or GiB"), "{line}");
     }
 
     #[test]

@@ -165,7 +165,8 @@ fn settings_json(a: &Args) -> serde_json::Value {
     let lower = |v: &dyn std::fmt::Debug| format!("{v:?}").to_lowercase();
     serde_json::json!({
         "suite": lower(&a.suite), "device": a.device, "reps": a.reps, "counts": a.counts,
-        "sizes": a.sizes, "max_case_mib": a.max_case_mib, "latency_sizes": a.latency_sizes,
+        "sizes": a.sizes, "max_case": human(a.max_case_bytes()), "max_case_mib": a.max_case_mib,
+        "latency_sizes": a.latency_sizes,
         "large": a.large, "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
         "direct_kib": a.direct_kib, "pack_threads": a.pack_threads,
         "pack_linger_us": a.pack_linger_us, "staged_small_copies": a.staged_small_copies,
@@ -355,7 +356,7 @@ pub(crate) fn write(run: &Run<'_>, rows: &[Row], device: serde_json::Value) -> R
 
 #[cfg(test)]
 mod tests {
-    use super::{Figure, Row, host_json, markdown, pci_link, utc_iso8601};
+    use super::{Figure, Row, host_json, markdown, pci_link, settings_json, utc_iso8601};
     use crate::timing::Spread;
     use std::time::{Duration, SystemTime};
 
@@ -393,6 +394,17 @@ mod tests {
         assert!(lines[0].starts_with("| case |") && lines[1].starts_with("|---|"), "{table}");
         assert_eq!(lines[2], "| D2H 8192 x 4 KiB into caller Vecs | GB/s | 1.00 | n/a | 4.00 | 4.0x | n/a |");
         assert_eq!(lines[4], "- D2H 8192 x 4 KiB into caller Vecs: raw: median of 5 repetitions");
+    }
+
+    #[test]
+    fn the_settings_give_the_largest_case_with_units() {
+        let flags = settings_json(&crate::cli::parse(&["--max-case", "4GiB"]).unwrap());
+        assert_eq!((flags["max_case"].as_str(), flags["max_case_mib"].is_null()), (Some("4 GiB"), true));
+        let flags = settings_json(&crate::cli::parse(&["--max-case-mib", "1536"]).unwrap());
+        assert_eq!(
+            (flags["max_case"].as_str(), flags["max_case_mib"].as_u64()),
+            (Some("1536 MiB"), Some(1536))
+        );
     }
 
     #[test]

@@ -32,7 +32,7 @@ const DEFAULT_COUNT: usize = 8192;
 pub(crate) struct SuitePlan {
     /// Many-small cases, `(count, size)`.
     many_small: Vec<(usize, usize)>,
-    /// Many-small cases over `--max-case-mib`, said in the report.
+    /// Many-small cases over `--max-case`, said in the report.
     pub(crate) skipped: Vec<String>,
     large: bool,
     /// Latency sizes, and whether only uploads from pageable memory are timed.
@@ -53,16 +53,17 @@ impl SuitePlan {
             (None, Default | Peer) => vec![DEFAULT_COUNT],
             (None, _) => GRID_COUNTS.to_vec(),
         };
-        let limit = args.max_case_mib.saturating_mul(1 << 20);
+        let limit = args.max_case_bytes();
         let (mut many_small, mut skipped) = (Vec::new(), Vec::new());
         for &count in &counts {
             for &size in &args.sizes {
                 match count.checked_mul(size) {
                     Some(bytes) if bytes <= limit => many_small.push((count, size)),
-                    _ => skipped.push(format!(
-                        "{count} x {}: more than --max-case-mib {} MiB",
+                    bytes => skipped.push(format!(
+                        "{count} x {} ({}): more than --max-case {}",
                         human(size),
-                        args.max_case_mib
+                        bytes.map_or_else(|| "too large to count".to_owned(), human),
+                        human(limit)
                     )),
                 }
             }
@@ -191,11 +192,15 @@ mod tests {
 
         let grid = SuitePlan::new(&parse(&["--suite", "grid"]).unwrap());
         assert_eq!(grid.many_small.len(), 8, "65536 x 64 KiB is 4 GiB, over the 1 GiB limit");
-        assert_eq!(grid.skipped, ["65536 x 64 KiB: more than --max-case-mib 1024 MiB"]);
+        assert_eq!(grid.skipped, ["65536 x 64 KiB (4 GiB): more than --max-case 1 GiB"]);
         assert!(!grid.large && grid.latency.is_none() && !grid.sweep);
 
-        let all = SuitePlan::new(&parse(&["--suite", "all", "--max-case-mib", "4096"]).unwrap());
+        let all = SuitePlan::new(&parse(&["--suite", "all", "--max-case", "4GiB"]).unwrap());
         assert_eq!(all.many_small.len(), 9);
+        let old = SuitePlan::new(&parse(&["--suite", "all", "--max-case-mib", "4096"]).unwrap());
+        assert_eq!(old, all, "the deprecated spelling plans the same");
+        let small = SuitePlan::new(&parse(&["--suite", "grid", "--max-case", "6MiB"]).unwrap());
+        assert_eq!(small.skipped[0], "1024 x 64 KiB (64 MiB): more than --max-case 6 MiB");
         assert!(all.large && all.sweep && all.alloc);
         assert_eq!(all.latency, Some((vec![4, 256, 4096, 65536], false)));
 
