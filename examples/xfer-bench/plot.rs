@@ -151,7 +151,10 @@ pub(crate) fn plots(rows: &[Row], out: &Path) -> BenchResult<Vec<PathBuf>> {
             .filter(|s| !s.points.is_empty())
             .collect()
     };
-    let mut counts: Vec<usize> = rows.iter().filter_map(|r| r.count).collect();
+    // The counts of the many-small rows (other rows with a count, such as paging's, have
+    // charts of their own or none, and must not shift these colors).
+    let many_small_row = |r: &&Row| r.case.starts_with("H2D ") || r.case.starts_with("D2H ");
+    let mut counts: Vec<usize> = rows.iter().filter(many_small_row).filter_map(|r| r.count).collect();
     counts.sort_unstable();
     counts.dedup();
     let many_small = |starts: &str, ends: &str| -> Vec<Series> {
@@ -230,6 +233,12 @@ mod tests {
                 }
             }
         }
+        // A paging row has a count too; the many-small charts' colors do not move for it.
+        let mut paging =
+            Row::gbps("paging 16 KiB out pinned".into(), 1 << 20, None, None, Spread::exact(1.0))
+                .sized(16384);
+        paging.count = Some(64);
+        rows.push(paging);
         let out = std::env::temp_dir().join(format!("xfer-bench-plot-test-{}", std::process::id()));
         std::fs::create_dir_all(&out).unwrap();
         let files = plots(&rows, &out).unwrap();
@@ -244,6 +253,11 @@ mod tests {
         }
         let h2d = std::fs::read_to_string(&files[0]).unwrap();
         assert!(h2d.contains("1024 copies") && h2d.contains("8192 copies"), "a series per count");
+        assert!(!h2d.contains("64 copies"), "no series for the paging row");
+        let (first, second) = (COLORS[0], COLORS[1]);
+        let hex = |c: plotters::style::RGBColor| format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2);
+        assert!(h2d.contains(&hex(first)) && h2d.contains(&hex(second)), "the first two colors");
+        assert!(!h2d.contains(&hex(COLORS[2])), "two counts, two colors: {}", hex(COLORS[2]));
         for tick in ["256 B", "4 KiB", "64 KiB"] {
             assert!(h2d.lines().any(|l| l.trim() == tick), "a tick at each measured size: {tick}");
         }
