@@ -167,7 +167,8 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "suite": lower(&a.suite), "device": a.device, "reps": a.reps, "counts": a.counts,
         "sizes": a.sizes, "max_case": human(a.max_case_bytes()), "max_case_mib": a.max_case_mib,
         "latency_sizes": a.latency_sizes,
-        "large": a.large, "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
+        "large": a.large, "paging_pool": human(a.paging_pool), "paging_bytes": human(a.paging_bytes),
+        "paging_blocks": a.paging_blocks.iter().map(|&b| human(b)).collect::<Vec<_>>(), "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
         "direct_kib": a.direct_kib, "pack_threads": a.pack_threads,
         "pack_linger_us": a.pack_linger_us, "staged_small_copies": a.staged_small_copies,
         "breakdown": a.breakdown, "format": lower(&a.format), "out": a.out.display().to_string(),
@@ -397,9 +398,14 @@ mod tests {
     }
 
     #[test]
-    fn the_settings_give_the_largest_case_with_units() {
+    fn the_settings_give_sizes_with_units() {
         let flags = settings_json(&crate::cli::parse(&["--max-case", "4GiB"]).unwrap());
         assert_eq!((flags["max_case"].as_str(), flags["max_case_mib"].is_null()), (Some("4 GiB"), true));
+        assert_eq!(
+            (flags["paging_pool"].as_str(), flags["paging_bytes"].as_str()),
+            (Some("8 GiB"), Some("256 MiB"))
+        );
+        assert_eq!(flags["paging_blocks"], serde_json::json!(["16 KiB", "256 KiB", "2 MiB"]));
         let flags = settings_json(&crate::cli::parse(&["--max-case-mib", "1536"]).unwrap());
         assert_eq!(
             (flags["max_case"].as_str(), flags["max_case_mib"].as_u64()),
