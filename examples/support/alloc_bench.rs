@@ -1,8 +1,8 @@
 //! What allocating device memory and pinned memory costs, against the raw driver: the
 //! measurements behind `alloc-bench` and `xfer-bench --suite alloc`.
 //!
-//! Warm, medians of 7 repetitions, 1 MiB unless said: `Device::allocate` + `Device::free` on
-//! one thread and on N threads at once (time per pair as each thread sees it);
+//! Warm, medians (and spreads) of 7 repetitions, 1 MiB unless said: `Device::allocate` +
+//! `Device::free` on one thread and on N threads at once (time per pair as each thread sees it);
 //! `Device::pinned` acquire + return; the raw driver's `cuMemAlloc` + `cuMemFree`,
 //! `cuMemAllocAsync` + `cuMemFreeAsync` (a stream synchronize every 1000 pairs) and
 //! `cuMemHostAlloc` + `cuMemFreeHost`; and the size classes' internal waste on 4000 buffers of
@@ -14,10 +14,13 @@ use std::time::Instant;
 use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, CUresult, MissingSymbol, call};
 use cuda_resident::{Device, MAX_CLASS_BYTES};
 
+use crate::Spread;
+
 const MIB: u64 = 1 << 20;
 const REPS: usize = 7;
 
-/// The measurements, in nanoseconds per pair (waste in percent).
+/// The measurements, in nanoseconds per pair (waste in percent): the medians, and in
+/// [`AllocReport::spreads`] the spread of the repetitions behind each.
 #[derive(Clone, Copy, Debug)]
 pub struct AllocReport {
     /// Threads of the concurrent case.
@@ -36,11 +39,32 @@ pub struct AllocReport {
     pub raw_host_ns: f64,
     /// Internal waste of the size classes, percent of the bytes requested.
     pub waste_percent: f64,
+    /// The fewest, median and most nanoseconds per pair over the repetitions of each
+    /// measurement above (the medians are the `*_ns` fields).
+    pub spreads: AllocSpreads,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// The spread of the repetitions of each timed measurement of an [`AllocReport`], in
+/// nanoseconds per pair.
+#[derive(Clone, Copy, Debug)]
+pub struct AllocSpreads {
+    /// `allocate` + `free`, one thread.
+    pub one_thread: Spread,
+    /// `allocate` + `free`, every thread at once: the median thread's time of each repetition.
+    pub many_threads: Spread,
+    /// `pinned` acquire + return.
+    pub pinned: Spread,
+    /// `cuMemAlloc` + `cuMemFree`.
+    pub raw_alloc: Spread,
+    /// `cuMemAllocAsync` + `cuMemFreeAsync`.
+    pub raw_async: Spread,
+    /// `cuMemHostAlloc` + `cuMemFreeHost`.
+    pub raw_host: Spread,
+}
+
+/// The spread of `v`, which holds at least one value.
+fn spread(mut v: Vec<f64>) -> Spread {
+    Spread::of(&mut v).expect("at least one repetition")
 }
 
 fn check(what: &str, code: Result<CUresult, MissingSymbol>) -> Result<(), String> {
@@ -51,8 +75,8 @@ fn check(what: &str, code: Result<CUresult, MissingSymbol>) -> Result<(), String
     }
 }
 
-/// Median over repetitions of nanoseconds per run of `f`, `n` runs each, after a warm-up.
-fn time_ns(n: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+/// Spread over repetitions of nanoseconds per run of `f`, `n` runs each, after a warm-up.
+fn time_ns(n: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<Spread, String> {
     for _ in 0..n.min(1000) {
         f()?;
     }
@@ -64,32 +88,33 @@ fn time_ns(n: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, S
         }
         times.push(t.elapsed().as_nanos() as f64 / n as f64);
     }
-    Ok(median(times))
+    Ok(spread(times))
 }
 
 /// Runs every measurement on `device`.
 pub fn measure(device: &Device, threads: usize) -> Result<AllocReport, String> {
     let e = |e: cuda_resident::Error| e.to_string();
     let pair = |d: &Device| d.allocate(MIB).and_then(|b| d.free(b)).map_err(e);
-    let one_thread_ns = time_ns(200_000, || pair(device))?;
-    let many_threads_ns = many_threads_ns(device, threads)?;
-    let pinned_ns = time_ns(200_000, || device.pinned(MIB as usize).map(drop).map_err(e))?;
-    let [raw_alloc_ns, raw_async_ns, raw_host_ns] = raw_driver_ns(device)?;
+    let one_thread = time_ns(200_000, || pair(device))?;
+    let many_threads = many_threads_ns(device, threads)?;
+    let pinned = time_ns(200_000, || device.pinned(MIB as usize).map(drop).map_err(e))?;
+    let [raw_alloc, raw_async, raw_host] = raw_driver_ns(device)?;
     Ok(AllocReport {
         threads,
-        one_thread_ns,
-        many_threads_ns,
-        pinned_ns,
-        raw_alloc_ns,
-        raw_async_ns,
-        raw_host_ns,
+        one_thread_ns: one_thread.median,
+        many_threads_ns: many_threads.median,
+        pinned_ns: pinned.median,
+        raw_alloc_ns: raw_alloc.median,
+        raw_async_ns: raw_async.median,
+        raw_host_ns: raw_host.median,
         waste_percent: waste_percent(device)?,
+        spreads: AllocSpreads { one_thread, many_threads, pinned, raw_alloc, raw_async, raw_host },
     })
 }
 
-/// `allocate` + `free` on `threads` threads at once, released together: the median over
+/// `allocate` + `free` on `threads` threads at once, released together: the spread over
 /// repetitions of the median thread's time per pair.
-fn many_threads_ns(device: &Device, threads: usize) -> Result<f64, String> {
+fn many_threads_ns(device: &Device, threads: usize) -> Result<Spread, String> {
     let mut per_thread = Vec::with_capacity(REPS);
     for _ in 0..REPS {
         let barrier = Arc::new(Barrier::new(threads));
@@ -116,14 +141,14 @@ fn many_threads_ns(device: &Device, threads: usize) -> Result<f64, String> {
             .into_iter()
             .map(|h| h.join().map_err(|_| "an allocating thread panicked".to_string())?)
             .collect::<Result<Vec<_>, _>>()?;
-        per_thread.push(median(times));
+        per_thread.push(spread(times).median);
     }
-    Ok(median(per_thread))
+    Ok(spread(per_thread))
 }
 
 /// The raw driver's pairs: `cuMemAlloc` + `cuMemFree`, `cuMemAllocAsync` +
 /// `cuMemFreeAsync` and `cuMemHostAlloc` + `cuMemFreeHost`, nanoseconds each.
-fn raw_driver_ns(device: &Device) -> Result<[f64; 3], String> {
+fn raw_driver_ns(device: &Device) -> Result<[Spread; 3], String> {
     let driver = Arc::clone(device.driver());
     device.make_current().map_err(|e| e.to_string())?;
     let raw_alloc_ns = time_ns(2000, || {
@@ -149,7 +174,7 @@ fn raw_driver_ns(device: &Device) -> Result<[f64; 3], String> {
 
 /// `cuMemAllocAsync` + `cuMemFreeAsync` on a stream of its own, a synchronize every 1000
 /// pairs, on the current context.
-fn raw_async_ns(driver: &cuda_sys::Driver) -> Result<f64, String> {
+fn raw_async_ns(driver: &cuda_sys::Driver) -> Result<Spread, String> {
     let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
     // SAFETY: creates a stream on the current context.
     check("cuStreamCreate", unsafe {

@@ -1,7 +1,11 @@
 //! Support code shared by the examples and benchmarks of cuda-resident: where the binary
-//! came from, and the measurements more than one binary runs.
+//! came from, the spread of a measurement's samples, and the measurements more than one
+//! binary runs.
 
 pub mod alloc_bench;
+mod spread;
+
+pub use spread::Spread;
 
 // The workspace README's code blocks, compiled and checked as doc tests (`cargo test --doc`).
 #[cfg(doctest)]

@@ -1,5 +1,5 @@
-//! The raw driver's side of every case: its streams, a checked driver call, and
-//! `cuMemcpyBatchAsync` over a list of copies.
+//! The raw driver's side of every case: its streams, a checked driver call, one
+//! `cuMemcpy*Async` per copy, and `cuMemcpyBatchAsync` over a list of copies.
 
 use cuda_resident::Device;
 use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, CUresult, CUstream, MissingSymbol, call};
@@ -38,36 +38,16 @@ impl<'d> DriverBaseline<'d> {
         Ok(DriverBaseline { device, stream, second, batch: device.info().batch_memcpy })
     }
 
-    /// Waits for everything on the first stream.
-    pub(crate) fn sync(&self) -> BenchResult<()> {
-        sync(self.device, self.stream)
-    }
-
     /// One `cuMemcpyHtoDAsync` per copy, `size` bytes of each of `sources` to the device
     /// address beside it in `dsts`, on the first stream, then a synchronize.
     pub(crate) fn uploads(&self, sources: &[Vec<u8>], dsts: &[u64], size: usize) -> BenchResult<()> {
-        for (src, &dst) in sources.iter().zip(dsts) {
-            // SAFETY: pageable source of `size` bytes, device range of `size` bytes.
-            check("cuMemcpyHtoDAsync", unsafe {
-                call!(self.device.driver(), cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), size, self.stream))
-            })?;
-        }
-        self.sync()
+        each_h2d(self.device, self.stream, sources.iter().map(|src| &src[..size]), dsts)
     }
 
     /// One `cuMemcpyDtoHAsync` per copy, `size` bytes from each device address of `srcs`
     /// into the vector beside it in `outs`, on the first stream, then a synchronize.
     pub(crate) fn downloads(&self, outs: &mut [Vec<u8>], srcs: &[u64], size: usize) -> BenchResult<()> {
-        for (out, &src) in outs.iter_mut().zip(srcs) {
-            // SAFETY: pageable destination of `size` bytes.
-            check("cuMemcpyDtoHAsync", unsafe {
-                call!(
-                    self.device.driver(),
-                    cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), src, size, self.stream)
-                )
-            })?;
-        }
-        self.sync()
+        each_d2h(self.device, self.stream, outs.iter_mut().map(|out| &mut out[..size]), srcs)
     }
 
     /// One `cuMemcpyBatchAsync` over all copies on the first stream, then a synchronize.
@@ -89,6 +69,43 @@ impl Drop for DriverBaseline<'_> {
             let _ = unsafe { call!(self.device.driver(), cuStreamDestroy_v2(stream)) };
         }
     }
+}
+
+/// One `cuMemcpyHtoDAsync` per copy on `stream` of `d`'s context, each of `sources` to the
+/// device address beside it in `dsts` (a range of at least its length), then a synchronize.
+pub(crate) fn each_h2d<'a>(
+    d: &Device,
+    stream: CUstream,
+    sources: impl IntoIterator<Item = &'a [u8]>,
+    dsts: &[u64],
+) -> BenchResult<()> {
+    for (src, &dst) in sources.into_iter().zip(dsts) {
+        // SAFETY: a live host source of `src.len()` bytes (pinned or pageable), a device
+        // range of as many; synchronized before the borrow ends.
+        check("cuMemcpyHtoDAsync", unsafe {
+            call!(d.driver(), cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream))
+        })?;
+    }
+    sync(d, stream)
+}
+
+/// One `cuMemcpyDtoHAsync` per copy on `stream` of `d`'s context, from each device address
+/// of `srcs` (a range of at least the destination's length) into the slice beside it in
+/// `outs`, then a synchronize.
+pub(crate) fn each_d2h<'a>(
+    d: &Device,
+    stream: CUstream,
+    outs: impl IntoIterator<Item = &'a mut [u8]>,
+    srcs: &[u64],
+) -> BenchResult<()> {
+    for (out, &src) in outs.into_iter().zip(srcs) {
+        // SAFETY: a live host destination of `out.len()` bytes (pinned or pageable), a device
+        // range of as many; synchronized before the borrow ends.
+        check("cuMemcpyDtoHAsync", unsafe {
+            call!(d.driver(), cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), src, out.len(), stream))
+        })?;
+    }
+    sync(d, stream)
 }
 
 /// `cuStreamSynchronize` on `stream` of `d`'s context.

@@ -14,8 +14,8 @@ pub(crate) enum Suite {
     /// directions at once, one 4 KiB upload's latency (under a minute on an H200).
     Default,
     /// Many small copies over a grid: every --counts (default 1024,8192,65536) x every
-    /// --sizes; a case of more than --max-case-mib is skipped, and the report says so (about
-    /// 1 to 2 minutes on an H200, most of it the baselines' 65536-copy downloads).
+    /// --sizes; a case of more than --max-case is skipped, and the report says so (about 1 to
+    /// 2 minutes on an H200, most of it the baselines' 65536-copy downloads).
     Grid,
     /// Single copies from 4 KiB to --large (x16 apart), pageable and pinned: H2D, D2H and
     /// both directions at once (well under a minute on an H200).
@@ -31,8 +31,15 @@ pub(crate) enum Suite {
     /// enabled, staged through the host), both directions at once, and a `--large` fan-out
     /// from pageable memory to both GPUs by each path. Needs two GPUs.
     Peer,
-    /// Everything: the grid, `--large` single copies, sweep, latency, allocation and, where
-    /// there are two GPUs, peer (about 2 to 3 minutes on an H200, without peer).
+    /// An inference server's KV-cache swap: random blocks of each --paging-blocks size of a
+    /// --paging-pool device buffer swapped out into a host cache, others swapped in from it,
+    /// and both at once, --paging-bytes each way a step, with a pinned and with a pageable
+    /// host cache. Needs --paging-pool of device memory and 2 x --paging-bytes each of
+    /// pinned and of pageable host memory (8 GiB, 512 MiB and 512 MiB by default).
+    Paging,
+    /// Everything: the grid, `--large` single copies, sweep, latency, allocation, paging and,
+    /// where there are two GPUs, peer (about 2 to 3 minutes on an H200 without paging and
+    /// peer).
     All,
 }
 
@@ -42,8 +49,9 @@ pub(crate) enum Suite {
     version,
     about = "Side-by-side transfer benchmarks: the raw CUDA driver, cuMemcpyBatchAsync and cuda-resident, in one run.",
     after_help = "Sizes: bytes (4096) or a whole number of B, KiB, MiB or GiB (256B, 4KiB, 1MiB, 1GiB).\n\
-Writes report.json (every row with the spread of its repetitions, the settings, the build's \
-provenance, the host, the device, the start time, skipped cases) and SVG plots into --out.\n\n\
+Writes report.json (every row with each method's spread: the fewest, median and most of its \
+repetitions, or of every copy timed in latency rows; the settings, the build's provenance, \
+the host, the device, the start time, skipped cases) and SVG plots into --out.\n\n\
 Exit status: 0 done; 1 a step failed (a CUDA call, writing the report); 2 a bad flag; \
 3 no usable CUDA driver or GPU (or fewer GPUs than the suite needs); 4 a transfer's bytes \
 did not verify."
@@ -65,9 +73,12 @@ pub(crate) struct Args {
     /// Copy sizes of the many-small cases, a comma list of sizes.
     #[arg(long, value_delimiter = ',', value_parser = size::positive, default_value = "256,4KiB,64KiB")]
     pub(crate) sizes: Vec<usize>,
-    /// Largest many-small case, count x size, in MiB; larger ones are skipped and listed.
-    #[arg(long, value_parser = positive, default_value_t = 1024)]
-    pub(crate) max_case_mib: usize,
+    /// Largest many-small case, count x size, a size; larger ones are skipped and listed.
+    #[arg(long, value_parser = size::positive, default_value = "1GiB", conflicts_with = "max_case_mib")]
+    pub(crate) max_case: usize,
+    /// The largest many-small case in MiB (deprecated: --max-case <N>MiB is the same).
+    #[arg(long, hide = true, value_parser = positive)]
+    pub(crate) max_case_mib: Option<usize>,
     /// Copy sizes of the latency suite, a comma list of sizes (the default suite times 4 KiB
     /// uploads only).
     #[arg(long, value_delimiter = ',', value_parser = size::positive, default_value = "4,256,4KiB,64KiB")]
@@ -75,6 +86,18 @@ pub(crate) struct Args {
     /// Size of the large single-copy cases, and the sweep's largest size.
     #[arg(long, value_parser = size::positive, default_value = "1GiB")]
     pub(crate) large: usize,
+    /// The paging suite's device pool, a size; where the device cannot hold it, as much as
+    /// it can (the rows say so).
+    #[arg(long, value_parser = size::positive, default_value = "8GiB")]
+    pub(crate) paging_pool: usize,
+    /// Bytes a paging step moves each way, a size; the host cache holds twice this (an out
+    /// and an in region), once pinned and once pageable. Raises cuda-resident's pinned cap
+    /// (Config::pinned_cap_bytes) where the cache and a swap-out's views need more.
+    #[arg(long, value_parser = size::positive, default_value = "256MiB")]
+    pub(crate) paging_bytes: usize,
+    /// Block sizes of the paging suite, a comma list of sizes, each at most --paging-bytes.
+    #[arg(long, value_delimiter = ',', value_parser = size::positive, default_value = "16KiB,256KiB,2MiB")]
+    pub(crate) paging_blocks: Vec<usize>,
     /// cuda-resident's staging chunk, a size (Config::chunk_bytes; default: the library's).
     #[arg(long, value_parser = size::parse, conflicts_with = "chunk_kib")]
     pub(crate) chunk: Option<u64>,
@@ -118,6 +141,29 @@ pub(crate) enum Format {
     Markdown,
 }
 
+impl Args {
+    /// The largest many-small case in bytes: `--max-case`, or the deprecated `--max-case-mib`.
+    pub(crate) fn max_case_bytes(&self) -> usize {
+        self.max_case_mib.map_or(self.max_case, |mib| mib.saturating_mul(1 << 20))
+    }
+
+    /// Whether the paging suite runs.
+    pub(crate) fn runs_paging(&self) -> bool {
+        matches!(self.suite, Suite::Paging | Suite::All)
+    }
+
+    /// A line for each deprecated flag given, naming what replaces it.
+    pub(crate) fn deprecations(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        if let Some(mib) = self.max_case_mib {
+            lines.push(format!(
+                "--max-case-mib is deprecated; it still works for now: use --max-case {mib}MiB"
+            ));
+        }
+        lines
+    }
+}
+
 /// The fewest timed repetitions: a median of fewer is noise.
 pub(crate) const MIN_REPS: usize = 5;
 
@@ -154,8 +200,42 @@ pub(crate) fn usage_line(e: &clap::Error) -> String {
     )
 }
 
+/// The paging flags checked against each other: a step moves at least one block each way,
+/// and the pool holds the blocks swapped out and those swapped in.
+fn check_paging(args: &Args) -> BenchResult<()> {
+    let bytes = args.paging_bytes;
+    if let Some(&block) = args.paging_blocks.iter().find(|&&block| block > bytes) {
+        return Err(format!(
+            "--paging-blocks {} is larger than --paging-bytes {}: a step moves at least one block \
+             each way. Fix: pass blocks of at most --paging-bytes, or raise it.",
+            size::human(block),
+            size::human(bytes)
+        ));
+    }
+    if bytes.checked_mul(2).is_none_or(|both| both > args.paging_pool) {
+        return Err(format!(
+            "--paging-pool {} cannot hold the blocks swapped out and those swapped in, \
+             2 x --paging-bytes {}. Fix: raise --paging-pool or lower --paging-bytes.",
+            size::human(args.paging_pool),
+            size::human(bytes)
+        ));
+    }
+    Ok(())
+}
+
+/// The pinned cap the paging suite needs: its pinned host cache (2 x `--paging-bytes`) and
+/// the views of a swap-out's download (`--paging-bytes`) held at once, a sixteenth more for
+/// the pool's rounding of its arenas, and the reserve the pool keeps for transfers (at most
+/// 8 chunks of `chunk_bytes`); in whole MiB.
+pub(crate) fn paging_pinned_cap(args: &Args, chunk_bytes: u64) -> u64 {
+    let held = (args.paging_bytes as u64).saturating_mul(3);
+    let cap = held.saturating_add(held / 16).saturating_add(chunk_bytes.saturating_mul(8));
+    cap.checked_next_multiple_of(1 << 20).unwrap_or(cap)
+}
+
 /// cuda-resident's configuration as the flags set it, checked before any device is opened.
 pub(crate) fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
+    check_paging(args)?;
     let mut config = cuda_resident::Config::default();
     let kib = |flag: &str, kib: u64| {
         kib.checked_mul(1 << 10)
@@ -178,6 +258,12 @@ pub(crate) fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
         config.pack_threads = threads;
     }
     config.small_copies_over_bus = !args.staged_small_copies;
+    if args.runs_paging() {
+        let cap = paging_pinned_cap(args, config.chunk_bytes);
+        if cap > config.pinned_cap_bytes {
+            config = config.with_pinned_cap_bytes(cap);
+        }
+    }
     config.validate().map_err(error)?;
     Ok(config)
 }
@@ -202,7 +288,13 @@ mod tests {
             &["--latency-sizes", ""],
             &["--suite", "fast"],
             &["--max-case-mib", "0"],
+            &["--max-case", "0"],
+            &["--max-case", "4GB"],
+            &["--max-case", "1GiB", "--max-case-mib", "1024"],
             &["--large", "-1"],
+            &["--paging-blocks", "16KiB,0"],
+            &["--paging-bytes", "1.5GiB"],
+            &["--paging-pool", ""],
             &["--no-such-flag"],
         ] {
             let e = parse(flags).expect_err(&format!("{flags:?} should be refused"));
@@ -234,6 +326,63 @@ mod tests {
         let c = config(&parse(&["--chunk-kib", "4096", "--direct-kib", "128"]).unwrap()).unwrap();
         assert_eq!((c.chunk_bytes, c.direct_threshold), (4 << 20, 128 << 10), "the KiB spellings");
         assert!(parse(&["--chunk", "4MiB", "--chunk-kib", "4096"]).is_err(), "one or the other");
+    }
+
+    #[test]
+    fn max_case_takes_a_size_and_the_mib_spelling_still_works() {
+        let default = parse(&[]).unwrap();
+        assert_eq!((default.max_case_bytes(), default.deprecations().len()), (1 << 30, 0));
+        assert_eq!(parse(&["--max-case", "4GiB"]).unwrap().max_case_bytes(), 4 << 30);
+        assert_eq!(parse(&["--max-case", "65536"]).unwrap().max_case_bytes(), 65536, "plain bytes");
+        let old = parse(&["--max-case-mib", "4096"]).unwrap();
+        assert_eq!(old.max_case_bytes(), 4 << 30);
+        assert_eq!(
+            old.deprecations(),
+            ["--max-case-mib is deprecated; it still works for now: use --max-case 4096MiB"]
+        );
+        let line = usage_line(&parse(&["--max-case", "1GiB", "--max-case-mib", "1024"]).unwrap_err());
+        assert!(line.contains("--max-case") && line.contains("Fix:"), "one or the other: {line}");
+        let line = usage_line(&parse(&["--max-case", "4GB"]).unwrap_err());
+        assert!(line.contains("--max-case") && line.contains("KiB, MiB or GiB"), "{line}");
+    }
+
+    #[test]
+    fn paging_flags_take_sizes_and_are_checked_against_each_other() {
+        let default = parse(&[]).unwrap();
+        assert_eq!((default.paging_pool, default.paging_bytes), (8 << 30, 256 << 20));
+        assert_eq!(default.paging_blocks, [16 << 10, 256 << 10, 2 << 20]);
+        let args =
+            parse(&["--paging-pool", "1GiB", "--paging-bytes", "64MiB", "--paging-blocks", "4KiB,1MiB"])
+                .unwrap();
+        assert_eq!(
+            (args.paging_pool, args.paging_bytes, &args.paging_blocks[..]),
+            (1 << 30, 64 << 20, &[4096, 1 << 20][..])
+        );
+        assert!(config(&args).is_ok());
+        let refused = |flags: &[&str], says: &str| {
+            let line = config(&parse(flags).unwrap()).expect_err(&format!("{flags:?}"));
+            assert!(line.contains(says) && line.contains("Fix:") && !line.contains('\n'), "{line}");
+        };
+        refused(
+            &["--paging-bytes", "1MiB", "--paging-blocks", "16KiB,2MiB"],
+            "--paging-blocks 2 MiB is larger",
+        );
+        refused(&["--paging-pool", "1GiB", "--paging-bytes", "768MiB"], "--paging-pool 1 GiB cannot hold");
+        assert!(config(&parse(&["--paging-pool", "512MiB", "--paging-bytes", "256MiB"]).unwrap()).is_ok());
+    }
+
+    #[test]
+    fn the_paging_suite_raises_the_pinned_cap_only_where_it_needs_more() {
+        let cap = |flags: &[&str]| config(&parse(flags).unwrap()).unwrap().pinned_cap_bytes;
+        let default_cap = cuda_resident::Config::default().pinned_cap_bytes;
+        // 3 x 256 MiB held, a sixteenth more, 8 x 16 MiB: 944 MiB, under the default 1 GiB.
+        assert_eq!(cap(&["--suite", "paging"]), default_cap);
+        assert_eq!(cap(&["--paging-bytes", "1GiB"]), default_cap, "only where the suite runs");
+        let raised = (3u64 << 30) + (3 << 30) / 16 + (8 << 24);
+        assert_eq!(cap(&["--suite", "paging", "--paging-bytes", "1GiB"]), raised);
+        assert_eq!(cap(&["--suite", "all", "--paging-bytes", "1GiB"]), raised);
+        let odd = cap(&["--suite", "paging", "--paging-bytes", "300MiB", "--paging-blocks", "4KiB"]);
+        assert!(odd % (1 << 20) == 0 && odd >= 900 << 20, "whole MiB: {odd}");
     }
 
     #[test]

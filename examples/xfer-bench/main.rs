@@ -88,6 +88,9 @@ fn main() -> ExitCode {
             return ExitCode::from(exit::USAGE);
         }
     };
+    for line in args.deprecations() {
+        eprintln!("xfer-bench: {line}");
+    }
     let config = match cli::config(&args) {
         Ok(config) => config,
         Err(line) => {

@@ -133,9 +133,9 @@ pub fn bandwidth_chart(path: &Path, title: &str, series: &[Series]) -> Result<()
 pub(crate) fn plots(rows: &[Row], out: &Path) -> BenchResult<Vec<PathBuf>> {
     type Pick = fn(&Row) -> Option<f64>;
     let methods: [(&str, Pick, Stroke); 3] = [
-        ("raw driver", |r| r.raw, Stroke::Dashed),
-        ("cuMemcpyBatchAsync", |r| r.batch, Stroke::Dotted),
-        ("cuda-resident", |r| Some(r.ours), Stroke::Solid),
+        ("raw driver", |r| r.raw.map(|f| f.value), Stroke::Dashed),
+        ("cuMemcpyBatchAsync", |r| r.batch.map(|f| f.value), Stroke::Dotted),
+        ("cuda-resident", |r| Some(r.ours.value), Stroke::Solid),
     ];
     // One line per method over the rows that `matches`, in color `color`.
     let series = |matches: &dyn Fn(&Row) -> bool, label: &str, color: usize| -> Vec<Series> {
@@ -151,7 +151,10 @@ pub(crate) fn plots(rows: &[Row], out: &Path) -> BenchResult<Vec<PathBuf>> {
             .filter(|s| !s.points.is_empty())
             .collect()
     };
-    let mut counts: Vec<usize> = rows.iter().filter_map(|r| r.count).collect();
+    // The counts of the many-small rows (other rows with a count, such as paging's, have
+    // charts of their own or none, and must not shift these colors).
+    let many_small_row = |r: &&Row| r.case.starts_with("H2D ") || r.case.starts_with("D2H ");
+    let mut counts: Vec<usize> = rows.iter().filter(many_small_row).filter_map(|r| r.count).collect();
     counts.sort_unstable();
     counts.dedup();
     let many_small = |starts: &str, ends: &str| -> Vec<Series> {
@@ -204,6 +207,7 @@ pub(crate) fn plots(rows: &[Row], out: &Path) -> BenchResult<Vec<PathBuf>> {
 mod tests {
     use super::{COLORS, Series, Stroke, plots, ticks};
     use crate::report::{Row, human};
+    use crate::timing::Spread;
 
     #[test]
     fn plots_are_written_for_measured_rows() {
@@ -214,7 +218,9 @@ mod tests {
                     format!("H2D {count} x {} from pageable", human(size)),
                     format!("D2H {count} x {} into caller Vecs", human(size)),
                 ] {
-                    let mut r = Row::gbps(case, size * count, Some(0.1 * (i + 1) as f64), Some(0.2), 1.0);
+                    let secs = |s: f64| Spread::exact(s);
+                    let raw = Some(secs(0.1 * (i + 1) as f64));
+                    let mut r = Row::gbps(case, size * count, raw, Some(secs(0.2)), secs(1.0));
                     (r.count, r.size) = (Some(count), Some(size));
                     rows.push(r);
                 }
@@ -222,10 +228,17 @@ mod tests {
             for dir in ["H2D", "D2H", "both"] {
                 for memory in ["pinned", "pageable"] {
                     let case = format!("sweep {dir} {memory} {}", human(size));
-                    rows.push(Row::gbps(case, size, Some(1.0), None, 2.0 + i as f64).sized(size));
+                    let (raw, ours) = (Spread::exact(1.0), Spread::exact(2.0 + i as f64));
+                    rows.push(Row::gbps(case, size, Some(raw), None, ours).sized(size));
                 }
             }
         }
+        // A paging row has a count too; the many-small charts' colors do not move for it.
+        let mut paging =
+            Row::gbps("paging 16 KiB out pinned".into(), 1 << 20, None, None, Spread::exact(1.0))
+                .sized(16384);
+        paging.count = Some(64);
+        rows.push(paging);
         let out = std::env::temp_dir().join(format!("xfer-bench-plot-test-{}", std::process::id()));
         std::fs::create_dir_all(&out).unwrap();
         let files = plots(&rows, &out).unwrap();
@@ -240,6 +253,11 @@ mod tests {
         }
         let h2d = std::fs::read_to_string(&files[0]).unwrap();
         assert!(h2d.contains("1024 copies") && h2d.contains("8192 copies"), "a series per count");
+        assert!(!h2d.contains("64 copies"), "no series for the paging row");
+        let (first, second) = (COLORS[0], COLORS[1]);
+        let hex = |c: plotters::style::RGBColor| format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2);
+        assert!(h2d.contains(&hex(first)) && h2d.contains(&hex(second)), "the first two colors");
+        assert!(!h2d.contains(&hex(COLORS[2])), "two counts, two colors: {}", hex(COLORS[2]));
         for tick in ["256 B", "4 KiB", "64 KiB"] {
             assert!(h2d.lines().any(|l| l.trim() == tick), "a tick at each measured size: {tick}");
         }

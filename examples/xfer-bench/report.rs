@@ -11,7 +11,25 @@ use std::time::SystemTime;
 use crate::cli::{Args, Format};
 use crate::single::ByMethod;
 use crate::suites::SuitePlan;
-use crate::timing::{Spread, spread_of};
+use crate::timing::Spread;
+
+/// One method's figure in a row, and the spread of the samples it comes from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Figure {
+    /// What the table prints: the median, or (a latency row's p99) another statistic of the
+    /// samples.
+    pub(crate) value: f64,
+    /// The fewest, median and most of the samples: the repetitions, or every copy timed
+    /// (latency rows).
+    pub(crate) spread: Spread,
+}
+
+impl Figure {
+    /// The median of `spread`, with it.
+    pub(crate) fn median(spread: Spread) -> Figure {
+        Figure { value: spread.median, spread }
+    }
+}
 
 /// One row of the report.
 #[derive(Debug)]
@@ -22,42 +40,54 @@ pub(crate) struct Row {
     /// Bytes per copy, for the plots (cases that sweep a size).
     pub(crate) size: Option<usize>,
     pub(crate) unit: &'static str,
-    pub(crate) raw: Option<f64>,
-    pub(crate) batch: Option<f64>,
-    pub(crate) ours: f64,
+    /// The raw driver's figure.
+    pub(crate) raw: Option<Figure>,
+    /// `cuMemcpyBatchAsync`'s figure (or the case's stand-in: `cuMemAllocAsync` in the
+    /// allocation rows).
+    pub(crate) batch: Option<Figure>,
+    /// cuda-resident's figure.
+    pub(crate) ours: Figure,
     /// Anything the reader of this row should know (fewer baseline repetitions).
     pub(crate) note: Option<String>,
-    /// The fewest, median and most of the repetitions of `raw`, `batch` and `ours` (in that
-    /// order), in `unit`, where the row was timed as a median of repetitions.
-    pub(crate) spread: [Option<Spread>; 3],
 }
 
 impl Row {
+    /// A row of each method's figure.
+    pub(crate) fn figures(
+        case: String,
+        unit: &'static str,
+        raw: Option<Figure>,
+        batch: Option<Figure>,
+        ours: Figure,
+    ) -> Row {
+        Row { case, count: None, size: None, unit, raw, batch, ours, note: None }
+    }
+
+    /// A row of the median of each method's spread, in `unit`.
     pub(crate) fn new(
         case: String,
         unit: &'static str,
-        raw: Option<f64>,
-        batch: Option<f64>,
-        ours: f64,
+        raw: Option<Spread>,
+        batch: Option<Spread>,
+        ours: Spread,
     ) -> Row {
-        Row { case, count: None, size: None, unit, raw, batch, ours, note: None, spread: [None; 3] }
+        Row::figures(case, unit, raw.map(Figure::median), batch.map(Figure::median), Figure::median(ours))
     }
 
-    /// A bandwidth row from the median seconds of each method, with the spread of each
-    /// where it was timed with [`crate::timing::median_of`].
-    pub(crate) fn gbps(case: String, bytes: usize, raw: Option<f64>, batch: Option<f64>, ours: f64) -> Row {
-        let rate = |secs: f64| bytes as f64 / secs / 1e9;
-        // The fewest seconds are the highest rate.
-        let spread = |secs: Option<f64>| {
-            spread_of(secs?).map(|s| Spread { min: rate(s.max), median: rate(s.median), max: rate(s.min) })
-        };
-        let mut row = Row::new(case, "GB/s", raw.map(rate), batch.map(rate), rate(ours));
-        row.spread = [spread(raw), spread(batch), spread(Some(ours))];
-        row
+    /// A bandwidth row, `bytes` moved in the seconds each method's spread gives.
+    pub(crate) fn gbps(
+        case: String,
+        bytes: usize,
+        raw: Option<Spread>,
+        batch: Option<Spread>,
+        ours: Spread,
+    ) -> Row {
+        let rate = |secs: Spread| secs.per_second(bytes as f64 / 1e9);
+        Row::new(case, "GB/s", raw.map(rate), batch.map(rate), rate(ours))
     }
 
-    /// A bandwidth row from the times of each method.
-    pub(crate) fn from_times(case: String, bytes: usize, t: &ByMethod<f64>) -> Row {
+    /// A bandwidth row from the seconds of each method.
+    pub(crate) fn from_times(case: String, bytes: usize, t: &ByMethod<Spread>) -> Row {
         Row::gbps(case, bytes, Some(t.raw), t.batch, t.ours)
     }
 
@@ -67,24 +97,26 @@ impl Row {
     }
 
     /// cuda-resident's advantage over `base` (higher is better for both units).
-    fn ratio(&self, base: Option<f64>) -> String {
+    fn ratio(&self, base: Option<Figure>) -> String {
         match base {
-            Some(b) if self.unit == "GB/s" => format!("{:.1}x", self.ours / b),
-            Some(b) => format!("{:.2}x", b / self.ours),
+            Some(b) if self.unit == "GB/s" => format!("{:.1}x", self.ours.value / b.value),
+            Some(b) => format!("{:.2}x", b.value / self.ours.value),
             None => "n/a".into(),
         }
     }
 
     fn json(&self) -> serde_json::Value {
-        let spread = |s: Option<Spread>| {
-            s.map(|s| serde_json::json!({ "min": s.min, "median": s.median, "max": s.max }))
+        let value = |f: Option<Figure>| f.map(|f| f.value);
+        let spread = |f: Option<Figure>| {
+            f.map(|Figure { spread: s, .. }| serde_json::json!({ "min": s.min, "median": s.median, "max": s.max }))
         };
         serde_json::json!({
             "case": self.case, "count": self.count, "bytes_per_copy": self.size, "unit": self.unit,
-            "raw": self.raw, "batch": self.batch, "cuda_resident": self.ours, "note": self.note,
+            "raw": value(self.raw), "batch": value(self.batch), "cuda_resident": self.ours.value,
+            "note": self.note,
             "spread": {
-                "raw": spread(self.spread[0]), "batch": spread(self.spread[1]),
-                "cuda_resident": spread(self.spread[2]),
+                "raw": spread(self.raw), "batch": spread(self.batch),
+                "cuda_resident": spread(Some(self.ours)),
             },
         })
     }
@@ -133,8 +165,10 @@ fn settings_json(a: &Args) -> serde_json::Value {
     let lower = |v: &dyn std::fmt::Debug| format!("{v:?}").to_lowercase();
     serde_json::json!({
         "suite": lower(&a.suite), "device": a.device, "reps": a.reps, "counts": a.counts,
-        "sizes": a.sizes, "max_case_mib": a.max_case_mib, "latency_sizes": a.latency_sizes,
-        "large": a.large, "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
+        "sizes": a.sizes, "max_case": human(a.max_case_bytes()), "max_case_mib": a.max_case_mib,
+        "latency_sizes": a.latency_sizes,
+        "large": a.large, "paging_pool": human(a.paging_pool), "paging_bytes": human(a.paging_bytes),
+        "paging_blocks": a.paging_blocks.iter().map(|&b| human(b)).collect::<Vec<_>>(), "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
         "direct_kib": a.direct_kib, "pack_threads": a.pack_threads,
         "pack_linger_us": a.pack_linger_us, "staged_small_copies": a.staged_small_copies,
         "breakdown": a.breakdown, "format": lower(&a.format), "out": a.out.display().to_string(),
@@ -227,7 +261,7 @@ pub(crate) fn print_table(rows: &[Row], format: Format) {
     if format == Format::Markdown {
         return print!("{}", markdown(rows));
     }
-    let fmt = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.2}"));
+    let fmt = |v: Option<Figure>| v.map_or("n/a".to_string(), |v| format!("{:.2}", v.value));
     println!(
         "{:<40} {:>5} {:>10} {:>12} {:>14} {:>8} {:>9}",
         "case", "unit", "raw", "batch API", "cuda-resident", "vs raw", "vs batch"
@@ -239,7 +273,7 @@ pub(crate) fn print_table(rows: &[Row], format: Format) {
             r.unit,
             fmt(r.raw),
             fmt(r.batch),
-            r.ours,
+            r.ours.value,
             r.ratio(r.raw),
             r.ratio(r.batch)
         );
@@ -251,7 +285,7 @@ pub(crate) fn print_table(rows: &[Row], format: Format) {
 
 /// The table of every row as Markdown, then the rows' notes as a list.
 fn markdown(rows: &[Row]) -> String {
-    let fmt = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.2}"));
+    let fmt = |v: Option<Figure>| v.map_or("n/a".to_string(), |v| format!("{:.2}", v.value));
     let mut out = String::from(
         "| case | unit | raw | batch API | cuda-resident | vs raw | vs batch |\n|---|---|--:|--:|--:|--:|--:|\n",
     );
@@ -262,7 +296,7 @@ fn markdown(rows: &[Row]) -> String {
             r.unit,
             fmt(r.raw),
             fmt(r.batch),
-            r.ours,
+            r.ours.value,
             r.ratio(r.raw),
             r.ratio(r.batch)
         ));
@@ -323,7 +357,8 @@ pub(crate) fn write(run: &Run<'_>, rows: &[Row], device: serde_json::Value) -> R
 
 #[cfg(test)]
 mod tests {
-    use super::{Row, host_json, markdown, pci_link, utc_iso8601};
+    use super::{Figure, Row, host_json, markdown, pci_link, settings_json, utc_iso8601};
+    use crate::timing::Spread;
     use std::time::{Duration, SystemTime};
 
     #[test]
@@ -352,13 +387,56 @@ mod tests {
 
     #[test]
     fn the_markdown_table_has_a_row_per_case_and_the_notes() {
-        let mut row = Row::new("D2H 8192 x 4 KiB into caller Vecs".into(), "GB/s", Some(1.0), None, 4.0);
+        let (raw, ours) = (Spread::exact(1.0), Spread::exact(4.0));
+        let mut row = Row::new("D2H 8192 x 4 KiB into caller Vecs".into(), "GB/s", Some(raw), None, ours);
         row.note = Some("raw: median of 5 repetitions".into());
         let table = markdown(&[row]);
         let lines: Vec<&str> = table.lines().collect();
         assert!(lines[0].starts_with("| case |") && lines[1].starts_with("|---|"), "{table}");
         assert_eq!(lines[2], "| D2H 8192 x 4 KiB into caller Vecs | GB/s | 1.00 | n/a | 4.00 | 4.0x | n/a |");
         assert_eq!(lines[4], "- D2H 8192 x 4 KiB into caller Vecs: raw: median of 5 repetitions");
+    }
+
+    #[test]
+    fn the_settings_give_sizes_with_units() {
+        let flags = settings_json(&crate::cli::parse(&["--max-case", "4GiB"]).unwrap());
+        assert_eq!((flags["max_case"].as_str(), flags["max_case_mib"].is_null()), (Some("4 GiB"), true));
+        assert_eq!(
+            (flags["paging_pool"].as_str(), flags["paging_bytes"].as_str()),
+            (Some("8 GiB"), Some("256 MiB"))
+        );
+        assert_eq!(flags["paging_blocks"], serde_json::json!(["16 KiB", "256 KiB", "2 MiB"]));
+        let flags = settings_json(&crate::cli::parse(&["--max-case-mib", "1536"]).unwrap());
+        assert_eq!(
+            (flags["max_case"].as_str(), flags["max_case_mib"].as_u64()),
+            (Some("1536 MiB"), Some(1536))
+        );
+    }
+
+    #[test]
+    fn every_row_carries_the_spread_of_each_method() {
+        let secs = |min, median, max| Spread { min, median, max };
+        let row = Row::gbps(
+            "H2D 1 GiB pinned".into(),
+            2_000_000_000,
+            Some(secs(1.0, 2.0, 4.0)),
+            None,
+            secs(0.5, 1.0, 2.0),
+        );
+        let json = row.json();
+        assert_eq!((json["raw"].as_f64(), json["cuda_resident"].as_f64()), (Some(1.0), Some(2.0)), "GB/s");
+        assert_eq!(json["spread"]["raw"], serde_json::json!({ "min": 0.5, "median": 1.0, "max": 2.0 }));
+        assert_eq!(
+            json["spread"]["cuda_resident"],
+            serde_json::json!({ "min": 1.0, "median": 2.0, "max": 4.0 })
+        );
+        assert!(json["batch"].is_null() && json["spread"]["batch"].is_null(), "no batch form");
+        // A figure other than the median (a latency row's p99) keeps its samples' spread.
+        let us = secs(5.0, 6.0, 90.0);
+        let p99 = Figure { value: 12.0, spread: us };
+        let json = Row::figures("latency H2D pageable 4 KiB p99".into(), "µs", Some(p99), None, p99).json();
+        assert_eq!(json["raw"].as_f64(), Some(12.0));
+        assert_eq!(json["spread"]["cuda_resident"]["max"].as_f64(), Some(90.0));
     }
 
     #[test]

@@ -2,15 +2,14 @@
 //! driver, `cuMemcpyBatchAsync`, cuda-resident), timed, and verified: the single-copy,
 //! sweep and latency cases, one direction or both at once.
 
-use std::sync::Barrier;
 use std::time::Instant;
 
 use cuda_resident::cuda_sys::{CUdeviceptr, CUstream, call};
 use cuda_resident::{Device, ResidentBuffer};
 
 use crate::baselines::{DriverBaseline, check, memcpy_batch, sync};
-use crate::report::human;
-use crate::timing::median_secs;
+use crate::report::{Figure, human};
+use crate::timing::{Spread, median_secs, secs_together};
 use crate::{BenchResult, error};
 
 /// Copies a repetition of the latency cases times one by one.
@@ -201,17 +200,17 @@ impl<'a> Single<'a> {
         Ok(ByMethod { raw, batch, ours })
     }
 
-    /// Median seconds of `iters` back-to-back copies by each method.
-    pub(crate) fn times(&mut self, reps: usize, iters: usize) -> BenchResult<ByMethod<f64>> {
+    /// The spread of the seconds of `iters` back-to-back copies by each method.
+    pub(crate) fn times(&mut self, reps: usize, iters: usize) -> BenchResult<ByMethod<Spread>> {
         self.each_method(|copy, method| median_secs(reps, || (0..iters).try_for_each(|_| copy.once(method))))
     }
 
-    /// Median and 99th percentile, in µs, of one copy by each method: `LATENCY_COPIES`
-    /// warm-up copies each, then `reps` times as many timed one by one. The methods take
-    /// turns copy by copy, so that a burst of host noise falls on all of them alike rather
-    /// than on one method's block of copies. cuda-resident's destination is scrambled before
-    /// its last copy and verified after it.
-    pub(crate) fn latencies(&mut self, reps: usize) -> BenchResult<ByMethod<[f64; 2]>> {
+    /// Median and 99th percentile, in µs, of one copy by each method, each with the spread
+    /// of every copy timed: `LATENCY_COPIES` warm-up copies each, then `reps` times as many
+    /// timed one by one. The methods take turns copy by copy, so that a burst of host noise
+    /// falls on all of them alike rather than on one method's block of copies.
+    /// cuda-resident's destination is scrambled before its last copy and verified after it.
+    pub(crate) fn latencies(&mut self, reps: usize) -> BenchResult<ByMethod<[Figure; 2]>> {
         let batch = self.d.info().batch_memcpy;
         let methods: Vec<Method> =
             [Method::Raw].into_iter().chain(batch.then_some(Method::Batch)).chain([Method::Ours]).collect();
@@ -230,8 +229,8 @@ impl<'a> Single<'a> {
         self.once(Method::Ours)?;
         self.verify()?;
         let mut stats = us.into_iter().map(|mut us| {
-            us.sort_by(f64::total_cmp);
-            [us[us.len() / 2], us[us.len() * 99 / 100]]
+            let spread = Spread::of(&mut us).expect("reps * LATENCY_COPIES copies timed");
+            [Figure::median(spread), Figure { value: us[us.len() * 99 / 100], spread }]
         });
         let raw = stats.next().expect("raw is measured");
         let batch = if batch { stats.next() } else { None };
@@ -244,21 +243,12 @@ impl<'a> Single<'a> {
 /// each direction on its own thread, both released together, the clock running until the
 /// later one is done.
 fn time_both(up: &mut Single, down: &mut Single, iters: usize, method: Method) -> BenchResult<f64> {
-    let start = Barrier::new(2);
-    std::thread::scope(|s| {
-        let other = s.spawn(|| -> BenchResult<Instant> {
-            let current = up.d.make_current().map_err(error);
-            start.wait();
-            current?;
-            (0..iters).try_for_each(|_| up.once(method))?;
-            Ok(Instant::now())
-        });
-        start.wait();
-        let t = Instant::now();
-        let mine = (0..iters).try_for_each(|_| down.once(method)).map(|()| Instant::now());
-        let theirs = other.join().map_err(|_| "a copy thread panicked".to_string())?;
-        Ok((mine?.max(theirs?) - t).as_secs_f64())
-    })
+    let d = up.d;
+    secs_together(
+        d,
+        || (0..iters).try_for_each(|_| up.once(method)),
+        || (0..iters).try_for_each(|_| down.once(method)),
+    )
 }
 
 /// Runs `f` with `src` and `dst` registered with the driver (pinned), and unregisters them
@@ -296,15 +286,15 @@ pub(crate) fn up_down(
     (src, dst): (&[u8], &mut [u8]),
     pinned: bool,
     iters: usize,
-) -> BenchResult<(ByMethod<f64>, ByMethod<f64>)> {
+) -> BenchResult<(ByMethod<Spread>, ByMethod<Spread>)> {
     let up = Single::new(d, baseline.stream, b, Host::Src(src), pinned, false)?.times(reps, iters)?;
     let down = Single::new(d, baseline.stream, b, Host::Dst(dst), pinned, false)?.times(reps, iters)?;
     Ok((up, down))
 }
 
 /// Both directions at once: `src` into `b` while `other` comes into `dst`, `iters` copies
-/// each way a sample. Raw driver and cuda-resident seconds (no batch form); cuda-resident's
-/// copies verified.
+/// each way a sample. The spread of the raw driver's and cuda-resident's seconds (no batch
+/// form); cuda-resident's copies verified.
 pub(crate) fn both_ways(
     d: &Device,
     baseline: &DriverBaseline,
@@ -313,13 +303,13 @@ pub(crate) fn both_ways(
     (src, dst): (&[u8], &mut [u8]),
     pinned: bool,
     iters: usize,
-) -> BenchResult<ByMethod<f64>> {
+) -> BenchResult<ByMethod<Spread>> {
     // `other` gets known bytes first, so that what comes down can be checked.
     Single::new(d, baseline.stream, other, Host::Src(src), pinned, true)?.once(Method::Raw)?;
     let mut up = Single::new(d, baseline.stream, b, Host::Src(src), pinned, true)?;
     let mut down = Single::new(d, baseline.second, other, Host::Dst(dst), pinned, true)?;
     // One warm-up each, then the two take turns rep by rep, so that a burst of noise on the
-    // link or the host falls on both alike; medians. cuda-resident's destinations are
+    // link or the host falls on both alike; spreads. cuda-resident's destinations are
     // scrambled before its last run and verified after it.
     let methods = [Method::Raw, Method::Ours];
     let mut secs = [Vec::with_capacity(reps), Vec::with_capacity(reps)];
@@ -336,9 +326,6 @@ pub(crate) fn both_ways(
     time_both(&mut up, &mut down, iters, Method::Ours)?;
     up.verify()?;
     down.verify()?;
-    let [raw_secs, ours] = secs.map(|mut v| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    });
-    Ok(ByMethod { raw: raw_secs, batch: None, ours })
+    let [raw, ours] = secs.map(|mut v| Spread::of(&mut v).expect("at least one repetition"));
+    Ok(ByMethod { raw, batch: None, ours })
 }

@@ -1,11 +1,11 @@
-//! The clocks: one warm-up, then medians over repetitions timed on the host, and the
-//! phases of one batch (adding its copies, submit, wait).
+//! The clocks: one warm-up, then the spread (fewest, median, most) of repetitions timed on
+//! the host, and the phases of one batch (adding its copies, submit, wait).
 
-use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use cuda_resident::UploadBatch;
+use cuda_resident::{Device, UploadBatch};
+
+pub(crate) use cuda_resident_suite::Spread;
 
 use crate::cli::Args;
 use crate::{BenchResult, error};
@@ -21,48 +21,16 @@ pub(crate) fn baseline_reps(args: &Args, count: usize) -> usize {
     if count > BASELINE_REPS_COUNT { args.reps.min(5) } else { args.reps }
 }
 
-/// The fewest, median and most of the repetitions of one timing.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Spread {
-    pub(crate) min: f64,
-    pub(crate) median: f64,
-    pub(crate) max: f64,
-}
-
-/// How many of the latest spreads [`spread_of`] can find: more than the timings of any row.
-const SPREADS_KEPT: usize = 64;
-
-thread_local! {
-    /// The spreads of this thread's latest timings, newest last.
-    static SPREADS: RefCell<VecDeque<Spread>> = const { RefCell::new(VecDeque::new()) };
-}
-
-/// The spread of the latest timing on this thread whose median is `median`, the exact
-/// value [`median_of`] returned: a row finds the spread of each of its medians this way,
-/// without every timing's caller handing it on.
-pub(crate) fn spread_of(median: f64) -> Option<Spread> {
-    SPREADS.with(|s| s.borrow().iter().rev().find(|s| s.median.to_bits() == median.to_bits()).copied())
-}
-
-/// Median of `reps` values of `sample`, after one warm-up call whose value is dropped; the
-/// spread of the values is kept for [`spread_of`].
-pub(crate) fn median_of(reps: usize, mut sample: impl FnMut() -> BenchResult<f64>) -> BenchResult<f64> {
+/// The spread of `reps` values of `sample` (at least one), after one warm-up call whose
+/// value is dropped.
+pub(crate) fn median_of(reps: usize, mut sample: impl FnMut() -> BenchResult<f64>) -> BenchResult<Spread> {
     sample()?;
-    let mut values = (0..reps).map(|_| sample()).collect::<BenchResult<Vec<f64>>>()?;
-    values.sort_by(f64::total_cmp);
-    let spread = Spread { min: values[0], median: values[values.len() / 2], max: values[values.len() - 1] };
-    SPREADS.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() == SPREADS_KEPT {
-            s.pop_front();
-        }
-        s.push_back(spread);
-    });
-    Ok(spread.median)
+    let mut values = (0..reps.max(1)).map(|_| sample()).collect::<BenchResult<Vec<f64>>>()?;
+    Ok(Spread::of(&mut values).expect("at least one repetition"))
 }
 
-/// Median seconds of `reps` runs of `run`, after one warm-up run.
-pub(crate) fn median_secs(reps: usize, mut run: impl FnMut() -> BenchResult<()>) -> BenchResult<f64> {
+/// The spread of the seconds of `reps` runs of `run`, after one warm-up run.
+pub(crate) fn median_secs(reps: usize, mut run: impl FnMut() -> BenchResult<()>) -> BenchResult<Spread> {
     median_of(reps, || {
         let t = Instant::now();
         run()?;
@@ -92,18 +60,43 @@ pub(crate) fn median_micros(times: &mut [Duration]) -> f64 {
     times[times.len() / 2].as_secs_f64() * 1e6
 }
 
-/// Median seconds of `reps` timed runs of `timed` on what `prepare` made (untimed), after
-/// one warm-up run.
+/// The spread of the seconds of `reps` timed runs of `timed` on what `prepare` made
+/// (untimed), after one warm-up run.
 pub(crate) fn median_secs_prepared<T>(
     reps: usize,
     mut prepare: impl FnMut() -> BenchResult<T>,
     mut timed: impl FnMut(T) -> BenchResult<()>,
-) -> BenchResult<f64> {
+) -> BenchResult<Spread> {
     median_of(reps, || {
         let input = prepare()?;
         let t = Instant::now();
         timed(input)?;
         Ok(t.elapsed().as_secs_f64())
+    })
+}
+
+/// Seconds of `first` and `second` run at the same time, `first` on a thread of its own
+/// (with `d`'s context current), both released together; the clock runs until the later
+/// one is done.
+pub(crate) fn secs_together(
+    d: &Device,
+    first: impl FnOnce() -> BenchResult<()> + Send,
+    second: impl FnOnce() -> BenchResult<()>,
+) -> BenchResult<f64> {
+    let start = std::sync::Barrier::new(2);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| -> BenchResult<Instant> {
+            let current = d.make_current().map_err(error);
+            start.wait();
+            current?;
+            first()?;
+            Ok(Instant::now())
+        });
+        start.wait();
+        let t = Instant::now();
+        let mine = second().map(|()| Instant::now());
+        let theirs = other.join().map_err(|_| "a copy thread panicked".to_string())?;
+        Ok((mine?.max(theirs?) - t).as_secs_f64())
     })
 }
 
@@ -126,14 +119,36 @@ pub(crate) fn batch_phases<'d>(
 
 #[cfg(test)]
 mod tests {
-    use super::{Spread, median_of, spread_of};
+    use super::{Spread, median_of};
+
+    /// `median_of` over `values`, the first of them the warm-up.
+    fn spread(reps: usize, values: &[f64]) -> Spread {
+        let mut values = values.iter().copied();
+        let spread = median_of(reps, || Ok(values.next().expect("one value per call"))).unwrap();
+        assert_eq!(values.next(), None, "one warm-up and {reps} repetitions");
+        spread
+    }
 
     #[test]
-    fn a_median_finds_its_spread() {
-        let mut values = [3.0, 9.0, 1.0, 5.0, 7.0, 2.0].into_iter();
-        let median = median_of(5, || Ok(values.next().unwrap())).unwrap();
-        assert_eq!(median, 5.0, "the warm-up's 3.0 is dropped");
-        assert_eq!(spread_of(median), Some(Spread { min: 1.0, median: 5.0, max: 9.0 }));
-        assert_eq!(spread_of(4.0), None);
+    fn the_warm_up_is_dropped_and_the_spread_returned() {
+        // The warm-up's 100.0 would be the most, and its 0.5 the fewest, were they kept.
+        assert_eq!(spread(5, &[100.0, 3.0, 9.0, 1.0, 5.0, 7.0]), Spread { min: 1.0, median: 5.0, max: 9.0 });
+        assert_eq!(spread(5, &[0.5, 3.0, 9.0, 1.0, 5.0, 7.0]), Spread { min: 1.0, median: 5.0, max: 9.0 });
+        // An even count: the upper of the two middle values, one that was measured.
+        assert_eq!(
+            spread(6, &[0.0, 6.0, 2.0, 4.0, 1.0, 5.0, 3.0]),
+            Spread { min: 1.0, median: 4.0, max: 6.0 }
+        );
+        assert_eq!(spread(1, &[9.0, 2.0]), Spread::exact(2.0));
+    }
+
+    #[test]
+    fn a_failed_sample_fails_the_timing() {
+        let mut n = 0;
+        let failed = median_of(5, || {
+            n += 1;
+            if n == 3 { Err("boom".to_string()) } else { Ok(1.0) }
+        });
+        assert_eq!(failed, Err("boom".to_string()));
     }
 }

@@ -11,7 +11,8 @@ use crate::{BenchResult, error};
 
 /// One copy, submit to done, of every size in `sizes`: H2D and D2H from pageable and pinned
 /// memory, or (`upload_only`) H2D from pageable memory alone, the default suite's row.
-/// Each gives two rows, the median and the 99th percentile per copy in µs.
+/// Each gives two rows, the median and the 99th percentile per copy in µs, both with the
+/// spread (fewest, median, most) of every copy timed.
 pub(crate) fn run(
     d: &Device,
     baseline: &DriverBaseline,
@@ -45,7 +46,7 @@ pub(crate) fn run(
             for (dir, t) in ["H2D", "D2H"].into_iter().zip(found) {
                 for (i, stat) in ["median", "p99"].into_iter().enumerate() {
                     rows.push(
-                        Row::new(
+                        Row::figures(
                             format!("latency {dir} {memory} {} {stat}", human(size)),
                             "µs",
                             Some(t.raw[i]),

@@ -11,7 +11,7 @@ use crate::baselines::DriverBaseline;
 use crate::cli::Args;
 use crate::report::{Row, human};
 use crate::timing::{
-    baseline_reps, batch_phases, median_micros, median_secs, median_secs_prepared, phase_medians,
+    Spread, baseline_reps, batch_phases, median_micros, median_secs, median_secs_prepared, phase_medians,
 };
 use crate::workload::{Scatter, random_vec, verify_scatter};
 use crate::{BenchResult, error};
@@ -143,12 +143,12 @@ impl Case<'_, '_> {
         Ok(())
     }
 
-    /// The `write_with` batch: seconds to fill and move, and to move bytes already staged
+    /// The `write_with` batch: the seconds to fill and move, and to move bytes already staged
     /// (written in place before the clock starts: what the link and the scatter cost).
     /// `None` where the batch is refused: it stages every byte in pinned memory before it is
     /// submitted, so a case larger than the pool can lend is skipped (with a line on
     /// stderr), as prepared sets are.
-    fn write_with_times(&self) -> BenchResult<Option<(f64, f64)>> {
+    fn write_with_times(&self) -> BenchResult<Option<(Spread, Spread)>> {
         let (d, s, sources, size, reps, e) = (self.d, self.s, self.sources, self.size, self.args.reps, error);
         let fill_and_move = match median_secs(reps, || {
             s.in_place_batch(d, sources).map_err(e)?.submit().map_err(e)?.wait().map_err(e)
@@ -241,9 +241,9 @@ impl Case<'_, '_> {
         Ok(())
     }
 
-    /// Seconds to read every copy back as views (the first 64 checked each time, every one
+    /// The seconds to read every copy back as views (the first 64 checked each time, every one
     /// after the clock).
-    fn views_time(&self) -> BenchResult<f64> {
+    fn views_time(&self) -> BenchResult<Spread> {
         let (d, s, sources, size, count, e) = (self.d, self.s, self.sources, self.size, self.count, error);
         let mut seen = 0usize;
         let ours_views = median_secs(self.args.reps, || {
@@ -267,7 +267,7 @@ impl Case<'_, '_> {
 }
 
 /// The ranges prepared once (outside the clock) and uploaded with the bytes each time: the
-/// median time, or `None` (said on stderr) when the set cannot be prepared, e.g. its pinned
+/// seconds' spread, or `None` (said on stderr) when the set cannot be prepared, e.g. its pinned
 /// region would not fit the pool.
 fn prepared_uploads(
     d: &Device,
@@ -275,7 +275,7 @@ fn prepared_uploads(
     s: &Scatter,
     sources: &[Vec<u8>],
     ranges: &[(ResidentBuffer, u64, u64)],
-) -> BenchResult<Option<f64>> {
+) -> BenchResult<Option<Spread>> {
     let mut prepared = match d.prepare_uploads(ranges) {
         Ok(p) => p,
         Err(err) => {
@@ -289,14 +289,14 @@ fn prepared_uploads(
 }
 
 /// The ranges (which hold `sources`) prepared once and read each time, into `outs` and as
-/// views: the median times, or `None` as for [`prepared_uploads`].
+/// views: the seconds' spreads, or `None` as for [`prepared_uploads`].
 fn prepared_readbacks(
     d: &Device,
     args: &Args,
     sources: &[Vec<u8>],
     ranges: &[(ResidentBuffer, u64, u64)],
     outs: &mut [Vec<u8>],
-) -> BenchResult<Option<[f64; 2]>> {
+) -> BenchResult<Option<[Spread; 2]>> {
     let e = error;
     let mut prepared = match d.prepare_downloads(ranges) {
         Ok(p) => p,

@@ -1,13 +1,14 @@
 //! The suites: what each runs, worked out from the flags ([`SuitePlan`]), and the run of
 //! its cases in order, one file per kind of case. The default suite is many small copies,
 //! `--large` single copies and one 4 KiB upload's latency; grid is many small copies over
-//! every count and size; sweep, latency, alloc and peer run their own file's cases; all runs
-//! every one.
+//! every count and size; sweep, latency, alloc, paging and peer run their own file's cases;
+//! all runs every one.
 
 mod alloc;
 mod large;
 mod latency;
 mod many_small;
+mod paging;
 mod peer;
 mod sweep;
 
@@ -32,13 +33,15 @@ const DEFAULT_COUNT: usize = 8192;
 pub(crate) struct SuitePlan {
     /// Many-small cases, `(count, size)`.
     many_small: Vec<(usize, usize)>,
-    /// Many-small cases over `--max-case-mib`, said in the report.
+    /// Many-small cases over `--max-case`, said in the report.
     pub(crate) skipped: Vec<String>,
     large: bool,
     /// Latency sizes, and whether only uploads from pageable memory are timed.
     latency: Option<(Vec<usize>, bool)>,
     sweep: bool,
     alloc: bool,
+    /// Whether the paging suite's cases run.
+    paging: bool,
     /// The peer suite's many-small cases, `(count, size)`, when it runs.
     peer: Option<Vec<(usize, usize)>>,
 }
@@ -48,21 +51,22 @@ impl SuitePlan {
         use Suite::*;
         let s = args.suite;
         let counts = match (&args.counts, s) {
-            (_, Sweep | Latency | Alloc) => Vec::new(),
+            (_, Sweep | Latency | Alloc | Paging) => Vec::new(),
             (Some(counts), _) => counts.clone(),
             (None, Default | Peer) => vec![DEFAULT_COUNT],
             (None, _) => GRID_COUNTS.to_vec(),
         };
-        let limit = args.max_case_mib.saturating_mul(1 << 20);
+        let limit = args.max_case_bytes();
         let (mut many_small, mut skipped) = (Vec::new(), Vec::new());
         for &count in &counts {
             for &size in &args.sizes {
                 match count.checked_mul(size) {
                     Some(bytes) if bytes <= limit => many_small.push((count, size)),
-                    _ => skipped.push(format!(
-                        "{count} x {}: more than --max-case-mib {} MiB",
+                    bytes => skipped.push(format!(
+                        "{count} x {} ({}): more than --max-case {}",
                         human(size),
-                        args.max_case_mib
+                        bytes.map_or_else(|| "too large to count".to_owned(), human),
+                        human(limit)
                     )),
                 }
             }
@@ -80,6 +84,7 @@ impl SuitePlan {
             latency,
             sweep: matches!(s, Sweep | All),
             alloc: matches!(s, Alloc | All),
+            paging: args.runs_paging(),
             peer,
         }
     }
@@ -92,6 +97,7 @@ impl SuitePlan {
             + self.latency.as_ref().map_or(0, |(sizes, _)| sizes.len())
             + sweep
             + usize::from(self.alloc)
+            + if self.paging { paging::steps(args) } else { 0 }
             + self.peer.as_deref().map_or(0, peer::steps)) as u64
     }
 }
@@ -171,6 +177,9 @@ fn run_cases(
         alloc::run(d, rows)?;
         progress.inc(1);
     }
+    if plan.paging {
+        paging::run(d, baseline, args, rows, progress)?;
+    }
     if let Some(cases) = &plan.peer {
         peer::run(d, baseline, args, gpus, cases, rows, progress)?;
     }
@@ -187,16 +196,21 @@ mod tests {
         let default = SuitePlan::new(&parse(&[]).unwrap());
         assert_eq!(default.many_small, [(8192, 256), (8192, 4096), (8192, 65536)]);
         assert!(default.large && !default.sweep && !default.alloc && default.skipped.is_empty());
+        assert!(!default.paging, "not part of the default suite");
         assert_eq!(default.latency, Some((vec![4096], true)));
 
         let grid = SuitePlan::new(&parse(&["--suite", "grid"]).unwrap());
         assert_eq!(grid.many_small.len(), 8, "65536 x 64 KiB is 4 GiB, over the 1 GiB limit");
-        assert_eq!(grid.skipped, ["65536 x 64 KiB: more than --max-case-mib 1024 MiB"]);
+        assert_eq!(grid.skipped, ["65536 x 64 KiB (4 GiB): more than --max-case 1 GiB"]);
         assert!(!grid.large && grid.latency.is_none() && !grid.sweep);
 
-        let all = SuitePlan::new(&parse(&["--suite", "all", "--max-case-mib", "4096"]).unwrap());
+        let all = SuitePlan::new(&parse(&["--suite", "all", "--max-case", "4GiB"]).unwrap());
         assert_eq!(all.many_small.len(), 9);
-        assert!(all.large && all.sweep && all.alloc);
+        let old = SuitePlan::new(&parse(&["--suite", "all", "--max-case-mib", "4096"]).unwrap());
+        assert_eq!(old, all, "the deprecated spelling plans the same");
+        let small = SuitePlan::new(&parse(&["--suite", "grid", "--max-case", "6MiB"]).unwrap());
+        assert_eq!(small.skipped[0], "1024 x 64 KiB (64 MiB): more than --max-case 6 MiB");
+        assert!(all.large && all.sweep && all.alloc && all.paging);
         assert_eq!(all.latency, Some((vec![4, 256, 4096, 65536], false)));
 
         let counts = SuitePlan::new(&parse(&["--count", "100", "--sizes", "8"]).unwrap());
@@ -209,5 +223,10 @@ mod tests {
         assert!(peer.many_small.is_empty() && !peer.large && peer.latency.is_none() && !peer.alloc);
         assert_eq!(all.peer.as_ref().map(Vec::len), Some(9), "the grid's cases");
         assert!(default.peer.is_none() && grid.peer.is_none());
+
+        let paging = SuitePlan::new(&parse(&["--suite", "paging"]).unwrap());
+        assert!(paging.paging && paging.many_small.is_empty() && paging.skipped.is_empty());
+        assert!(!paging.large && paging.latency.is_none() && !paging.sweep && !paging.alloc);
+        assert!(paging.peer.is_none() && !grid.paging);
     }
 }

@@ -20,7 +20,7 @@ use indicatif::ProgressBar;
 use crate::baselines::{DriverBaseline, check, sync};
 use crate::cli::Args;
 use crate::report::{Row, human};
-use crate::timing::{baseline_reps, median_secs, phase_medians};
+use crate::timing::{Spread, baseline_reps, median_secs, phase_medians};
 use crate::workload::{Scatter, random_vec, verify_scatter};
 use crate::{BenchResult, error};
 
@@ -312,7 +312,7 @@ fn many_small_rows(
 }
 
 /// The copies of [`many_small_rows`] as a block table per buffer pair (as a paged cache
-/// keeps them), one `copy_ranges` call per pair: the median seconds, verified. The tables
+/// keeps them), one `copy_ranges` call per pair: the seconds' spread, verified. The tables
 /// are the caller's data, built before the clock starts.
 fn copy_ranges_secs(
     p: &Pair,
@@ -320,7 +320,7 @@ fn copy_ranges_secs(
     (from, to): (&Scatter, &Scatter),
     sources: &[Vec<u8>],
     case: &str,
-) -> BenchResult<f64> {
+) -> BenchResult<Spread> {
     let (src, dst, size) = (p.src, p.dst, sources[0].len());
     let mut tables: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); from.buffers.len()];
     let mut pairs = vec![usize::MAX; from.buffers.len()];

@@ -1,0 +1,542 @@
+//! The `paging` suite: an inference server's KV-cache swap.
+//!
+//! One device buffer of `--paging-pool` bytes is the pool, seen as blocks of each
+//! `--paging-blocks` size in turn; the host cache holds 2 x `--paging-bytes`, an out region
+//! and an in region, once in pinned memory (a [`PinnedBuffer`](cuda_resident::PinnedBuffer)
+//! from `Device::pinned`) and once in pageable memory (a `Vec<u8>`). Everything starts
+//! random. Per block size, `N = --paging-bytes / block` distinct random blocks are swapped
+//! out and `N` others (none of the first) swapped in, in a random order, the same every run.
+//! A step is "out" (those blocks into the out region's slots, D2H), "in" (the in region's
+//! slots into those blocks, H2D) or "both" at once.
+//!
+//! The methods move the same blocks in the same order: the raw driver, one
+//! `cuMemcpy*Async` per block on a stream per direction (from and into pageable memory too,
+//! as a naive server does), then a synchronize; `cuMemcpyBatchAsync`, one call per
+//! direction; cuda-resident, a batch per direction: one `write` per block (in), or one
+//! `read` per block, then a copy of each view into its slot (out). For "both", the
+//! baselines run each direction on a thread and stream of its own, released together;
+//! cuda-resident submits its download, then its upload, and waits for both. GB/s counts the
+//! bytes moved, both directions' for "both".
+//!
+//! Every method's swap is verified once per case, outside the clock: its destination
+//! poisoned, one swap, then every byte of every moved block compared with its source, the
+//! device side read back block by block through the raw driver.
+
+use cuda_resident::cuda_sys::{CUstream, call};
+use cuda_resident::{Config, Device, Fence, PendingDownload, ResidentBuffer, Slot};
+use indicatif::ProgressBar;
+
+use crate::baselines::{DriverBaseline, check, each_d2h, each_h2d, memcpy_batch, sync};
+use crate::cli::Args;
+use crate::report::{Row, human};
+use crate::timing::{Spread, median_of, secs_together};
+use crate::workload::fill_random;
+use crate::{BenchResult, error};
+
+/// The seed of the suite's random bytes and of the blocks it picks.
+const SEED: u64 = 0x9A61_6E67;
+
+/// What a poisoned destination holds before a verifying swap.
+const POISON: u8 = 0xA5;
+
+/// Device memory left to cuda-resident's own device staging when the pool is clamped.
+const HEADROOM: u64 = 1 << 30;
+
+/// Progress steps of the suite: one per block size and host cache.
+pub(super) fn steps(args: &Args) -> usize {
+    2 * args.paging_blocks.len()
+}
+
+/// The host cache's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Pinned,
+    Pageable,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Pinned => "pinned",
+            Kind::Pageable => "pageable",
+        }
+    }
+}
+
+/// What a step swaps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dir {
+    /// Device blocks into the cache's out region.
+    Out,
+    /// The cache's in region into device blocks.
+    In,
+    /// Both at once.
+    Both,
+}
+
+impl Dir {
+    fn name(self) -> &'static str {
+        match self {
+            Dir::Out => "out",
+            Dir::In => "in",
+            Dir::Both => "both",
+        }
+    }
+
+    fn outward(self) -> bool {
+        matches!(self, Dir::Out | Dir::Both)
+    }
+
+    fn inward(self) -> bool {
+        matches!(self, Dir::In | Dir::Both)
+    }
+}
+
+/// Who swaps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Method {
+    /// The raw driver, one call per block.
+    Raw,
+    /// `cuMemcpyBatchAsync`, one call per direction.
+    Batch,
+    /// cuda-resident, one batch per direction.
+    Ours,
+}
+
+impl Method {
+    fn name(self) -> &'static str {
+        match self {
+            Method::Raw => "raw driver",
+            Method::Batch => "cuMemcpyBatchAsync",
+            Method::Ours => "cuda-resident",
+        }
+    }
+}
+
+/// `n` distinct blocks to swap out and `n` other distinct blocks to swap in, of blocks
+/// `0..total`, each list in a random order drawn from `seed`: the same lists every run.
+///
+/// # Panics
+/// If `2 * n > total`.
+pub(crate) fn pick_blocks(seed: u64, total: usize, n: usize) -> (Vec<usize>, Vec<usize>) {
+    let both = n.checked_mul(2).filter(|&both| both <= total);
+    let both = both.unwrap_or_else(|| panic!("{n} blocks out and {n} in do not fit in {total}"));
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut picked = if n.saturating_mul(4) <= total {
+        // Few of many: draw, and draw again for a block already picked (at most half are).
+        let mut seen = std::collections::HashSet::with_capacity(both);
+        let mut picked = Vec::with_capacity(both);
+        while picked.len() < both {
+            let block = rng.usize(..total);
+            if seen.insert(block) {
+                picked.push(block);
+            }
+        }
+        picked
+    } else {
+        // Most of them: the first `both` of a partial shuffle.
+        let mut all: Vec<usize> = (0..total).collect();
+        for i in 0..both {
+            all.swap(i, rng.usize(i..total));
+        }
+        all.truncate(both);
+        all
+    };
+    let ins = picked.split_off(n);
+    (picked, ins)
+}
+
+/// Runs every case: each block size, with the pinned then the pageable host cache, each
+/// direction by each method.
+pub(super) fn run(
+    d: &Device,
+    baseline: &DriverBaseline,
+    args: &Args,
+    rows: &mut Vec<Row>,
+    progress: &ProgressBar,
+) -> BenchResult<()> {
+    progress.set_message("paging: filling the pool");
+    let pool = Pool::allocate(d, args.paging_pool, 2 * args.paging_bytes)?;
+    let result = with_pool(d, baseline, args, &pool, rows, progress);
+    let freed = d.free(pool.buffer).map_err(error);
+    result?;
+    freed
+}
+
+/// The device pool.
+struct Pool {
+    buffer: ResidentBuffer,
+    bytes: usize,
+    /// Why it is smaller than `--paging-pool`, where it is.
+    clamped: Option<String>,
+}
+
+impl Pool {
+    /// `wanted` bytes on `d`, or, where the device cannot hold them, as much as it can
+    /// (leaving [`HEADROOM`] of what the budget allows to cuda-resident's own staging) but
+    /// at least `least`.
+    fn allocate(d: &Device, wanted: usize, least: usize) -> BenchResult<Pool> {
+        let refused = match d.allocate(wanted as u64) {
+            Ok(buffer) => return Ok(Pool { buffer, bytes: wanted, clamped: None }),
+            Err(e) => e,
+        };
+        let free = d.driver_free_bytes().map_err(error)?;
+        let allowed = (free as f64 * d.config().budget_fraction) as u64;
+        let mib = |bytes: u64| bytes >> 20 << 20;
+        let mut bytes = mib(allowed.saturating_sub(HEADROOM).min(wanted as u64));
+        while bytes >= least as u64 {
+            if let Ok(buffer) = d.allocate(bytes) {
+                let clamped = format!(
+                    "device pool clamped from --paging-pool {} to {}: the device could not hold \
+                     more ({} free, budget fraction {}, {} left to cuda-resident's staging)",
+                    human(wanted),
+                    human(bytes as usize),
+                    human(mib(free) as usize),
+                    d.config().budget_fraction,
+                    human(HEADROOM as usize)
+                );
+                eprintln!("paging: {clamped}");
+                return Ok(Pool { buffer, bytes: bytes as usize, clamped: Some(clamped) });
+            }
+            bytes = mib(bytes / 8 * 7);
+        }
+        Err(format!(
+            "the paging suite's device pool needs at least {} (2 x --paging-bytes) and the device \
+             cannot hold it ({} free; {refused}). Fix: pass a smaller --paging-bytes, or free \
+             device memory.",
+            human(least),
+            human(mib(free) as usize)
+        ))
+    }
+
+    /// Fills the pool with random bytes, through `scratch` a piece at a time.
+    fn fill(&self, d: &Device, scratch: &mut [u8]) -> BenchResult<()> {
+        let step = scratch.len().max(1);
+        for (k, start) in (0..self.bytes).step_by(step).enumerate() {
+            let piece = &mut scratch[..(self.bytes - start).min(step)];
+            fill_random(SEED ^ ((k as u64 + 1) << 32), piece);
+            d.upload_at(self.buffer, start as u64, piece).map_err(error)?;
+        }
+        Ok(())
+    }
+}
+
+/// The cases on `pool`: the host caches made, every block size's swaps.
+fn with_pool(
+    d: &Device,
+    baseline: &DriverBaseline,
+    args: &Args,
+    pool: &Pool,
+    rows: &mut Vec<Row>,
+    progress: &ProgressBar,
+) -> BenchResult<()> {
+    let cache_bytes = 2 * args.paging_bytes;
+    let mut pageable = vec![0u8; cache_bytes];
+    pool.fill(d, &mut pageable)?;
+    fill_random(SEED + 1, &mut pageable);
+    let mut pinned = d.pinned(cache_bytes).map_err(error)?;
+    fill_random(SEED + 2, &mut pinned);
+    let mut notes: Vec<String> = pool.clamped.iter().cloned().collect();
+    let cap = d.config().pinned_cap_bytes;
+    if cap > Config::default().pinned_cap_bytes {
+        notes.push(format!(
+            "cuda-resident's pinned cap raised to {} (Config::pinned_cap_bytes) to hold the pinned \
+             cache and a swap-out's views",
+            human(cap as usize)
+        ));
+    }
+    let pool_ptr = d.device_ptr(pool.buffer).map_err(error)?;
+    for &block in &args.paging_blocks {
+        let n = args.paging_bytes / block;
+        let (out, ins) = pick_blocks(SEED ^ block as u64, pool.bytes / block, n);
+        for kind in [Kind::Pinned, Kind::Pageable] {
+            progress.set_message(format!("paging {} {}", human(block), kind.name()));
+            let cache: &mut [u8] = match kind {
+                Kind::Pinned => &mut pinned,
+                Kind::Pageable => &mut pageable,
+            };
+            let (out_region, in_region) = cache.split_at_mut(args.paging_bytes);
+            let mut case = Case {
+                d,
+                pool: pool.buffer,
+                out: Lane::new(pool_ptr, block, &out, out_region, baseline.second, false),
+                ins: Lane::new(pool_ptr, block, &ins, &*in_region, baseline.stream, true),
+            };
+            for dir in [Dir::Out, Dir::In, Dir::Both] {
+                let name = format!("paging {} {} {}", human(block), dir.name(), kind.name());
+                let mut row = case.row(&name, dir, args.reps, baseline.batch)?;
+                (row.count, row.size) = (Some(n), Some(block));
+                row.note = (!notes.is_empty()).then(|| notes.join("; "));
+                rows.push(row);
+            }
+            progress.inc(1);
+        }
+    }
+    Ok(())
+}
+
+/// One direction of a swap: the blocks it moves (their offsets in the pool and device
+/// addresses, in swap order), its region of the host cache (slot `i`, `block` bytes at
+/// `i * block`, holds block `i`'s bytes), the raw driver's stream for it and the address
+/// lists `cuMemcpyBatchAsync` takes.
+struct Lane<H> {
+    block: usize,
+    offsets: Vec<u64>,
+    ptrs: Vec<u64>,
+    host: H,
+    stream: CUstream,
+    /// `cuMemcpyBatchAsync`'s destinations, sources and sizes.
+    dsts: Vec<u64>,
+    srcs: Vec<u64>,
+    sizes: Vec<usize>,
+}
+
+// SAFETY: the driver API may be called from any thread and a `CUstream` handle used from
+// any of them; the other fields are `Send` where `H` is. A lane is used by one thread at a
+// time.
+unsafe impl<H: Send> Send for Lane<H> {}
+
+impl<H: AsRef<[u8]>> Lane<H> {
+    /// The lane of `blocks` (indices of `block` bytes in the pool at `pool_ptr`) and `host`,
+    /// which holds a slot for each; `inward`: host to device.
+    fn new(
+        pool_ptr: u64,
+        block: usize,
+        blocks: &[usize],
+        host: H,
+        stream: CUstream,
+        inward: bool,
+    ) -> Lane<H> {
+        let offsets: Vec<u64> = blocks.iter().map(|&b| (b * block) as u64).collect();
+        let ptrs: Vec<u64> = offsets.iter().map(|&o| pool_ptr + o).collect();
+        let base = host.as_ref().as_ptr() as u64;
+        let slots: Vec<u64> = (0..blocks.len()).map(|i| base + (i * block) as u64).collect();
+        let (dsts, srcs) = if inward { (ptrs.clone(), slots) } else { (slots, ptrs.clone()) };
+        Lane { block, offsets, ptrs, host, stream, dsts, srcs, sizes: vec![block; blocks.len()] }
+    }
+
+    /// The bytes of the cache's slots.
+    fn slots_len(&self) -> usize {
+        self.offsets.len() * self.block
+    }
+
+    /// Checks that every block of the lane holds the bytes of its slot, reading the device
+    /// through the raw driver: the index of the first that does not.
+    fn first_differing(&self, d: &Device) -> BenchResult<Option<usize>> {
+        let mut device = vec![0u8; self.block];
+        for (i, (&ptr, slot)) in self.ptrs.iter().zip(self.host.as_ref().chunks_exact(self.block)).enumerate()
+        {
+            // SAFETY: `block` bytes of the live pool into a vector of as many; the call
+            // returns when the copy is done.
+            check("cuMemcpyDtoH", unsafe {
+                call!(d.driver(), cuMemcpyDtoH_v2(device.as_mut_ptr().cast(), ptr, self.block))
+            })?;
+            if device != slot {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl Lane<&[u8]> {
+    /// One `cuMemcpyHtoDAsync` per block, then a synchronize.
+    fn raw(&self, d: &Device) -> BenchResult<()> {
+        let slots = self.host.chunks_exact(self.block);
+        each_h2d(d, self.stream, slots, &self.ptrs)
+    }
+
+    /// One `cuMemcpyBatchAsync` of every block, then a synchronize.
+    fn batch(&mut self, d: &Device) -> BenchResult<()> {
+        memcpy_batch(d, self.stream, &mut self.dsts, &mut self.srcs, &mut self.sizes, true)
+    }
+
+    /// Overwrites the lane's blocks on the device, so that what a swap-in moves next is
+    /// what gets verified.
+    fn poison(&self, d: &Device) -> BenchResult<()> {
+        for &ptr in &self.ptrs {
+            // SAFETY: `block` bytes of the live pool, on a stream of its context;
+            // synchronized below.
+            check("cuMemsetD8Async", unsafe {
+                call!(d.driver(), cuMemsetD8Async(ptr, POISON, self.block, self.stream))
+            })?;
+        }
+        sync(d, self.stream)
+    }
+}
+
+impl Lane<&mut [u8]> {
+    /// One `cuMemcpyDtoHAsync` per block, then a synchronize.
+    fn raw(&mut self, d: &Device) -> BenchResult<()> {
+        let slots = self.host.chunks_exact_mut(self.block);
+        each_d2h(d, self.stream, slots, &self.ptrs)
+    }
+
+    /// One `cuMemcpyBatchAsync` of every block, then a synchronize.
+    fn batch(&mut self, d: &Device) -> BenchResult<()> {
+        memcpy_batch(d, self.stream, &mut self.dsts, &mut self.srcs, &mut self.sizes, false)
+    }
+
+    /// Overwrites the lane's slots, so that what a swap-out moves next is what gets verified.
+    fn poison(&mut self) {
+        let len = self.slots_len();
+        self.host[..len].fill(POISON);
+    }
+}
+
+/// cuda-resident's swap-in, submitted: one `write` per block from its slot, in swap order.
+fn ours_in(d: &Device, pool: ResidentBuffer, lane: &Lane<&[u8]>) -> BenchResult<Fence> {
+    let mut batch = d.uploads();
+    for (slot, &offset) in lane.host.chunks_exact(lane.block).zip(&lane.offsets) {
+        batch.write(pool, offset, slot).map_err(error)?;
+    }
+    batch.submit().map_err(error)
+}
+
+/// cuda-resident's swap-out, submitted: one `read` per block, in swap order.
+/// [`SwapOut::land`] waits and copies each view into its slot.
+fn ours_out(d: &Device, pool: ResidentBuffer, lane: &Lane<&mut [u8]>) -> BenchResult<SwapOut> {
+    let mut reads = d.downloads();
+    let slots = lane.offsets.iter().map(|&offset| reads.read(pool, offset, lane.block as u64));
+    let slots = slots.collect::<Result<Vec<Slot>, _>>().map_err(error)?;
+    Ok(SwapOut { pending: reads.submit().map_err(error)?, slots })
+}
+
+/// A submitted swap-out of cuda-resident's.
+struct SwapOut {
+    pending: PendingDownload,
+    /// Each block's read, in swap order.
+    slots: Vec<Slot>,
+}
+
+impl SwapOut {
+    /// Waits for the reads and copies each block's view into its slot of `lane`.
+    fn land(self, lane: &mut Lane<&mut [u8]>) -> BenchResult<()> {
+        let done = self.pending.wait().map_err(error)?;
+        for (&slot, dst) in self.slots.iter().zip(lane.host.chunks_exact_mut(lane.block)) {
+            dst.copy_from_slice(done.get(slot));
+        }
+        Ok(())
+    }
+}
+
+/// One block size and host cache: both lanes.
+struct Case<'a> {
+    d: &'a Device,
+    pool: ResidentBuffer,
+    out: Lane<&'a mut [u8]>,
+    ins: Lane<&'a [u8]>,
+}
+
+impl Case<'_> {
+    /// The row of `dir`: each method timed (`reps` repetitions after a warm-up), then
+    /// verified; the batch API where the driver has it (`batch`).
+    fn row(&mut self, name: &str, dir: Dir, reps: usize, batch: bool) -> BenchResult<Row> {
+        let mut time = |method| -> BenchResult<Spread> {
+            let secs = median_of(reps, || self.secs(method, dir))?;
+            self.verify(method, dir, name)?;
+            Ok(secs)
+        };
+        let raw = time(Method::Raw)?;
+        let batch = if batch { Some(time(Method::Batch)?) } else { None };
+        let ours = time(Method::Ours)?;
+        let per_way = self.out.slots_len();
+        let bytes = if dir == Dir::Both { 2 * per_way } else { per_way };
+        Ok(Row::gbps(name.to_owned(), bytes, Some(raw), batch, ours))
+    }
+
+    /// Seconds of one swap by `method` in `dir`, waited for.
+    fn secs(&mut self, method: Method, dir: Dir) -> BenchResult<f64> {
+        let (d, pool) = (self.d, self.pool);
+        if dir == Dir::Both && method != Method::Ours {
+            let (out, ins) = (&mut self.out, &mut self.ins);
+            return match method {
+                Method::Raw => secs_together(d, move || ins.raw(d), move || out.raw(d)),
+                _ => secs_together(d, move || ins.batch(d), move || out.batch(d)),
+            };
+        }
+        let t = std::time::Instant::now();
+        match (method, dir) {
+            (Method::Raw, Dir::Out) => self.out.raw(d)?,
+            (Method::Raw, _) => self.ins.raw(d)?,
+            (Method::Batch, Dir::Out) => self.out.batch(d)?,
+            (Method::Batch, _) => self.ins.batch(d)?,
+            (Method::Ours, Dir::Out) => ours_out(d, pool, &self.out)?.land(&mut self.out)?,
+            (Method::Ours, Dir::In) => ours_in(d, pool, &self.ins)?.wait().map_err(error)?,
+            (Method::Ours, Dir::Both) => {
+                // The download first: its submit returns once the reads are enqueued, while
+                // an upload's returns only once its bytes are staged (it borrows them until
+                // then), so this order lets the download run while the upload stages.
+                let out = ours_out(d, pool, &self.out)?;
+                let fence = ours_in(d, pool, &self.ins)?;
+                fence.wait().map_err(error)?;
+                out.land(&mut self.out)?;
+            }
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Poisons the destinations of `dir`, swaps once by `method`, and checks every moved
+    /// block against its source.
+    fn verify(&mut self, method: Method, dir: Dir, name: &str) -> BenchResult<()> {
+        if dir.outward() {
+            self.out.poison();
+        }
+        if dir.inward() {
+            self.ins.poison(self.d)?;
+        }
+        self.secs(method, dir)?;
+        let differs = |lane_offsets: &[u64], i: usize, what: &str| {
+            crate::mismatch(format!(
+                "{name}, {}: the block at pool offset {} ({what} {} of {}) differs from its source \
+                 after the swap",
+                method.name(),
+                lane_offsets[i],
+                i + 1,
+                lane_offsets.len()
+            ))
+        };
+        if dir.outward()
+            && let Some(i) = self.out.first_differing(self.d)?
+        {
+            return Err(differs(&self.out.offsets, i, "swapped out"));
+        }
+        if dir.inward()
+            && let Some(i) = self.ins.first_differing(self.d)?
+        {
+            return Err(differs(&self.ins.offsets, i, "swapped in"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick_blocks;
+
+    #[test]
+    fn blocks_are_distinct_disjoint_in_range_and_reproducible() {
+        // Few of many (drawn) and most of them (shuffled), and all of them.
+        for (total, n) in [(524_288, 16_384), (1000, 100), (1000, 400), (10, 5), (2, 1)] {
+            let (out, ins) = pick_blocks(7, total, n);
+            assert_eq!((out.len(), ins.len()), (n, n));
+            let mut all: Vec<usize> = out.iter().chain(&ins).copied().collect();
+            assert!(all.iter().all(|&b| b < total), "in range");
+            all.sort_unstable();
+            all.dedup();
+            assert_eq!(all.len(), 2 * n, "{total}, {n}: distinct, and none both out and in");
+            assert_eq!(pick_blocks(7, total, n), (out.clone(), ins.clone()), "the same every run");
+            if n > 1 {
+                assert_ne!(pick_blocks(8, total, n).0, out, "another seed, other blocks");
+                assert!(out.windows(2).any(|w| w[0] > w[1]), "in a random order, not sorted");
+            }
+        }
+        assert_eq!(pick_blocks(1, 5, 0), (vec![], vec![]));
+    }
+
+    #[test]
+    #[should_panic(expected = "do not fit")]
+    fn more_blocks_than_the_pool_holds_is_a_bug() {
+        let _ = pick_blocks(1, 9, 5);
+    }
+}
