@@ -12,18 +12,19 @@
 //! The methods move the same blocks in the same order: the raw driver, one
 //! `cuMemcpy*Async` per block on a stream per direction (from and into pageable memory too,
 //! as a naive server does), then a synchronize; `cuMemcpyBatchAsync`, one call per
-//! direction; cuda-resident, a batch per direction: one `write` per block (in), or one
-//! `read` per block, then a copy of each view into its slot (out). For "both", the
-//! baselines run each direction on a thread and stream of its own, released together;
-//! cuda-resident submits its download, then its upload, and waits for both. GB/s counts the
-//! bytes moved, both directions' for "both".
+//! direction; cuda-resident, one scope ([`Device::scope`]) with a batch per direction: one
+//! `write` per block from its slot (in), one `read_into` per block into its slot (out),
+//! in place for the pinned cache, staged for the pageable one. For "both", the baselines run
+//! each direction on a thread and stream of its own, released together; cuda-resident
+//! submits both batches in its scope, which waits for both. GB/s counts the bytes moved,
+//! both directions' for "both".
 //!
 //! Every method's swap is verified once per case, outside the clock: its destination
 //! poisoned, one swap, then every byte of every moved block compared with its source, the
 //! device side read back block by block through the raw driver.
 
 use cuda_resident::cuda_sys::{CUstream, call};
-use cuda_resident::{Config, Device, Fence, PendingDownload, ResidentBuffer, Slot};
+use cuda_resident::{Config, Device, ResidentBuffer};
 use indicatif::ProgressBar;
 
 use crate::baselines::{DriverBaseline, check, each_d2h, each_h2d, memcpy_batch, sync};
@@ -384,40 +385,36 @@ impl Lane<&mut [u8]> {
     }
 }
 
-/// cuda-resident's swap-in, submitted: one `write` per block from its slot, in swap order.
-fn ours_in(d: &Device, pool: ResidentBuffer, lane: &Lane<&[u8]>) -> BenchResult<Fence> {
-    let mut batch = d.uploads();
-    for (slot, &offset) in lane.host.chunks_exact(lane.block).zip(&lane.offsets) {
-        batch.write(pool, offset, slot).map_err(error)?;
-    }
-    batch.submit().map_err(error)
-}
-
-/// cuda-resident's swap-out, submitted: one `read` per block, in swap order.
-/// [`SwapOut::land`] waits and copies each view into its slot.
-fn ours_out(d: &Device, pool: ResidentBuffer, lane: &Lane<&mut [u8]>) -> BenchResult<SwapOut> {
-    let mut reads = d.downloads();
-    let slots = lane.offsets.iter().map(|&offset| reads.read(pool, offset, lane.block as u64));
-    let slots = slots.collect::<Result<Vec<Slot>, _>>().map_err(error)?;
-    Ok(SwapOut { pending: reads.submit().map_err(error)?, slots })
-}
-
-/// A submitted swap-out of cuda-resident's.
-struct SwapOut {
-    pending: PendingDownload,
-    /// Each block's read, in swap order.
-    slots: Vec<Slot>,
-}
-
-impl SwapOut {
-    /// Waits for the reads and copies each block's view into its slot of `lane`.
-    fn land(self, lane: &mut Lane<&mut [u8]>) -> BenchResult<()> {
-        let done = self.pending.wait().map_err(error)?;
-        for (&slot, dst) in self.slots.iter().zip(lane.host.chunks_exact_mut(lane.block)) {
-            dst.copy_from_slice(done.get(slot));
+/// cuda-resident's swap, `out` and / or `in`, in one scope ([`Device::scope`]): one
+/// `read_into` per block into its slot, one `write` per block from its slot, in swap order.
+/// From and into the pinned cache the blocks move in place (DMAs, or the copy kernel over the
+/// bus); the pageable cache is staged. The upload is submitted first: a staged upload's
+/// submit returns once its bytes are staged, a staged download's once its bytes are copied
+/// out, so this order overlaps the two.
+fn ours(
+    d: &Device,
+    pool: ResidentBuffer,
+    out: Option<&mut Lane<&mut [u8]>>,
+    ins: Option<&Lane<&[u8]>>,
+) -> BenchResult<()> {
+    d.scope(|s| {
+        if let Some(ins) = ins {
+            let mut writes = s.uploads();
+            for (slot, &offset) in ins.host.chunks_exact(ins.block).zip(&ins.offsets) {
+                writes.write(pool, offset, slot)?;
+            }
+            writes.submit()?;
+        }
+        if let Some(out) = out {
+            let mut reads = s.downloads();
+            for (slot, &offset) in out.host.chunks_exact_mut(out.block).zip(&out.offsets) {
+                reads.read_into(pool, offset, slot)?;
+            }
+            reads.submit()?;
         }
         Ok(())
-    }
+    })
+    .map_err(error)
 }
 
 /// One block size and host cache: both lanes.
@@ -461,17 +458,9 @@ impl Case<'_> {
             (Method::Raw, _) => self.ins.raw(d)?,
             (Method::Batch, Dir::Out) => self.out.batch(d)?,
             (Method::Batch, _) => self.ins.batch(d)?,
-            (Method::Ours, Dir::Out) => ours_out(d, pool, &self.out)?.land(&mut self.out)?,
-            (Method::Ours, Dir::In) => ours_in(d, pool, &self.ins)?.wait().map_err(error)?,
-            (Method::Ours, Dir::Both) => {
-                // The download first: its submit returns once the reads are enqueued, while
-                // an upload's returns only once its bytes are staged (it borrows them until
-                // then), so this order lets the download run while the upload stages.
-                let out = ours_out(d, pool, &self.out)?;
-                let fence = ours_in(d, pool, &self.ins)?;
-                fence.wait().map_err(error)?;
-                out.land(&mut self.out)?;
-            }
+            (Method::Ours, Dir::Out) => ours(d, pool, Some(&mut self.out), None)?,
+            (Method::Ours, Dir::In) => ours(d, pool, None, Some(&self.ins))?,
+            (Method::Ours, Dir::Both) => ours(d, pool, Some(&mut self.out), Some(&self.ins))?,
         }
         Ok(t.elapsed().as_secs_f64())
     }
