@@ -28,7 +28,8 @@ use crate::engine::{Exec, wait};
 use crate::error::{Error, Result};
 use crate::host_pool::lent_extent;
 use crate::kernels::{CopyDescriptor, push_descriptors, table_bytes};
-use crate::stream::{Fence, LaneKind};
+use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
+use crate::sync::lock;
 
 /// A scope of transfers that may use the caller's memory ([`Device::scope`](crate::Device::scope)).
 ///
@@ -78,8 +79,7 @@ use crate::stream::{Fence, LaneKind};
 /// ```
 pub struct Scope<'scope, 'env: 'scope> {
     core: &'env Arc<Core>,
-    /// The last submission made in the scope on each lane (0: none).
-    last: [AtomicU64; 2],
+    seen: Seen,
     scope: PhantomData<&'scope mut &'scope ()>,
     env: PhantomData<&'env mut &'env ()>,
 }
@@ -95,7 +95,7 @@ pub(crate) fn scope<'env, R>(
     core: &'env Arc<Core>,
     f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>,
 ) -> Result<R> {
-    let scope = Scope { core, last: Default::default(), scope: PhantomData, env: PhantomData };
+    let scope = Scope { core, seen: Seen::default(), scope: PhantomData, env: PhantomData };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&scope)));
     // Whatever the closure did, nothing returns (or unwinds) past this point while a copy
     // of the scope may still use the memory it borrowed.
@@ -112,7 +112,7 @@ impl<'scope> Scope<'scope, '_> {
     pub fn uploads(&'scope self) -> ScopedUploads<'scope> {
         ScopedUploads {
             core: self.core,
-            last: &self.last,
+            seen: &self.seen,
             table: BufferTable::default(),
             writes: Vec::new(),
             error: None,
@@ -124,7 +124,7 @@ impl<'scope> Scope<'scope, '_> {
     pub fn downloads(&'scope self) -> ScopedDownloads<'scope> {
         ScopedDownloads {
             core: self.core,
-            last: &self.last,
+            seen: &self.seen,
             table: BufferTable::default(),
             reads: Vec::new(),
             error: None,
@@ -132,32 +132,54 @@ impl<'scope> Scope<'scope, '_> {
         }
     }
 
-    /// Waits for every submission of the scope. A wait that fails falls back to
-    /// synchronizing the lane's stream, so that no copy runs once this returns: if that
-    /// fails too, the context has failed, and no copy of it runs any more.
+    /// Waits for every submission of the scope. A lane where a batch failed part-way, or
+    /// whose wait fails, is synchronized whole instead (its stream, which a failed batch's
+    /// side work was joined into), so that no copy of the scope runs once this returns: if
+    /// that fails too, the context has failed, and none of its copies runs any more.
     fn wait_all(&self) -> Result<()> {
         let mut first = Ok(());
         for kind in [LaneKind::Upload, LaneKind::Readback] {
-            let seq = self.last[kind.index()].load(Ordering::Acquire);
-            if seq == 0 {
-                continue;
-            }
-            if let Err(e) = wait(self.core, kind, seq) {
-                let stream = self.core.lane(kind).stream();
-                let _ = self.core.ctx.bind().and_then(|raw| raw.stream_synchronize(stream));
-                if first.is_ok() {
-                    first = Err(e);
-                }
+            let seq = self.seen.last[kind.index()].load(Ordering::Acquire);
+            let failed = self.seen.failed[kind.index()].load(Ordering::Acquire);
+            let stream = self.core.lane(kind).stream();
+            let sync = || self.core.ctx.bind().and_then(|raw| raw.stream_synchronize(stream));
+            let waited = match (failed, seq) {
+                (true, _) => sync(),
+                (false, 0) => Ok(()),
+                (false, seq) => wait(self.core, kind, seq).inspect_err(|_| drop(sync())),
+            };
+            if let Err(e) = waited
+                && first.is_ok()
+            {
+                first = Err(e);
             }
         }
         first
     }
 }
 
+/// What a scope's batches did on each lane: the last submission made (0: none), and
+/// whether a batch failed after it may have enqueued work.
+#[derive(Debug, Default)]
+struct Seen {
+    last: [AtomicU64; 2],
+    failed: [std::sync::atomic::AtomicBool; 2],
+}
+
+impl Seen {
+    /// Records what a submit on `kind`'s lane returned.
+    fn note<T>(&self, kind: LaneKind, result: Result<T>) -> Result<T> {
+        if result.is_err() {
+            self.failed[kind.index()].store(true, Ordering::Release);
+        }
+        result
+    }
+}
+
 /// Records `fence`'s submission as the scope's latest on its lane.
-fn note(last: &[AtomicU64; 2], fence: &Fence) {
+fn note(seen: &Seen, fence: &Fence) {
     if let Some((_, kind, seq)) = fence.target() {
-        last[kind.index()].fetch_max(seq, Ordering::AcqRel);
+        seen.last[kind.index()].fetch_max(seq, Ordering::AcqRel);
     }
 }
 
@@ -191,10 +213,116 @@ struct Direct {
     len: u64,
 }
 
-/// Moves `items` on `kind`'s lane with no staging: each one at least the direct threshold
-/// long by one DMA, the others by one launch of the copy kernel over the bus, its
-/// descriptor table in pinned memory (by DMAs too on a GPU without unified addressing).
-/// `ranges` are the items' device ranges; `buffers` every buffer they lie in.
+/// Runs of items contiguous in host memory at least this long move through device staging
+/// (one DMA a chunk plus a scatter or gather launch inside the device) rather than one DMA
+/// or one over-the-bus copy an item.
+const RUN_MIN: u64 = 1 << 20;
+
+/// One chunk of a run: its host bytes, moved by one DMA into or out of a device staging
+/// slot, and the descriptors (in the batch's table) between that slot and the items.
+#[derive(Clone, Debug)]
+struct Chunk {
+    host: usize,
+    len: u64,
+    descriptors: std::ops::Range<usize>,
+}
+
+/// How a batch of [`Direct`] items moves: the chunks of host-contiguous runs, the
+/// descriptors of every launch (chunks' first, then the over-the-bus launch's from
+/// `bus_from`), and the items moved by a DMA each.
+#[derive(Debug, Default)]
+struct Layout {
+    chunks: Vec<Chunk>,
+    descriptors: Vec<CopyDescriptor>,
+    bus_from: usize,
+    dmas: Vec<Direct>,
+    /// Bytes the over-the-bus launch moves.
+    bus_bytes: u64,
+}
+
+impl Layout {
+    /// Lays `items` out for `kind`: runs (items each starting in host memory where the last
+    /// ended) of at least [`RUN_MIN`] bytes cut into chunks of at most `chunk` bytes (slot
+    /// offsets relative to the slot, which the launch adds); other items of at least
+    /// `threshold` bytes by DMA, the rest over the bus (`bus`: the GPU has unified
+    /// addressing; without it, everything goes by DMA).
+    fn new(items: &[Direct], kind: LaneKind, chunk: u64, threshold: u64, bus: bool) -> Layout {
+        let mut layout = Layout::default();
+        let mut bus_items = Vec::new();
+        let mut i = 0;
+        while i < items.len() {
+            let mut end = i + 1;
+            let mut bytes = items[i].len;
+            while end < items.len() && items[end].host == items[end - 1].host + items[end - 1].len as usize {
+                bytes += items[end].len;
+                end += 1;
+            }
+            let run = &items[i..end];
+            i = end;
+            if bus && bytes >= RUN_MIN {
+                layout.push_run(run, kind, chunk);
+                continue;
+            }
+            for &d in run {
+                if bus && d.len < threshold {
+                    bus_items.push(d);
+                } else {
+                    layout.dmas.push(d);
+                }
+            }
+        }
+        layout.bus_from = layout.descriptors.len();
+        for d in bus_items {
+            let (src, dst) =
+                if kind == LaneKind::Upload { (d.host as u64, d.dev) } else { (d.dev, d.host as u64) };
+            push_descriptors(&mut layout.descriptors, src, dst, d.len);
+            layout.bus_bytes += d.len;
+        }
+        layout
+    }
+
+    /// Cuts a host-contiguous run into chunks, an item split where a chunk ends; each
+    /// descriptor's staging side is its offset in the chunk's slot.
+    fn push_run(&mut self, run: &[Direct], kind: LaneKind, chunk: u64) {
+        let mut open =
+            Chunk { host: run[0].host, len: 0, descriptors: self.descriptors.len()..self.descriptors.len() };
+        for d in run {
+            let mut done = 0;
+            while done < d.len {
+                if open.len == chunk {
+                    let next = Chunk {
+                        host: open.host + open.len as usize,
+                        len: 0,
+                        descriptors: self.descriptors.len()..self.descriptors.len(),
+                    };
+                    self.chunks.push(std::mem::replace(&mut open, next));
+                }
+                let len = (d.len - done).min(chunk - open.len);
+                let (slot, dev) = (open.len, d.dev + done);
+                let (src, dst) = if kind == LaneKind::Upload { (slot, dev) } else { (dev, slot) };
+                push_descriptors(&mut self.descriptors, src, dst, len);
+                open.descriptors.end = self.descriptors.len();
+                open.len += len;
+                done += len;
+            }
+        }
+        self.chunks.push(open);
+    }
+
+    /// Submissions on the lane: one a chunk and one to close the chunks (their side work
+    /// joined), one for the over-the-bus launch, one for the DMAs.
+    fn submissions(&self) -> u64 {
+        let chunks = if self.chunks.is_empty() { 0 } else { self.chunks.len() + 1 };
+        (chunks + usize::from(self.bus_from < self.descriptors.len()) + usize::from(!self.dmas.is_empty()))
+            as u64
+    }
+}
+
+/// Moves `items` on `kind`'s lane with no host staging ([`Layout`]): runs contiguous in host
+/// memory by one DMA a chunk into or out of device staging, with a scatter (uploads) or
+/// gather (downloads) launch inside the device, the two overlapped on the lane's two streams;
+/// scattered small items by one launch of the copy kernel over the bus; the rest by one DMA
+/// each. `ranges` are the items' device ranges; `buffers` every buffer they lie in.
 fn move_pinned(
     core: &Arc<Core>,
     kind: LaneKind,
@@ -202,64 +330,112 @@ fn move_pinned(
     items: &[Direct],
     ranges: Ranges,
 ) -> Result<Fence> {
-    let threshold = core.config.direct_threshold;
-    let bus = core.moves_small_copies_over_bus();
-    let by_kernel = |d: &Direct| bus && d.len < threshold;
-    let mut descriptors = Vec::new();
-    let mut kernel_bytes = 0;
-    for d in items.iter().filter(|d| by_kernel(d)) {
-        let (src, dst) =
-            if kind == LaneKind::Upload { (d.host as u64, d.dev) } else { (d.dev, d.host as u64) };
-        push_descriptors(&mut descriptors, src, dst, d.len);
-        kernel_bytes += d.len;
-    }
+    let config = &core.config;
+    let mut layout = Layout::new(
+        items,
+        kind,
+        config.chunk_bytes,
+        config.direct_threshold,
+        core.moves_small_copies_over_bus(),
+    );
     let mut exec = Exec::begin(core, kind);
-    let count = descriptors.len() as u64;
-    // The table in pinned memory; a pool that cannot lend it moves every item by DMA.
-    let table = if count > 0 {
-        match exec.lease(table_bytes(count) as usize) {
-            Ok(mut lease) => {
-                // SAFETY: a descriptor is three u64s (`repr(C)`, no padding); the lease is
-                // fresh and holds the whole table.
-                unsafe {
-                    let bytes = descriptors.len() * size_of::<CopyDescriptor>();
-                    lease.as_mut_slice()[..bytes].copy_from_slice(std::slice::from_raw_parts(
-                        descriptors.as_ptr().cast::<u8>(),
-                        bytes,
-                    ));
-                }
-                Some(Arc::new(lease))
+    let mut scratch = lock(&core.staging[kind.index()]);
+    exec.claim_built(buffers, layout.submissions(), ranges)?;
+    exec.requested(items.iter().map(|d| d.len).sum());
+    // A slot of device staging per chunk in flight: its bytes, then its table.
+    let slot_bytes = layout.chunks.iter().map(|c| c.len).max().unwrap_or(0).next_multiple_of(256);
+    let table_area = layout.chunks.iter().map(|c| table_bytes(c.descriptors.len() as u64)).max().unwrap_or(0);
+    let stride = slot_bytes + table_area;
+    let slots = layout.chunks.len().min(SIDE_SLOTS) as u64;
+    let region = if slots > 0 { exec.region(&mut scratch.region, slots * stride)? } else { 0 };
+    let slot_at = |k: usize| region + (k % SIDE_SLOTS) as u64 * stride;
+    // The staging side of each chunk's descriptors: its slot's address plus the offset.
+    for (k, chunk) in layout.chunks.iter().enumerate() {
+        for d in &mut layout.descriptors[chunk.descriptors.clone()] {
+            match kind {
+                LaneKind::Upload => d.src += slot_at(k),
+                LaneKind::Readback => d.dst += slot_at(k),
             }
-            Err(e) if e.is_staging_refusal() => None,
-            Err(e) => return Err(e),
         }
+    }
+    // Every descriptor in one pinned table, read over the bus by the launches.
+    let count = layout.descriptors.len();
+    let table = if count > 0 {
+        let mut lease = exec.lease(table_bytes(count as u64) as usize)?;
+        // SAFETY: a descriptor is three u64s (`repr(C)`, no padding); the lease is fresh and
+        // holds the whole table.
+        unsafe {
+            let bytes = count * size_of::<CopyDescriptor>();
+            lease.as_mut_slice()[..bytes]
+                .copy_from_slice(std::slice::from_raw_parts(layout.descriptors.as_ptr().cast::<u8>(), bytes));
+        }
+        Some(Arc::new(lease))
     } else {
         None
     };
-    exec.claim_built(buffers, 1, ranges)?;
-    exec.requested(items.iter().map(|d| d.len).sum());
-    let kernels = if table.is_some() { Some(exec.kernels()?) } else { None };
-    let keep = table.iter().cloned().collect();
-    exec.submit(keep, |q| {
-        if let (Some(table), Some(kernels)) = (&table, kernels) {
-            // SAFETY: the table lies in pinned memory this submission keeps alive, mapped for
-            // the device (unified addressing); the host side of every copy lies in pinned
-            // memory of this crate that the scope borrows until the copy completes; the
-            // device side is a range of a live, claimed buffer; no two destinations overlap
-            // (uploads: checked at submit; downloads: distinct `&mut` slices).
-            unsafe { q.launch_over_bus(kernels, table.as_ptr() as u64, count, kernel_bytes + count * 24) }?;
+    let table_at =
+        |i: usize| table.as_ref().map_or(0, |t| t.as_ptr() as u64 + (i * size_of::<CopyDescriptor>()) as u64);
+    let kernels = if count > 0 { Some(exec.kernels()?) } else { None };
+    for (k, chunk) in layout.chunks.iter().enumerate() {
+        let (slot, at) = (k % SIDE_SLOTS, slot_at(k));
+        let at_table = at + slot_bytes;
+        let (first, n) = (chunk.descriptors.start, chunk.descriptors.len() as u64);
+        let (kernels, table) = (kernels.expect("chunks have descriptors"), table.as_ref().expect("as above"));
+        let (table_ptr, table_len) = (table_at(first) as *const u8, n as usize * size_of::<CopyDescriptor>());
+        // The slot's last user (two chunks ago, on the side stream) is done first.
+        exec.wait_side(slot)?;
+        // SAFETY, for the DMAs and launches below: the chunk's part of the pinned table is
+        // kept alive by the lane's submission that copies it into the slot, behind the
+        // slot's bytes (`table_area` holds it); its descriptors name the slot (a chunk is at
+        // most `slot_bytes`) and ranges of live, claimed buffers, no two destinations
+        // overlapping; the host run is pinned memory of this crate that the scope borrows
+        // until the copies complete; the side work comes after the lane's submission and is
+        // joined before the batch's last one.
+        match kind {
+            LaneKind::Upload => {
+                exec.submit(vec![Arc::clone(table)], |q| unsafe {
+                    q.htod(at, chunk.host as *const u8, chunk.len as usize)?;
+                    q.htod(at_table, table_ptr, table_len)
+                })?;
+                exec.submit_side(slot, |q| unsafe { q.launch(kernels, at_table, n, 0) })?;
+            }
+            LaneKind::Readback => {
+                exec.submit(vec![Arc::clone(table)], |q| unsafe {
+                    q.htod(at_table, table_ptr, table_len)?;
+                    q.launch(kernels, at_table, n, 0)
+                })?;
+                exec.submit_side(slot, |q| unsafe { q.dtoh(chunk.host as *mut u8, at, chunk.len as usize) })?;
+            }
         }
-        for d in items.iter().filter(|d| table.is_none() || !by_kernel(d)) {
-            // SAFETY: as above, by one DMA each, in submission order.
-            unsafe {
-                match kind {
-                    LaneKind::Upload => q.htod(d.dev, d.host as *const u8, d.len as usize),
-                    LaneKind::Readback => q.dtoh(d.host as *mut u8, d.dev, d.len as usize),
-                }
-            }?;
-        }
-        Ok(())
-    })?;
+    }
+    if !layout.chunks.is_empty() {
+        exec.join_side()?;
+        exec.submit(Vec::new(), |_| Ok(()))?;
+    }
+    if layout.bus_from < count {
+        let (first, n) = (layout.bus_from, (count - layout.bus_from) as u64);
+        let kernels = kernels.expect("loaded for descriptors");
+        let keep = table.iter().cloned().collect();
+        exec.submit(keep, |q| {
+            // SAFETY: as above; the host side of each copy lies in pinned memory of this
+            // crate, mapped for the device, borrowed by the scope.
+            unsafe { q.launch_over_bus(kernels, table_at(first), n, layout.bus_bytes + n * 24) }
+        })?;
+    }
+    if !layout.dmas.is_empty() {
+        exec.submit(Vec::new(), |q| {
+            for d in &layout.dmas {
+                // SAFETY: as above, by one DMA each, in submission order.
+                unsafe {
+                    match kind {
+                        LaneKind::Upload => q.htod(d.dev, d.host as *const u8, d.len as usize),
+                        LaneKind::Readback => q.dtoh(d.host as *mut u8, d.dev, d.len as usize),
+                    }
+                }?;
+            }
+            Ok(())
+        })?;
+    }
     Ok(exec.finish())
 }
 
@@ -268,7 +444,7 @@ fn move_pinned(
 #[must_use = "a scoped upload batch moves nothing until it is submitted"]
 pub struct ScopedUploads<'scope> {
     core: &'scope Arc<Core>,
-    last: &'scope [AtomicU64; 2],
+    seen: &'scope Seen,
     table: BufferTable,
     writes: Vec<(u32, u64, &'scope [u8])>,
     error: Option<Error>,
@@ -353,8 +529,9 @@ impl<'scope> ScopedUploads<'scope> {
         let mut fence = Fence::completed();
         if !direct.is_empty() {
             let ranges = if staged.is_empty() { ranges } else { ranges_of(core, LaneKind::Upload, &direct) };
-            fence = move_pinned(core, LaneKind::Upload, self.table.buffers(), &direct, ranges)?;
-            note(self.last, &fence);
+            let moved = move_pinned(core, LaneKind::Upload, self.table.buffers(), &direct, ranges);
+            fence = self.seen.note(LaneKind::Upload, moved)?;
+            note(self.seen, &fence);
         }
         if !staged.is_empty() {
             let mut batch = super::upload::uploads(core);
@@ -362,7 +539,7 @@ impl<'scope> ScopedUploads<'scope> {
                 batch.write(buffer, offset, data)?;
             }
             fence = batch.submit()?;
-            note(self.last, &fence);
+            note(self.seen, &fence);
         }
         Ok(fence)
     }
@@ -381,7 +558,7 @@ fn ranges_of(core: &Core, kind: LaneKind, items: &[Direct]) -> Ranges {
 #[must_use = "a scoped download batch moves nothing until it is submitted"]
 pub struct ScopedDownloads<'scope> {
     core: &'scope Arc<Core>,
-    last: &'scope [AtomicU64; 2],
+    seen: &'scope Seen,
     table: BufferTable,
     reads: Vec<(u32, u64, &'scope mut [u8])>,
     error: Option<Error>,
@@ -465,8 +642,9 @@ impl<'scope> ScopedDownloads<'scope> {
         let mut fence = Fence::completed();
         if !direct.is_empty() {
             let ranges = ranges_of(core, LaneKind::Readback, &direct);
-            fence = move_pinned(core, LaneKind::Readback, self.table.buffers(), &direct, ranges)?;
-            note(self.last, &fence);
+            let moved = move_pinned(core, LaneKind::Readback, self.table.buffers(), &direct, ranges);
+            fence = self.seen.note(LaneKind::Readback, moved)?;
+            note(self.seen, &fence);
         }
         if !staged.is_empty() {
             let mut batch = super::download::downloads(core);
@@ -475,7 +653,7 @@ impl<'scope> ScopedDownloads<'scope> {
                 .map(|(buffer, offset, out)| batch.read(*buffer, *offset, out.len() as u64))
                 .collect::<Result<Vec<_>>>()?;
             let pending = batch.submit()?;
-            note(self.last, pending.fence());
+            note(self.seen, pending.fence());
             let done = pending.wait()?;
             let mut pieces = Vec::with_capacity(staged.len());
             for ((_, _, out), slot) in staged.iter_mut().zip(slots) {

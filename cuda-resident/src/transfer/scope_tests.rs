@@ -69,9 +69,13 @@ fn paging_step(d: &Device, cache: &mut [u8], block: usize, seed: u64) -> (u64, u
 
 #[test]
 fn a_paging_step_with_a_pinned_cache_moves_in_place_without_staging() {
-    // Past the bytes asked for, only the descriptor tables cross the bus (24 bytes a block):
-    // no staging copy and no second trip.
-    for (block, moves) in [(4096, (2, 0, 32 * 24)), (16 << 10, (2, 0, 32 * 24)), (256 << 10, (0, 32, 0))] {
+    // Past the bytes asked for, only the descriptor tables cross the bus (24 bytes a block
+    // segment of 16 KiB): no staging copy on the host and no second trip. Runs of 1 MiB and
+    // more (16 blocks of 256 KiB a way) move by one DMA a chunk and a launch inside the
+    // device; shorter ones by one launch over the bus a way.
+    for (block, moves) in
+        [(4096, (2, 0, 32 * 24)), (16 << 10, (2, 0, 32 * 24)), (256 << 10, (2, 4, 2 * 256 * 24))]
+    {
         let d = device(Config::default());
         let mut cache = d.pinned(32 * block).unwrap();
         assert_eq!(
@@ -236,4 +240,75 @@ fn bad_ranges_fail_the_batch_and_move_nothing() {
         s.downloads().submit()
     })
     .unwrap();
+}
+
+#[test]
+fn runs_longer_than_a_chunk_move_chunk_by_chunk_with_blocks_split_across_chunks() {
+    // 200 KiB blocks (below the direct threshold), 1 MiB chunks: blocks straddle chunk ends;
+    // 4 chunks a way, more than the two staging slots, so slots are reused once their chunk
+    // has moved on.
+    let block = 200 << 10;
+    let d = device(Config::default().with_chunk_bytes(1 << 20));
+    let mut cache = d.pinned(32 * block).unwrap();
+    let (launches, dmas, _) = paging_step(&d, &mut cache, block, 21);
+    let chunks = (16 * block as u64).div_ceil(1 << 20);
+    assert_eq!((launches, dmas), (2 * chunks, 4 * chunks), "a launch and two DMAs a chunk");
+}
+
+#[test]
+fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
+    // One batch: a 2 MiB host run of small writes, scattered small writes, and large
+    // writes apart from each other; all into one pool, checked byte for byte, both ways.
+    let d = device(Config::default().with_chunk_bytes(1 << 20).with_direct_threshold(64 << 10));
+    let mut rng = fastrand::Rng::with_seed(22);
+    let (buffer, mut expect) = pool(&d, &mut rng, 16 << 20);
+    let mut cache = d.pinned(8 << 20).unwrap();
+    rng.fill(&mut cache);
+    // (cache offset, pool offset, len): the run is 512 writes of 4 KiB, contiguous in the
+    // cache, to every other 4 KiB of the pool's first 4 MiB.
+    let mut writes: Vec<(usize, usize, usize)> = (0..512).map(|i| (i * 4096, i * 8192, 4096)).collect();
+    writes.extend((0..20).map(|i| (4 << 20 | i * 20_000, (5 << 20) + i * 30_000, 1000 + i)));
+    writes.extend((0..4).map(|i| ((6 << 20) + i * (256 << 10), (8 << 20) + i * (1 << 20), 200 << 10)));
+    rng.shuffle(&mut writes[512..]);
+    let waits = d.telemetry().lane_waits;
+    d.scope(|s| {
+        let mut batch = s.uploads();
+        for &(from, at, len) in &writes {
+            batch.write(buffer, at as u64, &cache[from..from + len])?;
+        }
+        batch.submit()
+    })
+    .unwrap();
+    for &(from, at, len) in &writes {
+        expect[at..at + len].copy_from_slice(&cache[from..from + len]);
+    }
+    assert!(d.download(buffer).unwrap() == expect, "uploads");
+    // The same shapes read back into a poisoned cache.
+    cache.fill(0xA5);
+    let (run, rest) = cache.split_at_mut(2 << 20);
+    let mut rest_at = 2 << 20;
+    let mut outs: Vec<(&mut [u8], usize)> =
+        run.chunks_mut(4096).zip(writes.iter()).map(|(c, w)| (c, w.1)).collect();
+    let mut rest = &mut rest[..];
+    for &(_, at, len) in &writes[512..] {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(len + 100);
+        outs.push((&mut head[..len], at));
+        rest = tail;
+        rest_at += len + 100;
+    }
+    assert!(rest_at < 8 << 20);
+    let expected: Vec<Vec<u8>> = outs.iter().map(|(o, at)| expect[*at..at + o.len()].to_vec()).collect();
+    d.scope(|s| {
+        let mut batch = s.downloads();
+        for (out, at) in outs.iter_mut() {
+            batch.read_into(buffer, *at as u64, out)?;
+        }
+        batch.submit()
+    })
+    .unwrap();
+    for ((out, at), want) in outs.iter().zip(&expected) {
+        assert!(out[..] == want[..], "the read at pool offset {at}");
+    }
+    assert_eq!(d.telemetry().lane_waits, waits, "the scope of the writes waited for them on the host");
+    assert!(model::with(|g| g.errors.is_empty()));
 }
