@@ -393,17 +393,21 @@ fn move_pinned(
         // joined before the batch's last one.
         match kind {
             LaneKind::Upload => {
+                // SAFETY: as above.
                 exec.submit(vec![Arc::clone(table)], |q| unsafe {
                     q.htod(at, chunk.host as *const u8, chunk.len as usize)?;
                     q.htod(at_table, table_ptr, table_len)
                 })?;
+                // SAFETY: as above.
                 exec.submit_side(slot, |q| unsafe { q.launch(kernels, at_table, n, 0) })?;
             }
             LaneKind::Readback => {
+                // SAFETY: as above.
                 exec.submit(vec![Arc::clone(table)], |q| unsafe {
                     q.htod(at_table, table_ptr, table_len)?;
                     q.launch(kernels, at_table, n, 0)
                 })?;
+                // SAFETY: as above.
                 exec.submit_side(slot, |q| unsafe { q.dtoh(chunk.host as *mut u8, at, chunk.len as usize) })?;
             }
         }

@@ -267,7 +267,7 @@ fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
     // (cache offset, pool offset, len): the run is 512 writes of 4 KiB, contiguous in the
     // cache, to every other 4 KiB of the pool's first 4 MiB.
     let mut writes: Vec<(usize, usize, usize)> = (0..512).map(|i| (i * 4096, i * 8192, 4096)).collect();
-    writes.extend((0..20).map(|i| (4 << 20 | i * 20_000, (5 << 20) + i * 30_000, 1000 + i)));
+    writes.extend((0..20).map(|i| ((4 << 20) + i * 20_000, (5 << 20) + i * 30_000, 1000 + i)));
     writes.extend((0..4).map(|i| ((6 << 20) + i * (256 << 10), (8 << 20) + i * (1 << 20), 200 << 10)));
     rng.shuffle(&mut writes[512..]);
     let waits = d.telemetry().lane_waits;
