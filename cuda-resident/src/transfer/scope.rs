@@ -342,9 +342,17 @@ fn move_pinned(
     let mut scratch = lock(&core.staging[kind.index()]);
     exec.claim_built(buffers, layout.submissions(), ranges)?;
     exec.requested(items.iter().map(|d| d.len).sum());
-    // A slot of device staging per chunk in flight: its bytes, then its table.
+    // A slot of device staging per chunk in flight: its bytes, then (uploads) its table. A
+    // download's gather reads its table in pinned memory over the bus instead: a copy of it
+    // into the device would queue on the copy engine behind the other lane's uploads, and
+    // hold each chunk of a download back until they are done.
     let slot_bytes = layout.chunks.iter().map(|c| c.len).max().unwrap_or(0).next_multiple_of(256);
-    let table_area = layout.chunks.iter().map(|c| table_bytes(c.descriptors.len() as u64)).max().unwrap_or(0);
+    let table_area = match kind {
+        LaneKind::Upload => {
+            layout.chunks.iter().map(|c| table_bytes(c.descriptors.len() as u64)).max().unwrap_or(0)
+        }
+        LaneKind::Readback => 0,
+    };
     let stride = slot_bytes + table_area;
     let slots = layout.chunks.len().min(SIDE_SLOTS) as u64;
     let region = if slots > 0 { exec.region(&mut scratch.region, slots * stride)? } else { 0 };
@@ -386,7 +394,8 @@ fn move_pinned(
         exec.wait_side(slot)?;
         // SAFETY, for the DMAs and launches below: the chunk's part of the pinned table is
         // kept alive by the lane's submission that copies it into the slot, behind the
-        // slot's bytes (`table_area` holds it); its descriptors name the slot (a chunk is at
+        // slot's bytes (`table_area` holds it), or that reads it over the bus (mapped for the
+        // device: chunks exist only with unified addressing); its descriptors name the slot (a chunk is at
         // most `slot_bytes`) and ranges of live, claimed buffers, no two destinations
         // overlapping; the host run is pinned memory of this crate that the scope borrows
         // until the copies complete; the side work comes after the lane's submission and is
@@ -404,8 +413,7 @@ fn move_pinned(
             LaneKind::Readback => {
                 // SAFETY: as above.
                 exec.submit(vec![Arc::clone(table)], |q| unsafe {
-                    q.htod(at_table, table_ptr, table_len)?;
-                    q.launch(kernels, at_table, n, 0)
+                    q.launch(kernels, table_ptr as u64, n, table_len as u64)
                 })?;
                 // SAFETY: as above.
                 exec.submit_side(slot, |q| unsafe { q.dtoh(chunk.host as *mut u8, at, chunk.len as usize) })?;
