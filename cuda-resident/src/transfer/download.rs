@@ -780,8 +780,14 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             };
         }
         let count = scratch.descriptors.len() as u64;
-        let places =
-            ChunkPlaces { table: base.wrapping_add(table as usize), area, count, dev, staged: &staged };
+        let places = ChunkPlaces {
+            table: base.wrapping_add(table as usize),
+            area,
+            count,
+            dev,
+            staged: &staged,
+            mapped: core.info.unified_addressing,
+        };
         exec.submit(vec![Arc::clone(&lease)], |q| {
             // SAFETY: the table and the chunk's staging lie in the lease, kept alive by this
             // submission; device staging holds area + packed_len bytes; sources are live,
@@ -810,18 +816,23 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
 
 /// Where a planned download chunk's work reads and writes: its descriptor table (`area`
 /// bytes of `count` descriptors) in pinned memory, device staging at `dev`, and `staged`,
-/// the pinned address of a flat staging offset of the chunk.
+/// the pinned address of a flat staging offset of the chunk; `mapped`: the GPU reaches
+/// pinned memory (unified addressing).
 struct ChunkPlaces<'a> {
     table: *const u8,
     area: u64,
     count: u64,
     dev: u64,
     staged: &'a dyn Fn(u64) -> *mut u8,
+    mapped: bool,
 }
 
-/// Enqueues a planned download chunk on `stream`: with a table (`area > 0`), the table up
-/// into device staging, one gather launch and one DMA of the packed bytes down; then one DMA
-/// for each packed range moved without the kernel and each direct one.
+/// Enqueues a planned download chunk on `stream`: with a table (`area > 0`), one gather
+/// launch and one DMA of the packed bytes down; then one DMA for each packed range moved
+/// without the kernel and each direct one. The gather reads its table in pinned memory over
+/// the bus where the GPU reaches it: a copy of the table up into device staging would queue
+/// on the copy engine behind uploads of the other lane, holding the download back until
+/// they are done. Without unified addressing the table goes up first.
 ///
 /// # Safety
 /// The table and every staged address stay alive and untouched by the host until the work
@@ -835,13 +846,20 @@ unsafe fn enqueue_planned(
     ptr_of: &dyn Fn(u64) -> u64,
 ) -> Result<()> {
     if at.area > 0 {
-        // SAFETY: the table is pinned and stays alive (the caller's promise); device staging
-        // holds area + packed_len bytes.
-        unsafe { q.htod(at.dev, at.table, at.area as usize) }?;
         let kernels = kernels.expect("loaded when a chunk uses it");
-        // SAFETY: sources are live, marked buffers; destinations are disjoint ranges of device
-        // staging.
-        unsafe { q.launch(kernels, at.dev, at.count, 0) }?;
+        let table_bytes = at.count * size_of::<CopyDescriptor>() as u64;
+        if at.mapped {
+            // SAFETY: the table is pinned, mapped for the device, and stays alive (the
+            // caller's promise); sources are live, marked buffers; destinations are disjoint
+            // ranges of device staging.
+            unsafe { q.launch(kernels, at.table as u64, at.count, table_bytes) }?;
+        } else {
+            // SAFETY: the table is pinned and stays alive (the caller's promise); device
+            // staging holds area + packed_len bytes.
+            unsafe { q.htod(at.dev, at.table, at.area as usize) }?;
+            // SAFETY: as above, the table in device staging by stream order.
+            unsafe { q.launch(kernels, at.dev, at.count, 0) }?;
+        }
         // SAFETY: the packed region of this chunk lies in its staging.
         unsafe { q.dtoh((at.staged)(chunk.packed_offset), at.dev + at.area, chunk.packed_len as usize) }?;
     }
@@ -985,7 +1003,14 @@ fn execute_streamed(
             unsafe { std::ptr::copy_nonoverlapping(descriptors.as_ptr().cast::<u8>(), base, bytes) };
         }
         let count = descriptors.len() as u64;
-        let places = ChunkPlaces { table: base, area, count, dev, staged: &staged };
+        let places = ChunkPlaces {
+            table: base,
+            area,
+            count,
+            dev,
+            staged: &staged,
+            mapped: core.info.unified_addressing,
+        };
         seqs.push(exec.submit(vec![Arc::clone(lease)], |q| {
             // SAFETY: the table and the chunk's staging lie in the lease, kept alive by this
             // submission (the chunk that used it before was waited for and copied out);
