@@ -39,7 +39,7 @@ use std::sync::Arc;
 use cuda_sys::{CUcontext, CUstream};
 
 use self::core::Core;
-use self::order::{Ranges, Seen};
+use self::order::{Held, Ranges, Seen};
 use crate::alloc::ResidentBuffer;
 use crate::error::Result;
 use crate::host_pool::HostLease;
@@ -114,7 +114,7 @@ impl<'a> Exec<'a> {
     ) -> Result<u64> {
         let mut ranges = self.core.order.ranges(self.kind.index());
         fill(&mut ranges);
-        self.claim_with(buffers, submissions, Some(ranges))
+        self.claim_with(buffers, submissions, Some(Held::Own(ranges)))
     }
 
     /// [`Exec::claim_ranges`] of ranges already built (from [`core::Core::ranges`]).
@@ -124,14 +124,25 @@ impl<'a> Exec<'a> {
         submissions: u64,
         ranges: Ranges,
     ) -> Result<u64> {
-        self.claim_with(buffers, submissions, Some(ranges))
+        self.claim_with(buffers, submissions, Some(Held::Own(ranges)))
+    }
+
+    /// [`Exec::claim_ranges`] of ranges built once for every move of a prepared set (sorted:
+    /// [`Ranges::sort_disjoint`]), shared without a copy.
+    pub(crate) fn claim_shared(
+        &mut self,
+        buffers: impl Iterator<Item = ResidentBuffer>,
+        submissions: u64,
+        ranges: &Arc<Ranges>,
+    ) -> Result<u64> {
+        self.claim_with(buffers, submissions, Some(Held::Shared(Arc::clone(ranges))))
     }
 
     fn claim_with(
         &mut self,
         buffers: impl Iterator<Item = ResidentBuffer>,
         submissions: u64,
-        ranges: Option<Ranges>,
+        ranges: Option<Held>,
     ) -> Result<u64> {
         let core = self.core;
         self.first_seq = self.batch.next_seq();
@@ -152,7 +163,7 @@ impl<'a> Exec<'a> {
         &self,
         buffers: impl Iterator<Item = ResidentBuffer>,
         seq: u64,
-        ranges: Option<Ranges>,
+        ranges: Option<Held>,
     ) -> Result<u64> {
         let (core, lane) = (self.core, self.kind.index());
         let (ranges, last_other) = match ranges {
@@ -161,7 +172,7 @@ impl<'a> Exec<'a> {
                 let mut whole = core.order.ranges(lane);
                 let last_other =
                     core.alloc.mark_used_many(buffers, lane, seq, |ptr, len| whole.push(ptr, len))?;
-                (whole, last_other)
+                (Held::Own(whole), last_other)
             }
         };
         let mut done = [0; 2];

@@ -95,11 +95,29 @@ impl Ranges {
     }
 }
 
+/// A batch's ranges as the ledger holds them: built for it, or shared by every move of a
+/// set laid out once (sorted when made, so that no move sorts them again).
+#[derive(Debug)]
+pub(crate) enum Held {
+    Own(Ranges),
+    Shared(Arc<Ranges>),
+}
+
+impl std::ops::Deref for Held {
+    type Target = Ranges;
+    fn deref(&self) -> &Ranges {
+        match self {
+            Held::Own(ranges) => ranges,
+            Held::Shared(ranges) => ranges,
+        }
+    }
+}
+
 /// One batch in a lane's log: its last submission and its ranges.
 #[derive(Debug)]
 struct Entry {
     seq: u64,
-    ranges: Ranges,
+    ranges: Held,
     /// The union, for ranges out of order, made by the first comparison that needs it.
     union: OnceLock<Vec<(u64, u64)>>,
 }
@@ -154,10 +172,9 @@ impl Log {
     fn retire(&mut self, done: u64) {
         while self.entries.front().is_some_and(|e| e.seq <= done) {
             let entry = self.entries.pop_front().expect("checked above");
-            if let Ok(entry) = Arc::try_unwrap(entry)
+            if let Ok(Entry { ranges: Held::Own(mut ranges), .. }) = Arc::try_unwrap(entry)
                 && self.spare.len() < 4
             {
-                let mut ranges = entry.ranges;
                 ranges.clear();
                 self.spare.push(ranges);
             }
@@ -187,7 +204,7 @@ impl Ledger {
 
     /// Enters a batch of lane `lane` whose submissions end at `seq` and use `ranges`, and
     /// returns the submission of the other lane it must wait for (0: none).
-    pub(crate) fn enter(&self, lane: usize, seq: u64, ranges: Ranges, seen: Seen) -> u64 {
+    pub(crate) fn enter(&self, lane: usize, seq: u64, ranges: Held, seen: Seen) -> u64 {
         let other = 1 - lane;
         let own = Arc::new(Entry { seq, ranges, union: OnceLock::new() });
         let in_flight = seen.last_other > seen.done[other];
@@ -225,7 +242,7 @@ impl Ledger {
 
 #[cfg(test)]
 mod tests {
-    use super::{Ledger, Ranges, Seen, overlap};
+    use super::{Held, Ledger, Ranges, Seen, overlap};
 
     fn ranges(pairs: &[(u64, u64)]) -> Ranges {
         let mut r = Ranges::default();
@@ -238,7 +255,7 @@ mod tests {
     /// Enters a batch, with the other lane's last use on its buffers at `last_other` and
     /// nothing known done.
     fn enter(ledger: &Ledger, lane: usize, seq: u64, pairs: &[(u64, u64)], last_other: u64) -> u64 {
-        ledger.enter(lane, seq, ranges(pairs), Seen { done: [0, 0], last_other })
+        ledger.enter(lane, seq, Held::Own(ranges(pairs)), Seen { done: [0, 0], last_other })
     }
 
     #[test]
@@ -312,9 +329,9 @@ mod tests {
         let ledger = Ledger::default();
         enter(&ledger, 0, 4, &[(0, 100)], 0);
         let seen = Seen { done: [0, 4], last_other: 4 };
-        assert_eq!(ledger.enter(1, 1, ranges(&[(0, 100)]), seen), 4);
+        assert_eq!(ledger.enter(1, 1, Held::Own(ranges(&[(0, 100)])), seen), 4);
         let seen = Seen { done: [4, 0], last_other: 4 };
-        assert_eq!(ledger.enter(1, 2, ranges(&[(0, 100)]), seen), 0, "4 is done");
+        assert_eq!(ledger.enter(1, 2, Held::Own(ranges(&[(0, 100)])), seen), 0, "4 is done");
         assert!(lock_len(&ledger, 0) == 0, "the done batch left the log");
     }
 
@@ -344,8 +361,8 @@ mod tests {
         for i in 0..1000 {
             r.push(i * 10, 5);
         }
-        ledger.enter(0, 1, r, Seen { done: [0, 0], last_other: 0 });
-        ledger.enter(0, 2, Ranges::default(), Seen { done: [1, 0], last_other: 0 });
+        ledger.enter(0, 1, Held::Own(r), Seen { done: [0, 0], last_other: 0 });
+        ledger.enter(0, 2, Held::Own(Ranges::default()), Seen { done: [1, 0], last_other: 0 });
         let reused = ledger.ranges(0);
         assert!(reused.spans.is_empty() && reused.spans.capacity() >= 1000);
     }

@@ -20,6 +20,7 @@ use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::engine::Exec;
 use crate::engine::core::Core;
+use crate::engine::order::Ranges;
 use crate::engine::pipeline::{self, Groups, Step};
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
@@ -69,8 +70,8 @@ struct Layout {
     core: Arc<Core>,
     /// Each distinct buffer and the table, claimed by every move.
     buffers: Vec<ResidentBuffer>,
-    /// The device range of each range, and the table's: what a move uses.
-    device_ranges: Vec<(u64, u64)>,
+    /// The device range of each range, and the table's, sorted once: what a move uses.
+    device_ranges: Arc<Ranges>,
     offsets: Vec<u64>,
     spans: Vec<Span>,
     lease: Arc<HostLease>,
@@ -217,15 +218,18 @@ impl Layout {
         };
         let mut buffers: Vec<ResidentBuffer> = table.buffers().collect();
         buffers.push(table_buffer);
-        let mut device_ranges: Vec<(u64, u64)> = descriptors
-            .iter()
-            .map(|d| if kind == LaneKind::Upload { (d.dst, d.len) } else { (d.src, d.len) })
-            .collect();
-        device_ranges.push((table_ptr, bytes.len() as u64));
+        let mut device_ranges = Ranges::default();
+        for d in &descriptors {
+            let start = if kind == LaneKind::Upload { d.dst } else { d.src };
+            device_ranges.push(start, d.len);
+        }
+        device_ranges.push(table_ptr, bytes.len() as u64);
+        // Apart, so disjoint: sorted once here, no move sorts them again.
+        device_ranges.sort_disjoint();
         Ok(Some(Layout {
             core: Arc::clone(core),
             buffers,
-            device_ranges,
+            device_ranges: Arc::new(device_ranges),
             offsets: std::mem::take(&mut table.apart.offsets),
             spans,
             // Not listed for the unsafe copies (`into_listed`): the set decides that the
@@ -256,11 +260,8 @@ impl Layout {
     /// Claims the buffers for one submission a chunk: the last one's sequence. Counts what
     /// a move of the set costs beyond its launches: the payload over the bus.
     fn claim(&self, exec: &mut Exec<'_>) -> Result<u64> {
-        let final_seq = exec.claim_ranges(self.buffers.iter().copied(), self.spans.len() as u64, |r| {
-            for &(start, len) in &self.device_ranges {
-                r.push(start, len);
-            }
-        })?;
+        let final_seq =
+            exec.claim_shared(self.buffers.iter().copied(), self.spans.len() as u64, &self.device_ranges)?;
         exec.requested(self.requested);
         exec.moved(self.requested);
         Ok(final_seq)
