@@ -485,7 +485,13 @@ impl Device {
     /// lie, until the set is dropped) and a device buffer of 24 bytes a range (counted in
     /// [`Device::allocated_bytes`]) with every descriptor written there once: an upload then
     /// costs one parallel copy of the bytes and one launch per chunk. Other sets move
-    /// as an [`UploadBatch`] each time (writes in order; later ones win).
+    /// as an [`UploadBatch`] each time (writes in order; later ones win): ranges that touch
+    /// (a cache's adjacent blocks), that overlap or go back, any range longer than 16 KiB,
+    /// fewer than 64 ranges, a GPU without unified addressing or a configuration without
+    /// [`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus).
+    /// [`PreparedUploads::is_laid_out`] says which path a set takes, from the moment it is
+    /// made. Blocks of any size whose bytes sit in pinned memory move fastest in place,
+    /// through [`Device::scope`].
     ///
     /// # Errors
     /// The first bad range ([`Error::OutOfRange`], a freed buffer); nothing is kept.
@@ -498,7 +504,8 @@ impl Device {
     /// Checks `ranges` (`(buffer, offset, len)` each) once, for reading them again and again
     /// ([`PreparedDownloads::submit`], [`PreparedDownloads::download_into`]).
     ///
-    /// Ranges in order and apart, as for [`Device::prepare_uploads`], are laid out once in a
+    /// Ranges in order and apart, as for [`Device::prepare_uploads`] (the same rule decides,
+    /// and [`PreparedDownloads::is_laid_out`] tells), are laid out once in a
     /// pinned region that the set keeps, with every descriptor and view made once: a
     /// download then costs one launch per chunk, and its [`Downloaded`](crate::Downloaded)'s views
     /// point into that region. While one download of the set is alive (or in flight), the
