@@ -314,3 +314,49 @@ fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
     assert_eq!(d.telemetry().lane_waits, waits, "the scope of the writes waited for them on the host");
     assert!(model::with(|g| g.errors.is_empty()));
 }
+
+#[test]
+fn many_shuffled_blocks_sort_on_the_packing_threads_and_an_overlap_among_them_is_found() {
+    // 8192 blocks of 64 B (past the parallel sort's threshold), shuffled, from a pinned
+    // cache; then the same with one block written twice (the later write wins).
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(23);
+    let block = 64;
+    let (buffer, mut expect) = pool(&d, &mut rng, 16384 * block);
+    let mut cache = d.pinned(8192 * block).unwrap();
+    for twice in [false, true] {
+        rng.fill(&mut cache);
+        let mut order: Vec<usize> = (0..16384).collect();
+        rng.shuffle(&mut order);
+        let mut targets = order[..8192].to_vec();
+        if twice {
+            targets[8000] = targets[17];
+        }
+        d.scope(|s| {
+            let mut batch = s.uploads();
+            for (slot, &b) in cache.chunks(block).zip(&targets) {
+                batch.write(buffer, (b * block) as u64, slot)?;
+            }
+            batch.submit()
+        })
+        .unwrap();
+        for (slot, &b) in cache.chunks(block).zip(&targets) {
+            expect[b * block..(b + 1) * block].copy_from_slice(slot);
+        }
+        assert!(d.download(buffer).unwrap() == expect, "written twice: {twice}");
+        let mut back = d.pinned(8192 * block).unwrap();
+        back.fill(0xA5);
+        d.scope(|s| {
+            let mut batch = s.downloads();
+            for (slot, &b) in back.chunks_mut(block).zip(&order[8192..]) {
+                batch.read_into(buffer, (b * block) as u64, slot)?;
+            }
+            batch.submit()
+        })
+        .unwrap();
+        for (slot, &b) in back.chunks(block).zip(&order[8192..]) {
+            assert!(slot == &expect[b * block..(b + 1) * block], "block {b} read back");
+        }
+    }
+    assert!(model::with(|g| g.errors.is_empty()));
+}
