@@ -622,8 +622,8 @@ fn a_paging_step_on_disjoint_blocks_moves_both_ways_without_waits_between_lanes(
 
 /// A paging step through a scope on a GPU: blocks of one pool buffer swapped out into a
 /// pinned host cache and others swapped in from it, in place (no staging), both directions
-/// at once; then the same with a pageable cache (staged). Every byte is checked; the cache's
-/// out half is poisoned first.
+/// at once; then the same with a cache pinned by `pin_host` (in place, by chunk DMAs) and a
+/// pageable one (staged). Every byte is checked; the cache's out half is poisoned first.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cache() {
@@ -635,7 +635,7 @@ fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cach
         let pool = d.allocate((block * blocks) as u64).unwrap();
         let mut expect = random_vec(&mut rng, block * blocks);
         d.upload(pool, &expect).unwrap();
-        for pinned in [true, false] {
+        for (pinned, registered) in [(true, false), (false, true), (false, false)] {
             let mut order: Vec<usize> = (0..blocks).collect();
             rng.shuffle(&mut order);
             let (out, into) = (&order[..n], &order[n..2 * n]);
@@ -646,6 +646,10 @@ fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cach
                 &mut pinned_cache
             } else {
                 pageable_cache = vec![0u8; 2 * n * block];
+                if registered {
+                    // SAFETY: the vector stays mapped, unmoved, until unpinned below.
+                    unsafe { d.pin_host(pageable_cache.as_mut_ptr(), pageable_cache.len()) }.unwrap();
+                }
                 &mut pageable_cache
             };
             cache[..n * block].fill(0xA5);
@@ -678,6 +682,10 @@ fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cach
                 expect[b * block..(b + 1) * block].copy_from_slice(&incoming[i * block..(i + 1) * block]);
             }
             assert!(d.download(pool).unwrap() == expect, "{block} B, pinned {pinned}: the pool differs");
+            if registered {
+                // SAFETY: pinned above; the scope waited for every copy that used it.
+                unsafe { d.unpin_host(cache.as_mut_ptr()) }.unwrap();
+            }
         }
         d.free(pool).unwrap();
     }

@@ -430,11 +430,14 @@ impl Device {
     ///
     /// The batches ([`Scope::uploads`], [`Scope::downloads`]) borrow the caller's slices for
     /// the whole scope, so nothing can touch them while the GPU may; the scope waits even if
-    /// `f` returns an error or panics (the panic then goes on). Memory of this crate's pinned
-    /// pool ([`Device::pinned`]) moves with no staging copy: large ranges by one DMA each,
-    /// small ones by the copy kernel over the bus, many to a launch; other memory takes the
-    /// staged path of ordinary batches. This is the shape of a paging step: swap blocks out
-    /// to a pinned host cache and others in, both directions at once.
+    /// `f` returns an error or panics (the panic then goes on). Pinned memory moves with no
+    /// staging copy on the host: ranges that follow each other in it (a host cache's slots,
+    /// 1 MiB or more in all) by one DMA a chunk into or out of device staging and a scatter
+    /// or gather launch inside the device; other ranges of this crate's pinned pool
+    /// ([`Device::pinned`]) by one DMA each when large, by the copy kernel over the bus when
+    /// small. Memory pinned by [`Device::pin_host`] moves in place in such runs; everything
+    /// else takes the staged path of ordinary batches. This is the shape of a paging step:
+    /// swap blocks out to a pinned host cache and others in, both directions at once.
     ///
     /// ```no_run
     /// use cuda_resident::{Config, Device};

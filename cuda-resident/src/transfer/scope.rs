@@ -7,13 +7,16 @@
 //! after `submit` returns, with no copy through staging, and no safe code can touch that
 //! memory until the copies are done.
 //!
-//! Memory of this crate's pinned pool ([`Device::pinned`](crate::Device::pinned): a
-//! [`PinnedBuffer`](crate::PinnedBuffer), a download's views) is mapped for the device: a
-//! range in it moves by one DMA when it is at least `Config::direct_threshold` long, else by
-//! the copy kernel reading or writing it over the bus, many ranges to a launch. Any other
-//! memory (pageable, or pinned by `Device::pin_host`) takes the staged path of ordinary
-//! batches: uploads are copied into staging at submit; downloads land in staging and are
-//! copied out before `submit` returns.
+//! Ranges that follow each other in pinned host memory (a host cache's slots), 1 MiB or more
+//! in all, move as runs: one DMA a chunk into or out of device staging and one scatter or
+//! gather launch inside the device. Other ranges in this crate's pinned pool
+//! ([`Device::pinned`](crate::Device::pinned): a [`PinnedBuffer`](crate::PinnedBuffer), a
+//! download's views), which is mapped for the device, move by one DMA each when at least
+//! `Config::direct_threshold` long, else by the copy kernel reading or writing them over the
+//! bus, many to a launch. Memory pinned by `Device::pin_host` moves in place in runs only.
+//! Everything else (pageable memory, short pieces of registered memory) takes the staged
+//! path of ordinary batches: uploads are copied into staging at submit; downloads land in
+//! staging and are copied out before `submit` returns.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -183,6 +186,60 @@ fn note(seen: &Seen, fence: &Fence) {
     }
 }
 
+/// Where a scoped batch's item moves from or to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// In place, in pinned memory of this crate (mapped for the device).
+    Mapped,
+    /// In place by DMAs, in other pinned memory (`Device::pin_host`): only runs of at least
+    /// [`RUN_MIN`] contiguous bytes, which move by chunk DMAs (no kernel touches them).
+    Pinned,
+    /// Through staging, as an ordinary batch.
+    Staged,
+}
+
+/// The [`Place`] of each of `hosts` (address and length, in the batch's order; an empty one
+/// is staged, which moves nothing). Pinned memory of this crate is found in the registry of
+/// lent buffers; other memory is asked of the driver only for runs of contiguous items of at
+/// least [`RUN_MIN`] bytes, its first and last byte, so that pageable items cost no driver
+/// call each.
+fn places(core: &Core, hosts: &[(usize, usize)]) -> Result<Vec<Place>> {
+    let mut lent = Lent::default();
+    let mut places: Vec<Place> = hosts
+        .iter()
+        .map(|&(ptr, len)| if len > 0 && lent.holds(ptr, len) { Place::Mapped } else { Place::Staged })
+        .collect();
+    let mut i = 0;
+    while i < hosts.len() {
+        if places[i] != Place::Staged || hosts[i].1 == 0 {
+            i += 1;
+            continue;
+        }
+        let (start, mut end, mut j) = (hosts[i].0, hosts[i].0 + hosts[i].1, i + 1);
+        while j < hosts.len() && places[j] == Place::Staged && hosts[j].1 > 0 && hosts[j].0 == end {
+            end += hosts[j].1;
+            j += 1;
+        }
+        if (end - start) as u64 >= RUN_MIN && pinned_between(core, start, end)? {
+            places[i..j].fill(Place::Pinned);
+        }
+        i = j;
+    }
+    Ok(places)
+}
+
+/// Whether the driver reports `[start, end)` as pinned host memory: one extent holding it,
+/// or, where the driver gives no extent, its first and last byte pinned (as
+/// `Device::upload_async_at` checks).
+fn pinned_between(core: &Core, start: usize, end: usize) -> Result<bool> {
+    let raw = core.ctx.bind()?;
+    Ok(match raw.pinned_extent(start as *const u8)? {
+        None => false,
+        Some((from, bytes)) if from <= start as u64 && from.saturating_add(bytes) >= end as u64 => true,
+        Some(_) => raw.pinned_extent((end - 1) as *const u8)?.is_some(),
+    })
+}
+
 /// Finds whether host ranges lie in pinned memory of this crate, remembering the last arena
 /// found (a batch's ranges mostly lie in one host cache).
 #[derive(Default)]
@@ -211,6 +268,9 @@ struct Direct {
     host: usize,
     dev: u64,
     len: u64,
+    /// The host side lies in pinned memory of this crate, which the device reaches (else in
+    /// other pinned memory, reached by DMAs only).
+    mapped: bool,
 }
 
 /// Runs of items contiguous in host memory at least this long move through device staging
@@ -253,7 +313,10 @@ impl Layout {
         while i < items.len() {
             let mut end = i + 1;
             let mut bytes = items[i].len;
-            while end < items.len() && items[end].host == items[end - 1].host + items[end - 1].len as usize {
+            while end < items.len()
+                && items[end].host == items[end - 1].host + items[end - 1].len as usize
+                && items[end].mapped == items[i].mapped
+            {
                 bytes += items[end].len;
                 end += 1;
             }
@@ -264,7 +327,7 @@ impl Layout {
                 continue;
             }
             for &d in run {
-                if bus && d.len < threshold {
+                if bus && d.mapped && d.len < threshold {
                     bus_items.push(d);
                 } else {
                     layout.dmas.push(d);
@@ -397,8 +460,9 @@ fn move_pinned(
         // slot's bytes (`table_area` holds it), or that reads it over the bus (mapped for the
         // device: chunks exist only with unified addressing); its descriptors name the slot (a chunk is at
         // most `slot_bytes`) and ranges of live, claimed buffers, no two destinations
-        // overlapping; the host run is pinned memory of this crate that the scope borrows
-        // until the copies complete; the side work comes after the lane's submission and is
+        // overlapping; the host run is pinned memory (this crate's, or registered: only DMAs
+        // touch it) that the scope borrows until the copies complete; the side work comes
+        // after the lane's submission and is
         // joined before the batch's last one.
         match kind {
             LaneKind::Upload => {
@@ -522,20 +586,22 @@ impl<'scope> ScopedUploads<'scope> {
         }
         // Overlapping writes apply in order: the staged path's planner resolves them.
         let disjoint = sort_ranges(core, &mut ranges);
-        let mut lent = Lent::default();
+        let hosts: Vec<(usize, usize)> =
+            self.writes.iter().map(|w| (w.2.as_ptr() as usize, w.2.len())).collect();
+        let places = if disjoint { places(core, &hosts)? } else { vec![Place::Staged; hosts.len()] };
         let (mut direct, mut staged) = (Vec::new(), Vec::new());
-        for &(key, offset, data) in &self.writes {
+        for (&(key, offset, data), place) in self.writes.iter().zip(places) {
             if data.is_empty() {
                 continue;
             }
-            if disjoint && lent.holds(data.as_ptr() as usize, data.len()) {
-                direct.push(Direct {
+            match place {
+                Place::Mapped | Place::Pinned => direct.push(Direct {
                     host: data.as_ptr() as usize,
                     dev: ptr_of(key, offset),
                     len: data.len() as u64,
-                });
-            } else {
-                staged.push((self.table.entries[key as usize].buffer, offset, data));
+                    mapped: place == Place::Mapped,
+                }),
+                Place::Staged => staged.push((self.table.entries[key as usize].buffer, offset, data)),
             }
         }
         let mut fence = Fence::completed();
@@ -650,21 +716,23 @@ impl<'scope> ScopedDownloads<'scope> {
             return Err(e);
         }
         let core = self.core;
-        let mut lent = Lent::default();
+        let hosts: Vec<(usize, usize)> =
+            self.reads.iter().map(|r| (r.2.as_ptr() as usize, r.2.len())).collect();
+        let places = places(core, &hosts)?;
         let (mut direct, mut staged) = (Vec::new(), Vec::new());
-        for (key, offset, out) in std::mem::take(&mut self.reads) {
+        for ((key, offset, out), place) in std::mem::take(&mut self.reads).into_iter().zip(places) {
             if out.is_empty() {
                 continue;
             }
             let entry = self.table.entries[key as usize];
-            if lent.holds(out.as_ptr() as usize, out.len()) {
-                direct.push(Direct {
+            match place {
+                Place::Mapped | Place::Pinned => direct.push(Direct {
                     host: out.as_mut_ptr() as usize,
                     dev: entry.ptr + offset,
                     len: out.len() as u64,
-                });
-            } else {
-                staged.push((entry.buffer, offset, out));
+                    mapped: place == Place::Mapped,
+                }),
+                Place::Staged => staged.push((entry.buffer, offset, out)),
             }
         }
         let mut fence = Fence::completed();

@@ -360,3 +360,41 @@ fn many_shuffled_blocks_sort_on_the_packing_threads_and_an_overlap_among_them_is
     }
     assert!(model::with(|g| g.errors.is_empty()));
 }
+
+#[test]
+fn memory_pinned_by_pin_host_moves_in_place_in_runs_and_is_staged_in_pieces() {
+    let d = device(Config::default());
+    let block = 256 << 10;
+    let mut cache = vec![0u8; 32 * block];
+    // SAFETY: the vector's memory stays mapped (and is not reallocated) until unpinned below.
+    unsafe { d.pin_host(cache.as_mut_ptr(), cache.len()) }.unwrap();
+    // A run of 16 blocks each way: one chunk DMA a way (a table DMA beside the upload's),
+    // two launches inside the device.
+    let moves = paging_step(&d, &mut cache, block, 31);
+    assert_eq!(moves, (2, 3, 2 * 256 * 24), "registered runs move in place");
+    // Scattered small pieces of registered memory are staged, with the same bytes.
+    let mut rng = fastrand::Rng::with_seed(32);
+    let (buffer, mut expect) = pool(&d, &mut rng, 1 << 20);
+    rng.fill(&mut cache[..]);
+    let pieces: Vec<(usize, usize)> = (0..50).map(|i| (i * 100_000, i * 20_000)).collect();
+    let before = d.telemetry();
+    d.scope(|s| {
+        let mut batch = s.uploads();
+        for &(from, at) in &pieces {
+            batch.write(buffer, at as u64, &cache[from..from + 1000])?;
+        }
+        batch.submit()
+    })
+    .unwrap();
+    assert!(
+        d.telemetry().pinned.hits + d.telemetry().pinned.misses > before.pinned.hits + before.pinned.misses,
+        "staged"
+    );
+    for &(from, at) in &pieces {
+        expect[at..at + 1000].copy_from_slice(&cache[from..from + 1000]);
+    }
+    assert!(d.download(buffer).unwrap() == expect);
+    // SAFETY: pinned above; the scopes waited for every copy that used it.
+    unsafe { d.unpin_host(cache.as_mut_ptr()) }.unwrap();
+    assert!(model::with(|g| g.errors.is_empty()));
+}
