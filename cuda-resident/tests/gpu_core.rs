@@ -6,6 +6,10 @@ use std::sync::Arc;
 use cuda_resident::cuda_sys::{self, CUDA_SUCCESS, call};
 use cuda_resident::{Config, Device, Error, ResidentBuffer};
 
+#[path = "common/streams.rs"]
+mod streams;
+use streams::{caller_stream, finish_stream};
+
 fn device() -> Device {
     Device::open(0).unwrap_or_else(|e| panic!("{e}"))
 }
@@ -35,26 +39,6 @@ fn raw_read(device: &Device, buffer: ResidentBuffer) -> Vec<u8> {
     let code = unsafe { call!(device.driver(), cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, len)) };
     assert_eq!(code.unwrap(), CUDA_SUCCESS);
     out
-}
-
-/// A non-blocking stream of the caller's on the device's context (current afterwards).
-fn caller_stream(device: &Device) -> cuda_sys::CUstream {
-    device.make_current().unwrap();
-    let mut stream: cuda_sys::CUstream = std::ptr::null_mut();
-    // SAFETY: writes one handle; the device's context is current.
-    let code =
-        unsafe { call!(device.driver(), cuStreamCreate(&mut stream, cuda_sys::CU_STREAM_NON_BLOCKING)) };
-    assert_eq!(code.unwrap(), CUDA_SUCCESS);
-    stream
-}
-
-/// Waits for a stream from `caller_stream` and destroys it.
-fn finish_stream(device: &Device, stream: cuda_sys::CUstream) {
-    // SAFETY: a live stream of the device's context, destroyed once.
-    unsafe {
-        assert_eq!(call!(device.driver(), cuStreamSynchronize(stream)).unwrap(), CUDA_SUCCESS);
-        assert_eq!(call!(device.driver(), cuStreamDestroy_v2(stream)).unwrap(), CUDA_SUCCESS);
-    }
 }
 
 fn driver_free_memory(device: &Device) -> u64 {

@@ -7,39 +7,7 @@ use cuda_resident::cudarc::nvrtc::Ptx;
 use cuda_resident::{Device, Error};
 
 /// `add_one(u8 *data, u32 n)`: `data[i] += 1` for every `i < n`.
-const ADD_ONE_PTX: &str = r#"
-.version 7.0
-.target sm_75
-.address_size 64
-
-.visible .entry add_one(
-    .param .u64 data,
-    .param .u32 n
-)
-{
-    .reg .pred %p<2>;
-    .reg .b16 %rs<3>;
-    .reg .b32 %r<6>;
-    .reg .b64 %rd<5>;
-
-    ld.param.u64 %rd1, [data];
-    ld.param.u32 %r1, [n];
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %ntid.x;
-    mov.u32 %r4, %tid.x;
-    mad.lo.s32 %r5, %r2, %r3, %r4;
-    setp.ge.u32 %p1, %r5, %r1;
-    @%p1 bra DONE;
-    cvta.to.global.u64 %rd2, %rd1;
-    cvt.u64.u32 %rd3, %r5;
-    add.s64 %rd4, %rd2, %rd3;
-    ld.global.u8 %rs1, [%rd4];
-    add.s16 %rs2, %rs1, 1;
-    st.global.u8 [%rd4], %rs2;
-DONE:
-    ret;
-}
-"#;
+const ADD_ONE_PTX: &str = include_str!("kernels/add_one.ptx");
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]

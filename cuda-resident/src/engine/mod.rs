@@ -360,6 +360,10 @@ impl Ended<'_> {
     }
 }
 
+/// A [`Kernels`] method that enqueues one launch of the copy kernel: [`Kernels::copy`] or
+/// [`Kernels::copy_over_bus`].
+type KernelCopy = unsafe fn(&Kernels, &Raw, CUstream, u64, u64) -> Result<()>;
+
 /// The work of one submission, enqueued on a stream and counted as it goes.
 pub(crate) struct Enqueue<'q> {
     raw: &'q Raw,
@@ -423,9 +427,7 @@ impl Enqueue<'_> {
         bytes: u64,
     ) -> Result<()> {
         // SAFETY: as the caller promises.
-        unsafe { kernels.copy(self.raw, self.stream, table, count) }?;
-        self.count_launch(bytes);
-        Ok(())
+        unsafe { self.launch_by(Kernels::copy, kernels, table, count, bytes) }
     }
 
     /// [`Enqueue::launch`] for a table and copies whose host side lies in pinned memory,
@@ -442,7 +444,25 @@ impl Enqueue<'_> {
         bytes: u64,
     ) -> Result<()> {
         // SAFETY: as the caller promises.
-        unsafe { kernels.copy_over_bus(self.raw, self.stream, table, count) }?;
+        unsafe { self.launch_by(Kernels::copy_over_bus, kernels, table, count, bytes) }
+    }
+
+    /// One launch of the copy kernel by `copy`, counted: the work of [`Enqueue::launch`] and
+    /// [`Enqueue::launch_over_bus`], which differ only in the [`Kernels`] method they use.
+    ///
+    /// # Safety
+    /// As `copy` ([`Kernels::copy`] or [`Kernels::copy_over_bus`]).
+    #[inline]
+    unsafe fn launch_by(
+        &mut self,
+        copy: KernelCopy,
+        kernels: &Kernels,
+        table: u64,
+        count: u64,
+        bytes: u64,
+    ) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { copy(kernels, self.raw, self.stream, table, count) }?;
         self.count_launch(bytes);
         Ok(())
     }

@@ -83,6 +83,13 @@ fn probe_in(entries: &[Resolved], slots: &[u32], buffer: ResidentBuffer) -> std:
     }
 }
 
+/// Whether `[offset, offset + len)` lies in a buffer of `buffer_len` bytes (a range whose
+/// end overflows does not).
+#[inline]
+fn in_range(offset: u64, len: u64, buffer_len: u64) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= buffer_len)
+}
+
 impl BufferTable {
     /// The key of `buffer`, resolving it on first sight.
     pub(crate) fn key(
@@ -149,7 +156,7 @@ impl BufferTable {
         // A buffer seen before and a range inside it: no error value is built or moved.
         if let Some(key) = self.find(buffer) {
             let entry = &mut self.entries[key as usize];
-            if offset.checked_add(len).is_some_and(|end| end <= entry.len) {
+            if in_range(offset, len, entry.len) {
                 self.apart.note(&mut entry.next, entry.ptr, offset, len);
                 return Ok((key, entry.len));
             }
@@ -170,9 +177,12 @@ impl BufferTable {
         len: u64,
         first_error: &mut Option<Error>,
     ) -> Result<(u32, u64)> {
-        let checked = self.key(alloc, buffer).and_then(|(key, resolved)| match offset.checked_add(len) {
-            Some(end) if end <= resolved.len => Ok((key, resolved.len)),
-            _ => Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len }),
+        let checked = self.key(alloc, buffer).and_then(|(key, resolved)| {
+            if in_range(offset, len, resolved.len) {
+                Ok((key, resolved.len))
+            } else {
+                Err(Error::OutOfRange { buffer, offset, len, buffer_len: resolved.len })
+            }
         });
         if let Err(e) = &checked
             && first_error.is_none()

@@ -181,6 +181,32 @@ impl Drop for Downloaded {
     }
 }
 
+impl Downloaded {
+    /// Reads whose bytes land in `lease` (flat staging from `base` on), with views of their
+    /// own, handed back to the device's pool when the download drops; `chunks` and
+    /// `in_order_bytes` as the fields say (empty and 0 for reads the planner laid out).
+    fn leased(
+        core: &Arc<Core>,
+        batch: u64,
+        lease: Arc<HostLease>,
+        base: usize,
+        views: Vec<ReadView>,
+        chunks: Vec<usize>,
+        in_order_bytes: usize,
+    ) -> Downloaded {
+        Downloaded {
+            core: Some(Arc::clone(core)),
+            batch,
+            lease: Some(lease),
+            host: Vec::new(),
+            base,
+            views: Views::Pooled(views),
+            chunks,
+            in_order_bytes,
+        }
+    }
+}
+
 impl PendingDownload {
     /// A download of a prepared set's reads in order ([`super::prepared`]): its chunks are
     /// submissions `first_seq..=fence`'s, `chunks` their first reads then the number of reads,
@@ -799,16 +825,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     views.extend_from_slice(&plan.views);
     Ok(PendingDownload {
         fence: exec.finish(),
-        readback: Downloaded {
-            core: Some(Arc::clone(core)),
-            batch: batch.id,
-            lease: Some(lease),
-            host: Vec::new(),
-            base: tables as usize,
-            views: Views::Pooled(views),
-            chunks: Vec::new(),
-            in_order_bytes: 0,
-        },
+        readback: Downloaded::leased(core, batch.id, lease, tables as usize, views, Vec::new(), 0),
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
         route: Route::Planned,
     })
@@ -1171,16 +1188,7 @@ fn execute_in_order(
     }
     Ok(PendingDownload {
         fence: exec.finish(),
-        readback: Downloaded {
-            core: Some(Arc::clone(core)),
-            batch: batch.id,
-            lease: Some(lease),
-            host: Vec::new(),
-            base: 0,
-            views: Views::Pooled(views),
-            chunks,
-            in_order_bytes: apart.requested as usize,
-        },
+        readback: Downloaded::leased(core, batch.id, lease, 0, views, chunks, apart.requested as usize),
         first_seq: final_seq + 1 - n,
         route: Route::InOrder,
     })
