@@ -424,6 +424,26 @@ impl Error {
         )
     }
 
+    /// Whether this is a driver error that loses the context (a fault on the GPU): every
+    /// later call fails the same way and no work of the context runs any more.
+    pub(crate) fn context_is_lost(&self) -> bool {
+        use cuda_sys::{
+            CUDA_ERROR_ECC_UNCORRECTABLE, CUDA_ERROR_HARDWARE_STACK_ERROR, CUDA_ERROR_ILLEGAL_ADDRESS,
+            CUDA_ERROR_ILLEGAL_INSTRUCTION, CUDA_ERROR_INVALID_PC, CUDA_ERROR_LAUNCH_FAILED,
+            CUDA_ERROR_MISALIGNED_ADDRESS,
+        };
+        const LOST: [cuda_sys::CUresult; 7] = [
+            CUDA_ERROR_ILLEGAL_ADDRESS,
+            CUDA_ERROR_LAUNCH_FAILED,
+            CUDA_ERROR_HARDWARE_STACK_ERROR,
+            CUDA_ERROR_ILLEGAL_INSTRUCTION,
+            CUDA_ERROR_MISALIGNED_ADDRESS,
+            CUDA_ERROR_INVALID_PC,
+            CUDA_ERROR_ECC_UNCORRECTABLE,
+        ];
+        self.cuda_code().is_some_and(|code| LOST.contains(&code))
+    }
+
     /// The `CUresult` of a driver error, if this is one.
     pub fn cuda_code(&self) -> Option<CUresult> {
         match self {

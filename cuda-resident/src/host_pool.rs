@@ -473,7 +473,8 @@ impl std::ops::Deref for PinnedBuffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: the region holds `len` bytes and lives as long as the lease. This crate
-        // hands a PinnedBuffer's memory to no copy of its own; the caller's `unsafe` copies
+        // hands a PinnedBuffer's memory to its own copies only through a scope's batches,
+        // which borrow the slice until the copies are done; the caller's `unsafe` copies
         // promise that nothing touches it while they run.
         unsafe { std::slice::from_raw_parts(self.lease.as_ptr(), self.lease.len()) }
     }

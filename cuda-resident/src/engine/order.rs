@@ -10,9 +10,12 @@
 //! ranges overlap its own. Ranges that only touch (one ends where the other starts) do not
 //! overlap. A path that does not name its ranges claims whole buffers.
 //!
-//! A batch waits only for batches entered before it, so waits never form a circle; a batch
-//! entered between another's claim and its entry is ordered by the ledger alone, as two
-//! threads' batches submitted at once may run in either order.
+//! A batch waits only for batches entered before it, so waits never form a circle. Two
+//! threads' batches on overlapping bytes, submitted at once, are not ordered against each
+//! other: one may wait for the other, or (when the other has claimed but not yet enqueued
+//! its work) the two may interleave on the device, as with any unsynchronized access. The
+//! lanes never wait on the device for work not yet enqueued: a batch may wait on the host
+//! for room in the pinned pool while its own numbers are reserved.
 //!
 //! Cost: one lock and a push per batch; the ranges themselves are built as the batch's
 //! requests are walked once (touching ranges in order merge as they come). Ranges are

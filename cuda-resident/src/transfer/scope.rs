@@ -136,20 +136,17 @@ impl<'scope> Scope<'scope, '_> {
     }
 
     /// Waits for every submission of the scope. A lane where a batch failed part-way, or
-    /// whose wait fails, is synchronized whole instead (its stream, which a failed batch's
-    /// side work was joined into), so that no copy of the scope runs once this returns: if
-    /// that fails too, the context has failed, and none of its copies runs any more.
+    /// whose wait fails, is synchronized whole instead ([`Scope::settle`]), so that no copy
+    /// of the scope runs once this returns.
     fn wait_all(&self) -> Result<()> {
         let mut first = Ok(());
         for kind in [LaneKind::Upload, LaneKind::Readback] {
             let seq = self.seen.last[kind.index()].load(Ordering::Acquire);
             let failed = self.seen.failed[kind.index()].load(Ordering::Acquire);
-            let stream = self.core.lane(kind).stream();
-            let sync = || self.core.ctx.bind().and_then(|raw| raw.stream_synchronize(stream));
             let waited = match (failed, seq) {
-                (true, _) => sync(),
+                (true, _) => self.settle(kind),
                 (false, 0) => Ok(()),
-                (false, seq) => wait(self.core, kind, seq).inspect_err(|_| drop(sync())),
+                (false, seq) => wait(self.core, kind, seq).inspect_err(|_| drop(self.settle(kind))),
             };
             if let Err(e) = waited
                 && first.is_ok()
@@ -159,7 +156,34 @@ impl<'scope> Scope<'scope, '_> {
         }
         first
     }
+
+    /// Synchronizes `kind`'s lane whole (its stream, which a failed batch's side work was
+    /// joined into), retrying a refusal. A context lost to a fault runs no copy any more,
+    /// and its error is returned. Where the driver neither confirms that the copies are done
+    /// nor reports them lost, returning would hand back memory the GPU may still write: the
+    /// process aborts, as nothing else can keep that promise.
+    fn settle(&self, kind: LaneKind) -> Result<()> {
+        let stream = self.core.lane(kind).stream();
+        let mut last = None;
+        for attempt in 0..SETTLE_TRIES {
+            match self.core.ctx.bind().and_then(|raw| raw.stream_synchronize(stream)) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.context_is_lost() => return Err(e),
+                Err(e) => last = Some(e),
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1 << attempt));
+        }
+        eprintln!(
+            "cuda-resident: a scope's copies could not be confirmed done or lost ({}); aborting rather than \
+             returning memory the GPU may still use",
+            last.map_or_else(String::new, |e| e.to_string())
+        );
+        std::process::abort()
+    }
 }
+
+/// How many times [`Scope::settle`] asks the driver before it gives up.
+const SETTLE_TRIES: u32 = 8;
 
 /// What a scope's batches did on each lane: the last submission made (0: none), and
 /// whether a batch failed after it may have enqueued work.
@@ -189,11 +213,12 @@ fn note(seen: &Seen, fence: &Fence) {
 /// Where a scoped batch's item moves from or to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Place {
-    /// In place, in pinned memory of this crate (mapped for the device).
-    Mapped,
-    /// In place by DMAs, in other pinned memory (`Device::pin_host`): only runs of at least
-    /// [`RUN_MIN`] contiguous bytes, which move by chunk DMAs (no kernel touches them).
-    Pinned,
+    /// In place, in pinned memory of this crate (mapped for the device): the arena's start.
+    Mapped(usize),
+    /// In place by DMAs, in other pinned memory (`Device::pin_host`): the registration's
+    /// start. Only runs of at least [`RUN_MIN`] contiguous bytes inside one registration,
+    /// which move by chunk DMAs (no kernel touches them).
+    Pinned(usize),
     /// Through staging, as an ordinary batch.
     Staged,
 }
@@ -201,13 +226,16 @@ enum Place {
 /// The [`Place`] of each of `hosts` (address and length, in the batch's order; an empty one
 /// is staged, which moves nothing). Pinned memory of this crate is found in the registry of
 /// lent buffers; other memory is asked of the driver only for runs of contiguous items of at
-/// least [`RUN_MIN`] bytes, its first and last byte, so that pageable items cost no driver
-/// call each.
+/// least [`RUN_MIN`] bytes, once per pinned region met (so pageable items cost no driver
+/// call each). No run crosses from one arena or registration into another.
 fn places(core: &Core, hosts: &[(usize, usize)]) -> Result<Vec<Place>> {
     let mut lent = Lent::default();
     let mut places: Vec<Place> = hosts
         .iter()
-        .map(|&(ptr, len)| if len > 0 && lent.holds(ptr, len) { Place::Mapped } else { Place::Staged })
+        .map(|&(ptr, len)| match lent.arena(ptr, len) {
+            Some(start) if len > 0 => Place::Mapped(start),
+            _ => Place::Staged,
+        })
         .collect();
     let mut i = 0;
     while i < hosts.len() {
@@ -220,24 +248,40 @@ fn places(core: &Core, hosts: &[(usize, usize)]) -> Result<Vec<Place>> {
             end += hosts[j].1;
             j += 1;
         }
-        if (end - start) as u64 >= RUN_MIN && pinned_between(core, start, end)? {
-            places[i..j].fill(Place::Pinned);
+        if (end - start) as u64 >= RUN_MIN {
+            registered(core, &hosts[i..j], &mut places[i..j])?;
         }
         i = j;
     }
     Ok(places)
 }
 
-/// Whether the driver reports `[start, end)` as pinned host memory: one extent holding it,
-/// or, where the driver gives no extent, its first and last byte pinned (as
-/// `Device::upload_async_at` checks).
-fn pinned_between(core: &Core, start: usize, end: usize) -> Result<bool> {
+/// Marks the items of a run that lie whole in one pinned region the driver reports (its
+/// start and size) as [`Place::Pinned`]; the others stay staged. One driver call per region
+/// met, plus one for a run that is not pinned at all.
+fn registered(core: &Core, hosts: &[(usize, usize)], places: &mut [Place]) -> Result<()> {
     let raw = core.ctx.bind()?;
-    Ok(match raw.pinned_extent(start as *const u8)? {
-        None => false,
-        Some((from, bytes)) if from <= start as u64 && from.saturating_add(bytes) >= end as u64 => true,
-        Some(_) => raw.pinned_extent((end - 1) as *const u8)?.is_some(),
-    })
+    let mut region: Option<(usize, usize)> = None;
+    for (&(ptr, len), place) in hosts.iter().zip(places) {
+        let inside = |(from, to): (usize, usize)| ptr >= from && ptr + len <= to;
+        if !region.is_some_and(inside) {
+            region = match raw.pinned_extent(ptr as *const u8)? {
+                // An extent that holds the item's first byte; a driver that gives none
+                // leaves the item staged.
+                Some((from, bytes)) if from <= ptr as u64 && from.saturating_add(bytes) > ptr as u64 => {
+                    Some((from as usize, from.saturating_add(bytes) as usize))
+                }
+                Some(_) => None,
+                // Not pinned: neither is the rest of a run that starts pageable, as a rule.
+                None if region.is_none() => return Ok(()),
+                None => None,
+            };
+        }
+        if let Some(extent) = region.filter(|&e| inside(e)) {
+            *place = Place::Pinned(extent.0);
+        }
+    }
+    Ok(())
 }
 
 /// Finds whether host ranges lie in pinned memory of this crate, remembering the last arena
@@ -246,19 +290,16 @@ fn pinned_between(core: &Core, start: usize, end: usize) -> Result<bool> {
 struct Lent(Option<(usize, usize)>);
 
 impl Lent {
-    fn holds(&mut self, ptr: usize, len: usize) -> bool {
+    /// The start of the arena of this crate that holds all of `[ptr, ptr + len)`.
+    fn arena(&mut self, ptr: usize, len: usize) -> Option<usize> {
         let inside =
             |(start, bytes): (usize, usize)| ptr >= start && ptr.saturating_add(len) <= start + bytes;
-        if self.0.is_some_and(inside) {
-            return true;
+        if let Some(arena) = self.0.filter(|&a| inside(a)) {
+            return Some(arena.0);
         }
-        match lent_extent(ptr) {
-            Some(arena) if inside(arena) => {
-                self.0 = Some(arena);
-                true
-            }
-            _ => false,
-        }
+        let arena = lent_extent(ptr).filter(|&a| inside(a))?;
+        self.0 = Some(arena);
+        Some(arena.0)
     }
 }
 
@@ -271,6 +312,22 @@ struct Direct {
     /// The host side lies in pinned memory of this crate, which the device reaches (else in
     /// other pinned memory, reached by DMAs only).
     mapped: bool,
+    /// The start of the arena or registration the host side lies in: a run never crosses
+    /// into another (a DMA must stay inside one pinned region).
+    region: usize,
+}
+
+impl Direct {
+    /// The item of `len` bytes between host `host` and device `dev`, placed at `place`
+    /// (not [`Place::Staged`]).
+    fn new(host: usize, dev: u64, len: usize, place: Place) -> Direct {
+        let (mapped, region) = match place {
+            Place::Mapped(region) => (true, region),
+            Place::Pinned(region) => (false, region),
+            Place::Staged => unreachable!("staged items do not move in place"),
+        };
+        Direct { host, dev, len: len as u64, mapped, region }
+    }
 }
 
 /// Runs of items contiguous in host memory at least this long move through device staging
@@ -315,14 +372,15 @@ impl Layout {
             let mut bytes = items[i].len;
             while end < items.len()
                 && items[end].host == items[end - 1].host + items[end - 1].len as usize
-                && items[end].mapped == items[i].mapped
+                && (items[end].mapped, items[end].region) == (items[i].mapped, items[i].region)
             {
                 bytes += items[end].len;
                 end += 1;
             }
             let run = &items[i..end];
             i = end;
-            if bus && bytes >= RUN_MIN {
+            // A run of one item (a large write) is one DMA, without device staging.
+            if bus && bytes >= RUN_MIN && run.len() > 1 {
                 layout.push_run(run, kind, chunk);
                 continue;
             }
@@ -385,13 +443,16 @@ impl Layout {
 /// memory by one DMA a chunk into or out of device staging, with a scatter (uploads) or
 /// gather (downloads) launch inside the device, the two overlapped on the lane's two streams;
 /// scattered small items by one launch of the copy kernel over the bus; the rest by one DMA
-/// each. `ranges` are the items' device ranges; `buffers` every buffer they lie in.
+/// each. `ranges` are the items' device ranges; `buffers` every buffer they lie in. The
+/// batch's last submission is noted in `seen` as soon as it is claimed, before anything is
+/// enqueued: the scope waits for it whatever happens after (an error, a panic).
 fn move_pinned(
     core: &Arc<Core>,
     kind: LaneKind,
     buffers: impl Iterator<Item = ResidentBuffer>,
     items: &[Direct],
     ranges: Ranges,
+    seen: &Seen,
 ) -> Result<Fence> {
     let config = &core.config;
     let mut layout = Layout::new(
@@ -403,7 +464,8 @@ fn move_pinned(
     );
     let mut exec = Exec::begin(core, kind);
     let mut scratch = lock(&core.staging[kind.index()]);
-    exec.claim_built(buffers, layout.submissions(), ranges)?;
+    let final_seq = exec.claim_built(buffers, layout.submissions(), ranges)?;
+    seen.last[kind.index()].fetch_max(final_seq, Ordering::AcqRel);
     exec.requested(items.iter().map(|d| d.len).sum());
     // A slot of device staging per chunk in flight: its bytes, then (uploads) its table. A
     // download's gather reads its table in pinned memory over the bus instead: a copy of it
@@ -457,13 +519,13 @@ fn move_pinned(
         exec.wait_side(slot)?;
         // SAFETY, for the DMAs and launches below: the chunk's part of the pinned table is
         // kept alive by the lane's submission that copies it into the slot, behind the
-        // slot's bytes (`table_area` holds it), or that reads it over the bus (mapped for the
-        // device: chunks exist only with unified addressing); its descriptors name the slot (a chunk is at
-        // most `slot_bytes`) and ranges of live, claimed buffers, no two destinations
-        // overlapping; the host run is pinned memory (this crate's, or registered: only DMAs
-        // touch it) that the scope borrows until the copies complete; the side work comes
-        // after the lane's submission and is
-        // joined before the batch's last one.
+        // slot's bytes (`table_area` holds it), or that reads it over the bus (mapped for
+        // the device: chunks exist only with unified addressing); its descriptors name the
+        // slot (a chunk is at most `slot_bytes`) and ranges of live, claimed buffers, no two
+        // destinations overlapping; the host run lies in one pinned region (this crate's,
+        // or registered: only DMAs touch it) that the scope borrows until the copies
+        // complete; the side work comes after the lane's submission and is joined before
+        // the batch's last one.
         match kind {
             LaneKind::Upload => {
                 // SAFETY: as above.
@@ -537,7 +599,8 @@ impl std::fmt::Debug for ScopedUploads<'_> {
 
 impl<'scope> ScopedUploads<'scope> {
     /// Adds a write of `data` to `buffer` at `offset`. `data` stays borrowed until the scope
-    /// ends; in pinned memory of this crate, the GPU reads it in place.
+    /// ends; in pinned memory (this crate's, or runs of memory pinned by
+    /// [`Device::pin_host`](crate::Device::pin_host)), the GPU reads it in place.
     ///
     /// # Errors
     /// A bad range (returned here and again by `submit`, which then moves nothing).
@@ -580,34 +643,36 @@ impl<'scope> ScopedUploads<'scope> {
         }
         let core = self.core;
         let ptr_of = |key: u32, offset: u64| self.table.entries[key as usize].ptr + offset;
-        let mut ranges = core.ranges(LaneKind::Upload);
-        for &(key, offset, data) in &self.writes {
-            ranges.push(ptr_of(key, offset), data.len() as u64);
-        }
-        // Overlapping writes apply in order: the staged path's planner resolves them.
-        let disjoint = sort_ranges(core, &mut ranges);
         let hosts: Vec<(usize, usize)> =
             self.writes.iter().map(|w| (w.2.as_ptr() as usize, w.2.len())).collect();
-        let places = if disjoint { places(core, &hosts)? } else { vec![Place::Staged; hosts.len()] };
+        let mut places = places(core, &hosts)?;
+        // Overlapping writes apply in order: the staged path's planner resolves them. Only a
+        // batch with something to move in place pays for the check.
+        let mut ranges = core.ranges(LaneKind::Upload);
+        if places.iter().any(|&p| p != Place::Staged) {
+            for &(key, offset, data) in &self.writes {
+                ranges.push(ptr_of(key, offset), data.len() as u64);
+            }
+            if !sort_ranges(core, &mut ranges) {
+                places.fill(Place::Staged);
+            }
+        }
         let (mut direct, mut staged) = (Vec::new(), Vec::new());
         for (&(key, offset, data), place) in self.writes.iter().zip(places) {
             if data.is_empty() {
                 continue;
             }
             match place {
-                Place::Mapped | Place::Pinned => direct.push(Direct {
-                    host: data.as_ptr() as usize,
-                    dev: ptr_of(key, offset),
-                    len: data.len() as u64,
-                    mapped: place == Place::Mapped,
-                }),
+                Place::Mapped(_) | Place::Pinned(_) => {
+                    direct.push(Direct::new(data.as_ptr() as usize, ptr_of(key, offset), data.len(), place))
+                }
                 Place::Staged => staged.push((self.table.entries[key as usize].buffer, offset, data)),
             }
         }
         let mut fence = Fence::completed();
         if !direct.is_empty() {
             let ranges = if staged.is_empty() { ranges } else { ranges_of(core, LaneKind::Upload, &direct) };
-            let moved = move_pinned(core, LaneKind::Upload, self.table.buffers(), &direct, ranges);
+            let moved = move_pinned(core, LaneKind::Upload, self.table.buffers(), &direct, ranges, self.seen);
             fence = self.seen.note(LaneKind::Upload, moved)?;
             note(self.seen, &fence);
         }
@@ -669,7 +734,8 @@ impl std::fmt::Debug for ScopedDownloads<'_> {
 impl<'scope> ScopedDownloads<'scope> {
     /// Adds a read of `out.len()` bytes of `buffer` at `offset` into `out`, which stays
     /// borrowed until the scope ends: the bytes are in it once the scope returns. In pinned
-    /// memory of this crate, the GPU writes it in place.
+    /// memory (this crate's, or runs of memory pinned by
+    /// [`Device::pin_host`](crate::Device::pin_host)), the GPU writes it in place.
     ///
     /// # Errors
     /// A bad range (returned here and again by `submit`, which then moves nothing).
@@ -726,19 +792,17 @@ impl<'scope> ScopedDownloads<'scope> {
             }
             let entry = self.table.entries[key as usize];
             match place {
-                Place::Mapped | Place::Pinned => direct.push(Direct {
-                    host: out.as_mut_ptr() as usize,
-                    dev: entry.ptr + offset,
-                    len: out.len() as u64,
-                    mapped: place == Place::Mapped,
-                }),
+                Place::Mapped(_) | Place::Pinned(_) => {
+                    direct.push(Direct::new(out.as_mut_ptr() as usize, entry.ptr + offset, out.len(), place))
+                }
                 Place::Staged => staged.push((entry.buffer, offset, out)),
             }
         }
         let mut fence = Fence::completed();
         if !direct.is_empty() {
             let ranges = ranges_of(core, LaneKind::Readback, &direct);
-            let moved = move_pinned(core, LaneKind::Readback, self.table.buffers(), &direct, ranges);
+            let moved =
+                move_pinned(core, LaneKind::Readback, self.table.buffers(), &direct, ranges, self.seen);
             fence = self.seen.note(LaneKind::Readback, moved)?;
             note(self.seen, &fence);
         }
