@@ -256,7 +256,9 @@ impl Ledger {
 
 #[cfg(test)]
 mod tests {
-    use super::{Held, Ledger, Ranges, Seen, overlap};
+    use std::sync::OnceLock;
+
+    use super::{Entry, Held, Ledger, Ranges, Seen, overlap};
 
     fn ranges(pairs: &[(u64, u64)]) -> Ranges {
         let mut r = Ranges::default();
@@ -379,5 +381,127 @@ mod tests {
         ledger.enter(0, 2, Held::Own(Ranges::default()), Seen { done: [1, 0], last_other: 0 });
         let reused = ledger.ranges(0);
         assert!(reused.spans.is_empty() && reused.spans.capacity() >= 1000);
+    }
+
+    fn brute(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
+        a.iter().any(|x| b.iter().any(|y| x.0 < y.1 && y.0 < x.1))
+    }
+
+    #[test]
+    fn ranges_sorting_and_overlap_match_brute_force() {
+        let mut rng = fastrand::Rng::with_seed(77);
+        for _ in 0..20_000 {
+            let make = |rng: &mut fastrand::Rng| {
+                let n = rng.usize(0..12);
+                let sorted = rng.bool();
+                let mut at = 0u64;
+                (0..n)
+                    .map(|_| {
+                        let start = if sorted { at + rng.u64(0..4) } else { rng.u64(0..80) };
+                        let len = rng.u64(0..10);
+                        at = start + len;
+                        (start, len)
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let (pa, pb) = (make(&mut rng), make(&mut rng));
+            let mut ra = Ranges::default();
+            pa.iter().for_each(|&(s, l)| ra.push(s, l));
+            let mut rb = Ranges::default();
+            pb.iter().for_each(|&(s, l)| rb.push(s, l));
+            let raw_a: Vec<(u64, u64)> = pa.iter().filter(|p| p.1 > 0).map(|&(s, l)| (s, s + l)).collect();
+            let raw_b: Vec<(u64, u64)> = pb.iter().filter(|p| p.1 > 0).map(|&(s, l)| (s, s + l)).collect();
+            // sort_disjoint: whether no two of the pushed ranges share a byte.
+            let mut sa = Ranges::default();
+            pa.iter().for_each(|&(s, l)| sa.push(s, l));
+            let disjoint = sa.sort_disjoint();
+            let truly = !(0..raw_a.len()).any(|i| (0..i).any(|j| brute(&raw_a[i..=i], &raw_a[j..=j])));
+            assert_eq!(disjoint, truly, "{pa:?}");
+            // The ledger's comparison, through entries (unions made as the ledger makes them).
+            let ea = Entry { seq: 1, ranges: Held::Own(ra), union: OnceLock::new() };
+            let eb = Entry { seq: 2, ranges: Held::Own(rb), union: OnceLock::new() };
+            assert_eq!(overlap(ea.union(), eb.union()), brute(&raw_a, &raw_b), "{pa:?} {pb:?}");
+            let es = Entry { seq: 3, ranges: Held::Own(sa), union: OnceLock::new() };
+            assert_eq!(overlap(es.union(), eb.union()), brute(&raw_a, &raw_b), "sorted {pa:?} {pb:?}");
+        }
+        // Large lists through both branches.
+        for _ in 0..500 {
+            let n = rng.usize(1..300);
+            let m = rng.usize(1..5);
+            let mk = |rng: &mut fastrand::Rng, n: usize| {
+                let mut r = Ranges::default();
+                for _ in 0..n {
+                    r.push(rng.u64(0..100_000), rng.u64(1..200));
+                }
+                r
+            };
+            let (ra, rb) = (mk(&mut rng, n), mk(&mut rng, m));
+            let (ua, ub) = (ra.union(), rb.union());
+            assert_eq!(overlap(&ua, &ub), brute(&ua, &ub));
+            assert_eq!(overlap(&ub, &ua), brute(&ua, &ub));
+        }
+    }
+
+    /// A batch of the simulation: its last submission and its `[start, end)` ranges.
+    type Batch = (u64, Vec<(u64, u64)>);
+
+    /// Random batches on two lanes over 8 buffers of 1000 bytes; each batch touches random
+    /// ranges in 1..3 buffers. For every batch entered: it must wait at least for the newest
+    /// batch of the other lane not known done whose ranges overlap its own, and never for a
+    /// batch not entered yet.
+    #[test]
+    fn the_ledger_never_skips_an_overlap_nor_waits_for_a_batch_not_entered() {
+        let mut rng = fastrand::Rng::with_seed(5);
+        for round in 0..200 {
+            let ledger = Ledger::default();
+            let mut next = [1u64, 1u64];
+            let mut done = [0u64, 0u64];
+            let mut marks = [[0u64; 2]; 8];
+            // Per lane, every batch entered: its last submission and its byte ranges.
+            let mut all: [Vec<Batch>; 2] = [Vec::new(), Vec::new()];
+            let steps = if round % 2 == 0 { 300 } else { 60 };
+            for _ in 0..steps {
+                let lane = rng.usize(0..2);
+                let other = 1 - lane;
+                let subs = rng.u64(1..4);
+                let seq = next[lane] + subs - 1;
+                next[lane] = seq + 1;
+                let nbuf = rng.usize(1..3);
+                let mut spans = Vec::new();
+                let mut r = Ranges::default();
+                let mut last_other = 0;
+                for _ in 0..nbuf {
+                    let b = rng.usize(0..8);
+                    marks[b][lane] = marks[b][lane].max(seq);
+                    last_other = last_other.max(marks[b][other]);
+                    for _ in 0..rng.usize(1..4) {
+                        let s = b as u64 * 1000 + rng.u64(0..990);
+                        let l = rng.u64(1..10);
+                        r.push(s, l);
+                        spans.push((s, s + l));
+                    }
+                }
+                // Sometimes lanes complete some work.
+                for k in 0..2 {
+                    if rng.u8(..4) == 0 && next[k] > 1 {
+                        done[k] = done[k].max(rng.u64(done[k]..next[k]));
+                    }
+                }
+                if rng.bool() {
+                    r.sort_disjoint();
+                }
+                let need = ledger.enter(lane, seq, Held::Own(r), Seen { done, last_other });
+                let must = all[other]
+                    .iter()
+                    .filter(|(s, _)| *s > done[other])
+                    .filter(|(_, sp)| sp.iter().any(|x| spans.iter().any(|y| x.0 < y.1 && y.0 < x.1)))
+                    .map(|(s, _)| *s)
+                    .max()
+                    .unwrap_or(0);
+                assert!(need >= must, "round {round}: need {need} < {must}");
+                assert!(need < next[other], "waits for a batch not entered");
+                all[lane].push((seq, spans));
+            }
+        }
     }
 }

@@ -831,3 +831,76 @@ impl<'scope> ScopedDownloads<'scope> {
         Ok(fence)
     }
 }
+
+#[cfg(test)]
+mod layout_tests {
+    use super::{Direct, Layout};
+    use crate::stream::LaneKind;
+
+    /// Every item's bytes are covered exactly once by chunk descriptors, bus descriptors or
+    /// DMAs; chunk descriptors stay within their chunk; chunks are host-contiguous pieces.
+    #[test]
+    fn a_layout_moves_every_byte_once_inside_its_chunks_and_no_kernel_touches_registered_memory() {
+        let mut rng = fastrand::Rng::with_seed(9);
+        for round in 0..300 {
+            let chunk = [64u64 << 10, 1 << 20, (3 << 20) | 17][round % 3];
+            let threshold = [0u64, 4096, 256 << 10][round % 3];
+            let n = rng.usize(1..200);
+            let mut items = Vec::new();
+            let mut host = 1usize << 40;
+            let mut dev = 1u64 << 30;
+            for _ in 0..n {
+                let len = if rng.bool() { rng.u64(1..300_000) } else { rng.u64(1..40_000) };
+                if rng.u8(..10) == 0 {
+                    host += rng.usize(1..100);
+                }
+                dev += rng.u64(0..5000);
+                let mapped = rng.u8(..8) != 0;
+                items.push(Direct { host, dev, len, mapped, region: usize::from(mapped) });
+                host += len as usize;
+                dev += len;
+            }
+            for kind in [LaneKind::Upload, LaneKind::Readback] {
+                let bus = rng.bool();
+                let layout = Layout::new(&items, kind, chunk, threshold, bus);
+                // Device bytes -> host bytes, as moved.
+                let mut moved: Vec<(u64, u64, u64)> = Vec::new(); // (dev, host, len)
+                for c in &layout.chunks {
+                    assert!(c.len <= chunk && c.len > 0);
+                    for d in &layout.descriptors[c.descriptors.clone()] {
+                        let (slot, dev) =
+                            if kind == LaneKind::Upload { (d.src, d.dst) } else { (d.dst, d.src) };
+                        assert!(slot + d.len <= c.len, "descriptor past its chunk");
+                        moved.push((dev, c.host as u64 + slot, d.len));
+                    }
+                }
+                for d in &layout.descriptors[layout.bus_from..] {
+                    let (host, dev) = if kind == LaneKind::Upload { (d.src, d.dst) } else { (d.dst, d.src) };
+                    moved.push((dev, host, d.len));
+                }
+                for d in &layout.dmas {
+                    moved.push((d.dev, d.host as u64, d.len));
+                }
+                // Every moved piece maps device to host as some item does, and every item's
+                // bytes are moved exactly once.
+                let total: u64 = items.iter().map(|d| d.len).sum();
+                assert_eq!(moved.iter().map(|m| m.2).sum::<u64>(), total);
+                for &(dev, hostp, len) in &moved {
+                    let it = items
+                        .iter()
+                        .find(|d| dev >= d.dev && dev + len <= d.dev + d.len)
+                        .expect("a piece inside one item");
+                    assert_eq!(hostp - it.host as u64, dev - it.dev, "host/device offsets disagree");
+                    if !it.mapped && bus {
+                        // registered memory: no kernel may touch it
+                        assert!(layout.descriptors[layout.bus_from..].iter().all(|d| {
+                            let h = if kind == LaneKind::Upload { d.src } else { d.dst };
+                            !(h >= it.host as u64 && h < it.host as u64 + it.len)
+                        }));
+                    }
+                }
+                let _ = layout.submissions();
+            }
+        }
+    }
+}
