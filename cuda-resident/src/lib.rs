@@ -8,13 +8,16 @@
 //! - a **pinned pool** ([`Device::pinned`]): page-locked host memory, reused;
 //! - two **lanes**, one non-blocking stream per direction, so that uploads and downloads
 //!   overlap (uploads written in place also scatter on a second stream while the next
-//!   bytes are on the wire); submitted work completes into a [`Fence`];
+//!   bytes are on the wire); they wait for each other on the device only where they touch
+//!   the same bytes; submitted work completes into a [`Fence`];
 //! - **fused copies**: an [`UploadBatch`] or [`DownloadBatch`] of thousands of small copies
 //!   costs one kernel launch per staging chunk, which reads or writes the pinned memory
 //!   over the bus when the copies come in order ([`Config::small_copies_over_bus`]), or a
-//!   DMA (two for a download: its table up, its bytes down) and one scatter or gather
-//!   launch; large copies from ordinary memory are pipelined through pinned memory by
-//!   several threads;
+//!   DMA and one scatter or gather launch; large copies from ordinary memory are pipelined
+//!   through pinned memory by several threads;
+//! - **scoped transfers** ([`Device::scope`]): batches whose other end is the caller's own
+//!   memory, borrowed until the scope has waited for them, so that pinned memory (a host
+//!   cache of KV blocks, say) moves in place, with no staging copy, both directions at once;
 //! - **prepared sets** ([`Device::prepare_uploads`], [`Device::prepare_downloads`]): the same
 //!   ranges moved every step are checked and laid out once, with their descriptors resident
 //!   on the device; each move then costs a parallel copy of the bytes (uploads) and a launch
