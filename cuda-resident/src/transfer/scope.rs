@@ -360,10 +360,12 @@ struct Layout {
 impl Layout {
     /// Lays `items` out for `kind`: runs (items each starting in host memory where the last
     /// ended) of at least [`RUN_MIN`] bytes cut into chunks of at most `chunk` bytes (slot
-    /// offsets relative to the slot, which the launch adds); other items of at least
-    /// `threshold` bytes by DMA, the rest over the bus (`bus`: the GPU has unified
-    /// addressing; without it, everything goes by DMA).
-    fn new(items: &[Direct], kind: LaneKind, chunk: u64, threshold: u64, bus: bool) -> Layout {
+    /// offsets relative to the slot, which the launch adds), where the GPU has unified
+    /// addressing (`unified`: a download's gather reads its table in pinned memory); other
+    /// items of at least `threshold` bytes by DMA, the rest over the bus where `bus` (the
+    /// configuration lets small copies move over the bus: `Core::moves_small_copies_over_bus`),
+    /// else by DMA too.
+    fn new(items: &[Direct], kind: LaneKind, chunk: u64, threshold: u64, unified: bool, bus: bool) -> Layout {
         let mut layout = Layout::default();
         let mut bus_items = Vec::new();
         let mut i = 0;
@@ -380,7 +382,7 @@ impl Layout {
             let run = &items[i..end];
             i = end;
             // A run of one item (a large write) is one DMA, without device staging.
-            if bus && bytes >= RUN_MIN && run.len() > 1 {
+            if unified && bytes >= RUN_MIN && run.len() > 1 {
                 layout.push_run(run, kind, chunk);
                 continue;
             }
@@ -460,6 +462,7 @@ fn move_pinned(
         kind,
         config.chunk_bytes,
         config.direct_threshold,
+        core.info.unified_addressing,
         core.moves_small_copies_over_bus(),
     );
     let mut exec = Exec::begin(core, kind);
@@ -862,7 +865,8 @@ mod layout_tests {
             }
             for kind in [LaneKind::Upload, LaneKind::Readback] {
                 let bus = rng.bool();
-                let layout = Layout::new(&items, kind, chunk, threshold, bus);
+                let unified = bus || rng.bool();
+                let layout = Layout::new(&items, kind, chunk, threshold, unified, bus);
                 // Device bytes -> host bytes, as moved.
                 let mut moved: Vec<(u64, u64, u64)> = Vec::new(); // (dev, host, len)
                 for c in &layout.chunks {

@@ -453,3 +453,15 @@ fn a_run_over_two_registrations_or_a_pageable_hole_never_moves_by_one_dma() {
         assert!(model::with(|g| g.errors.is_empty()), "hole {hole}");
     }
 }
+
+#[test]
+fn runs_move_through_device_staging_even_with_small_copies_kept_off_the_bus() {
+    // The configuration keeps small copies off the bus: scattered small items go by DMA, but
+    // a run still moves by chunk DMAs (its kernels touch only device memory and the table).
+    let d = device(Config::default().with_small_copies_over_bus(false));
+    let block = 256 << 10;
+    let mut cache = d.pinned(32 * block).unwrap();
+    assert_eq!(paging_step(&d, &mut cache, block, 41), (2, 3, 2 * 256 * 24));
+    let mut small = d.pinned(32 * 4096).unwrap();
+    assert_eq!(paging_step(&d, &mut small, 4096, 42), (0, 32, 0), "short runs: a DMA a block");
+}
