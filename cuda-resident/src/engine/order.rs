@@ -65,27 +65,16 @@ impl Ranges {
     /// Puts the ranges in order; returns whether no two share a byte (touching ones do
     /// not). Ranges that overlap are merged.
     pub(crate) fn sort_disjoint(&mut self) -> bool {
-        self.sort_disjoint_by(|spans| spans.sort_unstable_by_key(|s| s.0))
-    }
-
-    /// [`Ranges::sort_disjoint`], with `sort` putting the ranges in order of their start
-    /// (a parallel sort for many).
-    pub(crate) fn sort_disjoint_by(&mut self, sort: impl FnOnce(&mut [(u64, u64)])) -> bool {
         if !self.unordered {
             return !self.overlapped;
         }
-        sort(&mut self.spans);
+        self.spans.sort_unstable_by_key(|s| s.0);
         let disjoint = !self.overlapped && self.spans.windows(2).all(|w| w[0].1 <= w[1].0);
         if !disjoint {
             self.spans = self.union();
         }
         self.unordered = false;
         disjoint
-    }
-
-    /// How many ranges (touching ones pushed in order count as one).
-    pub(crate) fn len(&self) -> usize {
-        self.spans.len()
     }
 
     fn clear(&mut self) {

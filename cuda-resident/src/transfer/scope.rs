@@ -656,7 +656,7 @@ impl<'scope> ScopedUploads<'scope> {
             for &(key, offset, data) in &self.writes {
                 ranges.push(ptr_of(key, offset), data.len() as u64);
             }
-            if !sort_ranges(core, &mut ranges) {
+            if !ranges.sort_disjoint() {
                 places.fill(Place::Staged);
             }
         }
@@ -691,29 +691,15 @@ impl<'scope> ScopedUploads<'scope> {
     }
 }
 
-/// The device ranges of `items`, in order ([`sort_ranges`]).
+/// The device ranges of `items`, in order ([`Ranges::sort_disjoint`]): sorted here, the
+/// ledger compares them with the other lane's without sorting them again.
 fn ranges_of(core: &Core, kind: LaneKind, items: &[Direct]) -> Ranges {
     let mut ranges = core.ranges(kind);
     for d in items {
         ranges.push(d.dev, d.len);
     }
-    sort_ranges(core, &mut ranges);
+    ranges.sort_disjoint();
     ranges
-}
-
-/// From this many ranges up, [`sort_ranges`] sorts on the packing threads.
-const PARALLEL_SORT: usize = 4096;
-
-/// Puts `ranges` in order ([`Ranges::sort_disjoint`]), on the packing threads when there
-/// are many: a swap of 16384 blocks sorts in about 0.4 ms on one core, and its DMAs wait for
-/// it. Sorted here, the ledger compares them with the other lane's without sorting them
-/// again. Returns whether no two overlap.
-fn sort_ranges(core: &Core, ranges: &mut Ranges) -> bool {
-    use rayon::slice::ParallelSliceMut;
-    if ranges.len() < PARALLEL_SORT {
-        return ranges.sort_disjoint();
-    }
-    ranges.sort_disjoint_by(|spans| core.packers().install(|| spans.par_sort_unstable_by_key(|s| s.0)))
 }
 
 /// A batch of reads into the caller's memory ([`Scope::downloads`]).

@@ -316,9 +316,9 @@ fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
 }
 
 #[test]
-fn many_shuffled_blocks_sort_on_the_packing_threads_and_an_overlap_among_them_is_found() {
-    // 8192 blocks of 64 B (past the parallel sort's threshold), shuffled, from a pinned
-    // cache; then the same with one block written twice (the later write wins).
+fn among_many_shuffled_blocks_an_overlap_is_found_and_applied_in_order() {
+    // 8192 blocks of 64 B, shuffled, from a pinned cache; then the same with one block
+    // written twice (the later write wins).
     let d = device(Config::default());
     let mut rng = fastrand::Rng::with_seed(23);
     let block = 64;
