@@ -81,6 +81,10 @@ fn every_public_item_is_named() {
     awaits::<&Fence>();
     fn send_sync<T: Send + Sync>() {}
     send_sync::<FenceEvent>();
+    send_sync::<Scope<'static, 'static>>();
+    fn send<T: Send>() {}
+    send::<ScopedUploads<'static>>();
+    send::<ScopedDownloads<'static>>();
     send_sync::<FenceFuture>();
 
     // Scoped transfers: the caller's memory as the other end.

@@ -690,3 +690,45 @@ fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cach
         d.free(pool).unwrap();
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_scope_is_shared_by_threads_each_building_a_direction() {
+    // Both directions built and submitted at once on two threads of one scope, as a server
+    // with a thread per direction would; the scope waits for both. (The model driver is
+    // per thread: this runs on a GPU only.)
+    let d = device();
+    let mut rng = fastrand::Rng::with_seed(25);
+    let block = 64 << 10;
+    let buffer = d.allocate((64 * block) as u64).unwrap();
+    let mut expect = random_vec(&mut rng, 64 * block);
+    d.upload(buffer, &expect).unwrap();
+    let mut cache = d.pinned(32 * block).unwrap();
+    rng.fill(&mut cache);
+    let incoming = cache[16 * block..].to_vec();
+    let (out_half, in_half) = cache.split_at_mut(16 * block);
+    d.scope(|s| {
+        std::thread::scope(|threads| {
+            let up = threads.spawn(|| {
+                let mut writes = s.uploads();
+                for (i, src) in in_half.chunks(block).enumerate() {
+                    writes.write(buffer, ((32 + i) * block) as u64, src)?;
+                }
+                writes.submit()
+            });
+            let down = threads.spawn(|| {
+                let mut reads = s.downloads();
+                for (i, dst) in out_half.chunks_mut(block).enumerate() {
+                    reads.read_into(buffer, (i * block) as u64, dst)?;
+                }
+                reads.submit()
+            });
+            up.join().expect("no panic")?;
+            down.join().expect("no panic")
+        })
+    })
+    .unwrap();
+    assert!(cache[..16 * block] == expect[..16 * block], "swapped out");
+    expect[32 * block..48 * block].copy_from_slice(&incoming);
+    assert!(d.download(buffer).unwrap() == expect, "swapped in");
+}

@@ -68,7 +68,9 @@ use crate::sync::lock;
 /// # }
 /// ```
 ///
-/// and memory that does not outlive the scope cannot be lent to it:
+/// and memory that does not outlive the scope cannot be lent to it (nor memory that a helper
+/// closure takes as an argument of any lifetime: capture it instead, or name the scope's
+/// lifetime):
 ///
 /// ```compile_fail,E0597
 /// # fn f(device: &cuda_resident::Device, pool: cuda_resident::ResidentBuffer) -> cuda_resident::Result<()> {

@@ -15,9 +15,9 @@
 //! direction; cuda-resident, one scope ([`Device::scope`]) with a batch per direction: one
 //! `write` per block from its slot (in), one `read_into` per block into its slot (out),
 //! in place for the pinned cache, staged for the pageable one. For "both", the baselines run
-//! each direction on a thread and stream of its own, released together; cuda-resident
-//! submits both batches in its scope, which waits for both. GB/s counts the bytes moved,
-//! both directions' for "both".
+//! each direction on a thread and stream of its own, released together; cuda-resident builds
+//! and submits each direction's batch on a thread of its own in one scope, which waits for
+//! both. GB/s counts the bytes moved, both directions' for "both".
 //!
 //! Every method's swap is verified once per case, outside the clock: its destination
 //! poisoned, one swap, then every byte of every moved block compared with its source, the
@@ -387,32 +387,46 @@ impl Lane<&mut [u8]> {
 
 /// cuda-resident's swap, `out` and / or `in`, in one scope ([`Device::scope`]): one
 /// `read_into` per block into its slot, one `write` per block from its slot, in swap order.
-/// From and into the pinned cache the blocks move in place (DMAs, or the copy kernel over the
-/// bus); the pageable cache is staged. The upload is submitted first: a staged upload's
-/// submit returns once its bytes are staged, a staged download's once its bytes are copied
-/// out, so this order overlaps the two.
+/// From and into the pinned cache the blocks move in place; the pageable cache is staged.
+/// Both at once, each direction is built and submitted on a thread of its own, as the
+/// baselines' directions run on a thread each.
 fn ours(
     d: &Device,
     pool: ResidentBuffer,
     out: Option<&mut Lane<&mut [u8]>>,
     ins: Option<&Lane<&[u8]>>,
 ) -> BenchResult<()> {
+    // The swap-in's slots and offsets, not its lane: the lane's raw stream is not `Sync`.
+    let ins = ins.map(|ins| (ins.host, &ins.offsets[..], ins.block));
+    let both = out.is_some() && ins.is_some();
     d.scope(|s| {
-        if let Some(ins) = ins {
+        // Closures that capture the caller's memory, rather than take it as an argument:
+        // a scope's batches borrow it for the whole scope.
+        let swap_in = move || {
+            let Some((host, offsets, block)) = ins else { return Ok(()) };
             let mut writes = s.uploads();
-            for (slot, &offset) in ins.host.chunks_exact(ins.block).zip(&ins.offsets) {
+            for (slot, &offset) in host.chunks_exact(block).zip(offsets) {
                 writes.write(pool, offset, slot)?;
             }
-            writes.submit()?;
-        }
-        if let Some(out) = out {
+            writes.submit()
+        };
+        let swap_out = move || {
+            let Some(out) = out else { return Ok(()) };
             let mut reads = s.downloads();
             for (slot, &offset) in out.host.chunks_exact_mut(out.block).zip(&out.offsets) {
                 reads.read_into(pool, offset, slot)?;
             }
-            reads.submit()?;
+            reads.submit()
+        };
+        if !both {
+            swap_in()?;
+            return swap_out();
         }
-        Ok(())
+        std::thread::scope(|threads| {
+            let up = threads.spawn(swap_in);
+            swap_out()?;
+            up.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
     })
     .map_err(error)
 }
