@@ -62,6 +62,41 @@ impl Ranges {
         self.spans.push((start, end));
     }
 
+    /// Whether no two ranges share a byte, answered without sorting where the ranges are
+    /// whole granules of a power of two over a short span (a pool's blocks): each granule is
+    /// marked in a bitmap, and a granule marked twice is an overlap. `None` where they are
+    /// not (the caller sorts: [`Ranges::sort_disjoint`]). Leaves the ranges as they are.
+    pub(crate) fn disjoint_by_granules(&self) -> Option<bool> {
+        if self.overlapped {
+            return Some(false);
+        }
+        if !self.unordered {
+            return Some(true);
+        }
+        let base = self.spans.iter().map(|s| s.0).min()?;
+        let end = self.spans.iter().map(|s| s.1).max()?;
+        // The largest power of two that divides every offset from `base` and every length.
+        let bits = self.spans.iter().fold(0u64, |acc, &(start, stop)| acc | (start - base) | (stop - start));
+        let shift = bits.trailing_zeros().min(63);
+        let granules = (end - base) >> shift;
+        let marks: u64 = self.spans.iter().map(|&(start, stop)| (stop - start) >> shift).sum();
+        // A bitmap of at most 1 MiB, and no more marks than a sort's comparisons.
+        if granules > 1 << 23 || marks > 8 * self.spans.len() as u64 {
+            return None;
+        }
+        let mut map = vec![0u64; granules.div_ceil(64) as usize];
+        for &(start, stop) in &self.spans {
+            for granule in (start - base) >> shift..(stop - base) >> shift {
+                let (word, bit) = ((granule / 64) as usize, 1u64 << (granule % 64));
+                if map[word] & bit != 0 {
+                    return Some(false);
+                }
+                map[word] |= bit;
+            }
+        }
+        Some(true)
+    }
+
     /// Puts the ranges in order; returns whether no two share a byte (touching ones do
     /// not). Ranges that overlap are merged.
     pub(crate) fn sort_disjoint(&mut self) -> bool {
@@ -403,7 +438,12 @@ mod tests {
             // sort_disjoint: whether no two of the pushed ranges share a byte.
             let mut sa = Ranges::default();
             pa.iter().for_each(|&(s, l)| sa.push(s, l));
+            let by_granules = sa.disjoint_by_granules();
             let disjoint = sa.sort_disjoint();
+            assert!(
+                by_granules.is_none_or(|d| d == disjoint),
+                "granules {by_granules:?}, sorted {disjoint}: {pa:?}"
+            );
             let truly = !(0..raw_a.len()).any(|i| (0..i).any(|j| brute(&raw_a[i..=i], &raw_a[j..=j])));
             assert_eq!(disjoint, truly, "{pa:?}");
             // The ledger's comparison, through entries (unions made as the ledger makes them).
@@ -492,5 +532,45 @@ mod tests {
                 all[lane].push((seq, spans));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod granule_tests {
+    use super::Ranges;
+
+    fn ranges(pairs: &[(u64, u64)]) -> Ranges {
+        let mut r = Ranges::default();
+        for &(start, len) in pairs {
+            r.push(start, len);
+        }
+        r
+    }
+
+    #[test]
+    fn blocks_of_a_pool_are_checked_by_granules_and_agree_with_sorting() {
+        let mut rng = fastrand::Rng::with_seed(3);
+        for block in [4096u64, 16 << 10, 48 << 10, 256 << 10, 2 << 20] {
+            let base = 0x7f00_0000_0000u64;
+            let blocks = (1u64 << 30) / block;
+            let mut order: Vec<u64> = (0..blocks).collect();
+            rng.shuffle(&mut order);
+            let pick = &order[..(blocks as usize / 4).max(2)];
+            let mut r = ranges(&pick.iter().map(|&b| (base + b * block, block)).collect::<Vec<_>>());
+            assert_eq!(r.disjoint_by_granules(), Some(true), "{block} B blocks");
+            assert!(r.sort_disjoint());
+            // The same with one block twice, and with one shifted by half a block.
+            let mut twice: Vec<(u64, u64)> = pick.iter().map(|&b| (base + b * block, block)).collect();
+            twice.push(twice[0]);
+            twice.swap(1, pick.len());
+            assert_eq!(ranges(&twice).disjoint_by_granules(), Some(false), "{block} B, twice");
+            let mut shifted: Vec<(u64, u64)> = pick.iter().map(|&b| (base + b * block, block)).collect();
+            shifted.push((base + pick[5] * block + block / 2, block));
+            shifted.swap(2, pick.len());
+            assert_eq!(ranges(&shifted).disjoint_by_granules(), Some(false), "{block} B, shifted");
+        }
+        // Small ranges spread over a wide span fall back to sorting.
+        let wide: Vec<(u64, u64)> = (0..1000u64).rev().map(|i| (i * (1 << 30) + 7, 100)).collect();
+        assert_eq!(ranges(&wide).disjoint_by_granules(), None);
     }
 }

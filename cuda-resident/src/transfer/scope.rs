@@ -658,7 +658,9 @@ impl<'scope> ScopedUploads<'scope> {
             for &(key, offset, data) in &self.writes {
                 ranges.push(ptr_of(key, offset), data.len() as u64);
             }
-            if !ranges.sort_disjoint() {
+            // A pool's blocks are checked by granules, without a sort (which would cost
+            // ~0.7 ms for 16384 of them on the development VM, before the first DMA).
+            if !ranges.disjoint_by_granules().unwrap_or_else(|| ranges.sort_disjoint()) {
                 places.fill(Place::Staged);
             }
         }
