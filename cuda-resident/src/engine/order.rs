@@ -19,8 +19,10 @@
 //!
 //! Cost: one lock and a push per batch; the ranges themselves are built as the batch's
 //! requests are walked once (touching ranges in order merge as they come). Ranges are
-//! sorted only when a batch of the other lane is in flight on the same buffers, once per
-//! batch, and then compared by one sweep (or a binary search for a handful of ranges).
+//! compared only when a batch of the other lane is in flight: ranges that are whole granules
+//! of a power of two over a short span (a pool's blocks) on one bitmap of granules
+//! ([`Grid`]), others by their unions, each sorted once per batch, in one sweep (or a
+//! binary search for a handful of ranges).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
@@ -73,28 +75,8 @@ impl Ranges {
         if !self.unordered {
             return Some(true);
         }
-        let base = self.spans.iter().map(|s| s.0).min()?;
-        let end = self.spans.iter().map(|s| s.1).max()?;
-        // The largest power of two that divides every offset from `base` and every length.
-        let bits = self.spans.iter().fold(0u64, |acc, &(start, stop)| acc | (start - base) | (stop - start));
-        let shift = bits.trailing_zeros().min(63);
-        let granules = (end - base) >> shift;
-        let marks: u64 = self.spans.iter().map(|&(start, stop)| (stop - start) >> shift).sum();
-        // A bitmap of at most 1 MiB, and no more marks than a sort's comparisons.
-        if granules > 1 << 23 || marks > 8 * self.spans.len() as u64 {
-            return None;
-        }
-        let mut map = vec![0u64; granules.div_ceil(64) as usize];
-        for &(start, stop) in &self.spans {
-            for granule in (start - base) >> shift..(stop - base) >> shift {
-                let (word, bit) = ((granule / 64) as usize, 1u64 << (granule % 64));
-                if map[word] & bit != 0 {
-                    return Some(false);
-                }
-                map[word] |= bit;
-            }
-        }
-        Some(true)
+        let mut grid = Grid::over(&[&self.spans])?;
+        Some(!grid.mark(&self.spans))
     }
 
     /// Puts the ranges in order; returns whether no two share a byte (touching ones do
@@ -149,6 +131,73 @@ impl std::ops::Deref for Held {
             Held::Shared(ranges) => ranges,
         }
     }
+}
+
+/// A bitmap of granules, `1 << shift` bytes each from `base`, over the ranges of one or
+/// more sets: the common grid of a pool's blocks, on which overlaps are found in one pass,
+/// without sorting.
+struct Grid {
+    base: u64,
+    shift: u32,
+    map: Vec<u64>,
+}
+
+impl Grid {
+    /// The grid of the largest power of two that divides every range's offset from the
+    /// lowest start and every range's length; `None` where it would take more than 1 MiB of
+    /// bitmap, or more marks than a sort's comparisons (small ranges over a wide span), or
+    /// there are no ranges.
+    fn over(sets: &[&[(u64, u64)]]) -> Option<Grid> {
+        let all = || sets.iter().flat_map(|s| s.iter());
+        let base = all().map(|s| s.0).min()?;
+        let end = all().map(|s| s.1).max()?;
+        let bits = all().fold(0u64, |acc, &(start, stop)| acc | (start - base) | (stop - start));
+        let shift = bits.trailing_zeros().min(63);
+        let granules = (end - base) >> shift;
+        let marks: u64 = all().map(|&(start, stop)| (stop - start) >> shift).sum();
+        let count: u64 = sets.iter().map(|s| s.len() as u64).sum();
+        if granules > 1 << 23 || marks > 8 * count {
+            return None;
+        }
+        Some(Grid { base, shift, map: vec![0; granules.div_ceil(64) as usize] })
+    }
+
+    /// The granules of a range, as bit positions.
+    fn granules(&self, (start, stop): (u64, u64)) -> std::ops::Range<u64> {
+        (start - self.base) >> self.shift..(stop - self.base) >> self.shift
+    }
+
+    /// Marks every granule of `spans`; returns whether one was marked already.
+    fn mark(&mut self, spans: &[(u64, u64)]) -> bool {
+        let mut again = false;
+        for &span in spans {
+            for granule in self.granules(span) {
+                let (word, bit) = ((granule / 64) as usize, 1u64 << (granule % 64));
+                again |= self.map[word] & bit != 0;
+                self.map[word] |= bit;
+            }
+        }
+        again
+    }
+
+    /// Whether any granule of `spans` is marked.
+    fn any(&self, spans: &[(u64, u64)]) -> bool {
+        spans
+            .iter()
+            .any(|&span| self.granules(span).any(|g| self.map[(g / 64) as usize] & 1 << (g % 64) != 0))
+    }
+}
+
+/// Whether two batches' ranges share a byte: by one sweep where both are in order, by a
+/// [`Grid`] where one fits, else by their unions (sorted once per entry).
+fn entries_overlap(a: &Entry, b: &Entry) -> bool {
+    if (a.ranges.unordered || b.ranges.unordered)
+        && let Some(mut grid) = Grid::over(&[&a.ranges.spans, &b.ranges.spans])
+    {
+        grid.mark(&a.ranges.spans);
+        return grid.any(&b.ranges.spans);
+    }
+    overlap(a.union(), b.union())
 }
 
 /// One batch in a lane's log: its last submission and its ranges.
@@ -269,7 +318,7 @@ impl Ledger {
             if entry.seq <= need.max(seen.done[other]) {
                 break;
             }
-            if overlap(own.union(), entry.union()) {
+            if entries_overlap(&own, entry) {
                 need = entry.seq;
                 break;
             }
@@ -282,7 +331,7 @@ impl Ledger {
 mod tests {
     use std::sync::OnceLock;
 
-    use super::{Entry, Held, Ledger, Ranges, Seen, overlap};
+    use super::{Entry, Held, Ledger, Ranges, Seen, entries_overlap, overlap};
 
     fn ranges(pairs: &[(u64, u64)]) -> Ranges {
         let mut r = Ranges::default();
@@ -450,6 +499,7 @@ mod tests {
             let ea = Entry { seq: 1, ranges: Held::Own(ra), union: OnceLock::new() };
             let eb = Entry { seq: 2, ranges: Held::Own(rb), union: OnceLock::new() };
             assert_eq!(overlap(ea.union(), eb.union()), brute(&raw_a, &raw_b), "{pa:?} {pb:?}");
+            assert_eq!(entries_overlap(&ea, &eb), brute(&raw_a, &raw_b), "entries {pa:?} {pb:?}");
             let es = Entry { seq: 3, ranges: Held::Own(sa), union: OnceLock::new() };
             assert_eq!(overlap(es.union(), eb.union()), brute(&raw_a, &raw_b), "sorted {pa:?} {pb:?}");
         }
@@ -572,5 +622,31 @@ mod granule_tests {
         // Small ranges spread over a wide span fall back to sorting.
         let wide: Vec<(u64, u64)> = (0..1000u64).rev().map(|i| (i * (1 << 30) + 7, 100)).collect();
         assert_eq!(ranges(&wide).disjoint_by_granules(), None);
+    }
+
+    #[test]
+    fn blocks_of_two_batches_are_compared_on_a_grid_as_by_sorting() {
+        use std::sync::{Arc, OnceLock};
+
+        use super::{Entry, Held, entries_overlap, overlap};
+        let mut rng = fastrand::Rng::with_seed(4);
+        for block in [4096u64, 16 << 10, 48 << 10, 2 << 20] {
+            let base = 0x7f00_0000_0000u64;
+            let blocks = (1u64 << 30) / block;
+            let mut order: Vec<u64> = (0..blocks).collect();
+            rng.shuffle(&mut order);
+            let half = (blocks as usize / 4).max(2);
+            let entry = |picks: &[u64], seq| {
+                let r = ranges(&picks.iter().map(|&b| (base + b * block, block)).collect::<Vec<_>>());
+                Entry { seq, ranges: Held::Shared(Arc::new(r)), union: OnceLock::new() }
+            };
+            let (out, into) = (entry(&order[..half], 1), entry(&order[half..2 * half], 2));
+            assert!(!entries_overlap(&out, &into), "{block} B: disjoint blocks");
+            assert!(!overlap(out.union(), into.union()));
+            let mut one_shared = order[half..2 * half].to_vec();
+            one_shared[half / 2] = order[3];
+            let clash = entry(&one_shared, 3);
+            assert!(entries_overlap(&out, &clash), "{block} B: one block in both");
+        }
     }
 }

@@ -695,14 +695,13 @@ impl<'scope> ScopedUploads<'scope> {
     }
 }
 
-/// The device ranges of `items`, in order ([`Ranges::sort_disjoint`]): sorted here, the
-/// ledger compares them with the other lane's without sorting them again.
+/// The device ranges of `items` (as they come: the ledger compares a pool's blocks on a
+/// grid, without sorting them).
 fn ranges_of(core: &Core, kind: LaneKind, items: &[Direct]) -> Ranges {
     let mut ranges = core.ranges(kind);
     for d in items {
         ranges.push(d.dev, d.len);
     }
-    ranges.sort_disjoint();
     ranges
 }
 
