@@ -84,7 +84,7 @@ use crate::sync::lock;
 /// ```
 pub struct Scope<'scope, 'env: 'scope> {
     core: &'env Arc<Core>,
-    seen: Seen,
+    seen: Submitted,
     scope: PhantomData<&'scope mut &'scope ()>,
     env: PhantomData<&'env mut &'env ()>,
 }
@@ -100,7 +100,7 @@ pub(crate) fn scope<'env, R>(
     core: &'env Arc<Core>,
     f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>,
 ) -> Result<R> {
-    let scope = Scope { core, seen: Seen::default(), scope: PhantomData, env: PhantomData };
+    let scope = Scope { core, seen: Submitted::default(), scope: PhantomData, env: PhantomData };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&scope)));
     // Whatever the closure did, nothing returns (or unwinds) past this point while a copy
     // of the scope may still use the memory it borrowed.
@@ -190,12 +190,12 @@ const SETTLE_TRIES: u32 = 8;
 /// What a scope's batches did on each lane: the last submission made (0: none), and
 /// whether a batch failed after it may have enqueued work.
 #[derive(Debug, Default)]
-struct Seen {
+struct Submitted {
     last: [AtomicU64; 2],
     failed: [std::sync::atomic::AtomicBool; 2],
 }
 
-impl Seen {
+impl Submitted {
     /// Records what a submit on `kind`'s lane returned.
     fn note<T>(&self, kind: LaneKind, result: Result<T>) -> Result<T> {
         if result.is_err() {
@@ -206,7 +206,7 @@ impl Seen {
 }
 
 /// Records `fence`'s submission as the scope's latest on its lane.
-fn note(seen: &Seen, fence: &Fence) {
+fn note(seen: &Submitted, fence: &Fence) {
     if let Some((_, kind, seq)) = fence.target() {
         seen.last[kind.index()].fetch_max(seq, Ordering::AcqRel);
     }
@@ -311,24 +311,22 @@ struct Direct {
     host: usize,
     dev: u64,
     len: u64,
-    /// The host side lies in pinned memory of this crate, which the device reaches (else in
-    /// other pinned memory, reached by DMAs only).
-    mapped: bool,
-    /// The start of the arena or registration the host side lies in: a run never crosses
-    /// into another (a DMA must stay inside one pinned region).
-    region: usize,
+    /// Where the host side lies ([`Place::Mapped`] or [`Place::Pinned`], with its region's
+    /// start): a run never crosses into another region (a DMA must stay inside one), and
+    /// only mapped memory is read or written by a kernel.
+    place: Place,
 }
 
 impl Direct {
-    /// The item of `len` bytes between host `host` and device `dev`, placed at `place`
-    /// (not [`Place::Staged`]).
+    /// The item of `len` bytes between host `host` and device `dev`, placed at `place`.
     fn new(host: usize, dev: u64, len: usize, place: Place) -> Direct {
-        let (mapped, region) = match place {
-            Place::Mapped(region) => (true, region),
-            Place::Pinned(region) => (false, region),
-            Place::Staged => unreachable!("staged items do not move in place"),
-        };
-        Direct { host, dev, len: len as u64, mapped, region }
+        debug_assert!(place != Place::Staged, "staged items do not move in place");
+        Direct { host, dev, len: len as u64, place }
+    }
+
+    /// Whether the host side is mapped for the device.
+    fn mapped(&self) -> bool {
+        matches!(self.place, Place::Mapped(_))
     }
 }
 
@@ -376,7 +374,7 @@ impl Layout {
             let mut bytes = items[i].len;
             while end < items.len()
                 && items[end].host == items[end - 1].host + items[end - 1].len as usize
-                && (items[end].mapped, items[end].region) == (items[i].mapped, items[i].region)
+                && items[end].place == items[i].place
             {
                 bytes += items[end].len;
                 end += 1;
@@ -389,7 +387,7 @@ impl Layout {
                 continue;
             }
             for &d in run {
-                if bus && d.mapped && d.len < threshold {
+                if bus && d.mapped() && d.len < threshold {
                     bus_items.push(d);
                 } else {
                     layout.dmas.push(d);
@@ -456,7 +454,7 @@ fn move_pinned(
     buffers: impl Iterator<Item = ResidentBuffer>,
     items: &[Direct],
     ranges: Ranges,
-    seen: &Seen,
+    seen: &Submitted,
 ) -> Result<Fence> {
     let config = &core.config;
     let mut layout = Layout::new(
@@ -587,7 +585,7 @@ fn move_pinned(
 #[must_use = "a scoped upload batch moves nothing until it is submitted"]
 pub struct ScopedUploads<'scope> {
     core: &'scope Arc<Core>,
-    seen: &'scope Seen,
+    seen: &'scope Submitted,
     table: BufferTable,
     writes: Vec<(u32, u64, &'scope [u8])>,
     error: Option<Error>,
@@ -709,7 +707,7 @@ fn ranges_of(core: &Core, kind: LaneKind, items: &[Direct]) -> Ranges {
 #[must_use = "a scoped download batch moves nothing until it is submitted"]
 pub struct ScopedDownloads<'scope> {
     core: &'scope Arc<Core>,
-    seen: &'scope Seen,
+    seen: &'scope Submitted,
     table: BufferTable,
     reads: Vec<(u32, u64, &'scope mut [u8])>,
     error: Option<Error>,
@@ -826,7 +824,7 @@ impl<'scope> ScopedDownloads<'scope> {
 
 #[cfg(test)]
 mod layout_tests {
-    use super::{Direct, Layout};
+    use super::{Direct, Layout, Place};
     use crate::stream::LaneKind;
 
     /// Every item's bytes are covered exactly once by chunk descriptors, bus descriptors or
@@ -847,8 +845,8 @@ mod layout_tests {
                     host += rng.usize(1..100);
                 }
                 dev += rng.u64(0..5000);
-                let mapped = rng.u8(..8) != 0;
-                items.push(Direct { host, dev, len, mapped, region: usize::from(mapped) });
+                let place = if rng.u8(..8) != 0 { Place::Mapped(1) } else { Place::Pinned(0) };
+                items.push(Direct { host, dev, len, place });
                 host += len as usize;
                 dev += len;
             }
@@ -884,7 +882,7 @@ mod layout_tests {
                         .find(|d| dev >= d.dev && dev + len <= d.dev + d.len)
                         .expect("a piece inside one item");
                     assert_eq!(hostp - it.host as u64, dev - it.dev, "host/device offsets disagree");
-                    if !it.mapped && bus {
+                    if !it.mapped() && bus {
                         // registered memory: no kernel may touch it
                         assert!(layout.descriptors[layout.bus_from..].iter().all(|d| {
                             let h = if kind == LaneKind::Upload { d.src } else { d.dst };
