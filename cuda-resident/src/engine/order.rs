@@ -8,7 +8,9 @@
 //! buffer's memory is not reused while a batch that uses it is in flight). It then waits for
 //! the newest batch of the other lane, entered before it and not known to be done, whose
 //! ranges overlap its own. Ranges that only touch (one ends where the other starts) do not
-//! overlap. A path that does not name its ranges claims whole buffers.
+//! overlap. A path that does not name its ranges claims whole buffers; a batch of many small
+//! requests in order and apart claims, per buffer, the span from its first request to the end
+//! of its last (`engine::table::BufferTable::push_ranges`), which spares it a pass over them.
 //!
 //! A batch waits only for batches entered before it, so waits never form a circle. Two
 //! threads' batches on overlapping bytes, submitted at once, are not ordered against each

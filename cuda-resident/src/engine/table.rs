@@ -32,6 +32,10 @@ pub(crate) struct BufferTable {
     pub(crate) apart: Apart,
 }
 
+/// From this many requests in order and apart, a batch claims one span per buffer
+/// ([`BufferTable::push_ranges`]).
+pub(crate) const SPAN_MIN: usize = 256;
+
 /// A buffer as the batch saw it when it was named.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Resolved {
@@ -41,6 +45,8 @@ pub(crate) struct Resolved {
     /// The end plus one of the batch's last request to this buffer, 0 for none
     /// ([`Apart`]).
     next: u64,
+    /// The lowest offset the batch's requests to this buffer start at (`u64::MAX`: none).
+    first: u64,
 }
 
 impl crate::recycle::Reusable for BufferTable {
@@ -116,11 +122,11 @@ impl BufferTable {
             Some(k) => {
                 #[cfg(test)]
                 KEPT_HITS.with(|n| n.set(n.get() + 1));
-                Resolved { next: 0, ..self.kept[k as usize] }
+                Resolved { next: 0, first: u64::MAX, ..self.kept[k as usize] }
             }
             None => {
                 let (ptr, len) = alloc.resolve(buffer)?;
-                Resolved { buffer, ptr, len, next: 0 }
+                Resolved { buffer, ptr, len, next: 0, first: u64::MAX }
             }
         };
         self.entries.push(resolved);
@@ -158,12 +164,14 @@ impl BufferTable {
             let entry = &mut self.entries[key as usize];
             if in_range(offset, len, entry.len) {
                 self.apart.note(&mut entry.next, entry.ptr, offset, len);
+                entry.first = entry.first.min(offset);
                 return Ok((key, entry.len));
             }
         }
         let (key, buffer_len) = self.check_slow(alloc, buffer, offset, len, first_error)?;
         let entry = &mut self.entries[key as usize];
         self.apart.note(&mut entry.next, entry.ptr, offset, len);
+        entry.first = entry.first.min(offset);
         Ok((key, buffer_len))
     }
 
@@ -210,8 +218,17 @@ impl BufferTable {
     }
 
     /// Adds the device range of each of `requests` (key, offset in its buffer, length) to
-    /// `ranges`, for `engine::Exec::claim_ranges`.
+    /// `ranges`, for `engine::Exec::claim_ranges`. A batch of at least [`SPAN_MIN`] requests
+    /// in order and apart ([`Apart`]) claims instead, per buffer, the span from its first
+    /// request to the end of its last, gaps included: a conservative claim, with no pass over
+    /// the requests (8192 ranges cost a download's submit about 35 µs on the H200 host).
     pub(crate) fn push_ranges(&self, ranges: &mut Ranges, requests: impl Iterator<Item = (u64, u64, u64)>) {
+        if !self.apart.broken && self.apart.offsets.len() >= SPAN_MIN {
+            for e in self.entries.iter().filter(|e| e.next > 0) {
+                ranges.push(e.ptr + e.first, e.next - 1 - e.first);
+            }
+            return;
+        }
         for (key, offset, len) in requests {
             ranges.push(self.entries[key as usize].ptr + offset, len);
         }

@@ -185,3 +185,29 @@ fn random_ranges_wait_exactly_when_they_overlap() {
     assert!(d.download(buffer).unwrap() == bytes);
     assert!(model::with(|g| g.errors.is_empty()));
 }
+
+#[test]
+fn many_reads_in_order_claim_their_span_per_buffer() {
+    // 512 reads of 64 B in order with 64 B gaps claim [first, last end) of the buffer: a write
+    // into a gap waits for them, a write past the span does not; the bytes are right.
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(10);
+    let (buffer, mut bytes) = pool(&d, &mut rng, 1 << 20);
+    let mut reads = d.downloads();
+    let slots: Vec<_> = (0..512u64).map(|i| reads.read(buffer, 4096 + i * 128, 64).unwrap()).collect();
+    let pending = reads.submit().unwrap();
+    let before = bytes.clone();
+    let waits = lane_waits(&d);
+    d.upload_at(buffer, 4096 + 64, &[1; 64]).unwrap();
+    assert_eq!(lane_waits(&d), waits + 1, "a gap inside the span waits");
+    d.upload_at(buffer, 4096 + 512 * 128, &[2; 64]).unwrap();
+    assert_eq!(lane_waits(&d), waits + 1, "past the span: no wait");
+    bytes[4096 + 64..4096 + 128].fill(1);
+    bytes[4096 + 512 * 128..4096 + 512 * 128 + 64].fill(2);
+    let got = pending.wait().unwrap();
+    for (i, &slot) in slots.iter().enumerate() {
+        let at = 4096 + i * 128;
+        assert!(got.get(slot) == &before[at..at + 64], "read {i}");
+    }
+    assert!(d.download(buffer).unwrap() == bytes);
+}
