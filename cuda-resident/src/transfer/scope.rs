@@ -30,7 +30,7 @@ use crate::engine::order::Ranges;
 use crate::engine::{Exec, wait};
 use crate::error::{Error, Result};
 use crate::host_pool::lent_extent;
-use crate::kernels::{CopyDescriptor, push_descriptors, table_bytes};
+use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors, table_bytes};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 
@@ -336,22 +336,30 @@ impl Direct {
 const RUN_MIN: u64 = 1 << 20;
 
 /// One chunk of a run: its host bytes, moved by one DMA into or out of a device staging
-/// slot, and the descriptors (in the batch's table) between that slot and the items.
+/// slot; the items it covers (from `first`, whose first `skip` bytes an earlier chunk
+/// moves); and where its descriptors lie in the batch's table.
 #[derive(Clone, Debug)]
 struct Chunk {
     host: usize,
     len: u64,
+    first: usize,
+    skip: u64,
     descriptors: std::ops::Range<usize>,
 }
 
-/// How a batch of [`Direct`] items moves: the chunks of host-contiguous runs, the
-/// descriptors of every launch (chunks' first, then the over-the-bus launch's from
-/// `bus_from`), and the items moved by a DMA each.
+/// How a batch of [`Direct`] items moves: the chunks of host-contiguous runs, the items
+/// moved by the over-the-bus launch, and the items moved by a DMA each. Descriptors are
+/// counted here and written chunk by chunk as the chunks are enqueued
+/// ([`Layout::chunk_descriptors`]), so that the first chunk moves while later ones are
+/// still being described: the table holds the chunks' descriptors first, then the
+/// over-the-bus launch's from `bus_from`.
 #[derive(Debug, Default)]
 struct Layout {
     chunks: Vec<Chunk>,
-    descriptors: Vec<CopyDescriptor>,
+    /// Descriptors in all.
+    count: usize,
     bus_from: usize,
+    bus: Vec<Direct>,
     dmas: Vec<Direct>,
     /// Bytes the over-the-bus launch moves.
     bus_bytes: u64,
@@ -359,15 +367,13 @@ struct Layout {
 
 impl Layout {
     /// Lays `items` out for `kind`: runs (items each starting in host memory where the last
-    /// ended) of at least [`RUN_MIN`] bytes cut into chunks of at most `chunk` bytes (slot
-    /// offsets relative to the slot, which the launch adds), where the GPU has unified
-    /// addressing (`unified`: a download's gather reads its table in pinned memory); other
-    /// items of at least `threshold` bytes by DMA, the rest over the bus where `bus` (the
-    /// configuration lets small copies move over the bus: `Core::moves_small_copies_over_bus`),
-    /// else by DMA too.
-    fn new(items: &[Direct], kind: LaneKind, chunk: u64, threshold: u64, unified: bool, bus: bool) -> Layout {
+    /// ended) of at least [`RUN_MIN`] bytes cut into chunks of at most `chunk` bytes, where
+    /// the GPU has unified addressing (`unified`: a download's gather reads its table in
+    /// pinned memory); other items of at least `threshold` bytes by DMA, the rest over the
+    /// bus where `bus` (the configuration lets small copies move over the bus:
+    /// `Core::moves_small_copies_over_bus`), else by DMA too.
+    fn new(items: &[Direct], chunk: u64, threshold: u64, unified: bool, bus: bool) -> Layout {
         let mut layout = Layout::default();
-        let mut bus_items = Vec::new();
         let mut i = 0;
         while i < items.len() {
             let mut end = i + 1;
@@ -380,51 +386,49 @@ impl Layout {
                 end += 1;
             }
             let run = &items[i..end];
-            i = end;
             // A run of one item (a large write) is one DMA, without device staging.
             if unified && bytes >= RUN_MIN && run.len() > 1 {
-                layout.push_run(run, kind, chunk);
-                continue;
-            }
-            for &d in run {
-                if bus && d.mapped() && d.len < threshold {
-                    bus_items.push(d);
-                } else {
-                    layout.dmas.push(d);
+                layout.push_run(run, i, chunk);
+            } else {
+                for &d in run {
+                    if bus && d.mapped() && d.len < threshold {
+                        layout.bus.push(d);
+                    } else {
+                        layout.dmas.push(d);
+                    }
                 }
             }
+            i = end;
         }
-        layout.bus_from = layout.descriptors.len();
-        for d in bus_items {
-            let (src, dst) =
-                if kind == LaneKind::Upload { (d.host as u64, d.dev) } else { (d.dev, d.host as u64) };
-            push_descriptors(&mut layout.descriptors, src, dst, d.len);
+        layout.bus_from = layout.count;
+        for d in &layout.bus {
+            layout.count += d.len.div_ceil(SEGMENT) as usize;
             layout.bus_bytes += d.len;
         }
         layout
     }
 
-    /// Cuts a host-contiguous run into chunks, an item split where a chunk ends; each
-    /// descriptor's staging side is its offset in the chunk's slot.
-    fn push_run(&mut self, run: &[Direct], kind: LaneKind, chunk: u64) {
+    /// Cuts a host-contiguous run (items from `first`) into chunks, an item split where a
+    /// chunk ends, counting each chunk's descriptors.
+    fn push_run(&mut self, run: &[Direct], first: usize, chunk: u64) {
         let mut open =
-            Chunk { host: run[0].host, len: 0, descriptors: self.descriptors.len()..self.descriptors.len() };
-        for d in run {
+            Chunk { host: run[0].host, len: 0, first, skip: 0, descriptors: self.count..self.count };
+        for (i, d) in run.iter().enumerate() {
             let mut done = 0;
             while done < d.len {
                 if open.len == chunk {
                     let next = Chunk {
                         host: open.host + open.len as usize,
                         len: 0,
-                        descriptors: self.descriptors.len()..self.descriptors.len(),
+                        first: first + i,
+                        skip: done,
+                        descriptors: self.count..self.count,
                     };
                     self.chunks.push(std::mem::replace(&mut open, next));
                 }
                 let len = (d.len - done).min(chunk - open.len);
-                let (slot, dev) = (open.len, d.dev + done);
-                let (src, dst) = if kind == LaneKind::Upload { (slot, dev) } else { (dev, slot) };
-                push_descriptors(&mut self.descriptors, src, dst, len);
-                open.descriptors.end = self.descriptors.len();
+                self.count += len.div_ceil(SEGMENT) as usize;
+                open.descriptors.end = self.count;
                 open.len += len;
                 done += len;
             }
@@ -432,12 +436,46 @@ impl Layout {
         self.chunks.push(open);
     }
 
+    /// Chunk `k`'s descriptors into `out` (cleared first): between the staging slot at
+    /// `slot` (plus each piece's offset in the chunk) and the items' device ranges.
+    fn chunk_descriptors(
+        &self,
+        items: &[Direct],
+        k: usize,
+        kind: LaneKind,
+        slot: u64,
+        out: &mut Vec<CopyDescriptor>,
+    ) {
+        let c = &self.chunks[k];
+        out.clear();
+        let (mut at, mut skip, mut i) = (0, c.skip, c.first);
+        while at < c.len {
+            let d = &items[i];
+            let len = (d.len - skip).min(c.len - at);
+            let (staging, dev) = (slot + at, d.dev + skip);
+            let (src, dst) = if kind == LaneKind::Upload { (staging, dev) } else { (dev, staging) };
+            push_descriptors(out, src, dst, len);
+            (at, skip, i) = (at + len, 0, i + 1);
+        }
+        debug_assert_eq!(out.len(), c.descriptors.len(), "as counted");
+    }
+
+    /// The over-the-bus launch's descriptors into `out` (cleared first).
+    fn bus_descriptors(&self, kind: LaneKind, out: &mut Vec<CopyDescriptor>) {
+        out.clear();
+        for d in &self.bus {
+            let (src, dst) =
+                if kind == LaneKind::Upload { (d.host as u64, d.dev) } else { (d.dev, d.host as u64) };
+            push_descriptors(out, src, dst, d.len);
+        }
+        debug_assert_eq!(out.len(), self.count - self.bus_from, "as counted");
+    }
+
     /// Submissions on the lane: one a chunk and one to close the chunks (their side work
     /// joined), one for the over-the-bus launch, one for the DMAs.
     fn submissions(&self) -> u64 {
         let chunks = if self.chunks.is_empty() { 0 } else { self.chunks.len() + 1 };
-        (chunks + usize::from(self.bus_from < self.descriptors.len()) + usize::from(!self.dmas.is_empty()))
-            as u64
+        (chunks + usize::from(!self.bus.is_empty()) + usize::from(!self.dmas.is_empty())) as u64
     }
 }
 
@@ -457,9 +495,8 @@ fn move_pinned(
     seen: &Submitted,
 ) -> Result<Fence> {
     let config = &core.config;
-    let mut layout = Layout::new(
+    let layout = Layout::new(
         items,
-        kind,
         config.chunk_bytes,
         config.direct_threshold,
         core.info.unified_addressing,
@@ -485,50 +522,50 @@ fn move_pinned(
     let slots = layout.chunks.len().min(SIDE_SLOTS) as u64;
     let region = if slots > 0 { exec.region(&mut scratch.region, slots * stride)? } else { 0 };
     let slot_at = |k: usize| region + (k % SIDE_SLOTS) as u64 * stride;
-    // The staging side of each chunk's descriptors: its slot's address plus the offset.
-    for (k, chunk) in layout.chunks.iter().enumerate() {
-        for d in &mut layout.descriptors[chunk.descriptors.clone()] {
-            match kind {
-                LaneKind::Upload => d.src += slot_at(k),
-                LaneKind::Readback => d.dst += slot_at(k),
-            }
-        }
-    }
-    // Every descriptor in one pinned table, read over the bus by the launches.
-    let count = layout.descriptors.len();
-    let table = if count > 0 {
-        let mut lease = exec.lease(table_bytes(count as u64) as usize)?;
-        // SAFETY: a descriptor is three u64s (`repr(C)`, no padding); the lease is fresh and
-        // holds the whole table.
-        unsafe {
-            let bytes = count * size_of::<CopyDescriptor>();
-            lease.as_mut_slice()[..bytes]
-                .copy_from_slice(std::slice::from_raw_parts(layout.descriptors.as_ptr().cast::<u8>(), bytes));
-        }
-        Some(Arc::new(lease))
-    } else {
-        None
-    };
+    // One pinned table for every launch, read over the bus (or copied into a slot): each
+    // part is written just before the submission that uses it, so the first chunk moves
+    // while later ones are still being described.
+    let count = layout.count;
+    let table =
+        if count > 0 { Some(Arc::new(exec.lease(table_bytes(count as u64) as usize)?)) } else { None };
     let table_at =
         |i: usize| table.as_ref().map_or(0, |t| t.as_ptr() as u64 + (i * size_of::<CopyDescriptor>()) as u64);
+    let put = |first: usize, descriptors: &[CopyDescriptor]| {
+        let table = table.as_ref().expect("descriptors have a table");
+        assert!(first + descriptors.len() <= count, "a table part past the count");
+        // SAFETY: the table holds `count` descriptors (`table_bytes`), past `first +
+        // descriptors.len()`; a descriptor is three u64s (`repr(C)`, no padding). No
+        // reference to the table's bytes exists, and the device reads this part only in
+        // submissions enqueued after this write.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                descriptors.as_ptr().cast::<u8>(),
+                table.as_ptr().add(first * size_of::<CopyDescriptor>()),
+                std::mem::size_of_val(descriptors),
+            );
+        }
+    };
+    let mut part = Vec::new();
     let kernels = if count > 0 { Some(exec.kernels()?) } else { None };
     for (k, chunk) in layout.chunks.iter().enumerate() {
         let (slot, at) = (k % SIDE_SLOTS, slot_at(k));
         let at_table = at + slot_bytes;
+        layout.chunk_descriptors(items, k, kind, at, &mut part);
+        put(chunk.descriptors.start, &part);
         let (first, n) = (chunk.descriptors.start, chunk.descriptors.len() as u64);
         let (kernels, table) = (kernels.expect("chunks have descriptors"), table.as_ref().expect("as above"));
         let (table_ptr, table_len) = (table_at(first) as *const u8, n as usize * size_of::<CopyDescriptor>());
         // The slot's last user (two chunks ago, on the side stream) is done first.
         exec.wait_side(slot)?;
         // SAFETY, for the DMAs and launches below: the chunk's part of the pinned table is
-        // kept alive by the lane's submission that copies it into the slot, behind the
-        // slot's bytes (`table_area` holds it), or that reads it over the bus (mapped for
-        // the device: chunks exist only with unified addressing); its descriptors name the
-        // slot (a chunk is at most `slot_bytes`) and ranges of live, claimed buffers, no two
-        // destinations overlapping; the host run lies in one pinned region (this crate's,
-        // or registered: only DMAs touch it) that the scope borrows until the copies
-        // complete; the side work comes after the lane's submission and is joined before
-        // the batch's last one.
+        // written and kept alive by the lane's submission that copies it into the slot,
+        // behind the slot's bytes (`table_area` holds it), or that reads it over the bus
+        // (mapped for the device: chunks exist only with unified addressing); its
+        // descriptors name the slot (a chunk is at most `slot_bytes`) and ranges of live,
+        // claimed buffers, no two destinations overlapping; the host run lies in one pinned
+        // region (this crate's, or registered: only DMAs touch it) that the scope borrows
+        // until the copies complete; the side work comes after the lane's submission and is
+        // joined before the batch's last one.
         match kind {
             LaneKind::Upload => {
                 // SAFETY: as above.
@@ -553,7 +590,9 @@ fn move_pinned(
         exec.join_side()?;
         exec.submit(Vec::new(), |_| Ok(()))?;
     }
-    if layout.bus_from < count {
+    if !layout.bus.is_empty() {
+        layout.bus_descriptors(kind, &mut part);
+        put(layout.bus_from, &part);
         let (first, n) = (layout.bus_from, (count - layout.bus_from) as u64);
         let kernels = kernels.expect("loaded for descriptors");
         let keep = table.iter().cloned().collect();
@@ -648,31 +687,35 @@ impl<'scope> ScopedUploads<'scope> {
         let ptr_of = |key: u32, offset: u64| self.table.entries[key as usize].ptr + offset;
         let hosts: Vec<(usize, usize)> =
             self.writes.iter().map(|w| (w.2.as_ptr() as usize, w.2.len())).collect();
-        let mut places = places(core, &hosts)?;
-        // Overlapping writes apply in order: the staged path's planner resolves them. Only a
-        // batch with something to move in place pays for the check.
+        let places = places(core, &hosts)?;
+        // One pass: the items that move in place, the others, and every write's device range
+        // (overlapping writes apply in order: where any two overlap, the staged path's
+        // planner takes them all).
         let mut ranges = core.ranges(LaneKind::Upload);
-        if places.iter().any(|&p| p != Place::Staged) {
-            for &(key, offset, data) in &self.writes {
-                ranges.push(ptr_of(key, offset), data.len() as u64);
-            }
-            // A pool's blocks are checked by granules, without a sort (which would cost
-            // ~0.7 ms for 16384 of them on the development VM, before the first DMA).
-            if !ranges.disjoint_by_granules().unwrap_or_else(|| ranges.sort_disjoint()) {
-                places.fill(Place::Staged);
-            }
-        }
-        let (mut direct, mut staged) = (Vec::new(), Vec::new());
+        let (mut direct, mut staged) = (Vec::with_capacity(self.writes.len()), Vec::new());
         for (&(key, offset, data), place) in self.writes.iter().zip(places) {
             if data.is_empty() {
                 continue;
             }
+            let dev = ptr_of(key, offset);
+            ranges.push(dev, data.len() as u64);
             match place {
                 Place::Mapped(_) | Place::Pinned(_) => {
-                    direct.push(Direct::new(data.as_ptr() as usize, ptr_of(key, offset), data.len(), place))
+                    direct.push(Direct::new(data.as_ptr() as usize, dev, data.len(), place))
                 }
                 Place::Staged => staged.push((self.table.entries[key as usize].buffer, offset, data)),
             }
+        }
+        // A pool's blocks are checked by granules, without a sort (which would cost ~0.7 ms
+        // for 16384 of them on the development VM, before the first DMA).
+        if !direct.is_empty() && !ranges.disjoint_by_granules().unwrap_or_else(|| ranges.sort_disjoint()) {
+            direct.clear();
+            staged = self
+                .writes
+                .iter()
+                .filter(|w| !w.2.is_empty())
+                .map(|&(key, offset, data)| (self.table.entries[key as usize].buffer, offset, data))
+                .collect();
         }
         let mut fence = Fence::completed();
         if !direct.is_empty() {
@@ -775,7 +818,8 @@ impl<'scope> ScopedDownloads<'scope> {
         let hosts: Vec<(usize, usize)> =
             self.reads.iter().map(|r| (r.2.as_ptr() as usize, r.2.len())).collect();
         let places = places(core, &hosts)?;
-        let (mut direct, mut staged) = (Vec::new(), Vec::new());
+        let mut ranges = core.ranges(LaneKind::Readback);
+        let (mut direct, mut staged) = (Vec::with_capacity(self.reads.len()), Vec::new());
         for ((key, offset, out), place) in std::mem::take(&mut self.reads).into_iter().zip(places) {
             if out.is_empty() {
                 continue;
@@ -783,6 +827,7 @@ impl<'scope> ScopedDownloads<'scope> {
             let entry = self.table.entries[key as usize];
             match place {
                 Place::Mapped(_) | Place::Pinned(_) => {
+                    ranges.push(entry.ptr + offset, out.len() as u64);
                     direct.push(Direct::new(out.as_mut_ptr() as usize, entry.ptr + offset, out.len(), place))
                 }
                 Place::Staged => staged.push((entry.buffer, offset, out)),
@@ -790,7 +835,6 @@ impl<'scope> ScopedDownloads<'scope> {
         }
         let mut fence = Fence::completed();
         if !direct.is_empty() {
-            let ranges = ranges_of(core, LaneKind::Readback, &direct);
             let moved =
                 move_pinned(core, LaneKind::Readback, self.table.buffers(), &direct, ranges, self.seen);
             fence = self.seen.note(LaneKind::Readback, moved)?;
@@ -853,19 +897,28 @@ mod layout_tests {
             for kind in [LaneKind::Upload, LaneKind::Readback] {
                 let bus = rng.bool();
                 let unified = bus || rng.bool();
-                let layout = Layout::new(&items, kind, chunk, threshold, unified, bus);
+                let layout = Layout::new(&items, chunk, threshold, unified, bus);
                 // Device bytes -> host bytes, as moved.
                 let mut moved: Vec<(u64, u64, u64)> = Vec::new(); // (dev, host, len)
-                for c in &layout.chunks {
+                let (mut part, mut counted) = (Vec::new(), 0);
+                for (k, c) in layout.chunks.iter().enumerate() {
                     assert!(c.len <= chunk && c.len > 0);
-                    for d in &layout.descriptors[c.descriptors.clone()] {
+                    assert_eq!(c.descriptors.start, counted, "chunks' descriptors follow each other");
+                    layout.chunk_descriptors(&items, k, kind, 0, &mut part);
+                    assert_eq!(part.len(), c.descriptors.len(), "as counted");
+                    counted = c.descriptors.end;
+                    for d in &part {
                         let (slot, dev) =
                             if kind == LaneKind::Upload { (d.src, d.dst) } else { (d.dst, d.src) };
                         assert!(slot + d.len <= c.len, "descriptor past its chunk");
                         moved.push((dev, c.host as u64 + slot, d.len));
                     }
                 }
-                for d in &layout.descriptors[layout.bus_from..] {
+                assert_eq!(layout.bus_from, counted);
+                let mut bus_part = Vec::new();
+                layout.bus_descriptors(kind, &mut bus_part);
+                assert_eq!(layout.bus_from + bus_part.len(), layout.count, "as counted");
+                for d in &bus_part {
                     let (host, dev) = if kind == LaneKind::Upload { (d.src, d.dst) } else { (d.dst, d.src) };
                     moved.push((dev, host, d.len));
                 }
@@ -884,7 +937,7 @@ mod layout_tests {
                     assert_eq!(hostp - it.host as u64, dev - it.dev, "host/device offsets disagree");
                     if !it.mapped() && bus {
                         // registered memory: no kernel may touch it
-                        assert!(layout.descriptors[layout.bus_from..].iter().all(|d| {
+                        assert!(bus_part.iter().all(|d| {
                             let h = if kind == LaneKind::Upload { d.src } else { d.dst };
                             !(h >= it.host as u64 && h < it.host as u64 + it.len)
                         }));
