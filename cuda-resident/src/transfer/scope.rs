@@ -688,52 +688,109 @@ impl<'scope> ScopedUploads<'scope> {
         let hosts: Vec<(usize, usize)> =
             self.writes.iter().map(|w| (w.2.as_ptr() as usize, w.2.len())).collect();
         let places = places(core, &hosts)?;
-        // One pass: the items that move in place, the others, and every write's device range
-        // (overlapping writes apply in order: where any two overlap, the staged path's
-        // planner takes them all).
-        let mut ranges = core.ranges(LaneKind::Upload);
-        let (mut direct, mut staged) = (Vec::with_capacity(self.writes.len()), Vec::new());
-        for (&(key, offset, data), place) in self.writes.iter().zip(places) {
+        // One pass: the items that move in place (and the write each comes from), the others.
+        let (mut direct, mut origin, mut staged) =
+            (Vec::with_capacity(self.writes.len()), Vec::new(), Vec::new());
+        for (i, (&(key, offset, data), place)) in self.writes.iter().zip(places).enumerate() {
             if data.is_empty() {
                 continue;
             }
-            let dev = ptr_of(key, offset);
-            ranges.push(dev, data.len() as u64);
             match place {
                 Place::Mapped(_) | Place::Pinned(_) => {
-                    direct.push(Direct::new(data.as_ptr() as usize, dev, data.len(), place))
+                    direct.push(Direct::new(data.as_ptr() as usize, ptr_of(key, offset), data.len(), place));
+                    origin.push(i);
                 }
-                Place::Staged => staged.push((self.table.entries[key as usize].buffer, offset, data)),
+                Place::Staged => staged.push(i),
             }
         }
-        // A pool's blocks are checked by granules, without a sort (which would cost ~0.7 ms
-        // for 16384 of them on the development VM, before the first DMA).
+        let mut fence = Fence::completed();
+        if staged.is_empty() {
+            // All in place: in parts, each checked for overlaps of its own (a part that has
+            // some goes staged whole); the parts apply in order, one after the other on the
+            // lane, so a later write wins over an earlier one in another part too.
+            for part in parts(&direct, core.config.chunk_bytes) {
+                let mut ranges = ranges_of(core, LaneKind::Upload, &direct[part.clone()]);
+                // A pool's blocks are checked by granules, without a sort (which would cost
+                // ~0.7 ms for 16384 of them on the development VM, before the first DMA).
+                fence = if ranges.disjoint_by_granules().unwrap_or_else(|| ranges.sort_disjoint()) {
+                    let moved = move_pinned(
+                        core,
+                        LaneKind::Upload,
+                        self.table.buffers(),
+                        &direct[part],
+                        ranges,
+                        self.seen,
+                    );
+                    self.seen.note(LaneKind::Upload, moved)?
+                } else {
+                    self.submit_staged(origin[part].iter().copied())?
+                };
+                note(self.seen, &fence);
+            }
+            return Ok(fence);
+        }
+        // Some staged: overlapping writes apply in order, so where any two writes overlap, the
+        // staged path's planner takes them all.
+        let mut ranges = core.ranges(LaneKind::Upload);
+        for &(key, offset, data) in &self.writes {
+            ranges.push(ptr_of(key, offset), data.len() as u64);
+        }
         if !direct.is_empty() && !ranges.disjoint_by_granules().unwrap_or_else(|| ranges.sort_disjoint()) {
             direct.clear();
-            staged = self
-                .writes
-                .iter()
-                .filter(|w| !w.2.is_empty())
-                .map(|&(key, offset, data)| (self.table.entries[key as usize].buffer, offset, data))
-                .collect();
+            staged = (0..self.writes.len()).collect();
         }
-        let mut fence = Fence::completed();
         if !direct.is_empty() {
-            let ranges = if staged.is_empty() { ranges } else { ranges_of(core, LaneKind::Upload, &direct) };
+            let ranges = ranges_of(core, LaneKind::Upload, &direct);
             let moved = move_pinned(core, LaneKind::Upload, self.table.buffers(), &direct, ranges, self.seen);
             fence = self.seen.note(LaneKind::Upload, moved)?;
             note(self.seen, &fence);
         }
-        if !staged.is_empty() {
-            let mut batch = super::upload::uploads(core);
-            for (buffer, offset, data) in staged {
-                batch.write(buffer, offset, data)?;
-            }
-            fence = batch.submit()?;
-            note(self.seen, &fence);
-        }
+        fence = self.submit_staged(staged.into_iter())?;
+        note(self.seen, &fence);
         Ok(fence)
     }
+
+    /// The writes at `indices` (in order) as one ordinary batch, through staging.
+    fn submit_staged(&self, indices: impl Iterator<Item = usize>) -> Result<Fence> {
+        let mut batch = super::upload::uploads(self.core);
+        for i in indices {
+            let (key, offset, data) = self.writes[i];
+            if !data.is_empty() {
+                batch.write(self.table.entries[key as usize].buffer, offset, data)?;
+            }
+        }
+        batch.submit()
+    }
+}
+
+/// Items of at most this many (and at most a chunk of bytes) make the first part of a
+/// scoped batch; see [`parts`].
+const PART_ITEMS: usize = 1024;
+
+/// The parts a scoped batch's in-place `items` are submitted in, so that the first part
+/// moves while the next ones are laid out: the first ends at the first item past `chunk`
+/// bytes or [`PART_ITEMS`] items, the second past twice as many, the third takes the rest
+/// (a batch smaller than that is one part; no items, no part). Three parts at most: each is
+/// a batch of its own on the lane, entered in the ledger.
+fn parts(items: &[Direct], chunk: u64) -> Vec<std::ops::Range<usize>> {
+    let mut parts = Vec::with_capacity(3);
+    if items.is_empty() {
+        return parts;
+    }
+    let (mut start, mut bytes) = (0, 0);
+    for (i, d) in items.iter().enumerate() {
+        bytes += d.len;
+        let shift = parts.len();
+        if shift < 2
+            && i + 1 < items.len()
+            && (bytes >= chunk << shift || i + 1 - start >= PART_ITEMS << shift)
+        {
+            parts.push(start..i + 1);
+            (start, bytes) = (i + 1, 0);
+        }
+    }
+    parts.push(start..items.len());
+    parts
 }
 
 /// The device ranges of `items` (as they come: the ledger compares a pool's blocks on a
@@ -818,7 +875,6 @@ impl<'scope> ScopedDownloads<'scope> {
         let hosts: Vec<(usize, usize)> =
             self.reads.iter().map(|r| (r.2.as_ptr() as usize, r.2.len())).collect();
         let places = places(core, &hosts)?;
-        let mut ranges = core.ranges(LaneKind::Readback);
         let (mut direct, mut staged) = (Vec::with_capacity(self.reads.len()), Vec::new());
         for ((key, offset, out), place) in std::mem::take(&mut self.reads).into_iter().zip(places) {
             if out.is_empty() {
@@ -827,16 +883,17 @@ impl<'scope> ScopedDownloads<'scope> {
             let entry = self.table.entries[key as usize];
             match place {
                 Place::Mapped(_) | Place::Pinned(_) => {
-                    ranges.push(entry.ptr + offset, out.len() as u64);
                     direct.push(Direct::new(out.as_mut_ptr() as usize, entry.ptr + offset, out.len(), place))
                 }
                 Place::Staged => staged.push((entry.buffer, offset, out)),
             }
         }
         let mut fence = Fence::completed();
-        if !direct.is_empty() {
+        // In parts (reads of distinct caller slices: their order does not matter).
+        for part in parts(&direct, core.config.chunk_bytes) {
+            let ranges = ranges_of(core, LaneKind::Readback, &direct[part.clone()]);
             let moved =
-                move_pinned(core, LaneKind::Readback, self.table.buffers(), &direct, ranges, self.seen);
+                move_pinned(core, LaneKind::Readback, self.table.buffers(), &direct[part], ranges, self.seen);
             fence = self.seen.note(LaneKind::Readback, moved)?;
             note(self.seen, &fence);
         }
@@ -868,8 +925,35 @@ impl<'scope> ScopedDownloads<'scope> {
 
 #[cfg(test)]
 mod layout_tests {
-    use super::{Direct, Layout, Place};
+    use super::{Direct, Layout, PART_ITEMS, Place, parts};
     use crate::stream::LaneKind;
+
+    /// Parts cover every item once, in order; at most three; the first ends at the first
+    /// item past a chunk of bytes or `PART_ITEMS` items, the second past twice that.
+    #[test]
+    fn parts_cover_the_items_in_order_the_first_small() {
+        assert!(parts(&[], 1 << 20).is_empty());
+        let mut rng = fastrand::Rng::with_seed(5);
+        for _ in 0..200 {
+            let chunk = rng.u64(1..4 << 20);
+            let items: Vec<Direct> = (0..rng.usize(1..6000))
+                .map(|_| Direct { host: 0, dev: 0, len: rng.u64(1..64 << 10), place: Place::Mapped(0) })
+                .collect();
+            let p = parts(&items, chunk);
+            assert!((1..=3).contains(&p.len()));
+            assert_eq!(p[0].start, 0);
+            assert_eq!(p.last().unwrap().end, items.len());
+            assert!(p.windows(2).all(|w| w[0].end == w[1].start && w[0].start < w[0].end));
+            for (k, part) in p.iter().enumerate().take(p.len() - 1) {
+                let (count, bytes) = (part.len(), items[part.clone()].iter().map(|d| d.len).sum::<u64>());
+                let before = &items[part.start..part.end - 1];
+                let under =
+                    before.iter().map(|d| d.len).sum::<u64>() < chunk << k && before.len() < PART_ITEMS << k;
+                assert!(under, "part {k} went past its first boundary");
+                assert!(bytes >= chunk << k || count >= PART_ITEMS << k, "part {k} ended early");
+            }
+        }
+    }
 
     /// Every item's bytes are covered exactly once by chunk descriptors, bus descriptors or
     /// DMAs; chunk descriptors stay within their chunk; chunks are host-contiguous pieces.

@@ -465,3 +465,51 @@ fn runs_move_through_device_staging_even_with_small_copies_kept_off_the_bus() {
     let mut small = d.pinned(32 * 4096).unwrap();
     assert_eq!(paging_step(&d, &mut small, 4096, 42), (0, 32, 0), "short runs: a DMA a block");
 }
+
+/// A scoped batch of thousands of items from pinned memory moves in parts (the first moving
+/// while the rest are laid out). Writes apply in order across parts and within one: the first
+/// part's blocks are distinct, the second's repeat blocks of their own and of the first part
+/// (that part goes staged whole), the third's are distinct but land on blocks the earlier
+/// parts wrote. Reads in parts land every byte.
+#[test]
+fn a_large_scoped_batch_moves_in_parts_and_later_writes_win() {
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(21);
+    let (block, blocks, n) = (512, 4096, 5000);
+    let (buffer, mut expect) = pool(&d, &mut rng, block * blocks);
+    let mut order: Vec<usize> = (0..blocks).collect();
+    rng.shuffle(&mut order);
+    let mut targets: Vec<usize> = order[..1024].to_vec();
+    targets
+        .extend((0..2048).map(|i| if i % 3 == 0 { order[rng.usize(..1024)] } else { rng.usize(..blocks) }));
+    rng.shuffle(&mut order);
+    targets.extend(order[..n - 3072].iter().copied());
+    let mut cache = d.pinned(n * block).unwrap();
+    rng.fill(&mut cache);
+    d.scope(|s| {
+        let mut writes = s.uploads();
+        for (&t, src) in targets.iter().zip(cache.chunks(block)) {
+            writes.write(buffer, (t * block) as u64, src)?;
+        }
+        writes.submit()
+    })
+    .unwrap();
+    for (&t, src) in targets.iter().zip(cache.chunks(block)) {
+        expect[t * block..(t + 1) * block].copy_from_slice(src);
+    }
+    assert!(d.download(buffer).unwrap() == expect, "the pool after writes in parts");
+    let mut out = d.pinned(n * block).unwrap();
+    out.fill(0xA5);
+    d.scope(|s| {
+        let mut reads = s.downloads();
+        for (&t, dst) in targets.iter().zip(out.chunks_mut(block)) {
+            reads.read_into(buffer, (t * block) as u64, dst)?;
+        }
+        reads.submit()
+    })
+    .unwrap();
+    for (&t, got) in targets.iter().zip(out.chunks(block)) {
+        assert!(got == &expect[t * block..(t + 1) * block], "block {t} read in parts");
+    }
+    assert!(model::with(|g| g.errors.is_empty()));
+}
