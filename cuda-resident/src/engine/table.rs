@@ -287,9 +287,12 @@ impl BufferTable {
 
 #[cfg(test)]
 mod tests {
-    use super::KEPT_HITS;
+    use std::sync::Arc;
+
+    use super::{BufferTable, KEPT_HITS};
     use crate::alloc::use_shard;
-    use crate::testing::device;
+    use crate::recycle::Reusable;
+    use crate::testing::{device, model};
     use crate::{Config, Device, Error, ResidentBuffer};
 
     fn hits() -> usize {
@@ -346,5 +349,33 @@ mod tests {
         round(&d, &[reused, x]);
         assert_eq!(d.download(x).unwrap()[..16], [1; 16]);
         assert_eq!(d.download(reused).unwrap()[..16], [0; 16]);
+    }
+
+    #[test]
+    fn a_table_takes_nothing_kept_under_another_allocator() {
+        let driver = model::driver();
+        let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
+        let d1 = Device::open_with(driver, 1, Config::default()).unwrap();
+        let (a, b) = (d0.allocate(4096).unwrap(), d1.allocate(4096).unwrap());
+        let (alloc0, alloc1) = (&d0.core().alloc, &d1.core().alloc);
+        let mut table = BufferTable::default();
+        table.key(alloc0, a).unwrap();
+        table.clear();
+        let before = hits();
+        table.key(alloc0, a).unwrap();
+        assert_eq!(hits(), before + 1, "kept under the same allocator");
+        table.clear();
+        // Kept, but named to another allocator: refused there, as if never kept.
+        let err = table.key(alloc1, a).unwrap_err();
+        assert!(matches!(err, Error::ForeignBuffer { .. }), "{err}");
+        table.clear();
+        // A batch that names buffers of two allocators keeps nothing for the next.
+        table.key(alloc0, a).unwrap();
+        table.key(alloc1, b).unwrap();
+        table.clear();
+        let before = hits();
+        table.key(alloc0, a).unwrap();
+        table.key(alloc1, b).unwrap();
+        assert_eq!(hits(), before);
     }
 }
