@@ -28,6 +28,7 @@ fn main() -> ExitCode {
     println!("{:<52} {:>12}", "case (1 MiB unless said)", "median");
     row("cuda-resident allocate + free, 1 thread", r.one_thread_ns);
     row(&format!("cuda-resident allocate + free, {threads} threads at once"), r.many_threads_ns);
+    row(&format!("  the slowest of the {threads} threads"), r.slowest_thread_ns);
     row("cuda-resident pinned staging acquire + return", r.pinned_ns);
     row("raw cuMemAlloc + cuMemFree", r.raw_alloc_ns);
     row("raw cuMemAllocAsync + cuMemFreeAsync", r.raw_async_ns);

@@ -30,7 +30,7 @@ impl fmt::Debug for ResidentBuffer {
             f,
             "ResidentBuffer(allocator {}, shard {}, slot {}, generation {})",
             self.owner,
-            self.index as usize % SHARDS,
+            self.shard(),
             self.index >> SHARD_BITS,
             self.generation
         )
@@ -38,6 +38,12 @@ impl fmt::Debug for ResidentBuffer {
 }
 
 impl ResidentBuffer {
+    /// The allocator's shard that holds the handle's slot (below [`SHARDS`]).
+    #[inline]
+    pub(crate) fn shard(self) -> usize {
+        self.index as usize % SHARDS
+    }
+
     /// A well-mixed hash of the handle, for per-batch lookup tables.
     pub(crate) fn mix(self) -> u64 {
         let raw = (u64::from(self.owner) << 32 | u64::from(self.index)) ^ (u64::from(self.generation) << 48);

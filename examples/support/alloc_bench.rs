@@ -2,7 +2,9 @@
 //! measurements behind `alloc-bench` and `xfer-bench --suite alloc`.
 //!
 //! Warm, medians (and spreads) of 7 repetitions, 1 MiB unless said: `Device::allocate` +
-//! `Device::free` on one thread and on N threads at once (time per pair as each thread sees it);
+//! `Device::free` on one thread and on N threads at once (time per pair as each thread sees it:
+//! the median thread and the slowest; each thread allocates in a shard of its own, so a
+//! shared cache line written on that path shows as the N-thread figure growing with N);
 //! `Device::pinned` acquire + return; the raw driver's `cuMemAlloc` + `cuMemFree`,
 //! `cuMemAllocAsync` + `cuMemFreeAsync` (a stream synchronize every 1000 pairs) and
 //! `cuMemHostAlloc` + `cuMemFreeHost`; and the size classes' internal waste on 4000 buffers of
@@ -27,8 +29,10 @@ pub struct AllocReport {
     pub threads: usize,
     /// `allocate` + `free`, one thread.
     pub one_thread_ns: f64,
-    /// `allocate` + `free`, `threads` threads at once, per thread.
+    /// `allocate` + `free`, `threads` threads at once, per thread: the median thread.
     pub many_threads_ns: f64,
+    /// The same, the slowest thread.
+    pub slowest_thread_ns: f64,
     /// `pinned` acquire + return.
     pub pinned_ns: f64,
     /// `cuMemAlloc` + `cuMemFree`.
@@ -52,6 +56,8 @@ pub struct AllocSpreads {
     pub one_thread: Spread,
     /// `allocate` + `free`, every thread at once: the median thread's time of each repetition.
     pub many_threads: Spread,
+    /// The same, the slowest thread's time of each repetition.
+    pub slowest_thread: Spread,
     /// `pinned` acquire + return.
     pub pinned: Spread,
     /// `cuMemAlloc` + `cuMemFree`.
@@ -96,26 +102,35 @@ pub fn measure(device: &Device, threads: usize) -> Result<AllocReport, String> {
     let e = |e: cuda_resident::Error| e.to_string();
     let pair = |d: &Device| d.allocate(MIB).and_then(|b| d.free(b)).map_err(e);
     let one_thread = time_ns(200_000, || pair(device))?;
-    let many_threads = many_threads_ns(device, threads)?;
+    let [many_threads, slowest_thread] = many_threads_ns(device, threads)?;
     let pinned = time_ns(200_000, || device.pinned(MIB as usize).map(drop).map_err(e))?;
     let [raw_alloc, raw_async, raw_host] = raw_driver_ns(device)?;
     Ok(AllocReport {
         threads,
         one_thread_ns: one_thread.median,
         many_threads_ns: many_threads.median,
+        slowest_thread_ns: slowest_thread.median,
         pinned_ns: pinned.median,
         raw_alloc_ns: raw_alloc.median,
         raw_async_ns: raw_async.median,
         raw_host_ns: raw_host.median,
         waste_percent: waste_percent(device)?,
-        spreads: AllocSpreads { one_thread, many_threads, pinned, raw_alloc, raw_async, raw_host },
+        spreads: AllocSpreads {
+            one_thread,
+            many_threads,
+            slowest_thread,
+            pinned,
+            raw_alloc,
+            raw_async,
+            raw_host,
+        },
     })
 }
 
-/// `allocate` + `free` on `threads` threads at once, released together: the spread over
-/// repetitions of the median thread's time per pair.
-fn many_threads_ns(device: &Device, threads: usize) -> Result<Spread, String> {
-    let mut per_thread = Vec::with_capacity(REPS);
+/// `allocate` + `free` on `threads` threads at once, released together: the spreads over
+/// repetitions of the median thread's and of the slowest thread's time per pair.
+fn many_threads_ns(device: &Device, threads: usize) -> Result<[Spread; 2], String> {
+    let (mut per_thread, mut slowest) = (Vec::with_capacity(REPS), Vec::with_capacity(REPS));
     for _ in 0..REPS {
         let barrier = Arc::new(Barrier::new(threads));
         let handles: Vec<_> = (0..threads)
@@ -141,9 +156,11 @@ fn many_threads_ns(device: &Device, threads: usize) -> Result<Spread, String> {
             .into_iter()
             .map(|h| h.join().map_err(|_| "an allocating thread panicked".to_string())?)
             .collect::<Result<Vec<_>, _>>()?;
-        per_thread.push(spread(times).median);
+        let times = spread(times);
+        per_thread.push(times.median);
+        slowest.push(times.max);
     }
-    Ok(spread(per_thread))
+    Ok([spread(per_thread), spread(slowest)])
 }
 
 /// The raw driver's pairs: `cuMemAlloc` + `cuMemFree`, `cuMemAllocAsync` +

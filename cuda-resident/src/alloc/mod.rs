@@ -9,7 +9,15 @@
 //! **Shards.** Handles and caches live in [`SHARDS`] shards, each behind its own lock; a
 //! thread uses the shard it was assigned on first use, so threads allocating at once do not
 //! contend. The shard is encoded in the handle, so a free from any thread finds it. Only
-//! cache misses take the global lock (to carve from slabs or grow).
+//! cache misses take the global lock (to carve from slabs or grow). A cache hit writes only
+//! its shard's cache lines: every count the allocator keeps (bytes, the library's bytes,
+//! frees) is kept per shard, and the lock-free views of them are sums over the shards, so
+//! threads on different shards scale without sharing a written line.
+//!
+//! **Validity.** Each shard counts its frees ([`Allocator::frees_in`]). While a shard's count
+//! is unchanged, no handle of that shard has been freed, so a batch may reuse a resolution
+//! it kept from an earlier batch without asking again (`engine::table::BufferTable`); a free
+//! in another shard leaves it valid.
 //!
 //! **Handles** carry the allocator's id, a slot index and a generation. A freed handle's
 //! generation no longer matches its slot, a handle of another allocator has another id: both
@@ -27,6 +35,7 @@
 pub mod classes;
 pub mod ranges;
 
+use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -91,12 +100,24 @@ struct Shard {
     frees: u64,
 }
 
-/// A shard and a lock-free mirror of its byte count, on their own cache lines.
+/// A shard and lock-free mirrors of its counts, on cache lines of their own (128 bytes:
+/// some CPUs fetch 64-byte lines in pairs). The mirrors are written under the shard's lock,
+/// with plain stores (one writer at a time), and read without it.
 #[repr(align(128))]
 struct ShardCell {
     state: Mutex<Shard>,
+    /// [`Shard::allocated`].
     allocated: AtomicU64,
+    /// [`Shard::library`].
+    library: AtomicU64,
+    /// [`Shard::frees`], stored with `Release` after the freed slot is marked dead:
+    /// [`Allocator::frees_in`].
+    frees: AtomicU64,
 }
+
+/// A value on cache lines of its own, so that writes to it slow no reader of its neighbours.
+#[repr(align(128))]
+struct Padded<T>(T);
 
 struct Slab {
     ptr: u64,
@@ -194,11 +215,28 @@ static NEXT_ALLOCATOR_ID: AtomicU32 = AtomicU32::new(1);
 static NEXT_THREAD_SHARD: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    static THREAD_SHARD: usize = NEXT_THREAD_SHARD.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    /// This thread's shard, [`SHARDS`] until its first allocation.
+    static THREAD_SHARD: Cell<usize> = const { Cell::new(SHARDS) };
 }
 
+#[inline]
 fn current_shard() -> usize {
-    THREAD_SHARD.with(|s| *s)
+    THREAD_SHARD.with(|s| match s.get() {
+        SHARDS => {
+            // Once per thread: the only write to a shared line on this path.
+            let shard = NEXT_THREAD_SHARD.fetch_add(1, Ordering::Relaxed) % SHARDS;
+            s.set(shard);
+            shard
+        }
+        shard => shard,
+    })
+}
+
+/// Makes this thread allocate in shard `shard` from now on, as a thread assigned it would.
+#[cfg(test)]
+pub(crate) fn use_shard(shard: usize) {
+    assert!(shard < SHARDS);
+    THREAD_SHARD.with(|s| s.set(shard));
 }
 
 /// The driver operations the allocator needs; the device's context in production, a model
@@ -225,19 +263,18 @@ impl DeviceMemory for Arc<Context> {
 }
 
 /// The resident store of one device.
+///
+/// Its own fields are read on every allocation and free and written never (the shards and
+/// the global state live elsewhere or on lines of their own), and it sits on cache lines of
+/// its own, so that nothing the device writes next to it (telemetry, lanes) slows them.
+#[repr(align(128))]
 pub(crate) struct Allocator<M: DeviceMemory> {
     id: u32,
-    /// Counts frees: a batch may reuse what it resolved for a handle in an earlier batch
-    /// while no buffer has been freed since ([`Allocator::validity`]).
-    frees: AtomicU64,
-    /// Bytes of the library's own live buffers (the sum of the shards' `library`), read
-    /// without a lock by a refusal.
-    library: AtomicU64,
     ordinal: usize,
     memory: M,
     config: AllocatorConfig,
     shards: Box<[ShardCell]>,
-    global: Mutex<Global>,
+    global: Padded<Mutex<Global>>,
 }
 
 impl<M: DeviceMemory> fmt::Debug for Allocator<M> {
@@ -262,17 +299,17 @@ impl<M: DeviceMemory> Allocator<M> {
                     frees: 0,
                 }),
                 allocated: AtomicU64::new(0),
+                library: AtomicU64::new(0),
+                frees: AtomicU64::new(0),
             })
             .collect();
         Allocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
-            frees: AtomicU64::new(0),
-            library: AtomicU64::new(0),
             ordinal,
             memory,
             config,
             shards,
-            global: Mutex::new(Global::default()),
+            global: Padded(Mutex::new(Global::default())),
         }
     }
 
@@ -309,7 +346,7 @@ impl<M: DeviceMemory> Allocator<M> {
                 let bytes =
                     round_to_granule(len).filter(|&b| b <= self.config.total_memory).ok_or_else(|| {
                         let limit = (self.config.budget_fraction * self.config.total_memory as f64) as u64;
-                        self.refused(len, len, limit, lock(&self.global).reserved, false)
+                        self.refused(len, len, limit, lock(&self.global.0).reserved, false)
                     })?;
                 let origin = if bytes <= self.config.slab_bytes { Origin::Range } else { Origin::Dedicated };
                 self.carve(len, bytes, origin, is_idle)?
@@ -339,15 +376,16 @@ impl<M: DeviceMemory> Allocator<M> {
                 (shard.slots.len() - 1) as u32
             }
         };
+        let cell = &self.shards[shard_index];
         if library {
             shard.library += len;
-            self.library.fetch_add(len, Ordering::Relaxed);
+            cell.library.store(shard.library, Ordering::Relaxed);
         } else {
             shard.allocated += len;
+            cell.allocated.store(shard.allocated, Ordering::Relaxed);
         }
         shard.footprint += block.bytes;
         shard.allocations += 1;
-        self.shards[shard_index].allocated.store(shard.allocated, Ordering::Relaxed);
         ResidentBuffer {
             owner: self.id,
             index: (slot_index << SHARD_BITS) | shard_index as u32,
@@ -380,17 +418,29 @@ impl<M: DeviceMemory> Allocator<M> {
         if buffer.owner != self.id {
             return Err(self.foreign(buffer));
         }
-        Ok((buffer.index as usize % SHARDS, (buffer.index >> SHARD_BITS) as usize))
+        Ok((buffer.shard(), (buffer.index >> SHARD_BITS) as usize))
     }
 
     fn foreign(&self, buffer: ResidentBuffer) -> Error {
         Error::ForeignBuffer { buffer, device: self.ordinal }
     }
 
-    /// This allocator and its count of frees: while it is unchanged, every handle that
-    /// resolved since it was read still resolves to the same memory.
-    pub(crate) fn validity(&self) -> (u32, u64) {
-        (self.id, self.frees.load(Ordering::Acquire))
+    /// This allocator's id: the `owner` of the handles it makes.
+    #[inline]
+    pub(crate) fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// How many buffers of shard `shard` (a handle's [`ResidentBuffer::shard`]) have been
+    /// freed. While it is unchanged, every handle of that shard that resolved after it was
+    /// read is still live and resolves to the same memory: a live slot's memory never
+    /// changes, and a free marks its slot dead before it bumps the count, both under the
+    /// shard's lock. So a resolution either saw the slot dead (and failed), or came before
+    /// the free, whose bump then comes after this read: in this thread's view the count has
+    /// changed once the free happened-before (Release here, Acquire there).
+    #[inline]
+    pub(crate) fn frees_in(&self, shard: usize) -> u64 {
+        self.shards[shard].frees.load(Ordering::Acquire)
     }
 
     /// `(device pointer, length)` of a live buffer.
@@ -450,9 +500,6 @@ impl<M: DeviceMemory> Allocator<M> {
             None => return Err(self.foreign(buffer)),
         };
         slot.live = false;
-        // Under the shard lock, so that a resolution taken after this count was read cannot
-        // predate the free.
-        self.frees.fetch_add(1, Ordering::AcqRel);
         slot.generation = slot.generation.wrapping_add(1);
         let (block, len, last_use, retire, library) =
             (slot.block, slot.len, slot.last_use, slot.generation == u32::MAX, slot.library);
@@ -463,16 +510,20 @@ impl<M: DeviceMemory> Allocator<M> {
         }
         if library {
             shard.library -= len;
-            self.library.fetch_sub(len, Ordering::Relaxed);
+            cell.library.store(shard.library, Ordering::Relaxed);
         } else {
             shard.allocated -= len;
+            cell.allocated.store(shard.allocated, Ordering::Relaxed);
         }
         shard.footprint -= block.bytes;
         shard.frees += 1;
-        cell.allocated.store(shard.allocated, Ordering::Relaxed);
-        if !is_idle(last_use) {
+        // Under the shard lock, after the slot is dead: see `frees_in`. This shard's own line,
+        // a plain store: frees on other shards never touch it.
+        cell.frees.store(shard.frees, Ordering::Release);
+        // A buffer no copy ever used is idle without asking the lanes.
+        if last_use != [0; 2] && !is_idle(last_use) {
             drop(shard);
-            let mut global = lock(&self.global);
+            let mut global = lock(&self.global.0);
             global.deferred_frees += 1;
             global.deferred.push((block, last_use));
             return Ok(());
@@ -483,7 +534,7 @@ impl<M: DeviceMemory> Allocator<M> {
             return Ok(());
         }
         drop(shard);
-        let mut global = lock(&self.global);
+        let mut global = lock(&self.global.0);
         self.release(&mut global, block)
     }
 
@@ -556,7 +607,7 @@ impl<M: DeviceMemory> Allocator<M> {
         origin: Origin,
         is_idle: &dyn Fn(LastUse) -> bool,
     ) -> Result<Block> {
-        let mut global = lock(&self.global);
+        let mut global = lock(&self.global.0);
         // A failed driver free here is not this allocation's failure: the memory stays
         // listed for the next trim, which reports it.
         let _ = self.reclaim_deferred(&mut global, is_idle);
@@ -659,7 +710,7 @@ impl<M: DeviceMemory> Allocator<M> {
     }
 
     fn refused(&self, len: u64, needed: u64, limit: u64, held: u64, driver_out_of_memory: bool) -> Error {
-        let library = self.library.load(Ordering::Relaxed);
+        let library = self.shards.iter().map(|c| c.library.load(Ordering::Relaxed)).sum();
         Error::OverBudget {
             requested: len,
             needed,
@@ -675,7 +726,7 @@ impl<M: DeviceMemory> Allocator<M> {
 
     /// Releases cached blocks and empty slabs to the driver. Returns the bytes released.
     pub(crate) fn trim(&self, is_idle: &dyn Fn(LastUse) -> bool) -> Result<u64> {
-        let mut global = lock(&self.global);
+        let mut global = lock(&self.global.0);
         let reclaimed = self.reclaim_deferred(&mut global, is_idle);
         let trimmed = self.trim_locked(&mut global);
         reclaimed.and(trimmed)
@@ -726,7 +777,7 @@ impl<M: DeviceMemory> Allocator<M> {
             stats.allocations += shard.allocations;
             stats.frees += shard.frees;
         }
-        let global = lock(&self.global);
+        let global = lock(&self.global.0);
         stats.reserved_bytes = global.reserved;
         stats.peak_reserved_bytes = global.peak_reserved;
         stats.slabs = global.slabs.iter().flatten().count() as u64;
@@ -755,7 +806,7 @@ impl<M: DeviceMemory> Allocator<M> {
             let live_dedicated = shard.slots.iter().filter(|s| s.live && s.block.origin == Origin::Dedicated);
             ptrs.extend(live_dedicated.map(|s| s.block.ptr));
         }
-        let global = self.global.get_mut().unwrap_or_else(|e| e.into_inner());
+        let global = self.global.0.get_mut().unwrap_or_else(|e| e.into_inner());
         ptrs.extend(
             global.deferred.drain(..).filter(|(b, _)| b.origin == Origin::Dedicated).map(|(b, _)| b.ptr),
         );

@@ -443,3 +443,63 @@ fn the_librarys_own_buffers_are_counted_apart_from_the_callers() {
     let stats = a.stats();
     assert_eq!((stats.library_bytes, stats.library_buffers, stats.buffers), (0, 0, 0));
 }
+
+#[test]
+fn each_shard_counts_its_own_frees() {
+    let (_, a) = allocator(GIB, 0.9);
+    use_shard(3);
+    let x = a.allocate(MIB, IDLE).unwrap();
+    let library = a.allocate_as(4096, true, IDLE).unwrap();
+    use_shard(5);
+    let y = a.allocate(MIB, IDLE).unwrap();
+    assert_eq!((x.shard(), y.shard()), (3, 5));
+    let counts = |a: &Allocator<Arc<Model>>| (a.frees_in(3), a.frees_in(5));
+    assert_eq!(counts(&a), (0, 0));
+
+    // A free counts in its buffer's shard only, whichever thread's shard frees it.
+    a.free(y, IDLE).unwrap();
+    assert_eq!(counts(&a), (0, 1));
+    // A refused free counts nowhere.
+    assert!(a.free(y, IDLE).is_err());
+    assert_eq!(counts(&a), (0, 1));
+    a.free(x, IDLE).unwrap();
+    assert_eq!(counts(&a), (1, 1));
+    // Deferred frees and the library's buffers count as well.
+    let z = a.allocate(MIB, IDLE).unwrap();
+    a.mark_used(z, 1, 9).unwrap();
+    a.free(z, BUSY).unwrap();
+    assert_eq!(counts(&a), (1, 2));
+    let stats = a.stats();
+    assert_eq!((stats.library_bytes, stats.library_buffers), (4096, 1));
+    a.free(library, IDLE).unwrap();
+    assert_eq!(counts(&a), (2, 2));
+    assert_eq!(a.stats().frees, 4);
+    assert_eq!(a.stats().library_bytes, 0);
+    for shard in (0..SHARDS).filter(|s| ![3, 5].contains(s)) {
+        assert_eq!(a.frees_in(shard), 0, "shard {shard}");
+    }
+}
+
+#[test]
+fn a_slot_whose_generations_run_out_is_retired() {
+    let (_, a) = allocator(GIB, 0.9);
+    use_shard(7);
+    let first = a.allocate(4096, IDLE).unwrap();
+    a.free(first, IDLE).unwrap();
+    // The slot's next handle is its last but one generation.
+    let slot = (first.index >> SHARD_BITS) as usize;
+    lock(&a.shards[7].state).slots[slot].generation = u32::MAX - 1;
+    let last = a.allocate(4096, IDLE).unwrap();
+    assert_eq!((last.index, last.generation), (first.index, u32::MAX - 1));
+    a.free(last, IDLE).unwrap();
+    // Its generation is now exhausted: the slot is never handed out again, so no handle of
+    // it can ever match it.
+    let next = a.allocate(4096, IDLE).unwrap();
+    assert_ne!(next.index, last.index);
+    for generation in [0, 1, u32::MAX - 1, u32::MAX] {
+        let old = ResidentBuffer { generation, ..last };
+        assert!(matches!(a.resolve(old), Err(Error::FreedBuffer { .. })), "generation {generation}");
+        assert!(matches!(a.free(old, IDLE), Err(Error::FreedBuffer { .. })));
+    }
+    assert!(a.resolve(next).is_ok());
+}

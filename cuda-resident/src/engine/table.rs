@@ -6,28 +6,30 @@ use crate::alloc::{Allocator, ResidentBuffer};
 use crate::context::Context;
 use crate::engine::order::Ranges;
 use crate::error::{Error, Result};
+use crate::handle::SHARDS;
 use crate::plan::route::Apart;
 
 /// The buffers a batch names, each resolved once: key (index) -> handle, address, length.
 ///
 /// A table is reused by the device's next batches, and keeps what the last batch resolved:
 /// the next batch takes a handle's address and length from there, without the allocator's
-/// lock, as long as the allocator has freed nothing since ([`Allocator::validity`]). A
-/// handle freed while a batch is built fails the batch at submit, where every buffer is
-/// checked again (`engine::Exec::claim`).
+/// lock, as long as the allocator has freed nothing in that handle's shard since
+/// ([`Allocator::frees_in`], compared through [`Stamps`]). A handle freed while a batch is
+/// built fails the batch at submit, where every buffer is checked again
+/// (`engine::Exec::claim`).
 ///
-/// [`Allocator::validity`]: crate::alloc::Allocator::validity
+/// [`Allocator::frees_in`]: crate::alloc::Allocator::frees_in
 #[derive(Default)]
 pub(crate) struct BufferTable {
     pub(crate) entries: Vec<Resolved>,
     /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two.
     slots: Vec<u32>,
-    /// The allocator's validity when this batch resolved its first buffer.
-    validity: Option<(u32, u64)>,
-    /// The last batch's entries and slots, and the validity they were resolved under.
+    /// What this batch's entries were resolved under.
+    stamps: Stamps,
+    /// The last batch's entries and slots, and what they were resolved under.
     kept: Vec<Resolved>,
     kept_slots: Vec<u32>,
-    kept_validity: Option<(u32, u64)>,
+    kept_stamps: Stamps,
     /// Whether the requests so far can skip the planner, and their layout if so.
     pub(crate) apart: Apart,
 }
@@ -35,6 +37,34 @@ pub(crate) struct BufferTable {
 /// From this many requests in order and apart, a batch claims one span per buffer
 /// ([`BufferTable::push_ranges`]).
 pub(crate) const SPAN_MIN: usize = 256;
+
+/// What a batch's resolutions are valid under: the allocator (`owner`), and per shard the
+/// allocator's count of frees in it, read before the batch resolved its first buffer of
+/// that shard ([`UNREAD`](Stamps::UNREAD) until then). Each entry of the shard was live, at
+/// its address, at some moment after that read; so while the count still reads the same, no
+/// free has come since and the entry is still true (`Allocator::frees_in`). A batch reads
+/// each shard's count at most once, and a free in one shard leaves the others' kept
+/// resolutions valid.
+#[derive(Clone, Copy)]
+struct Stamps {
+    /// The allocator's id; [`Stamps::NONE`] before the batch's first resolution,
+    /// [`Stamps::MIXED`] once it named buffers of two allocators (then nothing is reused).
+    owner: u32,
+    frees: [u64; SHARDS],
+}
+
+impl Stamps {
+    const UNREAD: u64 = u64::MAX;
+    /// Allocator ids start at 1.
+    const NONE: u32 = 0;
+    const MIXED: u32 = u32::MAX;
+}
+
+impl Default for Stamps {
+    fn default() -> Stamps {
+        Stamps { owner: Stamps::NONE, frees: [Stamps::UNREAD; SHARDS] }
+    }
+}
 
 /// A buffer as the batch saw it when it was named.
 #[derive(Clone, Copy, Debug)]
@@ -61,7 +91,7 @@ impl crate::recycle::Reusable for BufferTable {
         // the next batch.
         std::mem::swap(&mut self.entries, &mut self.kept);
         std::mem::swap(&mut self.slots, &mut self.kept_slots);
-        self.kept_validity = self.validity.take();
+        self.kept_stamps = std::mem::take(&mut self.stamps);
         self.entries.clear();
         self.slots.fill(0);
         self.apart.clear();
@@ -110,14 +140,34 @@ impl BufferTable {
             Ok(key) => return Ok((key, self.entries[key as usize])),
             Err(empty) => empty,
         };
-        let now = alloc.validity();
-        // Read before anything this batch resolves: a free after it invalidates them all.
-        self.validity.get_or_insert(now);
-        // Frees only count up: unchanged since the last batch began, unchanged since this
+        let owner = alloc.id();
+        if self.stamps.owner != owner {
+            // The batch's first resolution; or a second allocator, which no batch names (the
+            // table then keeps nothing that could pass for the first one's).
+            self.stamps = match self.stamps.owner {
+                Stamps::NONE => Stamps { owner, ..Stamps::default() },
+                _ => Stamps { owner: Stamps::MIXED, ..Stamps::default() },
+            };
+        }
+        let shard = buffer.shard();
+        // Read before anything this batch resolves in the shard: a free there after it
+        // invalidates them all. A handle of another allocator is never taken from `kept`.
+        let now = match self.stamps.frees[shard] {
+            Stamps::UNREAD if self.stamps.owner == owner => {
+                let now = alloc.frees_in(shard);
+                self.stamps.frees[shard] = now;
+                now
+            }
+            now => now,
+        };
+        // Frees only count up: unchanged since the last batch read it, unchanged since this
         // one did.
-        let kept = (self.kept_validity == Some(now) && !self.kept_slots.is_empty())
-            .then(|| probe_in(&self.kept, &self.kept_slots, buffer).ok())
-            .flatten();
+        let reuse = now != Stamps::UNREAD
+            && buffer.owner == owner
+            && self.kept_stamps.owner == owner
+            && self.kept_stamps.frees[shard] == now
+            && !self.kept_slots.is_empty();
+        let kept = reuse.then(|| probe_in(&self.kept, &self.kept_slots, buffer).ok()).flatten();
         let resolved = match kept {
             Some(k) => {
                 #[cfg(test)]
@@ -232,5 +282,100 @@ impl BufferTable {
         for (key, offset, len) in requests {
             ranges.push(self.entries[key as usize].ptr + offset, len);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{BufferTable, KEPT_HITS};
+    use crate::alloc::use_shard;
+    use crate::recycle::Reusable;
+    use crate::testing::{device, model};
+    use crate::{Config, Device, Error, ResidentBuffer};
+
+    fn hits() -> usize {
+        KEPT_HITS.with(|n| n.get())
+    }
+
+    /// One upload batch writing to each of `buffers`; the buffers taken from the last
+    /// batch's resolutions.
+    fn round(d: &Device, buffers: &[ResidentBuffer]) -> usize {
+        let data: Vec<[u8; 16]> = (0..buffers.len()).map(|k| [k as u8; 16]).collect();
+        let before = hits();
+        let mut batch = d.uploads();
+        for (&b, bytes) in buffers.iter().zip(&data) {
+            batch.write(b, 0, bytes).unwrap();
+        }
+        batch.submit().unwrap().wait().unwrap();
+        hits() - before
+    }
+
+    #[test]
+    fn a_free_invalidates_kept_resolutions_of_its_own_shard_only() {
+        let d = device(Config::default());
+        use_shard(4);
+        let (x, y, spare) = (d.allocate(4096).unwrap(), d.allocate(8192).unwrap(), d.allocate(64).unwrap());
+        use_shard(9);
+        let (z, other) = (d.allocate(4096).unwrap(), d.allocate(64).unwrap());
+        assert_eq!([x, y, spare, z, other].map(ResidentBuffer::shard), [4, 4, 4, 9, 9]);
+
+        round(&d, &[x, y, z]);
+        assert_eq!(round(&d, &[y, z, x]), 3, "nothing freed: all three kept");
+        // A free in shard 9 leaves shard 4's resolutions valid.
+        d.free(other).unwrap();
+        assert_eq!(round(&d, &[x, y, z]), 2, "x and y kept, z resolved again");
+        assert_eq!(round(&d, &[x, y, z]), 3);
+        // A free in shard 4 invalidates shard 4's only.
+        d.free(spare).unwrap();
+        assert_eq!(round(&d, &[x, y, z]), 1, "z kept, x and y resolved again");
+        // A freed handle that was kept is refused where it is named; the others of its
+        // batch are still taken from what was kept.
+        d.free(z).unwrap();
+        let mut batch = d.uploads();
+        let before = hits();
+        batch.write(x, 0, &[1; 16]).unwrap();
+        let err = batch.write(z, 0, &[1; 16]).unwrap_err();
+        assert!(matches!(err, Error::FreedBuffer { .. }), "{err}");
+        assert_eq!(hits() - before, 1, "x kept");
+        drop(batch);
+        // Its memory, handed out again in its shard, is never reached through it.
+        use_shard(9);
+        let reused = d.allocate(4096).unwrap();
+        let mut batch = d.uploads();
+        assert!(matches!(batch.write(z, 0, &[1; 16]), Err(Error::FreedBuffer { .. })));
+        drop(batch);
+        round(&d, &[reused, x]);
+        assert_eq!(d.download(x).unwrap()[..16], [1; 16]);
+        assert_eq!(d.download(reused).unwrap()[..16], [0; 16]);
+    }
+
+    #[test]
+    fn a_table_takes_nothing_kept_under_another_allocator() {
+        let driver = model::driver();
+        let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
+        let d1 = Device::open_with(driver, 1, Config::default()).unwrap();
+        let (a, b) = (d0.allocate(4096).unwrap(), d1.allocate(4096).unwrap());
+        let (alloc0, alloc1) = (&d0.core().alloc, &d1.core().alloc);
+        let mut table = BufferTable::default();
+        table.key(alloc0, a).unwrap();
+        table.clear();
+        let before = hits();
+        table.key(alloc0, a).unwrap();
+        assert_eq!(hits(), before + 1, "kept under the same allocator");
+        table.clear();
+        // Kept, but named to another allocator: refused there, as if never kept.
+        let err = table.key(alloc1, a).unwrap_err();
+        assert!(matches!(err, Error::ForeignBuffer { .. }), "{err}");
+        table.clear();
+        // A batch that names buffers of two allocators keeps nothing for the next.
+        table.key(alloc0, a).unwrap();
+        table.key(alloc1, b).unwrap();
+        table.clear();
+        let before = hits();
+        table.key(alloc0, a).unwrap();
+        table.key(alloc1, b).unwrap();
+        assert_eq!(hits(), before);
     }
 }

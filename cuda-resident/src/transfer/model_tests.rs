@@ -380,8 +380,8 @@ fn later_batches_reuse_what_earlier_ones_resolved_until_a_buffer_is_freed() {
     round(&mut m, &mut rng, &[2, 0, 1]);
     assert_eq!(hits(), before + 3, "the second batch resolved nothing again");
     m.check(&d, "batches from kept resolutions");
-    // A free, of any buffer, invalidates what was kept: the next batch resolves afresh, and a
-    // freed handle fails where it is named.
+    // A free in the buffers' shard (all of them, `extra` too, are this thread's) invalidates
+    // what was kept: the next batch resolves afresh, and a freed handle fails where it is named.
     let extra = d.allocate(64).unwrap();
     round(&mut m, &mut rng, &[0, 1, 2]);
     d.free(extra).unwrap();
