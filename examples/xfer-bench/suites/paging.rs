@@ -386,19 +386,22 @@ impl Lane<&mut [u8]> {
 }
 
 /// cuda-resident's swap, `out` and / or `in`, in one scope ([`Device::scope`]): one
-/// `read_into` per block into its slot, one `write` per block from its slot, in swap order.
-/// From and into the pinned cache the blocks move in place; the pageable cache is staged.
-/// Both at once, each direction is built and submitted on a thread of its own, as the
-/// baselines' directions run on a thread each.
+/// `read_into` per block into its slot, one `write` per block from its slot, in swap order;
+/// its seconds, until the scope has waited for both. From and into the pinned cache the
+/// blocks move in place; the pageable cache is staged. Both at once, each direction is built
+/// and submitted on a thread of its own, as the baselines' directions run on a thread each:
+/// the clock starts once both threads are ready (spawned, the device's context current),
+/// released together, as `secs_together` times the baselines.
 fn ours(
     d: &Device,
     pool: ResidentBuffer,
     out: Option<&mut Lane<&mut [u8]>>,
     ins: Option<&Lane<&[u8]>>,
-) -> BenchResult<()> {
+) -> BenchResult<f64> {
     // The swap-in's slots and offsets, not its lane: the lane's raw stream is not `Sync`.
     let ins = ins.map(|ins| (ins.host, &ins.offsets[..], ins.block));
     let both = out.is_some() && ins.is_some();
+    let mut start = std::time::Instant::now();
     d.scope(|s| {
         // Closures that capture the caller's memory, rather than take it as an argument:
         // a scope's batches borrow it for the whole scope.
@@ -422,13 +425,23 @@ fn ours(
             swap_in()?;
             return swap_out();
         }
+        let ready = std::sync::Barrier::new(2);
         std::thread::scope(|threads| {
-            let up = threads.spawn(swap_in);
-            swap_out()?;
-            up.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            let up = threads.spawn(|| {
+                let current = d.make_current();
+                ready.wait();
+                current?;
+                swap_in()
+            });
+            ready.wait();
+            start = std::time::Instant::now();
+            let out = swap_out();
+            let up = up.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            out.and(up)
         })
     })
-    .map_err(error)
+    .map_err(error)?;
+    Ok(start.elapsed().as_secs_f64())
 }
 
 /// One block size and host cache: both lanes.
@@ -472,9 +485,9 @@ impl Case<'_> {
             (Method::Raw, _) => self.ins.raw(d)?,
             (Method::Batch, Dir::Out) => self.out.batch(d)?,
             (Method::Batch, _) => self.ins.batch(d)?,
-            (Method::Ours, Dir::Out) => ours(d, pool, Some(&mut self.out), None)?,
-            (Method::Ours, Dir::In) => ours(d, pool, None, Some(&self.ins))?,
-            (Method::Ours, Dir::Both) => ours(d, pool, Some(&mut self.out), Some(&self.ins))?,
+            (Method::Ours, Dir::Out) => return ours(d, pool, Some(&mut self.out), None),
+            (Method::Ours, Dir::In) => return ours(d, pool, None, Some(&self.ins)),
+            (Method::Ours, Dir::Both) => return ours(d, pool, Some(&mut self.out), Some(&self.ins)),
         }
         Ok(t.elapsed().as_secs_f64())
     }
