@@ -10,8 +10,9 @@ use crate::{BenchResult, error, size};
 /// Which cases to run.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Suite {
-    /// Many small copies (--counts, default 8192, x --sizes), `--large` single copies, both
-    /// directions at once, one 4 KiB upload's latency (under a minute on an H200).
+    /// Many small copies (--counts, default 8192, x --sizes), the same count scattered over a
+    /// buffer each (each of --sizes, and mixed 64 B-256 KiB), `--large` single copies, both
+    /// directions at once, one 4 KiB upload's latency (about a minute on an H200).
     Default,
     /// Many small copies over a grid: every --counts (default 1024,8192,65536) x every
     /// --sizes; a case of more than --max-case is skipped, and the report says so (about 1 to

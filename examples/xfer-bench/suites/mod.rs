@@ -1,6 +1,7 @@
 //! The suites: what each runs, worked out from the flags ([`SuitePlan`]), and the run of
 //! its cases in order, one file per kind of case. The default suite is many small copies,
-//! `--large` single copies and one 4 KiB upload's latency; grid is many small copies over
+//! scattered batches (a buffer per copy), `--large` single copies and one 4 KiB upload's
+//! latency; grid is many small copies over
 //! every count and size; sweep, latency, alloc, paging and peer run their own file's cases;
 //! all runs every one.
 
@@ -10,6 +11,7 @@ mod latency;
 mod many_small;
 mod paging;
 mod peer;
+mod scattered;
 mod sweep;
 
 use std::sync::Arc;
@@ -35,6 +37,8 @@ pub(crate) struct SuitePlan {
     many_small: Vec<(usize, usize)>,
     /// Many-small cases over `--max-case`, said in the report.
     pub(crate) skipped: Vec<String>,
+    /// Scattered cases (a buffer per copy, shuffled), `(count, sizes)`.
+    scattered: Vec<(usize, scattered::Sizes)>,
     large: bool,
     /// Latency sizes, and whether only uploads from pageable memory are timed.
     latency: Option<(Vec<usize>, bool)>,
@@ -77,9 +81,23 @@ impl SuitePlan {
             _ => None,
         };
         let peer = matches!(s, Peer | All).then(|| many_small.clone());
+        let scattered = match s {
+            Default | All => {
+                let count = args.counts.as_ref().and_then(|c| c.first().copied()).unwrap_or(DEFAULT_COUNT);
+                args.sizes
+                    .iter()
+                    .map(|&size| scattered::Sizes::Each(size))
+                    .chain([scattered::Sizes::Mixed])
+                    .filter(|sizes| sizes.planned_bytes(count).is_some_and(|b| b <= limit))
+                    .map(|sizes| (count, sizes))
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
         SuitePlan {
             many_small: if s == Peer { Vec::new() } else { many_small },
             skipped,
+            scattered,
             large: matches!(s, Default | All),
             latency,
             sweep: matches!(s, Sweep | All),
@@ -93,6 +111,7 @@ impl SuitePlan {
     fn steps(&self, args: &Args) -> u64 {
         let sweep = if self.sweep { 2 * sweep::sweep_sizes(args.large).len() } else { 0 };
         (self.many_small.len()
+            + self.scattered.len()
             + usize::from(self.large)
             + self.latency.as_ref().map_or(0, |(sizes, _)| sizes.len())
             + sweep
@@ -157,6 +176,11 @@ fn run_cases(
         many_small::run(d, baseline, args, (count, size), rows)?;
         progress.inc(1);
     }
+    for &(count, sizes) in &plan.scattered {
+        progress.set_message(format!("{count} scattered"));
+        scattered::run(d, baseline, args, (count, sizes), rows)?;
+        progress.inc(1);
+    }
     if plan.large {
         progress.set_message(format!("{} single copies", human(args.large)));
         large::run(d, baseline, args, rows)?;
@@ -198,11 +222,19 @@ mod tests {
         assert!(default.large && !default.sweep && !default.alloc && default.skipped.is_empty());
         assert!(!default.paging, "not part of the default suite");
         assert_eq!(default.latency, Some((vec![4096], true)));
+        use super::scattered::Sizes::{Each, Mixed};
+        assert_eq!(
+            default.scattered,
+            [(8192, Each(256)), (8192, Each(4096)), (8192, Each(65536)), (8192, Mixed)]
+        );
+
+        let small = SuitePlan::new(&parse(&["--max-case", "200MiB"]).unwrap());
+        assert_eq!(small.scattered, [(8192, Each(256)), (8192, Each(4096))], "by planned bytes");
 
         let grid = SuitePlan::new(&parse(&["--suite", "grid"]).unwrap());
         assert_eq!(grid.many_small.len(), 8, "65536 x 64 KiB is 4 GiB, over the 1 GiB limit");
         assert_eq!(grid.skipped, ["65536 x 64 KiB (4 GiB): more than --max-case 1 GiB"]);
-        assert!(!grid.large && grid.latency.is_none() && !grid.sweep);
+        assert!(!grid.large && grid.latency.is_none() && !grid.sweep && grid.scattered.is_empty());
 
         let all = SuitePlan::new(&parse(&["--suite", "all", "--max-case", "4GiB"]).unwrap());
         assert_eq!(all.many_small.len(), 9);
