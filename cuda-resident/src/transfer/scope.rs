@@ -664,11 +664,14 @@ impl<'scope> ScopedUploads<'scope> {
     }
 
     /// Moves every write: those from pinned memory of this crate straight from it, the
-    /// others through staging (copied before this returns). The scope waits for them.
+    /// others through staging (copied before this returns). The scope waits for them. A
+    /// batch of more than 1024 writes or a chunk of bytes, all in place, moves in up to three
+    /// parts, the first while the rest is laid out; the parts apply in order.
     ///
     /// # Errors
     /// The first bad write's error, or a staging or driver error; nothing moves if a write
-    /// was bad or a buffer was freed.
+    /// was bad or a buffer was freed before this was called. An error part way (from the
+    /// driver, or a buffer another thread frees meanwhile) leaves the parts before it moved.
     pub fn submit(self) -> Result<()> {
         self.submit_fenced().map(drop)
     }
@@ -852,12 +855,14 @@ impl<'scope> ScopedDownloads<'scope> {
     }
 
     /// Moves every read: into pinned memory of this crate straight from the device (this
-    /// returns at once; the bytes are there when the scope ends), into any other memory
-    /// through staging (this returns once those bytes are copied in).
+    /// returns at once; the bytes are there when the scope ends; a large batch moves in up
+    /// to three parts, as [`ScopedUploads::submit`] says), into any other memory through
+    /// staging (this returns once those bytes are copied in).
     ///
     /// # Errors
     /// The first bad read's error, or a staging or driver error; nothing moves if a read
-    /// was bad or a buffer was freed.
+    /// was bad or a buffer was freed before this was called. An error part way (from the
+    /// driver, or a buffer another thread frees meanwhile) leaves the parts before it moved.
     pub fn submit(self) -> Result<()> {
         self.submit_fenced().map(drop)
     }
