@@ -110,13 +110,27 @@ pub(crate) struct HostPool {
 /// portable), keeps the lease alive until it completes ([`listed_leases_in`]).
 static LENT_BUFFERS: Mutex<BTreeMap<usize, (usize, Weak<HostLease>)>> = Mutex::new(BTreeMap::new());
 
-/// The listed arena that holds byte `ptr`, live: its start and length. Pinned memory of this
-/// crate, allocated portable and so mapped for every device with unified addressing at the
-/// same address: a kernel may read or write it over the bus.
-pub(crate) fn lent_extent(ptr: usize) -> Option<(usize, usize)> {
+/// The listed arena that holds byte `ptr`, live: `Ok` with its start and length. Pinned
+/// memory of this crate, allocated portable and so mapped for every device with unified
+/// addressing at the same address: a kernel may read or write it over the bus. Else `Err`
+/// with a span `[from, to)` around `ptr` that held no live arena when asked (from the end of
+/// the arena before it, or the dead arena that holds it, to the start of the next), so that
+/// a caller walking many pageable ranges asks once per gap.
+pub(crate) fn lent_extent(ptr: usize) -> Result<(usize, usize), (usize, usize)> {
     let buffers = lock(&LENT_BUFFERS);
-    let (&start, &(bytes, ref lease)) = buffers.range(..=ptr).next_back()?;
-    (ptr < start.saturating_add(bytes) && lease.strong_count() > 0).then_some((start, bytes))
+    let before = buffers.range(..=ptr).next_back();
+    let from = match before {
+        Some((&start, &(bytes, ref lease))) if ptr < start.saturating_add(bytes) => {
+            if lease.strong_count() > 0 {
+                return Ok((start, bytes));
+            }
+            start
+        }
+        Some((&start, &(bytes, _))) => start.saturating_add(bytes),
+        None => 0,
+    };
+    let to = buffers.range(ptr.saturating_add(1)..).next().map_or(usize::MAX, |(&start, _)| start);
+    Err((from, to))
 }
 
 /// The leases of the listed memory (by any device's pool: see [`LENT_BUFFERS`]) whose arenas overlap

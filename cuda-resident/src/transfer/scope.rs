@@ -287,21 +287,37 @@ fn registered(core: &Core, hosts: &[(usize, usize)], places: &mut [Place]) -> Re
 }
 
 /// Finds whether host ranges lie in pinned memory of this crate, remembering the last arena
-/// found (a batch's ranges mostly lie in one host cache).
+/// found (a batch's ranges mostly lie in one host cache) and the last span found to hold
+/// none (a pageable cache's ranges then cost one registry lookup, not one each). Memory lent
+/// while a batch is classified may be taken for unlisted: it is staged, which moves any
+/// memory.
 #[derive(Default)]
-struct Lent(Option<(usize, usize)>);
+struct Lent {
+    arena: Option<(usize, usize)>,
+    gap: Option<(usize, usize)>,
+}
 
 impl Lent {
     /// The start of the arena of this crate that holds all of `[ptr, ptr + len)`.
     fn arena(&mut self, ptr: usize, len: usize) -> Option<usize> {
-        let inside =
-            |(start, bytes): (usize, usize)| ptr >= start && ptr.saturating_add(len) <= start + bytes;
-        if let Some(arena) = self.0.filter(|&a| inside(a)) {
+        let end = ptr.saturating_add(len);
+        let inside = |(start, bytes): (usize, usize)| ptr >= start && end <= start.saturating_add(bytes);
+        if let Some(arena) = self.arena.filter(|&a| inside(a)) {
             return Some(arena.0);
         }
-        let arena = lent_extent(ptr).filter(|&a| inside(a))?;
-        self.0 = Some(arena);
-        Some(arena.0)
+        if self.gap.is_some_and(|(from, to)| ptr >= from && ptr < to) {
+            return None;
+        }
+        match lent_extent(ptr) {
+            Ok(arena) => {
+                self.arena = Some(arena);
+                inside(arena).then_some(arena.0)
+            }
+            Err(gap) => {
+                self.gap = Some(gap);
+                None
+            }
+        }
     }
 }
 
@@ -930,8 +946,33 @@ impl<'scope> ScopedDownloads<'scope> {
 
 #[cfg(test)]
 mod layout_tests {
-    use super::{Direct, Layout, PART_ITEMS, Place, parts};
+    use super::{Direct, Layout, Lent, PART_ITEMS, Place, parts};
     use crate::stream::LaneKind;
+    use crate::testing::device;
+
+    /// Ranges in a pinned buffer find its arena; pageable ones find a span without one,
+    /// which answers the next pageable ranges in it without asking the registry (a second
+    /// lookup there could not say otherwise); a range that starts in the arena and ends
+    /// past it is not in it.
+    #[test]
+    fn lent_ranges_find_their_arena_and_pageable_ones_a_gap() {
+        let d = device(crate::Config::default());
+        let pinned = d.pinned(1 << 20).unwrap();
+        let pageable = vec![7u8; 1 << 20];
+        let (p, q) = (pinned.as_ptr() as usize, pageable.as_ptr() as usize);
+        let mut lent = Lent::default();
+        let arena = lent.arena(p, 4096).expect("in the pool's arena");
+        assert!(arena <= p);
+        assert_eq!(lent.arena(p + 8192, 100), Some(arena), "remembered");
+        assert_eq!(lent.arena(q, 4096), None);
+        let (from, to) = lent.gap.expect("a gap remembered");
+        assert!(from <= q && q < to && !(from..to).contains(&p), "{from:#x}..{to:#x}");
+        assert_eq!(lent.arena(q + 4096, 4096), None);
+        let (start, bytes) = lent.arena.unwrap();
+        assert_eq!(lent.arena(start + bytes - 10, 20), None, "past the arena's end");
+        assert_eq!(lent.arena(p, 4096), Some(arena), "still found after a gap");
+        drop(pinned);
+    }
 
     /// Parts cover every item once, in order; at most three; the first ends at the first
     /// item past a chunk of bytes or `PART_ITEMS` items, the second past twice that.
