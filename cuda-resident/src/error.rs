@@ -236,6 +236,20 @@ pub enum Error {
         cause: String,
     },
 
+    /// An item of a bulk call ([`UploadBatch::write_many`](crate::UploadBatch::write_many),
+    /// [`DownloadBatch::read_ranges`](crate::DownloadBatch::read_ranges),
+    /// [`DownloadBatch::read_many`](crate::DownloadBatch::read_many)) was refused: `error` is
+    /// what the single call (`write`, `read`, `read_all`) would have returned for it.
+    #[error("item {index} of {call}: {error}")]
+    BadItem {
+        /// The call.
+        call: &'static str,
+        /// The item's index in the call's list (0 for the first).
+        index: usize,
+        /// The item's own error, which ends with its fix.
+        error: Box<Error>,
+    },
+
     /// [`Device::upload`](crate::Device::upload) was given data of another length than the
     /// buffer's.
     #[error(
@@ -545,6 +559,11 @@ mod tests {
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
             Error::Interop { what: "a stream of another context".into(), fix: "pass one of this device" },
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
+            Error::BadItem {
+                call: "UploadBatch::write_many",
+                index: 4,
+                error: Box::new(Error::OutOfRange { buffer, offset: 8, len: 2, buffer_len: 9 }),
+            },
             Error::HostOutOfMemory { bytes: 1 },
             Error::ForeignSlot { index: 3, slot_batch: 7, batch: 9 },
             Error::NotPinned { operation: "Device::upload_async_at", address: 4096, len: 10, unpinned: 4105 },

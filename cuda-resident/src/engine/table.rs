@@ -175,6 +175,20 @@ impl BufferTable {
         Ok((key, buffer_len))
     }
 
+    /// [`BufferTable::check`] of a range of the buffer with key `key` (one the table has),
+    /// without looking the buffer up: its length, or `None` (nothing noted) when the range
+    /// does not lie in it. For bulk calls, whose items come in runs on one buffer.
+    #[inline]
+    pub(crate) fn check_key(&mut self, key: u32, offset: u64, len: u64) -> Option<u64> {
+        let entry = &mut self.entries[key as usize];
+        if !in_range(offset, len, entry.len) {
+            return None;
+        }
+        self.apart.note(&mut entry.next, entry.ptr, offset, len);
+        entry.first = entry.first.min(offset);
+        Some(entry.len)
+    }
+
     /// [`BufferTable::check`] for a buffer seen first or a bad range.
     #[cold]
     fn check_slow(

@@ -127,6 +127,57 @@ impl<'a> UploadBatch<'a> {
         Ok(self)
     }
 
+    /// Adds a write for each `(buffer, offset, data)` item, in order, as that many
+    /// [`write`](UploadBatch::write)s would (each slice is read at submit time), with less
+    /// work per item: a run of items on one buffer looks the buffer up once.
+    ///
+    /// # Errors
+    /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
+    /// `write` returns for it; the batch keeps the items before it and fails `submit` with
+    /// that error, as after a bad `write`; the items after it are not added.
+    /// [`Error::BatchPoisoned`] (adding nothing) once a
+    /// [`write_with`](UploadBatch::write_with) of the batch failed part-way.
+    pub fn write_many<I>(&mut self, items: I) -> Result<&mut Self>
+    where
+        I: IntoIterator<Item = (ResidentBuffer, u64, &'a [u8])>,
+    {
+        if let Some(e @ Error::BatchPoisoned { .. }) = &self.error {
+            return Err(e.clone());
+        }
+        let items = items.into_iter();
+        let (lower, _) = items.size_hint();
+        self.writes.reserve(lower);
+        self.sources.reserve(lower);
+        let before = self.writes.len();
+        // The last item's buffer and key: the items of a run on one buffer skip the lookup.
+        let mut last: Option<(ResidentBuffer, u32)> = None;
+        for (index, (buffer, offset, data)) in items.enumerate() {
+            let len = data.len() as u64;
+            let known = match last {
+                Some((b, key)) if b == buffer => self.table.check_key(key, offset, len).map(|n| (key, n)),
+                _ => None,
+            };
+            let checked = match known {
+                Some(found) => Ok(found),
+                None => self.table.check(&self.core.alloc, buffer, offset, len, &mut None),
+            };
+            let (key, buffer_len) = match checked {
+                Ok(found) => found,
+                Err(error) => {
+                    self.slice_writes += self.writes.len() - before;
+                    let e = Error::BadItem { call: "UploadBatch::write_many", index, error: Box::new(error) };
+                    self.error.get_or_insert_with(|| e.clone());
+                    return Err(e);
+                }
+            };
+            last = Some((buffer, key));
+            self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
+            self.sources.push(Source::Slice(data));
+        }
+        self.slice_writes += self.writes.len() - before;
+        Ok(self)
+    }
+
     /// Poisons the batch after write `index` (`len` bytes at `offset` of `buffer`) failed
     /// part-way for `cause`: drops the write, returns every pinned lease of the batch to the
     /// pool at once, and keeps the error that every later call and `submit` return.
