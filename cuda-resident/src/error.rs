@@ -250,6 +250,30 @@ pub enum Error {
         error: Box<Error>,
     },
 
+    /// A fill closure of [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par)
+    /// panicked during `submit`. Staging moves in chunks, each once all its fills are done:
+    /// no byte of the chunk that holds this write, or of any later chunk, was moved; the
+    /// writes of earlier chunks may have landed, each whole. No write's destination holds
+    /// bytes that no fill produced.
+    #[error(
+        "the fill closure of write {write} of this upload batch ({len} bytes at offset {offset} of {buffer:?}) \
+         panicked during submit ({cause}); that write and the writes staged after it were not moved (writes \
+         staged before it may have landed, each whole). Fix: make the fill closure not panic (or fill with \
+         write_with, whose panics reach the caller), then write the batch again in a new one (Device::uploads)."
+    )]
+    FillPanicked {
+        /// The write's index in the batch (writes counted in the order added).
+        write: usize,
+        /// Its buffer.
+        buffer: ResidentBuffer,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The panic's message.
+        cause: String,
+    },
+
     /// [`Device::upload`](crate::Device::upload) was given data of another length than the
     /// buffer's.
     #[error(
@@ -559,6 +583,7 @@ mod tests {
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
             Error::Interop { what: "a stream of another context".into(), fix: "pass one of this device" },
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
+            Error::FillPanicked { write: 3, buffer, offset: 16, len: 4096, cause: "boom".into() },
             Error::BadItem {
                 call: "UploadBatch::write_many",
                 index: 4,

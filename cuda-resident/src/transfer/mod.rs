@@ -31,4 +31,6 @@ pub(crate) mod model_tests;
 #[cfg(test)]
 mod order_tests;
 #[cfg(test)]
+mod par_tests;
+#[cfg(test)]
 mod scope_tests;
