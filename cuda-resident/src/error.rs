@@ -236,6 +236,44 @@ pub enum Error {
         cause: String,
     },
 
+    /// An item of a bulk call ([`UploadBatch::write_many`](crate::UploadBatch::write_many),
+    /// [`DownloadBatch::read_ranges`](crate::DownloadBatch::read_ranges),
+    /// [`DownloadBatch::read_many`](crate::DownloadBatch::read_many)) was refused: `error` is
+    /// what the single call (`write`, `read`, `read_all`) would have returned for it.
+    #[error("item {index} of {call}: {error}")]
+    BadItem {
+        /// The call.
+        call: &'static str,
+        /// The item's index in the call's list (0 for the first).
+        index: usize,
+        /// The item's own error, which ends with its fix.
+        error: Box<Error>,
+    },
+
+    /// A fill closure of [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par)
+    /// panicked during `submit`. Staging moves in chunks, each once all its fills are done:
+    /// no byte of the chunk that holds this write, or of any later chunk, was moved; the
+    /// writes of earlier chunks may have landed, each whole. No write's destination holds
+    /// bytes that no fill produced.
+    #[error(
+        "the fill closure of write {write} of this upload batch ({len} bytes at offset {offset} of {buffer:?}) \
+         panicked during submit ({cause}); that write and the writes staged after it were not moved (writes \
+         staged before it may have landed, each whole). Fix: make the fill closure not panic (or fill with \
+         write_with, whose panics reach the caller), then write the batch again in a new one (Device::uploads)."
+    )]
+    FillPanicked {
+        /// The write's index in the batch (writes counted in the order added).
+        write: usize,
+        /// Its buffer.
+        buffer: ResidentBuffer,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The panic's message.
+        cause: String,
+    },
+
     /// [`Device::upload`](crate::Device::upload) was given data of another length than the
     /// buffer's.
     #[error(
@@ -545,6 +583,12 @@ mod tests {
             Error::LengthMismatch { what: "a and b", left: 1, right: 2 },
             Error::Interop { what: "a stream of another context".into(), fix: "pass one of this device" },
             Error::PreparedDataLength { index: 3, expected: 256, got: 255 },
+            Error::FillPanicked { write: 3, buffer, offset: 16, len: 4096, cause: "boom".into() },
+            Error::BadItem {
+                call: "UploadBatch::write_many",
+                index: 4,
+                error: Box::new(Error::OutOfRange { buffer, offset: 8, len: 2, buffer_len: 9 }),
+            },
             Error::HostOutOfMemory { bytes: 1 },
             Error::ForeignSlot { index: 3, slot_batch: 7, batch: 9 },
             Error::NotPinned { operation: "Device::upload_async_at", address: 4096, len: 10, unpinned: 4105 },

@@ -162,6 +162,12 @@ fn batch_items<'a>(_device: PhantomData<&'a Device>) {
     let _: fn(&mut DownloadBatch<'a>, ResidentBuffer, u64, u64) -> Result<Slot> = DownloadBatch::read;
     let _: fn(&mut DownloadBatch<'a>, ResidentBuffer) -> Result<Slot> = DownloadBatch::read_all;
     let _: fn(&mut DownloadBatch<'a>, &[ResidentBuffer]) -> Result<Vec<Slot>> = DownloadBatch::read_many;
+    let _: fn(&mut DownloadBatch<'a>, Vec<(ResidentBuffer, u64, u64)>) -> Result<Vec<Slot>> =
+        DownloadBatch::read_ranges;
+    let _: for<'b> fn(
+        &'b mut UploadBatch<'a>,
+        Vec<(ResidentBuffer, u64, &'a [u8])>,
+    ) -> Result<&'b mut UploadBatch<'a>> = UploadBatch::write_many;
     let _: fn(&DownloadBatch<'a>) -> usize = DownloadBatch::len;
     let _: fn(&DownloadBatch<'a>) -> bool = DownloadBatch::is_empty;
     let _: fn(DownloadBatch<'a>) -> Result<PendingDownload> = DownloadBatch::submit;

@@ -732,3 +732,80 @@ fn a_scope_is_shared_by_threads_each_building_a_direction() {
     expect[32 * block..48 * block].copy_from_slice(&incoming);
     assert!(d.download(buffer).unwrap() == expect, "swapped in");
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn parallel_fills_from_many_threads_land_every_byte() {
+    // Threads each submitting batches of `write_with_par` on one device (the model driver
+    // is per thread: this runs on a GPU only), small and large writes, some larger than a
+    // chunk, then bulk reads of every range; then a fill that panics.
+    let d = small_chunk_device();
+    let threads = 6;
+    let size = 4 << 20;
+    let mut rng = fastrand::Rng::with_seed(61);
+    let mut m = Model::new(&d, &mut rng, &vec![size; threads]);
+    let mut plans = Vec::new();
+    for t in 0..threads {
+        let mut writes = Vec::new();
+        let mut at = rng.usize(0..32);
+        loop {
+            let len = if rng.u8(..16) == 0 { rng.usize(1..=3 << 20) } else { rng.usize(1..=8192) };
+            if at + len > size {
+                break;
+            }
+            writes.push((at, random_vec(&mut rng, len)));
+            at += len + rng.usize(1..64);
+        }
+        for (at, bytes) in &writes {
+            m.expect[t][*at..at + bytes.len()].copy_from_slice(bytes);
+        }
+        plans.push(writes);
+    }
+    std::thread::scope(|s| {
+        for (t, writes) in plans.iter().enumerate() {
+            let (d, b) = (&d, m.buffers[t]);
+            s.spawn(move || {
+                for _ in 0..3 {
+                    let mut batch = d.uploads();
+                    for (at, bytes) in writes {
+                        batch
+                            .write_with_par(b, *at as u64, bytes.len(), |dst| dst.copy_from_slice(bytes))
+                            .unwrap();
+                    }
+                    batch.submit().unwrap().wait().unwrap();
+                    let mut reads = d.downloads();
+                    let slots = reads
+                        .read_ranges(writes.iter().map(|(at, v)| (b, *at as u64, v.len() as u64)))
+                        .unwrap();
+                    let got = reads.submit().unwrap().wait().unwrap();
+                    for ((at, bytes), slot) in writes.iter().zip(slots) {
+                        assert!(got.get(slot) == &bytes[..], "thread {t}: the write at {at}");
+                    }
+                }
+            });
+        }
+    });
+    m.check(&d, "after parallel fills");
+    // A fill that panics: submit fails naming it, and no write holds bytes of no fill.
+    let rows: Vec<Vec<u8>> = (0..4096).map(|_| random_vec(&mut rng, 4096)).collect();
+    let mut batch = d.uploads();
+    for (k, row) in rows.iter().enumerate() {
+        batch
+            .write_with_par(m.buffers[0], k as u64 * 4096 / 4, 1024, move |dst| {
+                assert!(k != 3000, "fill {k} fails");
+                dst.copy_from_slice(&row[..1024]);
+            })
+            .unwrap();
+    }
+    let e = batch.submit().unwrap_err();
+    assert!(matches!(e, Error::FillPanicked { write: 3000, .. }), "{e}");
+    d.synchronize().unwrap();
+    let got = d.download(m.buffers[0]).unwrap();
+    for (k, row) in rows.iter().enumerate() {
+        let now = &got[k * 1024..(k + 1) * 1024];
+        assert!(
+            now == &row[..1024] && k < 3000 || now == &m.expect[0][k * 1024..(k + 1) * 1024],
+            "write {k}: old bytes or new, whole"
+        );
+    }
+}

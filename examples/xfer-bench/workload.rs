@@ -96,6 +96,20 @@ impl Scatter {
         Ok(batch)
     }
 
+    /// The same by `write_with_par`: each copy filled in place from its source at submit,
+    /// on the packing threads.
+    pub(crate) fn in_place_par_batch<'d>(
+        &self,
+        d: &'d Device,
+        sources: &'d [Vec<u8>],
+    ) -> cuda_resident::Result<UploadBatch<'d>> {
+        let mut batch = d.uploads();
+        for (src, &(b, o)) in sources.iter().zip(&self.places) {
+            batch.write_with_par(self.buffers[b], o, src.len(), move |dst| dst.copy_from_slice(src))?;
+        }
+        Ok(batch)
+    }
+
     /// A download batch of every copy's range, not yet submitted, and its slots.
     pub(crate) fn reads<'d>(
         &self,

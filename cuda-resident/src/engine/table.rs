@@ -22,7 +22,10 @@ use crate::plan::route::Apart;
 #[derive(Default)]
 pub(crate) struct BufferTable {
     pub(crate) entries: Vec<Resolved>,
-    /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two.
+    /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two, at
+    /// most a quarter full, so that a lookup almost always finds its buffer in the first
+    /// slot it probes: whether it does varies from buffer to buffer, a branch no predictor
+    /// follows, taken wrongly on most writes of a batch when the table is half full.
     slots: Vec<u32>,
     /// What this batch's entries were resolved under.
     stamps: Stamps,
@@ -133,7 +136,7 @@ impl BufferTable {
         alloc: &Allocator<Arc<Context>>,
         buffer: ResidentBuffer,
     ) -> Result<(u32, Resolved)> {
-        if self.entries.len() * 2 >= self.slots.len() {
+        if self.entries.len() * 4 >= self.slots.len() {
             self.grow();
         }
         let at = match self.probe(buffer) {
@@ -223,6 +226,20 @@ impl BufferTable {
         self.apart.note(&mut entry.next, entry.ptr, offset, len);
         entry.first = entry.first.min(offset);
         Ok((key, buffer_len))
+    }
+
+    /// [`BufferTable::check`] of a range of the buffer with key `key` (one the table has),
+    /// without looking the buffer up: its length, or `None` (nothing noted) when the range
+    /// does not lie in it. For bulk calls, whose items come in runs on one buffer.
+    #[inline]
+    pub(crate) fn check_key(&mut self, key: u32, offset: u64, len: u64) -> Option<u64> {
+        let entry = &mut self.entries[key as usize];
+        if !in_range(offset, len, entry.len) {
+            return None;
+        }
+        self.apart.note(&mut entry.next, entry.ptr, offset, len);
+        entry.first = entry.first.min(offset);
+        Some(entry.len)
     }
 
     /// [`BufferTable::check`] for a buffer seen first or a bad range.

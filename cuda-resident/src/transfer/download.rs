@@ -67,7 +67,7 @@ pub(crate) fn next_batch_id() -> u64 {
 /// or touch are fused and move once.
 ///
 /// Every read is checked when it is added ([`DownloadBatch::read`], [`DownloadBatch::read_all`],
-/// [`DownloadBatch::read_many`]): a bad one (a freed or foreign handle, a range out of its
+/// [`DownloadBatch::read_many`], [`DownloadBatch::read_ranges`]): a bad one (a freed or foreign handle, a range out of its
 /// buffer) returns its error and poisons the batch: [`DownloadBatch::submit`] fails with the
 /// first such error and nothing moves, the good reads included.
 ///
@@ -297,12 +297,34 @@ impl DownloadBatch<'_> {
     /// past the buffer's end, or `offset + len` overflowing); the batch is poisoned then:
     /// [`DownloadBatch::submit`] fails with the same error and moves nothing.
     pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
-        if self.reads.len() >= MAX_READS {
-            let e = Error::TooManyReads { most: MAX_READS };
+        self.add(buffer, offset, len, &mut None).inspect_err(|e| {
             self.error.get_or_insert_with(|| e.clone());
-            return Err(e);
+        })
+    }
+
+    /// Checks a read and records it, without poisoning the batch on error (the caller
+    /// does). `last` is the buffer and key of the caller's previous read, if any: a read of
+    /// the same buffer skips the lookup; it is set to this read's.
+    #[inline]
+    fn add(
+        &mut self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: u64,
+        last: &mut Option<(ResidentBuffer, u32)>,
+    ) -> Result<Slot> {
+        if self.reads.len() >= MAX_READS {
+            return Err(Error::TooManyReads { most: MAX_READS });
         }
-        let (key, buffer_len) = self.table.check(&self.core.alloc, buffer, offset, len, &mut self.error)?;
+        let known = match *last {
+            Some((b, key)) if b == buffer => self.table.check_key(key, offset, len).map(|n| (key, n)),
+            _ => None,
+        };
+        let (key, buffer_len) = match known {
+            Some(found) => found,
+            None => self.table.check(&self.core.alloc, buffer, offset, len, &mut None)?,
+        };
+        *last = Some((buffer, key));
         let slot = Slot::nth(self.id, self.reads.len());
         self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(slot)
@@ -323,13 +345,59 @@ impl DownloadBatch<'_> {
         self.read(buffer, 0, len)
     }
 
+    /// Poisons the batch with item `index` of `call`, refused for `error` (unless it was
+    /// poisoned before), and returns that error.
+    fn bad_item(&mut self, call: &'static str, index: usize, error: Error) -> Error {
+        let e = Error::BadItem { call, index, error: Box::new(error) };
+        self.error.get_or_insert_with(|| e.clone());
+        e
+    }
+
     /// Adds a read of each whole buffer, in order.
     ///
     /// # Errors
-    /// As [`DownloadBatch::read_all`], for the first bad buffer (the reads before it stay
-    /// added, but the batch is poisoned).
+    /// For the first bad buffer, [`Error::BadItem`] naming its index and holding the error
+    /// [`DownloadBatch::read_all`] returns for it; the reads before it stay added, but the
+    /// batch is poisoned: `submit` fails with that error.
     pub fn read_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
-        buffers.iter().map(|&b| self.read_all(b)).collect()
+        let mut slots = Vec::with_capacity(buffers.len());
+        self.reads.reserve(buffers.len());
+        let mut last = None;
+        for (index, &buffer) in buffers.iter().enumerate() {
+            let added = self.core.buffer_len(buffer).and_then(|len| self.add(buffer, 0, len, &mut last));
+            match added {
+                Ok(slot) => slots.push(slot),
+                Err(e) => return Err(self.bad_item("DownloadBatch::read_many", index, e)),
+            }
+        }
+        Ok(slots)
+    }
+
+    /// Adds a read for each `(buffer, offset, len)` item, in order, as that many
+    /// [`read`](DownloadBatch::read)s would, with less work per item: a run of items on one
+    /// buffer looks the buffer up once. Returns the items' slots, in order (consecutive
+    /// slots of this batch).
+    ///
+    /// # Errors
+    /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
+    /// `read` returns for it; the reads before it stay added, but the batch is poisoned:
+    /// `submit` fails with that error and moves nothing. The items after it are not added.
+    pub fn read_ranges<I>(&mut self, items: I) -> Result<Vec<Slot>>
+    where
+        I: IntoIterator<Item = (ResidentBuffer, u64, u64)>,
+    {
+        let items = items.into_iter();
+        let (lower, _) = items.size_hint();
+        let mut slots = Vec::with_capacity(lower);
+        self.reads.reserve(lower);
+        let mut last = None;
+        for (index, (buffer, offset, len)) in items.enumerate() {
+            match self.add(buffer, offset, len, &mut last) {
+                Ok(slot) => slots.push(slot),
+                Err(e) => return Err(self.bad_item("DownloadBatch::read_ranges", index, e)),
+            }
+        }
+        Ok(slots)
     }
 
     /// Number of reads added.

@@ -19,6 +19,8 @@ pub use scope::{Scope, ScopedDownloads, ScopedUploads};
 pub use upload::UploadBatch;
 
 #[cfg(test)]
+mod bulk_tests;
+#[cfg(test)]
 mod callback_tests;
 #[cfg(test)]
 mod download_tests;
@@ -28,5 +30,7 @@ mod edge_tests;
 pub(crate) mod model_tests;
 #[cfg(test)]
 mod order_tests;
+#[cfg(test)]
+mod par_tests;
 #[cfg(test)]
 mod scope_tests;

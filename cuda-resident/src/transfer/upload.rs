@@ -3,7 +3,8 @@
 //! the chunk over the bus) or one DMA each (large ones).
 
 use std::fmt;
-use std::sync::Arc;
+use std::mem::MaybeUninit;
+use std::sync::{Arc, Mutex};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -53,6 +54,11 @@ pub struct UploadBatch<'a> {
     arena_descriptors: Vec<u64>,
     /// Writes of a caller's slice (not made in place).
     slice_writes: usize,
+    /// The fills of [`UploadBatch::write_with_par`], in the order of their writes, run at
+    /// submit.
+    par: Vec<ParFill>,
+    /// Their closures' bytes ([`ParFill::code`]).
+    closures: Vec<MaybeUninit<u8>>,
     error: Option<Error>,
     spare: Spare,
 }
@@ -93,6 +99,8 @@ pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
         arena_used: parts.arena_used,
         arena_descriptors: parts.arena_descriptors,
         slice_writes: 0,
+        par: Vec::new(),
+        closures: Vec::new(),
         error: None,
         spare: Spare { core: Arc::clone(core), parts: UploadParts::default() },
     }
@@ -127,6 +135,57 @@ impl<'a> UploadBatch<'a> {
         Ok(self)
     }
 
+    /// Adds a write for each `(buffer, offset, data)` item, in order, as that many
+    /// [`write`](UploadBatch::write)s would (each slice is read at submit time), with less
+    /// work per item: a run of items on one buffer looks the buffer up once.
+    ///
+    /// # Errors
+    /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
+    /// `write` returns for it; the batch keeps the items before it and fails `submit` with
+    /// that error, as after a bad `write`; the items after it are not added.
+    /// [`Error::BatchPoisoned`] (adding nothing) once a
+    /// [`write_with`](UploadBatch::write_with) of the batch failed part-way.
+    pub fn write_many<I>(&mut self, items: I) -> Result<&mut Self>
+    where
+        I: IntoIterator<Item = (ResidentBuffer, u64, &'a [u8])>,
+    {
+        if let Some(e @ Error::BatchPoisoned { .. }) = &self.error {
+            return Err(e.clone());
+        }
+        let items = items.into_iter();
+        let (lower, _) = items.size_hint();
+        self.writes.reserve(lower);
+        self.sources.reserve(lower);
+        let before = self.writes.len();
+        // The last item's buffer and key: the items of a run on one buffer skip the lookup.
+        let mut last: Option<(ResidentBuffer, u32)> = None;
+        for (index, (buffer, offset, data)) in items.enumerate() {
+            let len = data.len() as u64;
+            let known = match last {
+                Some((b, key)) if b == buffer => self.table.check_key(key, offset, len).map(|n| (key, n)),
+                _ => None,
+            };
+            let checked = match known {
+                Some(found) => Ok(found),
+                None => self.table.check(&self.core.alloc, buffer, offset, len, &mut None),
+            };
+            let (key, buffer_len) = match checked {
+                Ok(found) => found,
+                Err(error) => {
+                    self.slice_writes += self.writes.len() - before;
+                    let e = Error::BadItem { call: "UploadBatch::write_many", index, error: Box::new(error) };
+                    self.error.get_or_insert_with(|| e.clone());
+                    return Err(e);
+                }
+            };
+            last = Some((buffer, key));
+            self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
+            self.sources.push(Source::Slice(data));
+        }
+        self.slice_writes += self.writes.len() - before;
+        Ok(self)
+    }
+
     /// Poisons the batch after write `index` (`len` bytes at `offset` of `buffer`) failed
     /// part-way for `cause`: drops the write, returns every pinned lease of the batch to the
     /// pool at once, and keeps the error that every later call and `submit` return.
@@ -138,6 +197,8 @@ impl<'a> UploadBatch<'a> {
         self.arena.clear();
         self.arena_used.clear();
         self.arena_descriptors.clear();
+        self.par.clear();
+        self.closures.clear();
         self.table.apart.broken = true;
     }
 
@@ -161,6 +222,86 @@ impl<'a> UploadBatch<'a> {
         len: usize,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<&mut Self> {
+        let (lease, at) = self.stage(buffer, offset, len)?;
+        // SAFETY: the arena is this batch's own; no copy uses it before submit.
+        let region = unsafe { self.arena[lease as usize].as_mut_slice() };
+        let dst = &mut region[at..at + len];
+        // A panic of `fill` must not leave the write recorded without its source: the batch
+        // is poisoned (nothing of it moves) before the panic goes on.
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill(dst))) {
+            let index = self.writes.len() - 1;
+            self.poison(index, (buffer, offset, len), "panicked in its fill closure".to_owned());
+            std::panic::resume_unwind(panic);
+        }
+        self.sources.push(Source::Arena { lease, offset: at });
+        Ok(self)
+    }
+
+    /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
+    /// place, in pinned memory, as [`write_with`](UploadBatch::write_with) does, but later:
+    /// at [`submit`](UploadBatch::submit), on the packing threads, many fills at once, chunk
+    /// by chunk of staging, each chunk moving as soon as its fills are done while later
+    /// chunks are still being filled. For fills that cost as much as the move (a copy, a
+    /// conversion, a generator).
+    ///
+    /// `fill` is `Send` (it runs on another thread) and `Copy` (it holds references and
+    /// plain values, no destructor: the batch keeps it without owning anything of the
+    /// caller's). It is called exactly once if the batch is submitted, and not at all if
+    /// the batch is dropped, poisoned, or fails before its chunk.
+    ///
+    /// Fills run while the batch holds the device's upload lane: a fill must not move data
+    /// of this device itself (that would wait for the lane for ever).
+    ///
+    /// ```no_run
+    /// # fn demo(device: &cuda_resident::Device, rows: &[Vec<u8>], b: cuda_resident::ResidentBuffer) -> cuda_resident::Result<()> {
+    /// let mut uploads = device.uploads();
+    /// for (k, row) in rows.iter().enumerate() {
+    ///     // Captures a reference: `Copy` and `Send`.
+    ///     uploads.write_with_par(b, k as u64 * 4096, row.len(), move |dst| dst.copy_from_slice(row))?;
+    /// }
+    /// uploads.submit()?.wait()?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// A closure that owns a value with a destructor is not `Copy`; capture a reference to it:
+    ///
+    /// ```compile_fail
+    /// # fn demo(uploads: &mut cuda_resident::UploadBatch<'_>, b: cuda_resident::ResidentBuffer) {
+    /// let v = vec![1u8; 4];
+    /// uploads.write_with_par(b, 0, 4, move |dst| dst.copy_from_slice(&v)).unwrap();
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`write_with`](UploadBatch::write_with) (a bad range; refused pinned memory,
+    /// which poisons the batch). A fill that panics makes `submit` fail with
+    /// [`Error::FillPanicked`] naming its write; see there for what moved.
+    pub fn write_with_par<F>(
+        &mut self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: usize,
+        fill: F,
+    ) -> Result<&mut Self>
+    where
+        F: FnOnce(&mut [u8]) + Send + Copy + 'a,
+    {
+        let (lease, at) = self.stage(buffer, offset, len)?;
+        let code = self.closures.len();
+        let size = size_of::<F>();
+        self.closures.resize(code + size, MaybeUninit::uninit());
+        // SAFETY: `size` bytes at `code` were just made room for; the write is unaligned,
+        // as each read (in `call_fill`).
+        unsafe { self.closures.as_mut_ptr().add(code).cast::<F>().write_unaligned(fill) };
+        let write = self.writes.len() - 1;
+        self.par.push(ParFill { write, lease, at, len, code, call: call_fill::<F> });
+        self.sources.push(Source::Arena { lease, offset: at });
+        Ok(self)
+    }
+
+    /// Checks a write of `len` bytes made in place and gives it room in the batch's arena:
+    /// the lease and the offset in it. On a refusal of pinned memory, poisons the batch.
+    fn stage(&mut self, buffer: ResidentBuffer, offset: u64, len: usize) -> Result<(u32, usize)> {
         self.add(buffer, offset, len as u64)?;
         // Same address residue mod 16 as the destination (buffers are 256-aligned), so the
         // scatter can use 16-byte accesses.
@@ -195,23 +336,39 @@ impl<'a> UploadBatch<'a> {
         let lease_index = self.arena.len() - 1;
         let used = if own { 0 } else { self.arena_used[lease_index] };
         let at = used.next_multiple_of(16) + residue;
-        let lease = &mut self.arena[lease_index];
-        // SAFETY: the arena is this batch's own; no copy uses it before submit.
-        let region = unsafe { lease.as_mut_slice() };
-        let dst = &mut region[at..at + len];
-        // A panic of `fill` must not leave the write recorded without its source: the batch
-        // is poisoned (nothing of it moves) before the panic goes on.
-        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill(dst))) {
-            let index = self.writes.len() - 1;
-            self.poison(index, (buffer, offset, len), "panicked in its fill closure".to_owned());
-            std::panic::resume_unwind(panic);
-        }
         if !own {
             self.arena_used[lease_index] = at + len;
         }
         self.arena_descriptors[lease_index] += (len as u64).div_ceil(SEGMENT);
-        self.sources.push(Source::Arena { lease: lease_index as u32, offset: at });
-        Ok(self)
+        Ok((lease_index as u32, at))
+    }
+
+    /// Runs every fill of [`write_with_par`](UploadBatch::write_with_par) on the packing
+    /// threads, before a route that reads the arena as a whole.
+    fn run_fills(&self) -> Result<()> {
+        if self.par.is_empty() {
+            return Ok(());
+        }
+        let bases: Vec<usize> = self.arena.iter().map(|l| l.as_ptr() as usize).collect();
+        let fills =
+            Fills { par: &self.par, closures: &self.closures, bases: &bases, panics: Panics::default() };
+        let threads = self.core.packers().current_num_threads();
+        let target = Groups::target(self.core.config.chunk_bytes, threads);
+        let groups = Groups::new(1, std::iter::once((0, 0..self.par.len())), |i| self.par[i].len, target);
+        let total = self.par.iter().map(|f| f.len).sum();
+        pipeline::run(&self.core.packers, &groups, total, 1, |_| Ok(true), |_, items| fills.run(items))?;
+        match fills.panics.first(usize::MAX) {
+            Some(error) => Err(self.fill_panicked(error)),
+            None => Ok(()),
+        }
+    }
+
+    /// The error of fill `i` (of `par`), which panicked with `cause`.
+    fn fill_panicked(&self, (i, cause): (usize, String)) -> Error {
+        let fill = &self.par[i];
+        let w = &self.writes[fill.write];
+        let buffer = self.table.entries[w.buffer as usize].buffer;
+        Error::FillPanicked { write: fill.write, buffer, offset: w.offset, len: w.len, cause }
     }
 
     /// Number of writes added.
@@ -272,9 +429,15 @@ impl<'a> UploadBatch<'a> {
             // Writes that fuse go to the planner.
             Route::InPlace => match execute_in_place(self)? {
                 Some(fence) => Ok(fence),
-                None => execute(self, Route::Planned),
+                None => {
+                    self.run_fills()?;
+                    execute(self, Route::Planned)
+                }
             },
-            route => execute(self, route),
+            route => {
+                self.run_fills()?;
+                execute(self, route)
+            }
         }
     }
 }
@@ -288,6 +451,97 @@ impl Source<'_> {
             Source::Arena { lease, offset: at } => unsafe {
                 arena[lease as usize].as_ptr().add(at + offset as usize)
             },
+        }
+    }
+}
+
+/// A fill of [`UploadBatch::write_with_par`]: its closure (`size_of` its type bytes at
+/// `code` in the batch's closure store, unaligned) fills `len` bytes at `at` of arena lease
+/// `lease`, for write `write`.
+#[derive(Clone, Copy)]
+struct ParFill {
+    write: usize,
+    lease: u32,
+    at: usize,
+    len: usize,
+    code: usize,
+    /// [`call_fill`] for the closure's type.
+    call: unsafe fn(*const MaybeUninit<u8>, *mut u8, usize),
+}
+
+/// Calls the closure of type `F` whose bytes are at `code` on the `len` bytes at `dst`.
+///
+/// # Safety
+/// `code` holds an `F` written there (unaligned) by `write_with_par`, alive for the
+/// closure's lifetime; `dst` is writable for `len` bytes, and no one else touches them.
+/// `F: Copy`: reading it leaves nothing to drop.
+unsafe fn call_fill<F: FnOnce(&mut [u8]) + Copy>(code: *const MaybeUninit<u8>, dst: *mut u8, len: usize) {
+    // SAFETY: as the caller promises.
+    let (fill, dst) =
+        unsafe { (code.cast::<F>().read_unaligned(), std::slice::from_raw_parts_mut(dst, len)) };
+    fill(dst);
+}
+
+/// The first fill (lowest index) that panicked, and its message.
+struct Panics {
+    /// The lowest index that panicked (`usize::MAX`: none): read once a chunk.
+    lowest: AtomicUsize,
+    /// That fill and its panic's message, written only when a fill panics.
+    first: Mutex<Option<(usize, String)>>,
+}
+
+impl Default for Panics {
+    fn default() -> Panics {
+        Panics { lowest: AtomicUsize::new(usize::MAX), first: Mutex::new(None) }
+    }
+}
+
+impl Panics {
+    fn record(&self, i: usize, panic: &(dyn std::any::Any + Send)) {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        let mut first = lock(&self.first);
+        if first.as_ref().is_none_or(|&(j, _)| i < j) {
+            *first = Some((i, message));
+            self.lowest.store(i, Ordering::Release);
+        }
+    }
+
+    /// The first fill below `end` that panicked, with its message.
+    fn first(&self, end: usize) -> Option<(usize, String)> {
+        if self.lowest.load(Ordering::Acquire) >= end {
+            return None;
+        }
+        lock(&self.first).clone().filter(|&(i, _)| i < end)
+    }
+}
+
+/// What the packing threads need to run fills: shared, read only but for the staging each
+/// fill writes (its own).
+struct Fills<'f> {
+    par: &'f [ParFill],
+    closures: &'f [MaybeUninit<u8>],
+    /// Each arena lease's address.
+    bases: &'f [usize],
+    panics: Panics,
+}
+
+impl Fills<'_> {
+    /// Runs the fills `items` (indices of `par`), each under `catch_unwind`.
+    fn run(&self, items: std::ops::Range<usize>) {
+        for i in items {
+            let f = self.par[i];
+            let dst = (self.bases[f.lease as usize] + f.at) as *mut u8;
+            // SAFETY: the closure's bytes were written by `write_with_par` and the batch (its
+            // lifetime) is alive; each fill has its own staging range in its lease, which no
+            // copy uses before the lease moves, after this chunk's fills (each run once).
+            let call = || unsafe { (f.call)(self.closures.as_ptr().add(f.code), dst, f.len) };
+            if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+                self.panics.record(i, &*panic);
+            }
         }
     }
 }
@@ -348,6 +602,8 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         }
     }
     if non_empty == 0 {
+        drop(exec);
+        batch.run_fills()?;
         return Ok(Some(Fence::completed()));
     }
     // Nothing before the first DMA passes over the writes: what it needs was counted per
@@ -381,14 +637,28 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         Source::Arena { lease, .. } => lease as usize,
         Source::Slice(_) => unreachable!("only arena writes take this path"),
     };
-    let mut first = 0;
+    // Each lease's writes, and its fills of `write_with_par` (indices of `par`).
+    let mut runs = Vec::with_capacity(leases.len());
+    let (mut first, mut first_fill) = (0, 0);
+    for i in 0..leases.len() {
+        let end = first + batch.sources[first..].partition_point(|s| lease_of(s) <= i);
+        let fills_end = first_fill + batch.par[first_fill..].partition_point(|f| f.lease as usize <= i);
+        runs.push((
+            std::mem::replace(&mut first, end)..end,
+            std::mem::replace(&mut first_fill, fills_end)..fills_end,
+        ));
+    }
+    let bases: Vec<usize> = leases.iter().map(|l| l.as_ptr() as usize).collect();
+    let fills =
+        Fills { par: &batch.par, closures: &batch.closures, bases: &bases, panics: Panics::default() };
     // Packed leases enqueued so far.
     let mut j = 0;
-    for (i, lease) in leases.iter().enumerate() {
-        let end = first + batch.sources[first..].partition_point(|s| lease_of(s) <= i);
-        let run = std::mem::replace(&mut first, end)..end;
+    // Moves lease `i` (its fills done).
+    let mut move_lease = |i: usize| -> Result<()> {
+        let run = runs[i].0.clone();
+        let lease = &leases[i];
         if !has_bytes(i) {
-            continue;
+            return Ok(());
         }
         let base = lease.as_ptr();
         if own(i) {
@@ -399,7 +669,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
                 // submission, into a live, marked buffer.
                 unsafe { q.htod(ptr_of(w), base.add(offset_of(w) as usize), len) }
             })?;
-            continue;
+            return Ok(());
         }
         let used = batch.arena_used[i];
         let (slot, last) = (j % SIDE_SLOTS, j + 1 == packed.len());
@@ -453,7 +723,30 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
                 unsafe { q.launch(kernels, at, count, 0) }
             })?;
         }
-    }
+        Ok(())
+    };
+    // The fills of `write_with_par` run on the packing threads, lease by lease; each lease
+    // moves once its fills are done, while the next ones are filled. A lease with a fill
+    // that panicked, and every later one, does not move.
+    let threads = core.packers().current_num_threads();
+    let target = Groups::target(core.config.chunk_bytes, threads);
+    let spans = runs.iter().enumerate().filter(|(_, r)| !r.1.is_empty()).map(|(i, r)| (i, r.1.clone()));
+    let groups = Groups::new(leases.len(), spans, |f| batch.par[f].len, target);
+    let fill_bytes = batch.par.iter().map(|f| f.len).sum();
+    pipeline::run(
+        &core.packers,
+        &groups,
+        fill_bytes,
+        leases.len(),
+        |step| match step {
+            Step::Open(_) => Ok(true),
+            Step::Done(i) => match fills.panics.first(runs[i].1.end) {
+                Some(panicked) => Err(batch.fill_panicked(panicked)),
+                None => move_lease(i).map(|()| true),
+            },
+        },
+        |_, items| fills.run(items),
+    )?;
     Ok(Some(exec.finish()))
 }
 

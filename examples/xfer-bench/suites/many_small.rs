@@ -101,6 +101,9 @@ impl Case<'_, '_> {
             rows.push(row("write_with, fill+move", fill_and_move));
             rows.push(row("write_with, move only", staged));
         }
+        if let Some(fill_and_move) = self.write_with_par_time()? {
+            rows.push(row("write_with_par, fill+move", fill_and_move));
+        }
         Ok(ranges)
     }
 
@@ -175,6 +178,32 @@ impl Case<'_, '_> {
             );
         }
         Ok(Some((fill_and_move, staged)))
+    }
+
+    /// The `write_with_par` batch: the seconds to fill (the same bytes as the `write_with`
+    /// rows, written by the closure, on the packing threads at submit) and move. `None`
+    /// where the batch is refused, as for [`Case::write_with_times`].
+    fn write_with_par_time(&self) -> BenchResult<Option<Spread>> {
+        let (d, s, sources, size, reps, e) = (self.d, self.s, self.sources, self.size, self.args.reps, error);
+        let fill_and_move = match median_secs(reps, || {
+            s.in_place_par_batch(d, sources).map_err(e)?.submit().map_err(e)?.wait().map_err(e)
+        }) {
+            Ok(t) => t,
+            Err(err) => {
+                eprintln!("write_with_par rows of {} x {} skipped: {err}", self.count, human(size));
+                return Ok(None);
+            }
+        };
+        verify_scatter(d, s, sources, size, "H2D write_with_par")?;
+        if self.args.breakdown {
+            let [add, submit, wait] = batch_phases(reps, || s.in_place_par_batch(d, sources))?;
+            eprintln!(
+                "breakdown H2D {} x {} write_with_par: add {add:.0} µs, submit (fill) {submit:.0} µs, wait {wait:.0} µs",
+                self.count,
+                human(size)
+            );
+        }
+        Ok(Some(fill_and_move))
     }
 
     /// Device to host (the scattered places hold the sources): the rows of every way of

@@ -1,0 +1,250 @@
+//! The bulk calls on the model driver: `UploadBatch::write_many`, `DownloadBatch::read_ranges`
+//! and `read_many`, each against what the same items added one by one do.
+
+use crate::testing::{Model, device, model, random_vec, small_chunks};
+use crate::{Config, Device, Error, ResidentBuffer};
+
+/// Random ranges `(buffer, offset, len)` of `m` in one of the shapes a bulk call sees.
+fn shaped_ranges(m: &Model, rng: &mut fastrand::Rng, shape: usize) -> Vec<(usize, usize, usize)> {
+    match shape {
+        // Many items on one buffer, in order and apart.
+        0 => {
+            let mut at = 0;
+            let mut out = Vec::new();
+            while out.len() < 2000 {
+                let len = rng.usize(1..=300);
+                if at + len > m.expect[0].len() {
+                    break;
+                }
+                out.push((0, at, len));
+                at += len + rng.usize(1..40);
+            }
+            out
+        }
+        // One item per buffer, in a shuffled order.
+        1 => {
+            let mut out: Vec<_> = (1..m.buffers.len())
+                .map(|i| {
+                    let n = m.expect[i].len();
+                    let len = rng.usize(1..=n);
+                    (i, rng.usize(0..=n - len), len)
+                })
+                .collect();
+            rng.shuffle(&mut out);
+            out
+        }
+        // Several buffers, in order and apart, interleaved.
+        2 => m.in_order_ranges(rng, 3000),
+        // Anything: overlapping, out of order, some large.
+        _ => (0..rng.usize(1..400)).map(|_| m.range(rng, 20_000)).collect(),
+    }
+}
+
+fn buffers(d: &Device, rng: &mut fastrand::Rng) -> Model {
+    let mut sizes = vec![1 << 20];
+    sizes.extend((0..300).map(|_| rng.usize(1..=9000)));
+    Model::new(d, rng, &sizes)
+}
+
+#[test]
+fn write_many_lands_every_byte_as_writes_one_by_one_would() {
+    for config in [Config::default(), small_chunks()] {
+        let d = device(config);
+        let mut rng = fastrand::Rng::with_seed(2001);
+        let mut m = buffers(&d, &mut rng);
+        for round in 0..16 {
+            let ranges = shaped_ranges(&m, &mut rng, round % 4);
+            let data: Vec<Vec<u8>> = ranges.iter().map(|&(_, _, len)| random_vec(&mut rng, len)).collect();
+            let mut batch = d.uploads();
+            // Sometimes after a write or two of the batch's own.
+            let (head, tail) = ranges.split_at(if round % 3 == 0 { ranges.len().min(2) } else { 0 });
+            for (&(i, at, _), bytes) in head.iter().zip(&data) {
+                batch.write(m.buffers[i], at as u64, bytes).unwrap();
+            }
+            let items = tail
+                .iter()
+                .zip(&data[head.len()..])
+                .map(|(&(i, at, _), bytes)| (m.buffers[i], at as u64, bytes.as_slice()));
+            batch.write_many(items).unwrap();
+            assert_eq!(batch.len(), ranges.len());
+            for (&(i, at, len), bytes) in ranges.iter().zip(&data) {
+                m.expect[i][at..at + len].copy_from_slice(bytes);
+            }
+            batch.submit().unwrap().wait().unwrap();
+            m.check(&d, &format!("round {round}"));
+        }
+    }
+}
+
+#[test]
+fn read_ranges_and_read_many_read_every_byte() {
+    for config in [Config::default(), small_chunks()] {
+        let d = device(config);
+        let mut rng = fastrand::Rng::with_seed(2002);
+        let m = buffers(&d, &mut rng);
+        for round in 0..16 {
+            let ranges = shaped_ranges(&m, &mut rng, round % 4);
+            let mut reads = d.downloads();
+            let first = reads.read(m.buffers[1], 0, 1).unwrap();
+            let slots = reads
+                .read_ranges(ranges.iter().map(|&(i, at, len)| (m.buffers[i], at as u64, len as u64)))
+                .unwrap();
+            let whole = reads.read_many(&m.buffers[..3]).unwrap();
+            assert_eq!(reads.len(), 1 + ranges.len() + 3);
+            let got = reads.submit().unwrap().wait().unwrap();
+            assert_eq!(got.get(first), &m.expect[1][..1]);
+            for (&(i, at, len), &slot) in ranges.iter().zip(&slots) {
+                assert_eq!(got.get(slot), &m.expect[i][at..at + len], "round {round}");
+            }
+            for (i, &slot) in whole.iter().enumerate() {
+                assert_eq!(got.get(slot), &m.expect[i][..], "round {round}: read_many");
+            }
+        }
+    }
+}
+
+#[test]
+fn empty_lists_and_zero_length_items_add_what_they_name() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(2003);
+    let mut m = Model::new(&d, &mut rng, &[70_000, 4096]);
+    let mut batch = d.uploads();
+    batch.write_many(std::iter::empty()).unwrap();
+    assert!(batch.is_empty());
+    batch.submit().unwrap().wait().unwrap();
+
+    let mut reads = d.downloads();
+    assert!(reads.read_ranges([]).unwrap().is_empty());
+    assert!(reads.read_many(&[]).unwrap().is_empty());
+    assert!(reads.is_empty());
+    reads.submit().unwrap().wait().unwrap();
+
+    // Zero-length items, at the end of a buffer too, among ones with bytes.
+    let bytes = random_vec(&mut rng, 300);
+    let items = (0..200u64).map(|k| {
+        let at = k * 300;
+        if k % 3 == 0 { (m.buffers[0], 70_000, &bytes[..0]) } else { (m.buffers[0], at, &bytes[..]) }
+    });
+    let mut batch = d.uploads();
+    batch.write_many(items).unwrap();
+    assert_eq!(batch.len(), 200);
+    batch.submit().unwrap().wait().unwrap();
+    for k in (0..200).filter(|k| k % 3 != 0) {
+        m.expect[0][k * 300..k * 300 + 300].copy_from_slice(&bytes);
+    }
+    m.check(&d, "after zero-length writes");
+    let mut reads = d.downloads();
+    let slots =
+        reads.read_ranges([(m.buffers[0], 70_000, 0), (m.buffers[1], 5, 0), (m.buffers[1], 0, 9)]).unwrap();
+    let got = reads.submit().unwrap().wait().unwrap();
+    assert!(got.get(slots[0]).is_empty() && got.get(slots[1]).is_empty());
+    assert_eq!(got.get(slots[2]), &m.expect[1][..9]);
+}
+
+/// A bad item at index `k`, after `k` good ones: the call's error names the item and holds
+/// what the single call returns; the batch keeps the good items and fails submit with the
+/// same error, with no driver call; a new batch works.
+#[test]
+fn a_bad_item_is_named_by_index_keeps_the_items_before_it_and_fails_submit() {
+    let driver = model::driver();
+    let d = Device::open_with(driver.clone(), 0, small_chunks()).expect("the model opens");
+    let other = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(2004);
+    let m = Model::new(&d, &mut rng, &[300_000, 4096]);
+    let freed = d.allocate(1000).unwrap();
+    d.free(freed).unwrap();
+    let foreign = other.allocate(1000).unwrap();
+    let good = m.buffers[0];
+    let bytes = vec![7u8; 100];
+    // (what, the bad item's buffer, offset, length)
+    let cases: [(&str, ResidentBuffer, u64, u64); 5] = [
+        ("a freed handle", freed, 0, 10),
+        ("a foreign handle", foreign, 0, 10),
+        ("a range past the end", good, 299_950, 100),
+        ("a range at u64::MAX", good, u64::MAX, 1),
+        ("past the end of a buffer just named", m.buffers[1], 4000, 100),
+    ];
+    for (what, bad, offset, len) in cases {
+        for k in [0usize, 1, 100, 300] {
+            let items = |n: usize| (0..n).map(|j| (good, j as u64 * 200, 100u64));
+            // Uploads.
+            let single = {
+                let mut b = d.uploads();
+                b.write(bad, offset, &bytes[..len as usize]).unwrap_err()
+            };
+            let mut batch = d.uploads();
+            let list = items(k)
+                .map(|(b, at, _)| (b, at, &bytes[..]))
+                .chain([(bad, offset, &bytes[..len as usize])])
+                .chain(items(3).map(|(b, at, _)| (b, at + 250_000, &bytes[..])));
+            let e = batch.write_many(list).unwrap_err();
+            let Error::BadItem { call, index, error } = &e else { panic!("{what}: {e}") };
+            assert_eq!((*call, *index), ("UploadBatch::write_many", k), "{what}");
+            assert_eq!(error.to_string(), single.to_string(), "{what}: the error write gives");
+            assert!(e.to_string().starts_with(&format!("item {k} of UploadBatch::write_many: ")), "{e}");
+            assert!(e.to_string().contains("Fix: "), "{e}");
+            assert_eq!(batch.len(), k, "{what}: the items before it stay, none after");
+            // The batch takes more items, but fails at submit with the item's error.
+            batch.write(good, 299_000, &bytes).unwrap();
+            driver.faults().record();
+            let got = batch.submit().unwrap_err();
+            let counts = driver.faults().counts();
+            driver.faults().clear();
+            assert_eq!(got.to_string(), e.to_string(), "{what}: submit fails with the item's error");
+            assert!(counts.values().all(|c| c.calls == 0), "{what}, item {k}: driver calls {counts:?}");
+
+            // Downloads, as ranges.
+            let single = {
+                let mut r = d.downloads();
+                r.read(bad, offset, len).unwrap_err()
+            };
+            let mut reads = d.downloads();
+            let list = items(k).chain([(bad, offset, len)]).chain(items(3));
+            let e = reads.read_ranges(list).unwrap_err();
+            let Error::BadItem { call, index, error } = &e else { panic!("{what}: {e}") };
+            assert_eq!((*call, *index), ("DownloadBatch::read_ranges", k), "{what}");
+            assert_eq!(error.to_string(), single.to_string(), "{what}: the error read gives");
+            assert_eq!(reads.len(), k, "{what}: the items before it stay, none after");
+            reads.read(good, 0, 10).unwrap();
+            driver.faults().record();
+            let got = reads.submit().map(drop).unwrap_err();
+            let counts = driver.faults().counts();
+            driver.faults().clear();
+            assert_eq!(got.to_string(), e.to_string(), "{what}: submit fails with the item's error");
+            assert!(counts.values().all(|c| c.calls == 0), "{what}, item {k}: driver calls {counts:?}");
+        }
+    }
+    // Whole buffers: a freed or foreign handle at index k.
+    for bad in [freed, foreign] {
+        let single = d.downloads().read_all(bad).unwrap_err();
+        let mut reads = d.downloads();
+        let e = reads.read_many(&[good, m.buffers[1], bad, good]).unwrap_err();
+        let Error::BadItem { call: "DownloadBatch::read_many", index: 2, error } = &e else { panic!("{e}") };
+        assert_eq!(error.to_string(), single.to_string());
+        assert_eq!(reads.len(), 2);
+        assert_eq!(reads.submit().map(drop).unwrap_err().to_string(), e.to_string());
+    }
+    // A first error stays the batch's error.
+    let mut batch = d.uploads();
+    let first = batch.write(freed, 0, &bytes).unwrap_err();
+    batch.write_many([(foreign, 0, &bytes[..])]).unwrap_err();
+    assert_eq!(batch.submit().unwrap_err().to_string(), first.to_string());
+    m.check(&d, "after the refused items");
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0);
+}
+
+#[test]
+fn write_many_on_a_poisoned_batch_adds_nothing_and_returns_the_poison() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(2005);
+    let m = Model::new(&d, &mut rng, &[70_000]);
+    let mut batch = d.uploads();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = batch.write_with(m.buffers[0], 0, 100, |_| panic!("a fill that fails"));
+    }));
+    assert!(caught.is_err());
+    let e = batch.write_many([(m.buffers[0], 0, &[1u8; 10][..])]).unwrap_err();
+    assert!(matches!(e, Error::BatchPoisoned { write: 0, .. }), "{e}");
+    assert!(batch.is_empty());
+    m.check(&d, "after the poisoned batch");
+}
