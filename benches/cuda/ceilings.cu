@@ -11,7 +11,7 @@
 #include <omp.h>
 #include <immintrin.h>
 
-#include "../cuda-resident/kernels/copy.cu"
+#include "../../cuda-resident/kernels/copy.cu"
 #include "harness.h"
 
 int main() {

@@ -7,7 +7,7 @@
 //   nvcc -O2 -o in-place benches/cuda/in-place.cu && ./in-place
 #include <cstring>
 
-#include "../cuda-resident/kernels/copy.cu"
+#include "../../cuda-resident/kernels/copy.cu"
 #include "harness.h"
 
 // The copy kernel with its descriptors fetched ahead: lane j of a warp loads the warp's j-th
