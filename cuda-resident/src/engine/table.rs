@@ -27,12 +27,15 @@ pub(crate) struct BufferTable {
     /// slot it probes: whether it does varies from buffer to buffer, a branch no predictor
     /// follows, taken wrongly on most writes of a batch when the table is half full.
     slots: Vec<u32>,
-    /// What this batch's entries were resolved under.
-    stamps: Stamps,
+    /// What this batch's entries were resolved under: made at the table's first resolution
+    /// and kept with it. Boxed, as `kept_stamps`: a table moves with its batch (taken from
+    /// the device's spares and given back, an empty one left in its place), and inline the
+    /// two would make each move copy and each empty table fill half a kilobyte.
+    stamps: Option<Box<Stamps>>,
     /// The last batch's entries and slots, and what they were resolved under.
     kept: Vec<Resolved>,
     kept_slots: Vec<u32>,
-    kept_stamps: Stamps,
+    kept_stamps: Option<Box<Stamps>>,
     /// Whether the requests so far can skip the planner, and their layout if so.
     pub(crate) apart: Apart,
 }
@@ -61,6 +64,14 @@ impl Stamps {
     /// Allocator ids start at 1.
     const NONE: u32 = 0;
     const MIXED: u32 = u32::MAX;
+}
+
+impl Stamps {
+    /// As made: no allocator, no count read.
+    fn reset(&mut self) {
+        self.owner = Stamps::NONE;
+        self.frees.fill(Stamps::UNREAD);
+    }
 }
 
 impl Default for Stamps {
@@ -94,7 +105,10 @@ impl crate::recycle::Reusable for BufferTable {
         // the next batch.
         std::mem::swap(&mut self.entries, &mut self.kept);
         std::mem::swap(&mut self.slots, &mut self.kept_slots);
-        self.kept_stamps = std::mem::take(&mut self.stamps);
+        std::mem::swap(&mut self.kept_stamps, &mut self.stamps);
+        if let Some(stamps) = &mut self.stamps {
+            stamps.reset();
+        }
         self.entries.clear();
         self.slots.fill(0);
         self.apart.clear();
@@ -144,21 +158,21 @@ impl BufferTable {
             Err(empty) => empty,
         };
         let owner = alloc.id();
-        if self.stamps.owner != owner {
+        let stamps = self.stamps.get_or_insert_with(Box::default);
+        if stamps.owner != owner {
             // The batch's first resolution; or a second allocator, which no batch names (the
             // table then keeps nothing that could pass for the first one's).
-            self.stamps = match self.stamps.owner {
-                Stamps::NONE => Stamps { owner, ..Stamps::default() },
-                _ => Stamps { owner: Stamps::MIXED, ..Stamps::default() },
-            };
+            let first = stamps.owner == Stamps::NONE;
+            stamps.reset();
+            stamps.owner = if first { owner } else { Stamps::MIXED };
         }
         let shard = buffer.shard();
         // Read before anything this batch resolves in the shard: a free there after it
         // invalidates them all. A handle of another allocator is never taken from `kept`.
-        let now = match self.stamps.frees[shard] {
-            Stamps::UNREAD if self.stamps.owner == owner => {
+        let now = match stamps.frees[shard] {
+            Stamps::UNREAD if stamps.owner == owner => {
                 let now = alloc.frees_in(shard);
-                self.stamps.frees[shard] = now;
+                stamps.frees[shard] = now;
                 now
             }
             now => now,
@@ -167,8 +181,7 @@ impl BufferTable {
         // one did.
         let reuse = now != Stamps::UNREAD
             && buffer.owner == owner
-            && self.kept_stamps.owner == owner
-            && self.kept_stamps.frees[shard] == now
+            && self.kept_stamps.as_ref().is_some_and(|kept| kept.owner == owner && kept.frees[shard] == now)
             && !self.kept_slots.is_empty();
         let kept = reuse.then(|| probe_in(&self.kept, &self.kept_slots, buffer).ok()).flatten();
         let resolved = match kept {
