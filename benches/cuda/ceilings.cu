@@ -5,7 +5,7 @@
 // Times in microseconds, wall clock from the first enqueue to the stream's end, median of 15
 // after two warm-ups. BENCHMARKS.md compares them with xfer-bench's rows.
 //
-//   nvcc -O2 -Xcompiler -fopenmp -o ceilings benches/cuda/ceilings.cu -lgomp
+//   nvcc -O2 -Xcompiler -fopenmp,-mclwb -o ceilings benches/cuda/ceilings.cu -lgomp
 //   ./ceilings
 #include <cstring>
 #include <omp.h>
