@@ -473,7 +473,9 @@ impl Layout {
             push_descriptors(out, src, dst, len);
             (at, skip, i) = (at + len, 0, i + 1);
         }
-        debug_assert_eq!(out.len(), c.descriptors.len(), "as counted");
+        // The launch covers the counted descriptors: a table part written short would leave
+        // it stale ones.
+        assert_eq!(out.len(), c.descriptors.len(), "a chunk's descriptors as counted");
     }
 
     /// The over-the-bus launch's descriptors into `out` (cleared first).
@@ -484,7 +486,7 @@ impl Layout {
                 if kind == LaneKind::Upload { (d.host as u64, d.dev) } else { (d.dev, d.host as u64) };
             push_descriptors(out, src, dst, d.len);
         }
-        debug_assert_eq!(out.len(), self.count - self.bus_from, "as counted");
+        assert_eq!(out.len(), self.count - self.bus_from, "the bus launch's descriptors as counted");
     }
 
     /// Submissions on the lane: one a chunk and one to close the chunks (their side work
@@ -786,24 +788,42 @@ impl<'scope> ScopedUploads<'scope> {
 /// scoped batch; see [`parts`].
 const PART_ITEMS: usize = 1024;
 
+/// Whether item `i + 1` goes on item `i`'s run: it starts in host memory where `i` ends, in
+/// the same region (as [`Layout::new`] joins them).
+fn continues(items: &[Direct], i: usize) -> bool {
+    items[i + 1].host == items[i].host + items[i].len as usize && items[i + 1].place == items[i].place
+}
+
 /// The parts a scoped batch's in-place `items` are submitted in, so that the first part
 /// moves while the next ones are laid out: the first ends at the first item past `chunk`
 /// bytes or [`PART_ITEMS`] items, the second past twice as many, the third takes the rest
-/// (a batch smaller than that is one part; no items, no part). Three parts at most: each is
-/// a batch of its own on the lane, entered in the ledger.
+/// (a batch smaller than that is one part; no items, no part). A part ends inside a
+/// host-contiguous run only where the run's pieces on both sides are [`RUN_MIN`] long or
+/// more, so that each still moves as a run (a shorter piece would move by one DMA an item).
+/// Three parts at most: each is a batch of its own on the lane, entered in the ledger.
 fn parts(items: &[Direct], chunk: u64) -> Vec<std::ops::Range<usize>> {
     let mut parts = Vec::with_capacity(3);
     if items.is_empty() {
         return parts;
     }
-    let (mut start, mut bytes) = (0, 0);
+    // The bytes of each item's run from it to the run's end.
+    let mut rest = vec![0; items.len()];
+    for i in (0..items.len()).rev() {
+        let after = if i + 1 < items.len() && continues(items, i) { rest[i + 1] } else { 0 };
+        rest[i] = items[i].len + after;
+    }
+    // Bytes of the part so far, and of its last run so far.
+    let (mut start, mut bytes, mut run) = (0, 0, 0);
     for (i, d) in items.iter().enumerate() {
         bytes += d.len;
+        run = if i > start && continues(items, i - 1) { run + d.len } else { d.len };
         let shift = parts.len();
-        if shift < 2
-            && i + 1 < items.len()
-            && (bytes >= chunk << shift || i + 1 - start >= PART_ITEMS << shift)
-        {
+        if shift == 2 || i + 1 == items.len() {
+            continue;
+        }
+        let due = bytes >= chunk << shift || i + 1 - start >= PART_ITEMS << shift;
+        let whole = !continues(items, i) || (run >= RUN_MIN && rest[i + 1] >= RUN_MIN);
+        if due && whole {
             parts.push(start..i + 1);
             (start, bytes) = (i + 1, 0);
         }
@@ -972,6 +992,50 @@ mod layout_tests {
         assert_eq!(lent.arena(start + bytes - 10, 20), None, "past the arena's end");
         assert_eq!(lent.arena(p, 4096), Some(arena), "still found after a gap");
         drop(pinned);
+    }
+
+    /// A part ends inside a host-contiguous run only where both pieces are runs themselves
+    /// (`RUN_MIN` or more), whatever the item count says: 5000 items of 512 B in one run of
+    /// 2.5 MiB, and runs of other lengths around it.
+    #[test]
+    fn parts_do_not_cut_a_run_into_pieces_shorter_than_a_run() {
+        let mut rng = fastrand::Rng::with_seed(8);
+        for round in 0..200 {
+            let mut items = Vec::new();
+            let mut host = 1usize << 40;
+            let n = if round == 0 { 5000 } else { rng.usize(1..6000) };
+            for _ in 0..n {
+                if round > 0 && rng.u16(..500) == 0 {
+                    host += 4096;
+                }
+                let len = if round == 0 { 512 } else { rng.u64(64..4096) };
+                items.push(Direct { host, dev: 0, len, place: Place::Pinned(0) });
+                host += len as usize;
+            }
+            let chunk = [16u64 << 20, 1 << 20, 64 << 10][round % 3];
+            let p = parts(&items, chunk);
+            assert_eq!(p.iter().map(|r| r.len()).sum::<usize>(), items.len());
+            for w in p.windows(2) {
+                let (part, cut) = (w[0].start, w[1].start);
+                if !super::continues(&items, cut - 1) {
+                    continue;
+                }
+                // The run's piece in the part before the cut, and the rest of the run.
+                let mut before = 0;
+                let mut j = cut;
+                while j > part && (j == cut || super::continues(&items, j - 1)) {
+                    j -= 1;
+                    before += items[j].len;
+                }
+                let mut after = items[cut].len;
+                let mut k = cut;
+                while k + 1 < items.len() && super::continues(&items, k) {
+                    k += 1;
+                    after += items[k].len;
+                }
+                assert!(before >= super::RUN_MIN && after >= super::RUN_MIN, "round {round}: a cut at {cut}");
+            }
+        }
     }
 
     /// Parts cover every item once, in order; at most three; the first ends at the first
