@@ -248,3 +248,36 @@ fn write_many_on_a_poisoned_batch_adds_nothing_and_returns_the_poison() {
     assert!(batch.is_empty());
     m.check(&d, "after the poisoned batch");
 }
+
+/// An iterator that promises far more items than it has: a bulk call reserves room for a
+/// bounded number of them and adds what comes (a hint of `usize::MAX` must not overflow a
+/// capacity or reserve the process's memory).
+struct Boasting<I>(I);
+
+impl<I: Iterator> Iterator for Boasting<I> {
+    type Item = I::Item;
+    fn next(&mut self) -> Option<I::Item> {
+        self.0.next()
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (usize::MAX, None)
+    }
+}
+
+#[test]
+fn a_size_hint_past_memory_reserves_a_bounded_room() {
+    let d = device(Config::default());
+    let b = d.allocate(4096).unwrap();
+    let data = random_vec(&mut fastrand::Rng::with_seed(4), 4096);
+    let mut uploads = d.uploads();
+    uploads.write_many(Boasting((0..16).map(|i| (b, i * 256, &data[i as usize * 256..][..256])))).unwrap();
+    uploads.submit().unwrap().wait().unwrap();
+    let mut reads = d.downloads();
+    let slots = reads.read_ranges(Boasting((0..16u64).map(|i| (b, i * 256, 256)))).unwrap();
+    assert_eq!(slots.len(), 16);
+    let done = reads.submit().unwrap().wait().unwrap();
+    for (i, slot) in slots.into_iter().enumerate() {
+        assert_eq!(done.get(slot), &data[i * 256..][..256]);
+    }
+    assert!(model::with(|g| g.errors.is_empty()));
+}

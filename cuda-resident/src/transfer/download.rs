@@ -387,7 +387,8 @@ impl DownloadBatch<'_> {
         I: IntoIterator<Item = (ResidentBuffer, u64, u64)>,
     {
         let items = items.into_iter();
-        let (lower, _) = items.size_hint();
+        // As `UploadBatch::write_many`: the iterator's hint is trusted only so far.
+        let lower = items.size_hint().0.min(super::upload::RESERVE_MOST);
         let mut slots = Vec::with_capacity(lower);
         self.reads.reserve(lower);
         let mut last = None;

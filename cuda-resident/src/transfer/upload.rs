@@ -87,6 +87,10 @@ impl fmt::Debug for UploadBatch<'_> {
     }
 }
 
+/// The most items a bulk call reserves room for up front, whatever its iterator's size hint
+/// says (more are added as they come).
+pub(crate) const RESERVE_MOST: usize = 1 << 16;
+
 /// The work of [`Device::uploads`](crate::Device::uploads).
 pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
     let parts = core.spares.upload.take();
@@ -153,7 +157,9 @@ impl<'a> UploadBatch<'a> {
             return Err(e.clone());
         }
         let items = items.into_iter();
-        let (lower, _) = items.size_hint();
+        // Room for the items the iterator promises, up to a bound: its hint is not trusted
+        // with the process's memory.
+        let lower = items.size_hint().0.min(RESERVE_MOST);
         self.writes.reserve(lower);
         self.sources.reserve(lower);
         let before = self.writes.len();
@@ -246,8 +252,10 @@ impl<'a> UploadBatch<'a> {
     ///
     /// `fill` is `Send` (it runs on another thread) and `Copy` (it holds references and
     /// plain values, no destructor: the batch keeps it without owning anything of the
-    /// caller's). It is called exactly once if the batch is submitted, and not at all if
-    /// the batch is dropped, poisoned, or fails before its chunk.
+    /// caller's). It is called at most once: not at all if the batch is dropped or
+    /// poisoned, or fails before its chunk, or once an earlier fill of the batch has
+    /// panicked (fills already running on other threads finish); `submit` returns only after
+    /// every fill that started has returned.
     ///
     /// Fills run while the batch holds the device's upload lane: a fill must not move data
     /// of this device itself (that would wait for the lane for ever).
@@ -484,7 +492,8 @@ unsafe fn call_fill<F: FnOnce(&mut [u8]) + Copy>(code: *const MaybeUninit<u8>, d
 
 /// The first fill (lowest index) that panicked, and its message.
 struct Panics {
-    /// The lowest index that panicked (`usize::MAX`: none): read once a chunk.
+    /// The lowest index that panicked (`usize::MAX`: none): read before each fill and once a
+    /// chunk.
     lowest: AtomicUsize,
     /// That fill and its panic's message, written only when a fill panics.
     first: Mutex<Option<(usize, String)>>,
@@ -533,6 +542,10 @@ impl Fills<'_> {
     /// Runs the fills `items` (indices of `par`), each under `catch_unwind`.
     fn run(&self, items: std::ops::Range<usize>) {
         for i in items {
+            // After a fill panicked, no later one runs: their leases never move.
+            if self.panics.lowest.load(Ordering::Acquire) < i {
+                return;
+            }
             let f = self.par[i];
             let dst = (self.bases[f.lease as usize] + f.at) as *mut u8;
             // SAFETY: the closure's bytes were written by `write_with_par` and the batch (its
