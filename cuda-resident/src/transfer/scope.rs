@@ -377,8 +377,6 @@ struct Layout {
     bus_from: usize,
     bus: Vec<Direct>,
     dmas: Vec<Direct>,
-    /// Bytes the over-the-bus launch moves.
-    bus_bytes: u64,
 }
 
 impl Layout {
@@ -394,10 +392,7 @@ impl Layout {
         while i < items.len() {
             let mut end = i + 1;
             let mut bytes = items[i].len;
-            while end < items.len()
-                && items[end].host == items[end - 1].host + items[end - 1].len as usize
-                && items[end].place == items[i].place
-            {
+            while end < items.len() && continues(items, end - 1) {
                 bytes += items[end].len;
                 end += 1;
             }
@@ -417,10 +412,7 @@ impl Layout {
             i = end;
         }
         layout.bus_from = layout.count;
-        for d in &layout.bus {
-            layout.count += d.len.div_ceil(SEGMENT) as usize;
-            layout.bus_bytes += d.len;
-        }
+        layout.count += layout.bus.iter().map(|d| d.len.div_ceil(SEGMENT) as usize).sum::<usize>();
         layout
     }
 
@@ -612,12 +604,13 @@ fn move_pinned(
         layout.bus_descriptors(kind, &mut part);
         put(layout.bus_from, &part);
         let (first, n) = (layout.bus_from, (count - layout.bus_from) as u64);
+        let bus_bytes: u64 = layout.bus.iter().map(|d| d.len).sum();
         let kernels = kernels.expect("loaded for descriptors");
         let keep = table.iter().cloned().collect();
         exec.submit(keep, |q| {
             // SAFETY: as above; the host side of each copy lies in pinned memory of this
             // crate, mapped for the device, borrowed by the scope.
-            unsafe { q.launch_over_bus(kernels, table_at(first), n, layout.bus_bytes + n * 24) }
+            unsafe { q.launch_over_bus(kernels, table_at(first), n, bus_bytes + n * 24) }
         })?;
     }
     if !layout.dmas.is_empty() {
@@ -789,7 +782,7 @@ impl<'scope> ScopedUploads<'scope> {
 const PART_ITEMS: usize = 1024;
 
 /// Whether item `i + 1` goes on item `i`'s run: it starts in host memory where `i` ends, in
-/// the same region (as [`Layout::new`] joins them).
+/// the same region (a run never crosses into another: [`Layout::new`], [`parts`]).
 fn continues(items: &[Direct], i: usize) -> bool {
     items[i + 1].host == items[i].host + items[i].len as usize && items[i + 1].place == items[i].place
 }

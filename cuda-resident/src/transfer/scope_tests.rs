@@ -466,6 +466,29 @@ fn runs_move_through_device_staging_even_with_small_copies_kept_off_the_bus() {
     assert_eq!(paging_step(&d, &mut small, 4096, 42), (0, 32, 0), "short runs: a DMA a block");
 }
 
+/// Writes block `i` of `src` to block `targets[i]` of `buffer` in one scoped upload, and the
+/// same into `expect` (the later of two writes to one block wins).
+fn write_blocks(
+    d: &Device,
+    buffer: ResidentBuffer,
+    block: usize,
+    targets: &[usize],
+    src: &[u8],
+    expect: &mut [u8],
+) {
+    d.scope(|s| {
+        let mut writes = s.uploads();
+        for (&t, bytes) in targets.iter().zip(src.chunks(block)) {
+            writes.write(buffer, (t * block) as u64, bytes)?;
+        }
+        writes.submit()
+    })
+    .unwrap();
+    for (&t, bytes) in targets.iter().zip(src.chunks(block)) {
+        expect[t * block..(t + 1) * block].copy_from_slice(bytes);
+    }
+}
+
 /// A scoped batch of thousands of items from pinned memory moves in parts (the first moving
 /// while the rest are laid out). Writes apply in order across parts and within one: the first
 /// part's blocks are distinct, the second's repeat blocks of their own and of the first part
@@ -486,17 +509,7 @@ fn a_large_scoped_batch_moves_in_parts_and_later_writes_win() {
     targets.extend(order[..n - 3072].iter().copied());
     let mut cache = d.pinned(n * block).unwrap();
     rng.fill(&mut cache);
-    d.scope(|s| {
-        let mut writes = s.uploads();
-        for (&t, src) in targets.iter().zip(cache.chunks(block)) {
-            writes.write(buffer, (t * block) as u64, src)?;
-        }
-        writes.submit()
-    })
-    .unwrap();
-    for (&t, src) in targets.iter().zip(cache.chunks(block)) {
-        expect[t * block..(t + 1) * block].copy_from_slice(src);
-    }
+    write_blocks(&d, buffer, block, &targets, &cache, &mut expect);
     assert!(d.download(buffer).unwrap() == expect, "the pool after writes in parts");
     let mut out = d.pinned(n * block).unwrap();
     out.fill(0xA5);
@@ -530,19 +543,9 @@ fn parts_keep_a_registered_run_of_small_blocks_whole_enough_to_move_as_runs() {
     let mut order: Vec<usize> = (0..blocks).collect();
     rng.shuffle(&mut order);
     let before = d.telemetry();
-    d.scope(|s| {
-        let mut writes = s.uploads();
-        for (&t, src) in order.iter().zip(cache.chunks(block)) {
-            writes.write(buffer, (t * block) as u64, src)?;
-        }
-        writes.submit()
-    })
-    .unwrap();
+    write_blocks(&d, buffer, block, &order[..n], &cache, &mut expect);
     let dmas = d.telemetry().dma_copies - before.dma_copies;
     assert!(dmas <= 8, "{dmas} DMAs for one run of 2.5 MiB");
-    for (&t, src) in order.iter().zip(cache.chunks(block)) {
-        expect[t * block..(t + 1) * block].copy_from_slice(src);
-    }
     assert!(d.download(buffer).unwrap() == expect);
     // SAFETY: pinned above; the scope waited for every copy that used it.
     unsafe { d.unpin_host(cache.as_mut_ptr()) }.unwrap();
