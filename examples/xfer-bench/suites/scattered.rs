@@ -9,7 +9,8 @@ use cuda_resident::{Device, ResidentBuffer};
 use crate::baselines::DriverBaseline;
 use crate::cli::Args;
 use crate::report::{Row, human};
-use crate::timing::{baseline_reps, median_secs};
+use crate::single::ByMethod;
+use crate::timing::{Spread, baseline_reps, median_secs};
 use crate::workload::random_vec;
 use crate::{BenchResult, error};
 
@@ -77,15 +78,12 @@ pub(crate) fn run(
     for &b in &buffers {
         let _ = d.free(b);
     }
-    let [raw_h2d, batch_h2d, ours_h2d, raw_d2h, batch_d2h, ours_d2h] = result?;
+    let [h2d, d2h] = result?;
     let name =
         |dir: &str, what: &str| format!("{dir} {count} x {} a buffer each, shuffled, {what}", sizes.label());
     let base_reps = baseline_reps(args, count);
-    for (case, raw, batch, ours) in [
-        (name("H2D", "from pageable"), raw_h2d, batch_h2d, ours_h2d),
-        (name("D2H", "into caller Vecs"), raw_d2h, batch_d2h, ours_d2h),
-    ] {
-        let mut row = Row::gbps(case, total, raw, batch, ours.expect("measured"));
+    for (case, t) in [(name("H2D", "from pageable"), h2d), (name("D2H", "into caller Vecs"), d2h)] {
+        let mut row = Row::from_times(case, total, &t);
         row.count = Some(count);
         if let Sizes::Each(size) = sizes {
             row.size = Some(size);
@@ -98,11 +96,8 @@ pub(crate) fn run(
     Ok(())
 }
 
-type Spreads = [Option<crate::timing::Spread>; 6];
-
 /// Times each method each way (uploads checked by reading every buffer back; downloads into
-/// poisoned `Vec`s, checked against the sources): raw, batch API and cuda-resident up, then
-/// the same down.
+/// poisoned `Vec`s, checked against the sources): up, then down.
 fn measure(
     d: &Device,
     baseline: &DriverBaseline,
@@ -110,7 +105,7 @@ fn measure(
     buffers: &[ResidentBuffer],
     sources: &[Vec<u8>],
     rng: &mut fastrand::Rng,
-) -> BenchResult<Spreads> {
+) -> BenchResult<[ByMethod<Spread>; 2]> {
     let (count, e) = (buffers.len(), error);
     let mut order: Vec<usize> = (0..count).collect();
     rng.shuffle(&mut order);
@@ -171,7 +166,10 @@ fn measure(
             outs[k].len()
         )));
     }
-    Ok([Some(raw_h2d), batch_h2d, Some(ours_h2d), Some(raw_d2h), batch_d2h, Some(ours_d2h)])
+    Ok([
+        ByMethod { raw: raw_h2d, batch: batch_h2d, ours: ours_h2d },
+        ByMethod { raw: raw_d2h, batch: batch_d2h, ours: ours_d2h },
+    ])
 }
 
 #[cfg(test)]
