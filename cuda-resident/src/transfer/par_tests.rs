@@ -168,11 +168,6 @@ fn a_fill_that_panics_fails_submit_naming_it_and_moves_no_undefined_byte() {
                 }
             }
             assert!(landed <= bad);
-            if count == 4096 && bad == count - 1 {
-                // Default leases: the first holds a megabyte, about a thousand of these
-                // writes, and moves before the last lease's panic is known.
-                assert!(landed >= 1000, "the first lease moved: {landed} writes landed");
-            }
             // Between the writes nothing changed.
             for k in 0..count {
                 let gap = k * (size + 24) + size..(k + 1) * (size + 24);

@@ -35,24 +35,6 @@ const KERNEL_MIN_COPIES: usize = 3;
 /// `arena_used` of a lease that holds one large write and takes no more.
 const CLOSED: usize = usize::MAX;
 
-/// The first packed arena lease of a batch made in place: small, so that at submit the
-/// fills of [`UploadBatch::write_with_par`] hand the link its first DMA after a
-/// megabyte. Each next lease is twice the last, up to [`ARENA_LEASE_MOST`].
-const ARENA_LEASE_FIRST: usize = 1 << 20;
-
-/// The largest packed arena lease (or `chunk_bytes`, if smaller). The packing threads fill
-/// pinned memory faster than the link drains it, but not twice as fast: leases that kept
-/// doubling would leave the link idle while the next one filled. Equal leases past this
-/// keep it busy; a lease costs a DMA, a table and a launch, a few microseconds of host work
-/// while the one before is on the wire.
-const ARENA_LEASE_MOST: usize = 4 << 20;
-
-/// The size of the batch's packed arena lease after `opened` of them.
-fn arena_lease_bytes(opened: usize, chunk_bytes: u64) -> usize {
-    let most = ARENA_LEASE_MOST.min(chunk_bytes as usize);
-    ARENA_LEASE_FIRST.checked_shl(opened.min(16) as u32).unwrap_or(most).min(most)
-}
-
 /// A batch of host-to-device writes ([`Device::uploads`](crate::Device::uploads)). Writes apply in order: where
 /// two overlap, the later one wins. Nothing moves until [`UploadBatch::submit`].
 ///
@@ -263,16 +245,15 @@ impl<'a> UploadBatch<'a> {
 
     /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
     /// place, in pinned memory, as [`write_with`](UploadBatch::write_with) does, but later:
-    /// at [`submit`](UploadBatch::submit), on the packing threads, many fills at once, lease
-    /// by lease of staging (the batch's first lease holds a megabyte, the next two, later
-    /// ones four, or `chunk_bytes` if less), each lease moving as soon as its fills are done
-    /// while later leases are still being filled. For fills that cost as much as the move (a
-    /// copy, a conversion, a generator).
+    /// at [`submit`](UploadBatch::submit), on the packing threads, many fills at once, chunk
+    /// by chunk of staging, each chunk moving as soon as its fills are done while later
+    /// chunks are still being filled. For fills that cost as much as the move (a copy, a
+    /// conversion, a generator).
     ///
     /// `fill` is `Send` (it runs on another thread) and `Copy` (it holds references and
     /// plain values, no destructor: the batch keeps it without owning anything of the
     /// caller's). It is called at most once: not at all if the batch is dropped or
-    /// poisoned, or fails before its lease, or once an earlier fill of the batch has
+    /// poisoned, or fails before its chunk, or once an earlier fill of the batch has
     /// panicked (fills already running on other threads finish); `submit` returns only after
     /// every fill that started has returned.
     ///
@@ -341,12 +322,7 @@ impl<'a> UploadBatch<'a> {
         let open = |i: usize| self.arena_used[i] != CLOSED && fits(&self.arena[i], self.arena_used[i]);
         let reuse = !own && last.is_some_and(open);
         if !reuse {
-            let packed = self.arena.len() - self.arena_used.iter().filter(|&&u| u == CLOSED).count();
-            let size = if own {
-                len + 16
-            } else {
-                arena_lease_bytes(packed, self.core.config.chunk_bytes).max(len + 32)
-            };
+            let size = if own { len + 16 } else { (self.core.config.chunk_bytes as usize).max(len + 32) };
             match self.core.acquire_staging(size) {
                 Ok(lease) => {
                     self.arena.push(lease);
@@ -1024,20 +1000,4 @@ fn execute_in_order(
         exec.moved(requested);
     }
     Ok(exec.finish())
-}
-
-#[cfg(test)]
-mod lease_tests {
-    use super::arena_lease_bytes;
-
-    #[test]
-    fn arena_leases_start_at_a_megabyte_and_double_up_to_four_or_the_chunk() {
-        let mib = 1 << 20;
-        let sizes: Vec<usize> = (0..6).map(|k| arena_lease_bytes(k, 16 << 20)).collect();
-        assert_eq!(sizes, [mib, 2 * mib, 4 * mib, 4 * mib, 4 * mib, 4 * mib]);
-        assert_eq!(arena_lease_bytes(usize::MAX, 16 << 20), 4 * mib, "no overflow past many leases");
-        let sizes: Vec<usize> = (0..4).map(|k| arena_lease_bytes(k, 3 << 20)).collect();
-        assert_eq!(sizes, [mib, 2 * mib, 3 * mib, 3 * mib], "never above chunk_bytes");
-        assert_eq!(arena_lease_bytes(0, 64 << 10), 64 << 10);
-    }
 }
