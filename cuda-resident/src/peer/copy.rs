@@ -115,8 +115,7 @@ impl PeerParts {
         }
         self.out_of_order = true;
         let index = |table: &BufferTable| {
-            let mut by_address: Vec<(u64, u32)> =
-                (0u32..).zip(&table.entries).map(|(k, e)| (e.ptr, k)).collect();
+            let mut by_address: Vec<(u64, u32)> = table.named().map(|(k, e)| (e.ptr, k)).collect();
             by_address.sort_unstable();
             by_address
         };
@@ -376,9 +375,8 @@ impl PeerBatch<'_> {
 
     /// Fails if a buffer the batch names was freed since (for paths that claim none).
     fn check_live(&self) -> Result<()> {
-        let live = |d: &Core, t: &BufferTable| {
-            t.entries.iter().try_for_each(|e| d.alloc.resolve(e.buffer).map(drop))
-        };
+        let live =
+            |d: &Core, t: &BufferTable| t.named().try_for_each(|(_, e)| d.alloc.resolve(e.buffer).map(drop));
         live(self.src, &self.parts.src_table)?;
         live(self.dst, &self.parts.dst_table)
     }
