@@ -84,7 +84,10 @@ pub struct Config {
     /// threads per multiprocessor), where a scatter runs for microseconds: set `false` when
     /// your own kernels keep every multiprocessor busy, or on a platform whose kernels may
     /// not touch host memory even with unified addressing. Over the bus, small uploads from
-    /// pageable memory move faster than through device staging.
+    /// pageable memory move faster than through device staging. The same holds for the
+    /// staging that [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par) fills
+    /// at submit: over the bus it moves in leases of 4 MiB (the kernel reads lines the fills
+    /// just wrote faster than a DMA does), else in leases of `chunk_bytes` by DMA.
     ///
     /// [`Device::moves_small_copies_over_bus`]: crate::Device::moves_small_copies_over_bus
     pub small_copies_over_bus: bool,

@@ -251,9 +251,9 @@ pub enum Error {
     },
 
     /// A fill closure of [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par)
-    /// panicked during `submit`. Staging moves in chunks, each once all its fills are done:
-    /// no byte of the chunk that holds this write, or of any later chunk, was moved; the
-    /// writes of earlier chunks may have landed, each whole. No write's destination holds
+    /// panicked during `submit`. Staging moves lease by lease, each once all its fills are
+    /// done: no byte of the lease that holds this write, or of any later lease, was moved; the
+    /// writes of earlier leases may have landed, each whole. No write's destination holds
     /// bytes that no fill produced.
     #[error(
         "the fill closure of write {write} of this upload batch ({len} bytes at offset {offset} of {buffer:?}) \

@@ -35,6 +35,11 @@ const KERNEL_MIN_COPIES: usize = 3;
 /// `arena_used` of a lease that holds one large write and takes no more.
 const CLOSED: usize = usize::MAX;
 
+/// The size of an arena lease opened by [`UploadBatch::write_with_par`] where leases with
+/// fills move over the bus (or `chunk_bytes`, if less): the link starts once the first
+/// lease is filled, and a lease costs one launch.
+const PAR_LEASE: usize = 4 << 20;
+
 /// A batch of host-to-device writes ([`Device::uploads`](crate::Device::uploads)). Writes apply in order: where
 /// two overlap, the later one wins. Nothing moves until [`UploadBatch::submit`].
 ///
@@ -228,7 +233,7 @@ impl<'a> UploadBatch<'a> {
         len: usize,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<&mut Self> {
-        let (lease, at) = self.stage(buffer, offset, len)?;
+        let (lease, at) = self.stage(buffer, offset, len, false)?;
         // SAFETY: the arena is this batch's own; no copy uses it before submit.
         let region = unsafe { self.arena[lease as usize].as_mut_slice() };
         let dst = &mut region[at..at + len];
@@ -245,15 +250,17 @@ impl<'a> UploadBatch<'a> {
 
     /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
     /// place, in pinned memory, as [`write_with`](UploadBatch::write_with) does, but later:
-    /// at [`submit`](UploadBatch::submit), on the packing threads, many fills at once, chunk
-    /// by chunk of staging, each chunk moving as soon as its fills are done while later
-    /// chunks are still being filled. For fills that cost as much as the move (a copy, a
-    /// conversion, a generator).
+    /// at [`submit`](UploadBatch::submit), on the packing threads, many fills at once, lease
+    /// by lease of staging (4 MiB each where the copy kernel reads them over the bus,
+    /// [`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus), else
+    /// `chunk_bytes`), each lease moving as soon as its fills are done while later leases are
+    /// still being filled. For fills that cost as much as the move (a copy, a conversion, a
+    /// generator).
     ///
     /// `fill` is `Send` (it runs on another thread) and `Copy` (it holds references and
     /// plain values, no destructor: the batch keeps it without owning anything of the
     /// caller's). It is called at most once: not at all if the batch is dropped or
-    /// poisoned, or fails before its chunk, or once an earlier fill of the batch has
+    /// poisoned, or fails before its lease, or once an earlier fill of the batch has
     /// panicked (fills already running on other threads finish); `submit` returns only after
     /// every fill that started has returned.
     ///
@@ -294,7 +301,7 @@ impl<'a> UploadBatch<'a> {
     where
         F: FnOnce(&mut [u8]) + Send + Copy + 'a,
     {
-        let (lease, at) = self.stage(buffer, offset, len)?;
+        let (lease, at) = self.stage(buffer, offset, len, true)?;
         let code = self.closures.len();
         let size = size_of::<F>();
         self.closures.resize(code + size, MaybeUninit::uninit());
@@ -309,7 +316,7 @@ impl<'a> UploadBatch<'a> {
 
     /// Checks a write of `len` bytes made in place and gives it room in the batch's arena:
     /// the lease and the offset in it. On a refusal of pinned memory, poisons the batch.
-    fn stage(&mut self, buffer: ResidentBuffer, offset: u64, len: usize) -> Result<(u32, usize)> {
+    fn stage(&mut self, buffer: ResidentBuffer, offset: u64, len: usize, par: bool) -> Result<(u32, usize)> {
         self.add(buffer, offset, len as u64)?;
         // Same address residue mod 16 as the destination (buffers are 256-aligned), so the
         // scatter can use 16-byte accesses.
@@ -322,7 +329,13 @@ impl<'a> UploadBatch<'a> {
         let open = |i: usize| self.arena_used[i] != CLOSED && fits(&self.arena[i], self.arena_used[i]);
         let reuse = !own && last.is_some_and(open);
         if !reuse {
-            let size = if own { len + 16 } else { (self.core.config.chunk_bytes as usize).max(len + 32) };
+            // A lease opened for fills at submit is smaller when it moves over the bus: the
+            // first launch waits for its fills only.
+            let packed = match par && self.core.moves_small_copies_over_bus() {
+                true => PAR_LEASE.min(self.core.config.chunk_bytes as usize),
+                false => self.core.config.chunk_bytes as usize,
+            };
+            let size = if own { len + 16 } else { packed.max(len + 32) };
             match self.core.acquire_staging(size) {
                 Ok(lease) => {
                     self.arena.push(lease);
@@ -624,21 +637,6 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     let leases: Vec<Arc<HostLease>> = batch.arena.drain(..).map(Arc::new).collect();
     let own = |i: usize| batch.arena_used[i] == CLOSED;
     let has_bytes = |i: usize| batch.arena_descriptors[i] > 0;
-    // Device staging for a packed lease: its bytes, then its table.
-    let table_at = |i: usize| (batch.arena_used[i] as u64).next_multiple_of(256);
-    let areas: Vec<u64> = batch.arena_descriptors.iter().map(|&n| table_bytes(n)).collect();
-    let packed: Vec<usize> = (0..leases.len()).filter(|&i| !own(i) && has_bytes(i)).collect();
-    let packed_need = packed.iter().map(|&i| table_at(i) + areas[i]).max().unwrap_or(0);
-    // Two regions when a lease's scatter may overlap the next one's DMA.
-    let regions = packed.len().min(SIDE_SLOTS) as u64;
-    let region_stride = packed_need.next_multiple_of(256);
-    // A DMA, then a table and a launch, for each packed lease; a DMA for each own one.
-    let submissions =
-        (2 * packed.len() + (0..leases.len()).filter(|&i| own(i) && has_bytes(i)).count()) as u64;
-    exec.claim_ranges(batch.table.buffers(), submissions, batch.ranges())?;
-    exec.requested(requested);
-    let dev = if packed_need > 0 { exec.region(&mut scratch.region, regions * region_stride)? } else { 0 };
-    let kernels = if packed_need > 0 { Some(exec.kernels()?) } else { None };
     let ptr_of = |w: usize| batch.table.entries[batch.writes[w].buffer as usize].ptr + batch.writes[w].offset;
     let offset_of = |w: usize| match batch.sources[w] {
         Source::Arena { offset, .. } => offset as u64,
@@ -661,6 +659,28 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
             std::mem::replace(&mut first_fill, fills_end)..fills_end,
         ));
     }
+    // Device staging for a packed lease: its bytes, then its table.
+    let table_at = |i: usize| (batch.arena_used[i] as u64).next_multiple_of(256);
+    let areas: Vec<u64> = batch.arena_descriptors.iter().map(|&n| table_bytes(n)).collect();
+    // A lease with fills made at submit moves over the bus where the device allows: the
+    // kernel reads it in place, from lines the fills just wrote, which it reads faster than a
+    // DMA does (50 against 43 GB/s: docs/runs/2026-12-01-h200-ceilings-ed801f4.md). Others
+    // move by a DMA into device staging and a scatter there.
+    let over_bus = core.moves_small_copies_over_bus();
+    let bus = |i: usize| over_bus && !own(i) && has_bytes(i) && !runs[i].1.is_empty();
+    let packed: Vec<usize> = (0..leases.len()).filter(|&i| !own(i) && has_bytes(i) && !bus(i)).collect();
+    let packed_need = packed.iter().map(|&i| table_at(i) + areas[i]).max().unwrap_or(0);
+    // Two regions when a lease's scatter may overlap the next one's DMA.
+    let regions = packed.len().min(SIDE_SLOTS) as u64;
+    let region_stride = packed_need.next_multiple_of(256);
+    // A DMA, then a table and a launch, for each packed lease; a launch for each lease over
+    // the bus; a DMA for each own one.
+    let singles = (0..leases.len()).filter(|&i| bus(i) || (own(i) && has_bytes(i))).count();
+    let submissions = (2 * packed.len() + singles) as u64;
+    exec.claim_ranges(batch.table.buffers(), submissions, batch.ranges())?;
+    exec.requested(requested);
+    let dev = if packed_need > 0 { exec.region(&mut scratch.region, regions * region_stride)? } else { 0 };
+    let kernels = if packed_need > 0 || (0..leases.len()).any(bus) { Some(exec.kernels()?) } else { None };
     let bases: Vec<usize> = leases.iter().map(|l| l.as_ptr() as usize).collect();
     let fills =
         Fills { par: &batch.par, closures: &batch.closures, bases: &bases, panics: Panics::default() };
@@ -681,6 +701,36 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
                 // SAFETY: the write's bytes in its own pinned lease, kept alive by this
                 // submission, into a live, marked buffer.
                 unsafe { q.htod(ptr_of(w), base.add(offset_of(w) as usize), len) }
+            })?;
+            return Ok(());
+        }
+        let kernels = kernels.expect("loaded when there are packed writes");
+        if bus(i) {
+            scratch.descriptors.clear();
+            for w in run {
+                let src = base as u64 + offset_of(w);
+                push_descriptors(&mut scratch.descriptors, src, ptr_of(w), batch.writes[w].len);
+            }
+            let bytes = scratch.descriptors.len() * size_of::<CopyDescriptor>();
+            assert!(bytes as u64 <= areas[i], "descriptors counted at write_with_par match those built");
+            let table = Arc::new(exec.lease(bytes)?);
+            // SAFETY: the table lease holds `bytes` bytes and is this batch's own.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    scratch.descriptors.as_ptr().cast::<u8>(),
+                    table.as_ptr(),
+                    bytes,
+                )
+            };
+            let count = scratch.descriptors.len() as u64;
+            let payload = runs[i].0.clone().map(|w| batch.writes[w].len).sum::<u64>();
+            let at = table.as_ptr() as u64;
+            exec.submit(vec![Arc::clone(lease), table], |q| {
+                // SAFETY: the table and the writes' bytes are in pinned leases, which this
+                // submission keeps alive and the device reads (unified addressing);
+                // destinations are disjoint ranges (no two writes fuse) of live, marked
+                // buffers.
+                unsafe { q.launch_over_bus(kernels, at, count, bytes as u64 + payload) }
             })?;
             return Ok(());
         }
@@ -711,7 +761,6 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
             std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), table.as_ptr(), bytes)
         };
         let count = scratch.descriptors.len() as u64;
-        let kernels = kernels.expect("loaded when there are packed writes");
         // The launches below: the table sits in the region after the lease's bytes
         // (packed_need), put there by DMAs before on the lane's stream (which the side stream
         // waits for); destinations are disjoint ranges of live, marked buffers (no two writes
