@@ -84,10 +84,12 @@ pub struct Config {
     /// threads per multiprocessor), where a scatter runs for microseconds: set `false` when
     /// your own kernels keep every multiprocessor busy, or on a platform whose kernels may
     /// not touch host memory even with unified addressing. Over the bus, small uploads from
-    /// pageable memory move faster than through device staging. The same holds for the
+    /// pageable memory move faster than through device staging. It also decides how the
     /// staging that [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par) fills
-    /// at submit: over the bus it moves in leases of 4 MiB (the kernel reads lines the fills
-    /// just wrote faster than a DMA does), else in leases of `chunk_bytes` by DMA.
+    /// at submit moves: over the bus, each lease holding such fills by one launch that reads
+    /// it in place (the kernel reads lines the fills just wrote faster than a DMA does), the
+    /// leases that call opens holding 4 MiB (or `chunk_bytes`, if less); else by a DMA and a
+    /// scatter each, in leases of `chunk_bytes`.
     ///
     /// [`Device::moves_small_copies_over_bus`]: crate::Device::moves_small_copies_over_bus
     pub small_copies_over_bus: bool,

@@ -251,11 +251,14 @@ impl<'a> UploadBatch<'a> {
     /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
     /// place, in pinned memory, as [`write_with`](UploadBatch::write_with) does, but later:
     /// at [`submit`](UploadBatch::submit), on the packing threads, many fills at once, lease
-    /// by lease of staging (4 MiB each where the copy kernel reads them over the bus,
-    /// [`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus), else
-    /// `chunk_bytes`), each lease moving as soon as its fills are done while later leases are
-    /// still being filled. For fills that cost as much as the move (a copy, a conversion, a
-    /// generator).
+    /// by lease of staging, each lease moving as soon as its fills are done while later
+    /// leases are still being filled. Where the copy kernel may read them over the bus
+    /// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), the leases
+    /// this call opens hold 4 MiB (or `chunk_bytes`, if less) and the kernel reads them in
+    /// place; else they hold `chunk_bytes` and move by a DMA each. (A batch whose writes
+    /// overlap or touch, or that mixes in [`write`](UploadBatch::write)s, runs every fill
+    /// first and then moves the batch as a whole.) For fills that cost as much as the move
+    /// (a copy, a conversion, a generator).
     ///
     /// `fill` is `Send` (it runs on another thread) and `Copy` (it holds references and
     /// plain values, no destructor: the batch keeps it without owning anything of the
@@ -593,15 +596,22 @@ fn execute_one(core: &Arc<Core>, table: &BufferTable, write: &WriteRequest, data
     Ok(exec.finish())
 }
 
-/// The in-place fast path: every write was made with `write_with` and no two fuse, so the
-/// arena already is the staging. Each arena lease moves whole by one DMA and is spread by
-/// one launch; writes with a lease of their own move by one DMA each. Nothing is copied on
-/// the host. Each lease's DMA is enqueued first and its descriptor table built while it is
-/// on the wire (the table follows the bytes in device staging), so the link starts at once.
-/// With several packed leases, they alternate between two regions of device staging and
+/// The in-place fast path: every write was made with `write_with` or `write_with_par` and
+/// no two fuse, so the arena already is the staging. Nothing is copied on the host.
+///
+/// A lease holding fills of `write_with_par`, where the device allows copies over the bus
+/// ([`Core::moves_small_copies_over_bus`]), moves by one launch on the lane's stream that
+/// reads the lease in place, its descriptor table in a pinned lease of its own: no DMA, no
+/// device staging, no side stream. Every other packed lease moves whole by one DMA and is
+/// spread by one launch: its DMA is enqueued first and its descriptor table built while it
+/// is on the wire (the table follows the bytes in device staging), so the link starts at
+/// once; with several such leases, they alternate between two regions of device staging and
 /// each one's scatter runs on the lane's side stream while the next one's bytes are on the
-/// wire; the last one's scatter runs on the lane's stream, after the side work.
-/// Returns `None` (changing nothing) when writes overlap or touch, for the general path.
+/// wire; the last one's scatter runs on the lane's stream, after the side work. Writes with a
+/// lease of their own move by one DMA each.
+///
+/// Returns `None` (changing nothing) when writes overlap or touch, for the general path
+/// (which runs every fill first and packs the arena's bytes again).
 fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     let core = batch.core;
     let mut exec = Exec::begin(core, LaneKind::Upload);
