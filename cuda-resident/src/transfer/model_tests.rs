@@ -1140,3 +1140,101 @@ fn unreleased_readbacks_leave_the_reserve_to_transfers() {
     drop(kept);
     assert_eq!(d.telemetry().pinned.held_bytes, 0);
 }
+
+/// Buffers allocated, freed (their memory handed out again) and named by batches in random
+/// turns, with handles freed long ago mixed in: every batch's buffer table is reused from
+/// the last, so an entry still taken for a freed buffer would write into or read from its
+/// memory's new owner. Every byte is checked against a model of what each live buffer holds;
+/// a batch that names a freed handle fails and moves nothing.
+#[test]
+fn batches_among_allocations_and_frees_touch_only_live_buffers() {
+    use std::collections::HashMap;
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(41);
+    let mut live: HashMap<ResidentBuffer, Vec<u8>> = HashMap::new();
+    let mut order: Vec<ResidentBuffer> = Vec::new();
+    let mut dead: Vec<ResidentBuffer> = Vec::new();
+    let allocate = |rng: &mut fastrand::Rng, live: &mut HashMap<_, _>, order: &mut Vec<_>| {
+        let len = rng.usize(1..=20_000);
+        let bytes = random_vec(rng, len);
+        let b = d.allocate(bytes.len() as u64).unwrap();
+        d.upload(b, &bytes).unwrap();
+        live.insert(b, bytes);
+        order.push(b);
+    };
+    for _ in 0..40 {
+        allocate(&mut rng, &mut live, &mut order);
+    }
+    for round in 0..300 {
+        match rng.u8(..10) {
+            // Free one, allocate one or two (likely in the freed memory).
+            0 | 1 => {
+                let b = order.swap_remove(rng.usize(..order.len()));
+                live.remove(&b);
+                d.free(b).unwrap();
+                dead.push(b);
+                for _ in 0..rng.usize(1..=2) {
+                    allocate(&mut rng, &mut live, &mut order);
+                }
+            }
+            // Writes to a random subset, shuffled, sometimes with a freed handle among them.
+            2..=5 => {
+                let mut names: Vec<ResidentBuffer> =
+                    (0..rng.usize(1..=order.len())).map(|_| order[rng.usize(..order.len())]).collect();
+                rng.shuffle(&mut names);
+                let stale = (!dead.is_empty() && rng.u8(..4) == 0).then(|| dead[rng.usize(..dead.len())]);
+                let mut batch = d.uploads();
+                let mut writes = Vec::new();
+                for (k, &b) in names.iter().enumerate() {
+                    if let Some(freed) = stale
+                        && k == names.len() / 2
+                    {
+                        let err = batch.write(freed, 0, &[7; 8]).unwrap_err();
+                        assert!(matches!(err, Error::FreedBuffer { .. }), "round {round}: {err}");
+                    }
+                    let n = live[&b].len();
+                    let at = rng.usize(..n);
+                    let len = rng.usize(1..=(n - at).min(3000));
+                    let bytes = random_vec(&mut rng, len);
+                    writes.push((b, at, bytes));
+                }
+                for (b, at, bytes) in &writes {
+                    batch.write(*b, *at as u64, bytes).unwrap();
+                }
+                match (stale, rng.u8(..8)) {
+                    (Some(_), _) => {
+                        let err = batch.submit().unwrap_err();
+                        assert!(matches!(err, Error::FreedBuffer { .. }), "round {round}: {err}");
+                    }
+                    // Dropped unsubmitted: nothing moves.
+                    (None, 0) => drop(batch),
+                    (None, _) => {
+                        batch.submit().unwrap().wait().unwrap();
+                        for (b, at, bytes) in &writes {
+                            live.get_mut(b).unwrap()[*at..*at + bytes.len()].copy_from_slice(bytes);
+                        }
+                    }
+                }
+            }
+            // Reads of a random subset, shuffled, against the model.
+            _ => {
+                let mut reads = d.downloads();
+                let mut slots = Vec::new();
+                for _ in 0..rng.usize(1..=order.len()) {
+                    let b = order[rng.usize(..order.len())];
+                    let n = live[&b].len();
+                    let at = rng.usize(..n);
+                    let len = rng.usize(1..=n - at);
+                    slots.push((reads.read(b, at as u64, len as u64).unwrap(), b, at, len));
+                }
+                let done = reads.submit().unwrap().wait().unwrap();
+                for (slot, b, at, len) in slots {
+                    assert_eq!(done.get(slot), &live[&b][at..at + len], "round {round}: read of {b:?}");
+                }
+            }
+        }
+    }
+    for (&b, bytes) in &live {
+        assert_eq!(&d.download(b).unwrap(), bytes, "{b:?} at the end");
+    }
+}
