@@ -122,7 +122,8 @@ pub(crate) struct Args {
     /// gather) instead of by the kernel over the bus (Config::small_copies_over_bus = false).
     #[arg(long)]
     pub(crate) staged_small_copies: bool,
-    /// Also print where the time of an upload batch goes (adding writes, submit, wait).
+    /// Also print, on stderr, where the time of a batch goes (adding requests, submit,
+    /// waiting), for the many-small and the scattered cases, each way.
     #[arg(long)]
     pub(crate) breakdown: bool,
     /// How the table is printed: aligned text, or a Markdown table.

@@ -4,13 +4,15 @@
 //! (`DownloadBatch::submit_into`), against one raw call per copy and one
 //! `cuMemcpyBatchAsync`. The sizes: each of the suite's sizes, and a mix from 64 B to 256 KiB.
 
+use std::time::Instant;
+
 use cuda_resident::{Device, ResidentBuffer};
 
 use crate::baselines::DriverBaseline;
 use crate::cli::Args;
 use crate::report::{Row, human};
 use crate::single::ByMethod;
-use crate::timing::{Spread, baseline_reps, median_secs};
+use crate::timing::{Spread, baseline_reps, batch_phases, median_secs, phase_medians};
 use crate::workload::random_vec;
 use crate::{BenchResult, error};
 
@@ -131,6 +133,9 @@ fn measure(
         }
         batch.submit().map_err(e)?.wait().map_err(e)
     })?;
+    if args.breakdown {
+        breakdown(d, args.reps, buffers, sources, &order)?;
+    }
     let back = d.download_many(buffers).map_err(e)?;
     if let Some(i) = (0..count).find(|&i| back[i] != sources[i]) {
         return Err(crate::mismatch(format!(
@@ -170,6 +175,48 @@ fn measure(
         ByMethod { raw: raw_h2d, batch: batch_h2d, ours: ours_h2d },
         ByMethod { raw: raw_d2h, batch: batch_d2h, ours: ours_d2h },
     ])
+}
+
+/// Where the time of one scattered batch goes, each way (`--breakdown`), on stderr: adding
+/// the requests (one buffer each, in `order`), `submit`, and waiting (downloads: and copying
+/// out into `Vec`s).
+fn breakdown(
+    d: &Device,
+    reps: usize,
+    buffers: &[ResidentBuffer],
+    sources: &[Vec<u8>],
+    order: &[usize],
+) -> BenchResult<()> {
+    let count = buffers.len();
+    let [write, submit, wait] = batch_phases(reps, || {
+        let mut batch = d.uploads();
+        for &i in order {
+            batch.write(buffers[i], 0, &sources[i])?;
+        }
+        Ok(batch)
+    })?;
+    eprintln!(
+        "breakdown H2D {count} copies a buffer each, shuffled: write {write:.0} µs, submit {submit:.0} µs, wait {wait:.0} µs"
+    );
+    let mut outs: Vec<Vec<u8>> = order.iter().map(|&i| vec![0u8; sources[i].len()]).collect();
+    let [read, submit, wait] = phase_medians(reps, || {
+        let t = Instant::now();
+        let mut reads = d.downloads();
+        let slots = order
+            .iter()
+            .map(|&i| reads.read(buffers[i], 0, sources[i].len() as u64))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(error)?;
+        let t1 = Instant::now();
+        let pending = reads.submit().map_err(error)?;
+        let t2 = Instant::now();
+        pending.wait_into(&slots, &mut outs).map_err(error)?;
+        Ok([t, t1, t2, Instant::now()])
+    })?;
+    eprintln!(
+        "breakdown D2H {count} copies a buffer each, shuffled, into Vecs: read {read:.0} µs, submit {submit:.0} µs, wait and copy out {wait:.0} µs"
+    );
+    Ok(())
 }
 
 #[cfg(test)]
