@@ -716,23 +716,9 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         }
         let kernels = kernels.expect("loaded when there are packed writes");
         if bus(i) {
-            scratch.descriptors.clear();
-            for w in run {
-                let src = base as u64 + offset_of(w);
-                push_descriptors(&mut scratch.descriptors, src, ptr_of(w), batch.writes[w].len);
-            }
-            let bytes = scratch.descriptors.len() * size_of::<CopyDescriptor>();
-            assert!(bytes as u64 <= areas[i], "descriptors counted at write_with_par match those built");
-            let table = Arc::new(exec.lease(bytes)?);
-            // SAFETY: the table lease holds `bytes` bytes and is this batch's own.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    scratch.descriptors.as_ptr().cast::<u8>(),
-                    table.as_ptr(),
-                    bytes,
-                )
-            };
-            let count = scratch.descriptors.len() as u64;
+            let copies = run.map(|w| (base as u64 + offset_of(w), ptr_of(w), batch.writes[w].len));
+            let (table, count) = lease_table(&exec, &mut scratch.descriptors, copies, areas[i])?;
+            let bytes = count * size_of::<CopyDescriptor>() as u64;
             let payload = runs[i].0.clone().map(|w| batch.writes[w].len).sum::<u64>();
             let at = table.as_ptr() as u64;
             exec.submit(vec![Arc::clone(lease), table], |q| {
@@ -740,7 +726,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
                 // submission keeps alive and the device reads (unified addressing);
                 // destinations are disjoint ranges (no two writes fuse) of live, marked
                 // buffers.
-                unsafe { q.launch_over_bus(kernels, at, count, bytes as u64 + payload) }
+                unsafe { q.launch_over_bus(kernels, at, count, bytes + payload) }
             })?;
             return Ok(());
         }
@@ -757,20 +743,9 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
             unsafe { q.htod(region, base, used) }
         })?;
         // Built while the bytes are on the wire.
-        scratch.descriptors.clear();
-        for w in run {
-            push_descriptors(&mut scratch.descriptors, region + offset_of(w), ptr_of(w), batch.writes[w].len);
-        }
+        let copies = run.map(|w| (region + offset_of(w), ptr_of(w), batch.writes[w].len));
         let (area, at) = (areas[i], region + table_at(i));
-        let table = Arc::new(exec.lease(area as usize)?);
-        let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
-        // The area was sized from the descriptors counted as the writes were added.
-        assert!(bytes as u64 <= area, "descriptors counted at write_with match those built");
-        // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
-        unsafe {
-            std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), table.as_ptr(), bytes)
-        };
-        let count = scratch.descriptors.len() as u64;
+        let (table, count) = lease_table(&exec, &mut scratch.descriptors, copies, area)?;
         // The launches below: the table sits in the region after the lease's bytes
         // (packed_need), put there by DMAs before on the lane's stream (which the side stream
         // waits for); destinations are disjoint ranges of live, marked buffers (no two writes
@@ -820,6 +795,27 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         |_, items| fills.run(items),
     )?;
     Ok(Some(exec.finish()))
+}
+
+/// The descriptor table of an arena lease's `copies` (source, destination, length: the
+/// source where the kernel reads the write's bytes), in a pinned lease of `area` bytes, the
+/// table's size counted as the writes were added; and its number of descriptors.
+fn lease_table(
+    exec: &Exec<'_>,
+    descriptors: &mut Vec<CopyDescriptor>,
+    copies: impl Iterator<Item = (u64, u64, u64)>,
+    area: u64,
+) -> Result<(Arc<HostLease>, u64)> {
+    descriptors.clear();
+    for (src, dst, len) in copies {
+        push_descriptors(descriptors, src, dst, len);
+    }
+    let bytes = descriptors.len() * size_of::<CopyDescriptor>();
+    assert!(bytes as u64 <= area, "descriptors counted as the writes were added match those built");
+    let table = Arc::new(exec.lease(area as usize)?);
+    // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
+    unsafe { std::ptr::copy_nonoverlapping(descriptors.as_ptr().cast::<u8>(), table.as_ptr(), bytes) };
+    Ok((table, descriptors.len() as u64))
 }
 
 /// The routes [`Route::InOrder`] and [`Route::Planned`].
