@@ -6,7 +6,7 @@ use crate::alloc::{Allocator, ResidentBuffer};
 use crate::context::Context;
 use crate::engine::order::Ranges;
 use crate::error::{Error, Result};
-use crate::handle::{SHARD_BITS, SHARDS};
+use crate::handle::SHARDS;
 use crate::plan::route::Apart;
 
 /// The buffers a batch names, each resolved once: key (index) -> handle, address, length.
@@ -25,12 +25,11 @@ pub(crate) struct BufferTable {
     /// Every buffer the table has resolved, this batch or an earlier one; this batch's have
     /// `batch` equal to the table's.
     pub(crate) entries: Vec<Resolved>,
-    /// Open addressing over `entries` ([`Cell`]s, placed by [`home`]). Length a power of
-    /// two, at most a quarter full, so that a lookup almost always finds its buffer in the
-    /// first cell it probes: whether it does varies from buffer to buffer, a branch no
-    /// predictor follows, taken wrongly on most writes of a batch when the table is half
-    /// full.
-    slots: Vec<Cell>,
+    /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two, at
+    /// most a quarter full, so that a lookup almost always finds its buffer in the first
+    /// slot it probes: whether it does varies from buffer to buffer, a branch no predictor
+    /// follows, taken wrongly on most writes of a batch when the table is half full.
+    slots: Vec<u32>,
     /// This batch's keys, in the order first named.
     used: Vec<u32>,
     /// This batch's number among the table's batches (never wraps).
@@ -122,57 +121,18 @@ thread_local! {
     pub(crate) static KEPT_HITS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// A cell of [`BufferTable::slots`]: the handle's `index` (its shard and slot) in the high
-/// half, its entry's key plus one in the low half; 0 for empty. A probe passes over the cells
-/// of other slots without reading their entries.
-type Cell = u64;
-
-/// Cells in a cache line: slots of one shard this close (8 in a row from a multiple of 8)
-/// share one.
-const LINE: u32 = 8;
-
-/// The cell of key `key` for a handle of index `index`.
+/// The key of `buffer` in a table's `entries` and `slots`, or the empty slot where it would
+/// go. `slots` must have an empty slot.
 #[inline]
-fn cell(index: u32, key: u32) -> Cell {
-    u64::from(index) << 32 | u64::from(key + 1)
-}
-
-/// Where `buffer` goes in a table of `mask + 1` cells (a power of two, at least [`LINE`])
-/// when no other buffer is there first: a line chosen by a well-mixed hash of the handle's
-/// allocator, shard and slot divided by [`LINE`], and in it, the slot's place among its 8.
-/// A shard hands out new slots in order (and a freed one again before any new one), so the
-/// buffers a client allocated together mostly fill lines, which stay in the processor's
-/// caches whatever the order they are named in: with a hash of each handle alone, a batch
-/// naming 8192 buffers in shuffled order waited on most writes for a cache line of its
-/// own (on the development VM, 63 % of `UploadBatch::add`'s samples were that one load).
-/// The generation is left out: a slot's handles share a home.
-#[inline]
-fn home(buffer: ResidentBuffer, mask: usize) -> usize {
-    let line = ResidentBuffer { index: buffer.index & !((LINE - 1) << SHARD_BITS), generation: 0, ..buffer };
-    let within = (buffer.index >> SHARD_BITS) & (LINE - 1);
-    // The hash's top bits: its low ones follow the slot (a multiplicative hash).
-    let bits = mask.count_ones();
-    ((line.mix() >> (64 - bits)) as usize & !(LINE as usize - 1)) | within as usize
-}
-
-/// The key of `buffer` in a table's `entries` and `slots`, or the empty cell where it would
-/// go. `slots` must have an empty cell.
-#[inline]
-fn probe_in(entries: &[Resolved], slots: &[Cell], buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
+fn probe_in(entries: &[Resolved], slots: &[u32], buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
     let mask = slots.len() - 1;
-    let mut at = home(buffer, mask);
+    let mut at = (buffer.mix() >> 32) as usize & mask;
     loop {
-        let c = slots[at];
-        if c == 0 {
-            return Err(at);
+        match slots[at] {
+            0 => return Err(at),
+            k if entries[k as usize - 1].buffer == buffer => return Ok(k - 1),
+            _ => at = (at + 1) & mask,
         }
-        if (c >> 32) as u32 == buffer.index {
-            let key = c as u32 - 1;
-            if entries[key as usize].buffer == buffer {
-                return Ok(key);
-            }
-        }
-        at = (at + 1) & mask;
     }
 }
 
@@ -210,7 +170,11 @@ impl BufferTable {
                 self.entries[key as usize] = resolved;
                 key
             }
-            Err(at) => self.insert(at, resolved),
+            Err(at) => {
+                self.entries.push(resolved);
+                self.slots[at] = self.entries.len() as u32;
+                self.entries.len() as u32 - 1
+            }
         };
         self.used.push(key);
         Ok((key, self.entries[key as usize]))
@@ -336,25 +300,16 @@ impl BufferTable {
         checked
     }
 
-    /// Adds `resolved` as a new entry in the empty cell `at` (from [`BufferTable::probe`]):
-    /// its key.
-    fn insert(&mut self, at: usize, resolved: Resolved) -> u32 {
-        let key = self.entries.len() as u32;
-        self.entries.push(resolved);
-        self.slots[at] = cell(resolved.buffer.index, key);
-        key
-    }
-
     fn grow(&mut self) {
         let size = (self.slots.len() * 2).max(64);
         self.slots = vec![0; size];
         let mask = size - 1;
         for (i, e) in self.entries.iter().enumerate() {
-            let mut at = home(e.buffer, mask);
+            let mut at = (e.buffer.mix() >> 32) as usize & mask;
             while self.slots[at] != 0 {
                 at = (at + 1) & mask;
             }
-            self.slots[at] = cell(e.buffer.index, i as u32);
+            self.slots[at] = i as u32 + 1;
         }
     }
 
@@ -390,9 +345,8 @@ impl BufferTable {
 mod tests {
     use std::sync::Arc;
 
-    use super::{BufferTable, KEPT_HITS, Resolved};
+    use super::{BufferTable, KEPT_HITS};
     use crate::alloc::use_shard;
-    use crate::handle::SHARD_BITS;
     use crate::recycle::Reusable;
     use crate::testing::{device, model};
     use crate::{Config, Device, Error, ResidentBuffer};
@@ -412,65 +366,6 @@ mod tests {
         }
         batch.submit().unwrap().wait().unwrap();
         hits() - before
-    }
-
-    /// Adds `buffer` to `table` as `key` would, without an allocator: its key.
-    fn put(table: &mut BufferTable, buffer: ResidentBuffer) -> u32 {
-        if table.entries.len() * 4 >= table.slots.len() {
-            table.grow();
-        }
-        table.probe(buffer).unwrap_or_else(|at| {
-            let resolved = Resolved { buffer, ptr: 0, len: 0, next: 0, first: u64::MAX, batch: 0, frees: 0 };
-            table.insert(at, resolved)
-        })
-    }
-
-    #[test]
-    fn handles_sharing_a_slot_or_a_home_are_told_apart() {
-        // Two allocators, two shards, 64 slots, three generations: handles that share a
-        // slot (and so a home) but not a generation or an allocator, and slots of one line.
-        let handles: Vec<ResidentBuffer> = (0..64u32)
-            .flat_map(|slot| {
-                [(1, 0), (1, 3), (2, 0)].into_iter().flat_map(move |(owner, shard)| {
-                    (0..3).map(move |generation| {
-                        ResidentBuffer::test_handle(owner, slot << SHARD_BITS | shard, generation)
-                    })
-                })
-            })
-            .collect();
-        let mut table = BufferTable::default();
-        // Every other handle in (so that of a slot's handles some are in and some not), last
-        // first: an order unlike the slots'.
-        let inside: Vec<_> = handles.iter().step_by(2).rev().copied().collect();
-        let keys: Vec<u32> = inside.iter().map(|&b| put(&mut table, b)).collect();
-        for (&b, &k) in inside.iter().zip(&keys) {
-            assert_eq!(table.probe(b), Ok(k), "{b:?}");
-            assert_eq!(table.entries[k as usize].buffer, b);
-        }
-        for &b in handles.iter().skip(1).step_by(2) {
-            assert!(table.probe(b).is_err(), "{b:?} was never added");
-        }
-    }
-
-    #[test]
-    fn buffers_allocated_together_each_take_the_first_cell_they_probe() {
-        // The common shape: thousands of buffers of one shard, or of several (one a thread),
-        // allocated in a row. Each lands in its home cell, however many lines the table has.
-        for (shards, per) in [(1, 8192), (4, 2048), (16, 512)] {
-            let mut table = BufferTable::default();
-            for shard in 0..shards {
-                for slot in 0..per {
-                    put(&mut table, ResidentBuffer::test_handle(3, slot << SHARD_BITS | shard, 0));
-                }
-            }
-            let mask = table.slots.len() - 1;
-            let away = table
-                .entries
-                .iter()
-                .filter(|e| table.slots[super::home(e.buffer, mask)] >> 32 != u64::from(e.buffer.index))
-                .count();
-            assert_eq!(away, 0, "{shards} shards of {per}: {away} buffers not in their home cell");
-        }
     }
 
     #[test]
