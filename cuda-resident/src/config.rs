@@ -65,7 +65,11 @@ pub struct Config {
     /// Copies of at least this many bytes get their own DMA; smaller ones are packed and
     /// scattered by a kernel. At most `chunk_bytes`; default 256 KiB.
     pub direct_threshold: u64,
-    /// Threads that pack pinned memory for large batches; 0 picks one per core, up to 16.
+    /// Threads that pack pinned memory for large batches; 0 picks one per core but one, up
+    /// to 16 (with two cores or fewer, one per core). The calling thread packs beside them
+    /// and runs the device's steps (leases, copies, launches) in between: a packing thread
+    /// on every core would compete with it for one, and hold up those steps (most of all
+    /// those of [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par)'s fills).
     pub pack_threads: usize,
     /// Microseconds the packing threads stay awake (spinning, yielding now and then; all
     /// but one of them) after a batch's packing, so that the next batch's packing starts at
@@ -188,7 +192,10 @@ impl Config {
     /// The packing threads this config asks for, with 0 resolved.
     pub fn resolved_pack_threads(&self) -> usize {
         match self.pack_threads {
-            0 => std::thread::available_parallelism().map_or(4, |n| n.get()).min(16),
+            0 => match std::thread::available_parallelism().map_or(4, |n| n.get()) {
+                cores @ ..=2 => cores,
+                cores => (cores - 1).min(16),
+            },
             n => n,
         }
     }

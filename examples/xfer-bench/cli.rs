@@ -111,7 +111,7 @@ pub(crate) struct Args {
     /// The direct-copy threshold in KiB (the same as --direct <N>KiB).
     #[arg(long, hide = true)]
     pub(crate) direct_kib: Option<u64>,
-    /// cuda-resident's packing threads (Config::pack_threads; 0 = one per core, up to 16).
+    /// cuda-resident's packing threads (Config::pack_threads; 0 = one per core but one, up to 16).
     #[arg(long)]
     pub(crate) pack_threads: Option<usize>,
     /// Microseconds cuda-resident's packing threads stay awake after packing
