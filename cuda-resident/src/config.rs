@@ -192,12 +192,19 @@ impl Config {
     /// The packing threads this config asks for, with 0 resolved.
     pub fn resolved_pack_threads(&self) -> usize {
         match self.pack_threads {
-            0 => match std::thread::available_parallelism().map_or(4, |n| n.get()) {
-                cores @ ..=2 => cores,
-                cores => (cores - 1).min(16),
-            },
+            0 => default_pack_threads(std::thread::available_parallelism().map_or(4, |n| n.get())),
             n => n,
         }
+    }
+}
+
+/// The packing threads `pack_threads: 0` picks on a host of `cores` cores: one per core but
+/// one (for the calling thread), up to 16; with two cores or fewer, one per core (fewer would
+/// leave the calling thread to pack alone).
+fn default_pack_threads(cores: usize) -> usize {
+    match cores {
+        ..=2 => cores.max(1),
+        _ => (cores - 1).min(16),
     }
 }
 
@@ -308,6 +315,12 @@ mod tests {
     fn default_config_is_valid() {
         Config::default().validate().unwrap();
         assert!(Config::default().resolved_pack_threads() >= 1);
+    }
+
+    #[test]
+    fn packing_threads_leave_a_core_to_the_calling_thread_from_three_cores() {
+        let picked: Vec<usize> = [0, 1, 2, 3, 4, 16, 17, 18, 128].map(default_pack_threads).into();
+        assert_eq!(picked, [1, 1, 2, 2, 3, 15, 16, 16, 16]);
     }
 
     #[test]
