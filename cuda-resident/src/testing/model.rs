@@ -34,6 +34,9 @@ enum Op {
     Wait { stream: usize, at: u64 },
     /// `len` bytes from `src` to `dst` (either may be device or host memory).
     Copy { dst: usize, src: usize, len: usize },
+    /// Bytes of pageable host memory to device memory at `dst`: the driver copies them into
+    /// its own staging before `cuMemcpyHtoDAsync` returns, so they are read at the call.
+    Staged { dst: usize, bytes: Vec<u8> },
     /// The copy kernel: `count` descriptors (`src, dst, len` as `u64`s) at device `table`.
     Kernel { table: usize, count: u64 },
     /// A host callback (`cuStreamAddCallback`), called with the model's sticky error or
@@ -61,6 +64,8 @@ pub(crate) struct FakeGpu {
     pub(crate) event_waits: Vec<usize>,
     /// `cuStreamSynchronize` calls that succeeded.
     pub(crate) stream_syncs: u64,
+    /// `cuMemcpyHtoDAsync` calls from pageable host memory (staged by the driver).
+    pub(crate) pageable_uploads: u64,
     /// What the model found wrong (illegal accesses), in order.
     pub(crate) errors: Vec<String>,
     /// The model has two GPUs in one address space (as with unified addressing): the
@@ -175,6 +180,7 @@ impl FakeGpu {
             match op {
                 Op::Wait { stream: other, at } => self.complete_to(other, at),
                 Op::Copy { dst, src, len } => self.copy(dst, src, len),
+                Op::Staged { dst, bytes } => self.copy(dst, bytes.as_ptr() as usize, bytes.len()),
                 Op::Callback { callback, data } => {
                     let status = self.sticky().unwrap_or(CUDA_SUCCESS);
                     if let Some(callback) = callback {
@@ -623,6 +629,14 @@ unsafe extern "C" fn memcpy_htod(
 ) -> CUresult {
     let (dst, src) = (dst as usize, src as usize);
     with(|g| {
+        if g.is_device(dst, bytes) && !g.is_pinned(src, bytes) && !g.is_device(src, bytes) {
+            // Pageable memory, as the driver takes it: copied into its staging at the call.
+            // SAFETY: the code under test passes readable host memory of `bytes` bytes.
+            let staged = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
+            g.pageable_uploads += 1;
+            g.enqueue(stream, Op::Staged { dst, bytes: staged });
+            return CUDA_SUCCESS;
+        }
         let ok = g.is_device(dst, bytes) && g.is_pinned(src, bytes);
         g.enqueue_copy(stream, (dst, src, bytes), ok, "pinned host to device memory")
     })

@@ -215,3 +215,71 @@ fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_t
     fence.wait().unwrap();
     assert!(d.download(b).unwrap() == data, "the upload read another readback's bytes");
 }
+
+/// Blocking uploads of at most `DRIVER_STAGED_MOST` bytes go to the driver as given (the
+/// model counts a copy from pageable memory, staged at the call); larger ones take the
+/// staged batch path. Either way every byte lands where it was sent, from pageable and from
+/// pinned memory, and nothing else changes.
+#[test]
+fn small_blocking_uploads_go_to_the_driver_as_given_and_land() {
+    use crate::transfer::single::DRIVER_STAGED_MOST as MOST;
+    let (_driver, d) = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(41);
+    let len = 3 * MOST;
+    let b = d.allocate(len as u64).unwrap();
+    let mut expected: Vec<u8> = std::iter::repeat_with(|| rng.u8(..)).take(len).collect();
+    d.upload(b, &expected).unwrap();
+    let pageable = || model::with(|g| g.pageable_uploads);
+    for (offset, n) in [(0, 1), (3, 4096), (len - MOST, MOST), (17, MOST + 1), (0, len)] {
+        let data: Vec<u8> = std::iter::repeat_with(|| rng.u8(..)).take(n).collect();
+        let before = pageable();
+        d.upload_at(b, offset as u64, &data).unwrap();
+        assert_eq!(pageable() - before, u64::from(n <= MOST), "{n} bytes at {offset}: the path");
+        expected[offset..offset + n].copy_from_slice(&data);
+        assert!(d.download(b).unwrap() == expected, "{n} bytes at {offset}: the buffer");
+    }
+    // A whole small buffer, by `upload`.
+    let small = d.allocate(MOST as u64).unwrap();
+    let data: Vec<u8> = std::iter::repeat_with(|| rng.u8(..)).take(MOST).collect();
+    let before = pageable();
+    d.upload(small, &data).unwrap();
+    assert_eq!(pageable(), before + 1);
+    assert!(d.download(small).unwrap() == data);
+    // From pinned memory the DMA reads the source after the call returns: the upload waits
+    // for it, and the source is only reused after.
+    let mut pinned = d.pinned(MOST).unwrap();
+    rng.fill(&mut pinned[..]);
+    let before = pageable();
+    d.upload_at(b, 5, &pinned[..]).unwrap();
+    assert_eq!(pageable(), before, "pinned memory is not staged");
+    expected[5..5 + MOST].copy_from_slice(&pinned[..]);
+    pinned.fill(0x5A);
+    assert!(d.download(b).unwrap() == expected);
+    assert!(model::with(|g| g.errors.is_empty()), "{:?}", model::with(|g| g.errors.clone()));
+}
+
+/// A small blocking upload with a bad range, or to a freed buffer, fails before anything is
+/// enqueued, with the errors of the batch path.
+#[test]
+fn small_blocking_uploads_of_bad_ranges_fail_and_move_nothing() {
+    let (driver, d) = device(Config::default());
+    let b = d.allocate(4096).unwrap();
+    let data = [7u8; 64];
+    driver.faults().record();
+    for offset in [4033, 4096, u64::MAX, u64::MAX - 10] {
+        let e = d.upload_at(b, offset, &data).unwrap_err();
+        assert!(
+            matches!(e, Error::OutOfRange { buffer, offset: o, len: 64, buffer_len: 4096 } if buffer == b && o == offset),
+            "{e}"
+        );
+        assert!(e.to_string().contains("Fix:"), "{e}");
+    }
+    // Empty: checked, then nothing to do.
+    d.upload_at(b, 4096, &[]).unwrap();
+    assert!(matches!(d.upload_at(b, 4097, &[]), Err(Error::OutOfRange { .. })));
+    assert_eq!(driver_calls(&driver), 0, "no driver call");
+    d.free(b).unwrap();
+    let e = d.upload_at(b, 0, &data).unwrap_err();
+    assert!(matches!(e, Error::FreedBuffer { buffer } if buffer == b), "{e}");
+    assert_eq!(d.telemetry().upload_submissions, 0);
+}

@@ -35,6 +35,38 @@ pub(crate) unsafe fn upload_async_at(
     })
 }
 
+/// The largest blocking upload ([`Device::upload_at`](crate::Device::upload_at),
+/// [`Device::upload`](crate::Device::upload)) handed to the driver as the caller gave it
+/// ([`upload_now`]); larger ones are staged by the batch path, which pipelines them.
+pub(crate) const DRIVER_STAGED_MOST: usize = 16 << 10;
+
+/// A small blocking upload: `data` goes to the driver as it is, by one `cuMemcpyHtoDAsync`
+/// on the upload lane (ordered and claimed as any copy), then waited for. From pageable
+/// memory the driver copies the bytes into its own staging before the call returns, and
+/// sends a few kilobytes with the command itself, where a copy from pinned staging waits for
+/// the GPU to fetch them from host memory (on the H200, raw 4 B: 5.71 µs from pageable
+/// memory against 6.57 from pinned; BENCHMARKS.md, latency), and no pinned lease or host
+/// copy of ours is needed. From pinned memory the DMA reads `data` after the call returns:
+/// `data` stays borrowed until the wait returns, so it outlives the read. A wait that
+/// fails is a fault of the context, which then runs no more copies.
+pub(crate) fn upload_now(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, data: &[u8]) -> Result<()> {
+    let len = data.len();
+    let address = core.checked_range(buffer, offset, len as u64)?;
+    if len == 0 {
+        return Ok(());
+    }
+    let mut exec = Exec::begin(core, LaneKind::Upload);
+    exec.claim_ranges(std::iter::once(buffer), 1, |r| r.push(address, len as u64))?;
+    exec.requested(len as u64);
+    exec.submit(Vec::new(), |q| {
+        // SAFETY: the destination lies in a live buffer (checked, and claimed so that it is
+        // not reused before this copy completes); `data` is readable and stays borrowed
+        // until the copy is waited for, below.
+        unsafe { q.htod(address, data.as_ptr(), len) }
+    })?;
+    exec.finish().wait()
+}
+
 /// The work of [`Device::download_async_at`](crate::Device::download_async_at).
 ///
 /// # Safety
