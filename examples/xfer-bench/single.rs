@@ -9,7 +9,7 @@ use cuda_resident::{Device, ResidentBuffer};
 
 use crate::baselines::{DriverBaseline, check, memcpy_batch, sync};
 use crate::report::{Figure, human};
-use crate::timing::{Spread, median_secs, secs_together};
+use crate::timing::{Spread, secs_together};
 use crate::{BenchResult, error};
 
 /// Copies a repetition of the latency cases times one by one.
@@ -186,23 +186,44 @@ impl<'a> Single<'a> {
         Ok(())
     }
 
-    /// `measure` by each method (the batch API where the driver has it), cuda-resident last:
-    /// its destination is scrambled first and verified afterwards.
-    fn each_method<T>(
-        &mut self,
-        mut measure: impl FnMut(&mut Self, Method) -> BenchResult<T>,
-    ) -> BenchResult<ByMethod<T>> {
-        let raw = measure(self, Method::Raw)?;
-        let batch = if self.d.info().batch_memcpy { Some(measure(self, Method::Batch)?) } else { None };
-        self.scramble()?;
-        let ours = measure(self, Method::Ours)?;
-        self.verify()?;
-        Ok(ByMethod { raw, batch, ours })
+    /// The methods, in the order they take turns: the raw driver, the batch API where the
+    /// driver has it, cuda-resident.
+    fn methods(&self) -> Vec<Method> {
+        let batch = self.d.info().batch_memcpy.then_some(Method::Batch);
+        [Method::Raw].into_iter().chain(batch).chain([Method::Ours]).collect()
     }
 
-    /// The spread of the seconds of `iters` back-to-back copies by each method.
+    /// Each method's figure from `figures`, in [`Single::methods`] order.
+    fn by_method<T>(&self, figures: impl IntoIterator<Item = T>) -> ByMethod<T> {
+        let mut figures = figures.into_iter();
+        let raw = figures.next().expect("raw is measured");
+        let batch = if self.d.info().batch_memcpy { figures.next() } else { None };
+        let ours = figures.next().expect("cuda-resident is measured");
+        ByMethod { raw, batch, ours }
+    }
+
+    /// The spread of the seconds of `iters` back-to-back copies by each method: one warm-up
+    /// each, then the methods take turns rep by rep, so that a burst of noise on the link or
+    /// the host falls on all of them alike rather than on one method's block of reps.
+    /// cuda-resident's destination is scrambled before its last run and verified after it.
     pub(crate) fn times(&mut self, reps: usize, iters: usize) -> BenchResult<ByMethod<Spread>> {
-        self.each_method(|copy, method| median_secs(reps, || (0..iters).try_for_each(|_| copy.once(method))))
+        let methods = self.methods();
+        let run = |copy: &mut Self, method| (0..iters).try_for_each(|_| copy.once(method));
+        for &method in &methods {
+            run(self, method)?;
+        }
+        let mut secs = vec![Vec::with_capacity(reps.max(1)); methods.len()];
+        for _ in 0..reps.max(1) {
+            for (&method, secs) in methods.iter().zip(&mut secs) {
+                let t = Instant::now();
+                run(self, method)?;
+                secs.push(t.elapsed().as_secs_f64());
+            }
+        }
+        self.scramble()?;
+        run(self, Method::Ours)?;
+        self.verify()?;
+        Ok(self.by_method(secs.into_iter().map(|mut v| Spread::of(&mut v).expect("at least one repetition"))))
     }
 
     /// Median and 99th percentile, in µs, of one copy by each method, each with the spread
@@ -211,9 +232,7 @@ impl<'a> Single<'a> {
     /// falls on all of them alike rather than on one method's block of copies.
     /// cuda-resident's destination is scrambled before its last copy and verified after it.
     pub(crate) fn latencies(&mut self, reps: usize) -> BenchResult<ByMethod<[Figure; 2]>> {
-        let batch = self.d.info().batch_memcpy;
-        let methods: Vec<Method> =
-            [Method::Raw].into_iter().chain(batch.then_some(Method::Batch)).chain([Method::Ours]).collect();
+        let methods = self.methods();
         for &method in &methods {
             (0..LATENCY_COPIES).try_for_each(|_| self.once(method))?;
         }
@@ -228,14 +247,10 @@ impl<'a> Single<'a> {
         self.scramble()?;
         self.once(Method::Ours)?;
         self.verify()?;
-        let mut stats = us.into_iter().map(|mut us| {
+        Ok(self.by_method(us.into_iter().map(|mut us| {
             let spread = Spread::of(&mut us).expect("reps * LATENCY_COPIES copies timed");
             [Figure::median(spread), Figure { value: us[us.len() * 99 / 100], spread }]
-        });
-        let raw = stats.next().expect("raw is measured");
-        let batch = if batch { stats.next() } else { None };
-        let ours = stats.next().expect("cuda-resident is measured");
-        Ok(ByMethod { raw, batch, ours })
+        })))
     }
 }
 
