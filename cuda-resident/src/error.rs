@@ -238,8 +238,11 @@ pub enum Error {
 
     /// An item of a bulk call ([`UploadBatch::write_many`](crate::UploadBatch::write_many),
     /// [`DownloadBatch::read_ranges`](crate::DownloadBatch::read_ranges),
-    /// [`DownloadBatch::read_many`](crate::DownloadBatch::read_many)) was refused: `error` is
-    /// what the single call (`write`, `read`, `read_all`) would have returned for it.
+    /// [`DownloadBatch::read_many`](crate::DownloadBatch::read_many),
+    /// [`ScopedUploads::write_many`](crate::ScopedUploads::write_many),
+    /// [`ScopedDownloads::read_into_many`](crate::ScopedDownloads::read_into_many)) was
+    /// refused: `error` is what the single call (`write`, `read`, `read_all`, `read_into`)
+    /// would have returned for it.
     #[error("item {index} of {call}: {error}")]
     BadItem {
         /// The call.
@@ -452,6 +455,19 @@ pub enum PlanError {
 }
 
 impl Error {
+    /// Item `index` of the bulk call `call` refused for `error`, kept in `batch_error` (the
+    /// error a batch's `submit` returns) unless that holds one already.
+    pub(crate) fn bad_item(
+        batch_error: &mut Option<Error>,
+        call: &'static str,
+        index: usize,
+        error: Error,
+    ) -> Error {
+        let e = Error::BadItem { call, index, error: Box::new(error) };
+        batch_error.get_or_insert_with(|| e.clone());
+        e
+    }
+
     /// Whether this is the pinned pool refusing staging: more than the cap, more than is free
     /// of what callers hold, or more held staging than the reserve for transfers leaves. A
     /// download so refused streams through the pool; a prepared set moves as batches.

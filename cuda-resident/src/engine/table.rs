@@ -275,6 +275,28 @@ impl BufferTable {
         Some(entry.len)
     }
 
+    /// [`BufferTable::check`] for bulk calls, whose items come in runs on one buffer: `last`
+    /// holds the previous item's buffer and key, and an item on the same buffer skips the
+    /// lookup ([`BufferTable::check_key`]). Updates `last`.
+    #[inline]
+    pub(crate) fn check_next(
+        &mut self,
+        alloc: &Allocator<Arc<Context>>,
+        last: &mut Option<(ResidentBuffer, u32)>,
+        (buffer, offset, len): (ResidentBuffer, u64, u64),
+        first_error: &mut Option<Error>,
+    ) -> Result<(u32, u64)> {
+        if let Some((b, key)) = *last
+            && b == buffer
+            && let Some(buffer_len) = self.check_key(key, offset, len)
+        {
+            return Ok((key, buffer_len));
+        }
+        let found = self.check(alloc, buffer, offset, len, first_error)?;
+        *last = Some((buffer, found.0));
+        Ok(found)
+    }
+
     /// [`BufferTable::check`] for a buffer seen first or a bad range.
     #[cold]
     fn check_slow(

@@ -316,15 +316,8 @@ impl DownloadBatch<'_> {
         if self.reads.len() >= MAX_READS {
             return Err(Error::TooManyReads { most: MAX_READS });
         }
-        let known = match *last {
-            Some((b, key)) if b == buffer => self.table.check_key(key, offset, len).map(|n| (key, n)),
-            _ => None,
-        };
-        let (key, buffer_len) = match known {
-            Some(found) => found,
-            None => self.table.check(&self.core.alloc, buffer, offset, len, &mut None)?,
-        };
-        *last = Some((buffer, key));
+        let (key, buffer_len) =
+            self.table.check_next(&self.core.alloc, last, (buffer, offset, len), &mut None)?;
         let slot = Slot::nth(self.id, self.reads.len());
         self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
         Ok(slot)
@@ -345,14 +338,6 @@ impl DownloadBatch<'_> {
         self.read(buffer, 0, len)
     }
 
-    /// Poisons the batch with item `index` of `call`, refused for `error` (unless it was
-    /// poisoned before), and returns that error.
-    fn bad_item(&mut self, call: &'static str, index: usize, error: Error) -> Error {
-        let e = Error::BadItem { call, index, error: Box::new(error) };
-        self.error.get_or_insert_with(|| e.clone());
-        e
-    }
-
     /// Adds a read of each whole buffer, in order.
     ///
     /// # Errors
@@ -367,7 +352,7 @@ impl DownloadBatch<'_> {
             let added = self.core.buffer_len(buffer).and_then(|len| self.add(buffer, 0, len, &mut last));
             match added {
                 Ok(slot) => slots.push(slot),
-                Err(e) => return Err(self.bad_item("DownloadBatch::read_many", index, e)),
+                Err(e) => return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_many", index, e)),
             }
         }
         Ok(slots)
@@ -395,7 +380,9 @@ impl DownloadBatch<'_> {
         for (index, (buffer, offset, len)) in items.enumerate() {
             match self.add(buffer, offset, len, &mut last) {
                 Ok(slot) => slots.push(slot),
-                Err(e) => return Err(self.bad_item("DownloadBatch::read_ranges", index, e)),
+                Err(e) => {
+                    return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_ranges", index, e));
+                }
             }
         }
         Ok(slots)

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::BufferTable;
+use super::upload::RESERVE_MOST;
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
@@ -630,6 +631,33 @@ fn move_pinned(
     Ok(exec.finish())
 }
 
+/// The work of the scoped bulk calls ([`ScopedUploads::write_many`],
+/// [`ScopedDownloads::read_into_many`]): each `(buffer, offset, host)` item checked as the
+/// single call checks its own (a run of items on one buffer looked up once) and pushed onto
+/// `to` as `(key, offset, host)`; the first bad item is named by its index in `call` and kept
+/// as the batch's error, and the items after it are not added.
+fn add_many<T>(
+    core: &Core,
+    (table, error): (&mut BufferTable, &mut Option<Error>),
+    call: &'static str,
+    to: &mut Vec<(u32, u64, T)>,
+    items: impl IntoIterator<Item = (ResidentBuffer, u64, T)>,
+    len: impl Fn(&T) -> usize,
+) -> Result<()> {
+    let items = items.into_iter();
+    // As `UploadBatch::write_many`: the iterator's hint is trusted only so far.
+    to.reserve(items.size_hint().0.min(RESERVE_MOST));
+    let mut last = None;
+    for (index, (buffer, offset, host)) in items.enumerate() {
+        let range = (buffer, offset, len(&host) as u64);
+        match table.check_next(&core.alloc, &mut last, range, &mut None) {
+            Ok((key, _)) => to.push((key, offset, host)),
+            Err(e) => return Err(Error::bad_item(error, call, index, e)),
+        }
+    }
+    Ok(())
+}
+
 /// A batch of writes from the caller's memory ([`Scope::uploads`]). Writes apply in order:
 /// where two overlap, the later one wins (such a batch takes the staged path whole).
 #[must_use = "a scoped upload batch moves nothing until it is submitted"]
@@ -661,6 +689,23 @@ impl<'scope> ScopedUploads<'scope> {
         let (key, _) =
             self.table.check(&self.core.alloc, buffer, offset, data.len() as u64, &mut self.error)?;
         self.writes.push((key, offset, data));
+        Ok(self)
+    }
+
+    /// Adds a write for each `(buffer, offset, data)` item, in order, as that many
+    /// [`write`](ScopedUploads::write)s would, with less work per item: a run of items on one
+    /// buffer (the blocks of one pool) looks the buffer up once.
+    ///
+    /// # Errors
+    /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
+    /// `write` returns for it; the batch keeps the items before it and fails `submit` with
+    /// that error (moving nothing), as after a bad `write`; the items after it are not added.
+    pub fn write_many<I>(&mut self, items: I) -> Result<&mut Self>
+    where
+        I: IntoIterator<Item = (ResidentBuffer, u64, &'scope [u8])>,
+    {
+        let call = "ScopedUploads::write_many";
+        add_many(self.core, (&mut self.table, &mut self.error), call, &mut self.writes, items, |d| d.len())?;
         Ok(self)
     }
 
@@ -870,6 +915,24 @@ impl<'scope> ScopedDownloads<'scope> {
         let (key, _) =
             self.table.check(&self.core.alloc, buffer, offset, out.len() as u64, &mut self.error)?;
         self.reads.push((key, offset, out));
+        Ok(self)
+    }
+
+    /// Adds a read for each `(buffer, offset, out)` item, in order, as that many
+    /// [`read_into`](ScopedDownloads::read_into)s would, with less work per item: a run of
+    /// items on one buffer (the blocks of one pool) looks the buffer up once.
+    ///
+    /// # Errors
+    /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
+    /// `read_into` returns for it; the batch keeps the items before it and fails `submit`
+    /// with that error (moving nothing), as after a bad `read_into`; the items after it are
+    /// not added.
+    pub fn read_into_many<I>(&mut self, items: I) -> Result<&mut Self>
+    where
+        I: IntoIterator<Item = (ResidentBuffer, u64, &'scope mut [u8])>,
+    {
+        let call = "ScopedDownloads::read_into_many";
+        add_many(self.core, (&mut self.table, &mut self.error), call, &mut self.reads, items, |o| o.len())?;
         Ok(self)
     }
 

@@ -551,3 +551,111 @@ fn parts_keep_a_registered_run_of_small_blocks_whole_enough_to_move_as_runs() {
     unsafe { d.unpin_host(cache.as_mut_ptr()) }.unwrap();
     assert!(model::with(|g| g.errors.is_empty()));
 }
+
+/// `write_many` and `read_into_many` move what as many `write`s and `read_into`s would, from
+/// and into pinned and pageable memory, with runs on one pool and items that alternate
+/// between two.
+#[test]
+fn scoped_bulk_calls_move_what_single_calls_move() {
+    for pinned in [true, false] {
+        let d = device(Config::default());
+        let mut rng = fastrand::Rng::with_seed(u64::from(pinned) + 11);
+        let block = 4096;
+        let (a, mut expect_a) = pool(&d, &mut rng, 64 * block);
+        let (b, mut expect_b) = pool(&d, &mut rng, 64 * block);
+        let mut order: Vec<usize> = (0..64).collect();
+        rng.shuffle(&mut order);
+        // Out: blocks 0..16 of the order from `a`, then 16..24 alternating between the pools.
+        // In: blocks 24..40 into `a`, then 40..48 alternating.
+        let outs: Vec<(ResidentBuffer, usize)> = order[..16]
+            .iter()
+            .map(|&k| (a, k))
+            .chain(order[16..24].iter().enumerate().map(|(i, &k)| (if i % 2 == 0 { b } else { a }, k)))
+            .collect();
+        let ins: Vec<(ResidentBuffer, usize)> = order[24..40]
+            .iter()
+            .map(|&k| (a, k))
+            .chain(order[40..48].iter().enumerate().map(|(i, &k)| (if i % 2 == 0 { b } else { a }, k)))
+            .collect();
+        let mut pinned_cache = if pinned { Some(d.pinned(48 * block).unwrap()) } else { None };
+        let mut pageable_cache = vec![0u8; 48 * block];
+        let cache: &mut [u8] = match &mut pinned_cache {
+            Some(p) => &mut p[..],
+            None => &mut pageable_cache,
+        };
+        rng.fill(cache);
+        let incoming = cache[24 * block..].to_vec();
+        let (out_half, in_half) = cache.split_at_mut(24 * block);
+        d.scope(|s| {
+            let mut reads = s.downloads();
+            let items = outs
+                .iter()
+                .zip(out_half.chunks_mut(block))
+                .map(|(&(p, k), dst)| (p, (k * block) as u64, dst));
+            reads.read_into_many(items)?;
+            assert_eq!(reads.len(), 24);
+            let mut writes = s.uploads();
+            let items =
+                ins.iter().zip(in_half.chunks(block)).map(|(&(p, k), src)| (p, (k * block) as u64, src));
+            writes.write_many(items)?;
+            assert_eq!(writes.len(), 24);
+            reads.submit()?;
+            writes.submit()
+        })
+        .unwrap();
+        for (i, &(p, k)) in outs.iter().enumerate() {
+            let expect = if p == a { &expect_a } else { &expect_b };
+            assert!(
+                cache[i * block..(i + 1) * block] == expect[k * block..(k + 1) * block],
+                "out {i} (pinned: {pinned})"
+            );
+        }
+        for (i, &(p, k)) in ins.iter().enumerate() {
+            let expect = if p == a { &mut expect_a } else { &mut expect_b };
+            expect[k * block..(k + 1) * block].copy_from_slice(&incoming[i * block..(i + 1) * block]);
+        }
+        assert!(d.download(a).unwrap() == expect_a && d.download(b).unwrap() == expect_b, "pinned: {pinned}");
+        assert!(model::with(|g| g.errors.is_empty()));
+    }
+}
+
+/// The first bad item of a scoped bulk call is named by its index; the batch keeps the items
+/// before it, and its `submit` fails with that error and moves nothing.
+#[test]
+fn a_bad_item_of_a_scoped_bulk_call_is_named_and_nothing_moves() {
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(5);
+    let block = 256;
+    let (p, before) = pool(&d, &mut rng, 16 * block);
+    let freed = d.allocate(64).unwrap();
+    d.free(freed).unwrap();
+    let src = random_vec(&mut rng, 16 * block);
+    let mut out = vec![0x5Au8; 16 * block];
+    let moved = d.telemetry().bytes_moved;
+    d.scope(|s| {
+        let mut writes = s.uploads();
+        // Item 5 runs one byte past the pool; its run-mates before it share the pool's lookup.
+        let items = (0..8).map(|i| {
+            let offset = if i == 5 { (15 * block + 1) as u64 } else { (i * block) as u64 };
+            (p, offset, &src[i * block..(i + 1) * block])
+        });
+        let e = writes.write_many(items).unwrap_err();
+        let Error::BadItem { call: "ScopedUploads::write_many", index: 5, error } = &e else { panic!("{e}") };
+        assert!(matches!(**error, Error::OutOfRange { offset, len: 256, .. } if offset == (15 * block + 1) as u64), "{e}");
+        assert!(e.to_string().contains("Fix:"), "{e}");
+        assert_eq!(writes.len(), 5, "the items before the bad one are kept");
+        assert!(matches!(writes.submit(), Err(Error::BadItem { index: 5, .. })));
+        let mut reads = s.downloads();
+        let items = out.chunks_mut(block).enumerate().map(|(i, dst)| (if i == 3 { freed } else { p }, (i * block) as u64, dst));
+        let e = reads.read_into_many(items).unwrap_err();
+        let Error::BadItem { call: "ScopedDownloads::read_into_many", index: 3, error } = &e else { panic!("{e}") };
+        assert!(matches!(**error, Error::FreedBuffer { buffer } if buffer == freed), "{e}");
+        assert_eq!(reads.len(), 3);
+        assert!(matches!(reads.submit(), Err(Error::BadItem { index: 3, .. })));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(d.telemetry().bytes_moved, moved, "nothing moved");
+    assert!(out.iter().all(|&x| x == 0x5A), "no read landed");
+    assert!(d.download(p).unwrap() == before, "no write landed");
+}

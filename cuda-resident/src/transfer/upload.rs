@@ -169,27 +169,18 @@ impl<'a> UploadBatch<'a> {
         self.sources.reserve(lower);
         let before = self.writes.len();
         // The last item's buffer and key: the items of a run on one buffer skip the lookup.
-        let mut last: Option<(ResidentBuffer, u32)> = None;
+        let mut last = None;
         for (index, (buffer, offset, data)) in items.enumerate() {
             let len = data.len() as u64;
-            let known = match last {
-                Some((b, key)) if b == buffer => self.table.check_key(key, offset, len).map(|n| (key, n)),
-                _ => None,
-            };
-            let checked = match known {
-                Some(found) => Ok(found),
-                None => self.table.check(&self.core.alloc, buffer, offset, len, &mut None),
-            };
+            let checked =
+                self.table.check_next(&self.core.alloc, &mut last, (buffer, offset, len), &mut None);
             let (key, buffer_len) = match checked {
                 Ok(found) => found,
                 Err(error) => {
                     self.slice_writes += self.writes.len() - before;
-                    let e = Error::BadItem { call: "UploadBatch::write_many", index, error: Box::new(error) };
-                    self.error.get_or_insert_with(|| e.clone());
-                    return Err(e);
+                    return Err(Error::bad_item(&mut self.error, "UploadBatch::write_many", index, error));
                 }
             };
-            last = Some((buffer, key));
             self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
             self.sources.push(Source::Slice(data));
         }
