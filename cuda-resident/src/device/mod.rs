@@ -274,10 +274,9 @@ impl Device {
     /// Uploads `data` to `buffer` at `offset` and waits until it has landed.
     ///
     /// Up to 16 KiB, `data` goes to the driver as it is (one `cuMemcpyHtoDAsync` on the upload
-    /// lane): from pageable memory the driver stages the bytes itself, and sends small ones
-    /// with the command, which is the fastest way a single small copy lands. Larger uploads
-    /// are staged in pinned memory and pipelined, as a batch's are. The same holds for
-    /// [`Device::upload`].
+    /// lane, ordered against other copies of the same bytes as any batch): from pageable
+    /// memory the driver stages the bytes itself. Larger uploads are staged in pinned memory
+    /// and pipelined, as a batch's are. The same holds for [`Device::upload`].
     pub fn upload_at(&self, buffer: ResidentBuffer, offset: u64, data: &[u8]) -> Result<()> {
         crate::transfer::convenience::upload_at(&self.core, buffer, offset, data)
     }

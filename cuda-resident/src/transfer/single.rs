@@ -37,18 +37,19 @@ pub(crate) unsafe fn upload_async_at(
 
 /// The largest blocking upload ([`Device::upload_at`](crate::Device::upload_at),
 /// [`Device::upload`](crate::Device::upload)) handed to the driver as the caller gave it
-/// ([`upload_now`]); larger ones are staged by the batch path, which pipelines them.
+/// ([`upload_now`]); larger ones are staged by the batch path, which pipelines them. On the
+/// H200 the driver's own pageable path was as fast as the library's staging or faster up to
+/// 16 KiB, and slower at 64 KiB (docs/runs/2026-12-02-h200-ab-d1303c8.md).
 pub(crate) const DRIVER_STAGED_MOST: usize = 16 << 10;
 
 /// A small blocking upload: `data` goes to the driver as it is, by one `cuMemcpyHtoDAsync`
 /// on the upload lane (ordered and claimed as any copy), then waited for. From pageable
-/// memory the driver copies the bytes into its own staging before the call returns, and
-/// sends a few kilobytes with the command itself, where a copy from pinned staging waits for
-/// the GPU to fetch them from host memory (on the H200, raw 4 B: 5.71 µs from pageable
-/// memory against 6.57 from pinned; BENCHMARKS.md, latency), and no pinned lease or host
-/// copy of ours is needed. From pinned memory the DMA reads `data` after the call returns:
-/// `data` stays borrowed until the wait returns, so it outlives the read. A wait that
-/// fails is a fault of the context, which then runs no more copies.
+/// memory the driver copies the bytes into its own staging before the call returns (small
+/// ones travel with the command), so no pinned lease or host copy of the library's is
+/// needed. From pinned memory the DMA reads `data` after the call returns: `data` stays
+/// borrowed until the wait returns, so it outlives the read (and where the lane cannot
+/// record the copy's event, the submission waits for the stream before it returns). A wait
+/// that fails is a fault of the context, which then runs no more copies.
 pub(crate) fn upload_now(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, data: &[u8]) -> Result<()> {
     let len = data.len();
     let address = core.checked_range(buffer, offset, len as u64)?;
