@@ -629,8 +629,11 @@ unsafe extern "C" fn memcpy_htod(
 ) -> CUresult {
     let (dst, src) = (dst as usize, src as usize);
     with(|g| {
-        if g.is_device(dst, bytes) && !g.is_pinned(src, bytes) && !g.is_device(src, bytes) {
-            // Pageable memory, as the driver takes it: copied into its staging at the call.
+        // Pageable memory, as the driver takes it: copied into its staging at the call. The
+        // library hands the driver pageable bytes only for small blocking uploads; a larger
+        // pageable source is a staging path gone wrong, refused below as not pinned.
+        let small = bytes <= crate::transfer::single::DRIVER_STAGED_MOST;
+        if small && g.is_device(dst, bytes) && !g.is_pinned(src, bytes) && !g.is_device(src, bytes) {
             // SAFETY: the code under test passes readable host memory of `bytes` bytes.
             let staged = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
             g.pageable_uploads += 1;
