@@ -11,14 +11,11 @@ use crate::transfer::single::{DRIVER_STAGED_MOST, upload_now};
 
 /// The work of [`Device::upload`](crate::Device::upload).
 pub(crate) fn upload(core: &Arc<Core>, buffer: ResidentBuffer, data: &[u8]) -> Result<()> {
-    if data.len() > DRIVER_STAGED_MOST {
-        return upload_many(core, &[(buffer, data)]);
-    }
     let buffer_len = core.buffer_len(buffer)?;
     if data.len() as u64 != buffer_len {
         return Err(Error::UploadLength { buffer, buffer_len, data_len: data.len() });
     }
-    upload_now(core, buffer, 0, data)
+    upload_at(core, buffer, 0, data)
 }
 
 /// The work of [`Device::upload_at`](crate::Device::upload_at).
