@@ -202,52 +202,51 @@ impl<'a> Single<'a> {
         ByMethod { raw, batch, ours }
     }
 
-    /// The spread of the seconds of `iters` back-to-back copies by each method: one warm-up
-    /// each, then the methods take turns rep by rep, so that a burst of noise on the link or
-    /// the host falls on all of them alike rather than on one method's block of reps.
-    /// cuda-resident's destination is scrambled before its last run and verified after it.
-    pub(crate) fn times(&mut self, reps: usize, iters: usize) -> BenchResult<ByMethod<Spread>> {
+    /// The methods take turns: `warm_ups` runs of `step` by each, then `rounds` rounds in
+    /// which each method runs `step` once, timed, so that a burst of noise on the link or the
+    /// host falls on all of them alike rather than on one method's block of runs. Each
+    /// method's seconds a run, in [`Single::methods`] order. cuda-resident's destination is
+    /// scrambled before one more run of its `step` and verified after it.
+    fn take_turns(
+        &mut self,
+        warm_ups: usize,
+        rounds: usize,
+        step: impl Fn(&mut Self, Method) -> BenchResult<()>,
+    ) -> BenchResult<Vec<Vec<f64>>> {
         let methods = self.methods();
-        let run = |copy: &mut Self, method| (0..iters).try_for_each(|_| copy.once(method));
         for &method in &methods {
-            run(self, method)?;
+            (0..warm_ups).try_for_each(|_| step(self, method))?;
         }
-        let mut secs = vec![Vec::with_capacity(reps.max(1)); methods.len()];
-        for _ in 0..reps.max(1) {
+        let mut secs = vec![Vec::with_capacity(rounds); methods.len()];
+        for _ in 0..rounds {
             for (&method, secs) in methods.iter().zip(&mut secs) {
                 let t = Instant::now();
-                run(self, method)?;
+                step(self, method)?;
                 secs.push(t.elapsed().as_secs_f64());
             }
         }
         self.scramble()?;
-        run(self, Method::Ours)?;
+        step(self, Method::Ours)?;
         self.verify()?;
+        Ok(secs)
+    }
+
+    /// The spread of the seconds of `iters` back-to-back copies by each method: one warm-up
+    /// each, then the methods take turns rep by rep ([`Single::take_turns`]).
+    pub(crate) fn times(&mut self, reps: usize, iters: usize) -> BenchResult<ByMethod<Spread>> {
+        let secs =
+            self.take_turns(1, reps.max(1), |copy, method| (0..iters).try_for_each(|_| copy.once(method)))?;
         Ok(self.by_method(secs.into_iter().map(|mut v| Spread::of(&mut v).expect("at least one repetition"))))
     }
 
     /// Median and 99th percentile, in µs, of one copy by each method, each with the spread
     /// of every copy timed: `LATENCY_COPIES` warm-up copies each, then `reps` times as many
-    /// timed one by one. The methods take turns copy by copy, so that a burst of host noise
-    /// falls on all of them alike rather than on one method's block of copies.
-    /// cuda-resident's destination is scrambled before its last copy and verified after it.
+    /// timed one by one, the methods taking turns copy by copy ([`Single::take_turns`]).
     pub(crate) fn latencies(&mut self, reps: usize) -> BenchResult<ByMethod<[Figure; 2]>> {
-        let methods = self.methods();
-        for &method in &methods {
-            (0..LATENCY_COPIES).try_for_each(|_| self.once(method))?;
-        }
-        let mut us = vec![Vec::with_capacity(reps * LATENCY_COPIES); methods.len()];
-        for _ in 0..reps * LATENCY_COPIES {
-            for (&method, us) in methods.iter().zip(&mut us) {
-                let t = Instant::now();
-                self.once(method)?;
-                us.push(t.elapsed().as_secs_f64() * 1e6);
-            }
-        }
-        self.scramble()?;
-        self.once(Method::Ours)?;
-        self.verify()?;
-        Ok(self.by_method(us.into_iter().map(|mut us| {
+        let secs =
+            self.take_turns(LATENCY_COPIES, reps * LATENCY_COPIES, |copy, method| copy.once(method))?;
+        Ok(self.by_method(secs.into_iter().map(|secs| {
+            let mut us: Vec<f64> = secs.into_iter().map(|s| s * 1e6).collect();
             let spread = Spread::of(&mut us).expect("reps * LATENCY_COPIES copies timed");
             [Figure::median(spread), Figure { value: us[us.len() * 99 / 100], spread }]
         })))
