@@ -123,7 +123,8 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) staged_small_copies: bool,
     /// Also print, on stderr, where the time of a batch goes (adding requests, submit,
-    /// waiting), for the many-small and the scattered cases, each way.
+    /// waiting), for the many-small and the scattered cases, each way, and for the paging
+    /// suite's swaps (each direction's times from the start, for "both" too).
     #[arg(long)]
     pub(crate) breakdown: bool,
     /// How the table is printed: aligned text, or a Markdown table.

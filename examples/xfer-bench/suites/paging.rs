@@ -19,6 +19,10 @@
 //! and submits each direction's batch on a thread of its own in one scope, which waits for
 //! both. GB/s counts the bytes moved, both directions' for "both".
 //!
+//! With `--breakdown`, each cuda-resident swap is also run again with each direction
+//! waited for right after its submit, and stderr gets the medians of when each direction
+//! finished adding its blocks, returned from `submit` and completed, from the start.
+//!
 //! Every method's swap is verified once per case, outside the clock: its destination
 //! poisoned, one swap, then every byte of every moved block compared with its source, the
 //! device side read back block by block through the raw driver.
@@ -265,7 +269,7 @@ fn with_pool(
             };
             for dir in [Dir::Out, Dir::In, Dir::Both] {
                 let name = format!("paging {} {} {}", human(block), dir.name(), kind.name());
-                let mut row = case.row(&name, dir, args.reps, baseline.batch)?;
+                let mut row = case.row(&name, dir, args.reps, baseline.batch, args.breakdown)?;
                 (row.count, row.size) = (Some(n), Some(block));
                 row.note = (!notes.is_empty()).then(|| notes.join("; "));
                 rows.push(row);
@@ -398,11 +402,48 @@ fn ours(
     out: Option<&mut Lane<&mut [u8]>>,
     ins: Option<&Lane<&[u8]>>,
 ) -> BenchResult<f64> {
+    ours_marked(d, pool, out, ins, None)
+}
+
+/// When each direction of one swap finished adding its blocks, returned from `submit`
+/// and completed, in µs from the start ([`ours_marked`]).
+#[derive(Clone, Copy, Default)]
+struct Marks {
+    built: f64,
+    submitted: f64,
+    done: f64,
+}
+
+/// [`ours`], and where `marks` is given, each direction's [`Marks`] (in, out), its
+/// completion waited for right after its submit.
+fn ours_marked(
+    d: &Device,
+    pool: ResidentBuffer,
+    out: Option<&mut Lane<&mut [u8]>>,
+    ins: Option<&Lane<&[u8]>>,
+    marks: Option<&std::sync::Mutex<[Marks; 2]>>,
+) -> BenchResult<f64> {
+    use std::time::Instant;
     // The swap-in's slots and offsets, not its lane: the lane's raw stream is not `Sync`.
     let ins = ins.map(|ins| (ins.host, &ins.offsets[..], ins.block));
     let both = out.is_some() && ins.is_some();
-    let mut start = std::time::Instant::now();
+    // When the clock starts: at once for one direction, once both threads are ready for both.
+    let start = std::sync::OnceLock::new();
+    if !both {
+        start.get_or_init(Instant::now);
+    }
+    let start = &start;
     d.scope(|s| {
+        let since = move || start.get().map_or(0.0, |t: &Instant| t.elapsed().as_secs_f64() * 1e6);
+        // Submits a direction's batch; with `marks`, waits for it and marks its times.
+        let submit = move |which: usize, built: f64, fenced: cuda_resident::Result<cuda_resident::Fence>| {
+            let Some(marks) = marks else { return fenced.map(drop) };
+            let submitted = since();
+            fenced?.wait()?;
+            marks.lock().expect("no thread panics holding the marks")[which] =
+                Marks { built, submitted, done: since() };
+            Ok(())
+        };
         // Closures that capture the caller's memory, rather than take it as an argument:
         // a scope's batches borrow it for the whole scope.
         let swap_in = move || {
@@ -411,7 +452,8 @@ fn ours(
             for (slot, &offset) in host.chunks_exact(block).zip(offsets) {
                 writes.write(pool, offset, slot)?;
             }
-            writes.submit()
+            let built = marks.map_or(0.0, |_| since());
+            submit(0, built, writes.submit_fenced())
         };
         let swap_out = move || {
             let Some(out) = out else { return Ok(()) };
@@ -419,7 +461,8 @@ fn ours(
             for (slot, &offset) in out.host.chunks_exact_mut(out.block).zip(&out.offsets) {
                 reads.read_into(pool, offset, slot)?;
             }
-            reads.submit()
+            let built = marks.map_or(0.0, |_| since());
+            submit(1, built, reads.submit_fenced())
         };
         if !both {
             swap_in()?;
@@ -430,18 +473,20 @@ fn ours(
             let up = threads.spawn(|| {
                 let current = d.make_current();
                 ready.wait();
+                // Released together: the clock starts at the first of the two.
+                start.get_or_init(Instant::now);
                 current?;
                 swap_in()
             });
             ready.wait();
-            start = std::time::Instant::now();
+            start.get_or_init(Instant::now);
             let out = swap_out();
             let up = up.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             out.and(up)
         })
     })
     .map_err(error)?;
-    Ok(start.elapsed().as_secs_f64())
+    Ok(start.get().expect("set before the swap").elapsed().as_secs_f64())
 }
 
 /// One block size and host cache: both lanes.
@@ -455,7 +500,7 @@ struct Case<'a> {
 impl Case<'_> {
     /// The row of `dir`: each method timed (`reps` repetitions after a warm-up), then
     /// verified; the batch API where the driver has it (`batch`).
-    fn row(&mut self, name: &str, dir: Dir, reps: usize, batch: bool) -> BenchResult<Row> {
+    fn row(&mut self, name: &str, dir: Dir, reps: usize, batch: bool, breakdown: bool) -> BenchResult<Row> {
         let mut time = |method| -> BenchResult<Spread> {
             let secs = median_of(reps, || self.secs(method, dir))?;
             self.verify(method, dir, name)?;
@@ -464,9 +509,46 @@ impl Case<'_> {
         let raw = time(Method::Raw)?;
         let batch = if batch { Some(time(Method::Batch)?) } else { None };
         let ours = time(Method::Ours)?;
+        if breakdown {
+            self.breakdown(name, dir, reps)?;
+        }
         let per_way = self.out.slots_len();
         let bytes = if dir == Dir::Both { 2 * per_way } else { per_way };
         Ok(Row::gbps(name.to_owned(), bytes, Some(raw), batch, ours))
+    }
+
+    /// Where the time of cuda-resident's swap in `dir` goes (`--breakdown`), on stderr: the
+    /// medians over `reps` swaps of when each direction finished adding its blocks, returned
+    /// from `submit` and completed (waited for right after its submit), from the start.
+    fn breakdown(&mut self, name: &str, dir: Dir, reps: usize) -> BenchResult<()> {
+        let (d, pool) = (self.d, self.pool);
+        let mut all: Vec<[Marks; 2]> = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let marks = std::sync::Mutex::new([Marks::default(); 2]);
+            let out = dir.outward().then_some(&mut self.out);
+            let ins = dir.inward().then_some(&self.ins);
+            ours_marked(d, pool, out, ins, Some(&marks))?;
+            all.push(marks.into_inner().expect("no thread panicked holding the marks"));
+        }
+        let median = |pick: &dyn Fn(&[Marks; 2]) -> f64| {
+            let mut xs: Vec<f64> = all.iter().map(pick).collect();
+            xs.sort_by(f64::total_cmp);
+            xs[xs.len() / 2]
+        };
+        let mut line = format!("breakdown {name}:");
+        for (which, (way, on)) in [("in", dir.inward()), ("out", dir.outward())].into_iter().enumerate() {
+            if on {
+                let [built, submitted, done] = [
+                    median(&|m| m[which].built),
+                    median(&|m| m[which].submitted),
+                    median(&|m| m[which].done),
+                ];
+                line +=
+                    &format!(" {way} built {built:.0} µs, submitted {submitted:.0} µs, done {done:.0} µs;");
+            }
+        }
+        eprintln!("{}", line.trim_end_matches(';'));
+        Ok(())
     }
 
     /// Seconds of one swap by `method` in `dir`, waited for.
