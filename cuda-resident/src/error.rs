@@ -253,6 +253,22 @@ pub enum Error {
         error: Box<Error>,
     },
 
+    /// The iterator given to a bulk call (those of [`Error::BadItem`]) panicked while
+    /// producing item `index`. The panic went on to the caller; a caller that catches it
+    /// finds the batch keeping this error: `submit` returns it and moves nothing, neither the
+    /// items the call added before the panic nor any other.
+    #[error(
+        "the iterator given to {call} panicked while producing item {index}, so this batch holds only part of \
+         that call's items and moves none of its writes or reads. Fix: make the iterator not panic, then build \
+         the batch again in a new one."
+    )]
+    ItemsPanicked {
+        /// The call.
+        call: &'static str,
+        /// The index of the item the iterator was producing (the items before it were added).
+        index: usize,
+    },
+
     /// A fill closure of [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par)
     /// panicked during `submit`. Staging moves lease by lease, each once all its fills are
     /// done: no byte of the lease that holds this write, or of any later lease, was moved; the
@@ -468,6 +484,27 @@ impl Error {
         e
     }
 
+    /// Runs `body` on `batch`: a bulk call's loop over the caller's items (it counts in `at`
+    /// the items taken so far). If it panics (the caller's iterator did), hands `undo` the
+    /// batch and [`Error::ItemsPanicked`] (to keep as the batch's error unless it has one,
+    /// with its bookkeeping back in step with what was added), then lets the panic go on: a
+    /// caller that catches it cannot move half the call.
+    pub(crate) fn guard_items<B: ?Sized, R>(
+        call: &'static str,
+        batch: &mut B,
+        body: impl FnOnce(&mut B, &mut usize) -> R,
+        undo: impl FnOnce(&mut B, Error),
+    ) -> R {
+        let mut at = 0;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(batch, &mut at))) {
+            Ok(done) => done,
+            Err(panic) => {
+                undo(batch, Error::ItemsPanicked { call, index: at });
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+
     /// Whether this is the pinned pool refusing staging: more than the cap, more than is free
     /// of what callers hold, or more held staging than the reserve for transfers leaves. A
     /// download so refused streams through the pool; a prepared set moves as batches.
@@ -615,6 +652,7 @@ mod tests {
                 len: 32,
                 cause: "panicked in its fill closure".into(),
             },
+            Error::ItemsPanicked { call: "UploadBatch::write_many", index: 3 },
             Error::UploadLength { buffer, buffer_len: 4096, data_len: 100 },
             Error::EmptyHostRange { operation: "Device::pin_host", address: 4096 },
         ];

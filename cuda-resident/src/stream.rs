@@ -110,6 +110,9 @@ fn covering<T>(inflight: &VecDeque<T>, seq_of: impl Fn(&T) -> u64, seq: u64) -> 
     inflight.iter().find(|f| seq_of(f) >= seq).or(inflight.back())
 }
 
+/// How many times [`Lane::settle`] asks the driver before it gives up.
+const SETTLE_TRIES: u32 = 8;
+
 /// One stream and its timeline.
 pub(crate) struct Lane {
     kind: LaneKind,
@@ -575,12 +578,12 @@ impl Lane {
         }
     }
 
-    /// After submission `seq` got no event: waits for the stream instead, after which
-    /// everything up to `seq` is done and retires. If even that fails, the context is lost;
-    /// what was enqueued may or may not run, so `keep` is never lent again (held until the
+    /// After submission `seq` got no event: waits for the stream instead ([`Lane::settle`]),
+    /// after which everything up to `seq` is done and retires. If the context is lost, no
+    /// work of it runs any more, but `keep` is never lent again all the same (held until the
     /// lane goes away).
     fn retire_without_event(&self, seq: u64, keep: KeepAlive) {
-        if self.ctx.raw.stream_synchronize(self.stream).is_err() {
+        if self.settle().is_err() {
             lock(&self.state).stranded.push(keep);
             return;
         }
@@ -593,6 +596,31 @@ impl Lane {
         self.completed.advance(seq);
         // Released staging goes back to its pool outside the lane's lock.
         drop((retired, keep));
+    }
+
+    /// Synchronizes the lane's stream, asking again while the driver refuses: `Ok` once it
+    /// confirms that everything enqueued on the stream is done, the error of a context lost
+    /// to a fault (which runs no work any more). For a path whose copy may still be queued
+    /// after an error (its event or its wait failed): returning would hand back memory that
+    /// copy reads or writes. Where the driver neither confirms the work done nor reports it
+    /// lost, nothing can keep that promise: the process aborts, after [`SETTLE_TRIES`] asks.
+    pub(crate) fn settle(&self) -> Result<()> {
+        let mut last = None;
+        for attempt in 0..SETTLE_TRIES {
+            match self.ctx.bind().and_then(|raw| raw.stream_synchronize(self.stream)) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.context_is_lost() => return Err(e),
+                Err(e) => last = Some(e),
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1 << attempt));
+        }
+        eprintln!(
+            "cuda-resident: copies on the {:?} lane could not be confirmed done or lost ({}); aborting rather \
+             than returning memory the GPU may still use",
+            self.kind,
+            last.map_or_else(String::new, |e| e.to_string())
+        );
+        std::process::abort()
     }
 
     /// Makes every sequence number up to `last` that was reserved but never submitted complete

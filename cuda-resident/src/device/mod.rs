@@ -277,6 +277,13 @@ impl Device {
     /// lane, ordered against other copies of the same bytes as any batch): from pageable
     /// memory the driver stages the bytes itself. Larger uploads are staged in pinned memory
     /// and pipelined, as a batch's are. The same holds for [`Device::upload`].
+    ///
+    /// # Errors
+    /// A bad range (nothing moved), a stale buffer, or a driver error. Where the driver
+    /// fails after the copy was enqueued (its event or its wait), the call first waits for
+    /// the upload lane's stream, so that no copy reads `data` once it returns; a driver that
+    /// can confirm neither that nor a lost context, asked a few times, aborts the process, as
+    /// [`Device::scope`] does.
     pub fn upload_at(&self, buffer: ResidentBuffer, offset: u64, data: &[u8]) -> Result<()> {
         crate::transfer::convenience::upload_at(&self.core, buffer, offset, data)
     }
@@ -440,8 +447,9 @@ impl Device {
     /// 1 MiB or more in all) by one DMA a chunk into or out of device staging and a scatter
     /// or gather launch inside the device; other ranges of this crate's pinned pool
     /// ([`Device::pinned`]) by one DMA each when large, by the copy kernel over the bus when
-    /// small. Memory pinned by [`Device::pin_host`] moves in place in such runs; everything
-    /// else takes the staged path of ordinary batches. This is the shape of a paging step:
+    /// small. Memory pinned by [`Device::pin_host`] moves in place in such runs (where a run
+    /// crosses the border of a registration, the piece inside it, if shorter than a run, by
+    /// one DMA a range); everything else takes the staged path of ordinary batches. This is the shape of a paging step:
     /// swap blocks out to a pinned host cache and others in, both directions at once.
     ///
     /// ```no_run
@@ -470,7 +478,11 @@ impl Device {
     /// ```
     ///
     /// # Errors
-    /// What `f` returned, else a failed wait for the scope's transfers.
+    /// What `f` returned, else a failed wait for the scope's transfers. A lane whose wait
+    /// fails is synchronized whole before the scope returns; a driver that, asked a few
+    /// times, confirms neither that its copies are done nor that the context is lost (which
+    /// runs no copy any more) aborts the process: returning would hand back memory the GPU
+    /// may still read or write.
     pub fn scope<'env, R>(
         &'env self,
         f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>,

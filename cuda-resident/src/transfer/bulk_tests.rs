@@ -281,3 +281,78 @@ fn a_size_hint_past_memory_reserves_a_bounded_room() {
     }
     assert!(model::with(|g| g.errors.is_empty()));
 }
+
+/// Items `0..n` of `item`, but the iterator panics when asked for item `at`.
+fn panicking<T>(n: u64, at: u64, mut item: impl FnMut(u64) -> T) -> impl Iterator<Item = T> {
+    (0..n).map(move |i| {
+        assert!(i != at, "the caller's iterator panics at item {i}");
+        item(i)
+    })
+}
+
+/// Whether `e` is the error of a bulk call whose iterator panicked at item `index`, with a fix.
+fn items_panicked(e: &Error, call: &str, index: usize) -> bool {
+    matches!(e, Error::ItemsPanicked { call: c, index: i } if *c == call && *i == index)
+        && e.to_string().contains("Fix: ")
+}
+
+/// A bulk call whose iterator panics part way: the panic reaches the caller, and a caller
+/// that catches it and submits gets `ItemsPanicked` and nothing of the batch moves, neither
+/// the items the call took before the panic nor writes added before it (one of them made
+/// in place, which takes a route of its own when the batch holds no slices).
+#[test]
+fn a_bulk_call_whose_iterator_panics_moves_nothing_of_its_batch() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(2006);
+    let m = Model::new(&d, &mut rng, &[70_000, 5_000]);
+    let data = random_vec(&mut rng, 4096);
+    let b = m.buffers[0];
+    for with_fill in [false, true] {
+        let mut batch = d.uploads();
+        if with_fill {
+            batch.write_with(m.buffers[1], 100, 64, |dst| dst.fill(7)).unwrap();
+        } else {
+            batch.write(m.buffers[1], 100, &data[..64]).unwrap();
+        }
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = batch.write_many(panicking(200, 150, |i| (b, i * 300, &data[..200])));
+        }));
+        assert!(caught.is_err(), "the iterator's panic reaches the caller");
+        let e = batch.submit().unwrap_err();
+        assert!(items_panicked(&e, "UploadBatch::write_many", 150), "{e}");
+        m.check(&d, "after an upload batch whose write_many panicked");
+    }
+    let mut reads = d.downloads();
+    reads.read(b, 0, 10).unwrap();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = reads.read_ranges(panicking(50, 3, |i| (b, i * 100, 50)));
+    }));
+    assert!(caught.is_err());
+    let e = reads.submit().map(drop).unwrap_err();
+    assert!(items_panicked(&e, "DownloadBatch::read_ranges", 3), "{e}");
+    // In a scope: the caller catches the panic inside and submits what it has.
+    let mut into = vec![0xA5u8; 64 * 100];
+    let e = d
+        .scope(|s| {
+            let mut writes = s.uploads();
+            writes.write(m.buffers[1], 0, &data[..10])?;
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _ = writes.write_many(panicking(100, 99, |i| (b, i * 64, &data[..64])));
+            }));
+            assert!(caught.is_err());
+            let e = writes.submit().unwrap_err();
+            assert!(items_panicked(&e, "ScopedUploads::write_many", 99), "{e}");
+            let mut reads = s.downloads();
+            let mut slots = into.chunks_mut(64);
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _ = reads.read_into_many(panicking(100, 0, |i| (b, i * 64, slots.next().unwrap())));
+            }));
+            assert!(caught.is_err());
+            reads.submit()
+        })
+        .unwrap_err();
+    assert!(items_panicked(&e, "ScopedDownloads::read_into_many", 0), "{e}");
+    assert!(into.iter().all(|&x| x == 0xA5), "no read of the panicked call landed");
+    m.check(&d, "after scoped bulk calls that panicked");
+    assert!(model::with(|g| g.errors.is_empty()));
+}

@@ -367,6 +367,11 @@ impl DownloadBatch<'_> {
     /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
     /// `read` returns for it; the reads before it stay added, but the batch is poisoned:
     /// `submit` fails with that error and moves nothing. The items after it are not added.
+    ///
+    /// # Panics
+    /// Where the iterator panics, the panic goes on to the caller, and the batch keeps
+    /// [`Error::ItemsPanicked`]: a caller that catches the panic finds `submit` failing with
+    /// it, moving nothing.
     pub fn read_ranges<I>(&mut self, items: I) -> Result<Vec<Slot>>
     where
         I: IntoIterator<Item = (ResidentBuffer, u64, u64)>,
@@ -376,16 +381,25 @@ impl DownloadBatch<'_> {
         let lower = items.size_hint().0.min(super::upload::RESERVE_MOST);
         let mut slots = Vec::with_capacity(lower);
         self.reads.reserve(lower);
-        let mut last = None;
-        for (index, (buffer, offset, len)) in items.enumerate() {
-            match self.add(buffer, offset, len, &mut last) {
-                Ok(slot) => slots.push(slot),
-                Err(e) => {
-                    return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_ranges", index, e));
+        let added = Error::guard_items(
+            "DownloadBatch::read_ranges",
+            self,
+            |batch, at| {
+                let mut last = None;
+                for (buffer, offset, len) in items {
+                    slots.push(batch.add(buffer, offset, len, &mut last).map_err(|e| (*at, e))?);
+                    *at += 1;
                 }
-            }
+                Ok(())
+            },
+            |batch, panicked| {
+                batch.error.get_or_insert(panicked);
+            },
+        );
+        match added {
+            Ok(()) => Ok(slots),
+            Err((index, e)) => Err(Error::bad_item(&mut self.error, "DownloadBatch::read_ranges", index, e)),
         }
-        Ok(slots)
     }
 
     /// Number of reads added.

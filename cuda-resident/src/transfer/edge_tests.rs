@@ -283,3 +283,68 @@ fn small_blocking_uploads_of_bad_ranges_fail_and_move_nothing() {
     assert!(matches!(e, Error::FreedBuffer { buffer } if buffer == b), "{e}");
     assert_eq!(d.telemetry().upload_submissions, 0);
 }
+
+/// A small blocking upload from pinned memory (read by the DMA itself, not staged by the
+/// driver at the call) whose wait fails without losing the context: the copy may still be
+/// queued, so `upload_at` settles the lane before it returns the error. Bytes the caller
+/// writes into the source afterwards never reach the device.
+#[test]
+fn a_small_upload_whose_wait_fails_has_landed_or_never_will_when_it_returns() {
+    use cuda_sys::{CUDA_ERROR_OUT_OF_MEMORY, Fault};
+    let (driver, d) = device(Config::default());
+    let b = d.allocate(4096).unwrap();
+    d.upload(b, &[0x11; 4096]).unwrap();
+    for entry in ["cuEventSynchronize", "cuEventRecord"] {
+        let mut src = d.pinned(4096).unwrap();
+        src.fill(0xAA);
+        let faults = driver.faults();
+        faults.clear();
+        faults.inject(Fault::new(entry, 1, CUDA_ERROR_OUT_OF_MEMORY)).unwrap();
+        if entry == "cuEventRecord" {
+            // And the stream's synchronize once too: the lane asks again.
+            faults.inject(Fault::new("cuStreamSynchronize", 1, CUDA_ERROR_OUT_OF_MEMORY)).unwrap();
+        }
+        let e = d.upload_at(b, 0, &src[..]).unwrap_err();
+        faults.clear();
+        assert!(e.to_string().contains(entry) && e.to_string().contains("Fix: "), "{e}");
+        // The call returned: the source is the caller's again.
+        src.fill(0xEE);
+        drop(src);
+        d.synchronize().unwrap();
+        let after = d.download(b).unwrap();
+        model::complete_all();
+        assert!(after == vec![0xAA; 4096], "{entry}: the copy had landed when upload_at returned");
+        assert!(d.download(b).unwrap() == after, "{entry}: nothing landed after synchronize returned");
+        d.upload(b, &[0x11; 4096]).unwrap();
+    }
+    assert!(model::with(|g| g.errors.is_empty()));
+}
+
+/// A batch whose event cannot be recorded, and whose stream the lane then fails to
+/// synchronize once: the lane asks again rather than leave the copy queued with no record
+/// of it, so `Device::synchronize` (and the drop of the device, which frees the memory the
+/// copy writes) comes after it.
+#[test]
+fn a_submission_without_an_event_is_waited_for_before_synchronize_returns() {
+    use cuda_sys::{CUDA_ERROR_OUT_OF_MEMORY, Fault};
+    let (driver, d) = device(Config::default());
+    let b = d.allocate(1 << 20).unwrap();
+    d.upload(b, &vec![0x11; 1 << 20]).unwrap();
+    let data = vec![0x22u8; 1 << 20];
+    let faults = driver.faults();
+    faults.clear();
+    faults.inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_OUT_OF_MEMORY)).unwrap();
+    faults.inject(Fault::new("cuStreamSynchronize", 1, CUDA_ERROR_OUT_OF_MEMORY)).unwrap();
+    let mut batch = d.uploads();
+    batch.write(b, 0, &data).unwrap();
+    let e = batch.submit().map(drop).unwrap_err();
+    faults.clear();
+    assert!(e.to_string().contains("cuEventRecord"), "{e}");
+    d.synchronize().unwrap();
+    let after = d.download(b).unwrap();
+    model::complete_all();
+    assert!(d.download(b).unwrap() == after, "a copy landed after synchronize returned");
+    drop(d);
+    model::complete_all();
+    assert!(model::with(|g| g.errors.is_empty()), "no copy touched freed memory");
+}

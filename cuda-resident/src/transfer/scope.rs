@@ -13,7 +13,9 @@
 //! ([`Device::pinned`](crate::Device::pinned): a [`PinnedBuffer`](crate::PinnedBuffer), a
 //! download's views), which is mapped for the device, move by one DMA each when at least
 //! `Config::direct_threshold` long, else by the copy kernel reading or writing them over the
-//! bus, many to a launch. Memory pinned by `Device::pin_host` moves in place in runs only.
+//! bus, many to a launch. Memory pinned by `Device::pin_host` moves in place in runs only
+//! (by one DMA a range for the piece of a run, shorter than a run, that crosses into a
+//! registration).
 //! Everything else (pageable memory, short pieces of registered memory) takes the staged
 //! path of ordinary batches: uploads are copied into staging at submit; downloads land in
 //! staging and are copied out before `submit` returns.
@@ -139,7 +141,7 @@ impl<'scope> Scope<'scope, '_> {
     }
 
     /// Waits for every submission of the scope. A lane where a batch failed part-way, or
-    /// whose wait fails, is synchronized whole instead ([`Scope::settle`]), so that no copy
+    /// whose wait fails, is synchronized whole instead ([`Lane::settle`](crate::stream::Lane::settle)), so that no copy
     /// of the scope runs once this returns.
     fn wait_all(&self) -> Result<()> {
         let mut first = Ok(());
@@ -161,32 +163,11 @@ impl<'scope> Scope<'scope, '_> {
     }
 
     /// Synchronizes `kind`'s lane whole (its stream, which a failed batch's side work was
-    /// joined into), retrying a refusal. A context lost to a fault runs no copy any more,
-    /// and its error is returned. Where the driver neither confirms that the copies are done
-    /// nor reports them lost, returning would hand back memory the GPU may still write: the
-    /// process aborts, as nothing else can keep that promise.
+    /// joined into): [`Lane::settle`](crate::stream::Lane::settle).
     fn settle(&self, kind: LaneKind) -> Result<()> {
-        let stream = self.core.lane(kind).stream();
-        let mut last = None;
-        for attempt in 0..SETTLE_TRIES {
-            match self.core.ctx.bind().and_then(|raw| raw.stream_synchronize(stream)) {
-                Ok(()) => return Ok(()),
-                Err(e) if e.context_is_lost() => return Err(e),
-                Err(e) => last = Some(e),
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1 << attempt));
-        }
-        eprintln!(
-            "cuda-resident: a scope's copies could not be confirmed done or lost ({}); aborting rather than \
-             returning memory the GPU may still use",
-            last.map_or_else(String::new, |e| e.to_string())
-        );
-        std::process::abort()
+        self.core.lane(kind).settle()
     }
 }
-
-/// How many times [`Scope::settle`] asks the driver before it gives up.
-const SETTLE_TRIES: u32 = 8;
 
 /// What a scope's batches did on each lane: the last submission made (0: none), and
 /// whether a batch failed after it may have enqueued work.
@@ -219,8 +200,10 @@ enum Place {
     /// In place, in pinned memory of this crate (mapped for the device): the arena's start.
     Mapped(usize),
     /// In place by DMAs, in other pinned memory (`Device::pin_host`): the registration's
-    /// start. Only runs of at least [`RUN_MIN`] contiguous bytes inside one registration,
-    /// which move by chunk DMAs (no kernel touches them).
+    /// start. Only items of a run of at least [`RUN_MIN`] contiguous bytes, each whole inside
+    /// one registration: those of a piece of the run that is [`RUN_MIN`] long inside it move
+    /// by chunk DMAs, the others (where the run crosses the registration's border) by one
+    /// DMA each. No kernel touches them.
     Pinned(usize),
     /// Through staging, as an ordinary batch.
     Staged,
@@ -635,7 +618,8 @@ fn move_pinned(
 /// [`ScopedDownloads::read_into_many`]): each `(buffer, offset, host)` item checked as the
 /// single call checks its own (a run of items on one buffer looked up once) and pushed onto
 /// `to` as `(key, offset, host)`; the first bad item is named by its index in `call` and kept
-/// as the batch's error, and the items after it are not added.
+/// as the batch's error, and the items after it are not added. An iterator that panics
+/// leaves [`Error::ItemsPanicked`] as the batch's error ([`Error::guard_items`]).
 fn add_many<T>(
     core: &Core,
     (table, error): (&mut BufferTable, &mut Option<Error>),
@@ -647,15 +631,25 @@ fn add_many<T>(
     let items = items.into_iter();
     // As `UploadBatch::write_many`: the iterator's hint is trusted only so far.
     to.reserve(items.size_hint().0.min(RESERVE_MOST));
-    let mut last = None;
-    for (index, (buffer, offset, host)) in items.enumerate() {
-        let range = (buffer, offset, len(&host) as u64);
-        match table.check_next(&core.alloc, &mut last, range, &mut None) {
-            Ok((key, _)) => to.push((key, offset, host)),
-            Err(e) => return Err(Error::bad_item(error, call, index, e)),
-        }
-    }
-    Ok(())
+    let added = Error::guard_items(
+        call,
+        error,
+        |_, at| {
+            let mut last = None;
+            for (buffer, offset, host) in items {
+                let range = (buffer, offset, len(&host) as u64);
+                let (key, _) =
+                    table.check_next(&core.alloc, &mut last, range, &mut None).map_err(|e| (*at, e))?;
+                to.push((key, offset, host));
+                *at += 1;
+            }
+            Ok(())
+        },
+        |error, panicked| {
+            error.get_or_insert(panicked);
+        },
+    );
+    added.map_err(|(index, e)| Error::bad_item(error, call, index, e))
 }
 
 /// A batch of writes from the caller's memory ([`Scope::uploads`]). Writes apply in order:
@@ -700,6 +694,11 @@ impl<'scope> ScopedUploads<'scope> {
     /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
     /// `write` returns for it; the batch keeps the items before it and fails `submit` with
     /// that error (moving nothing), as after a bad `write`; the items after it are not added.
+    ///
+    /// # Panics
+    /// Where the iterator panics, the panic goes on to the caller, and the batch keeps
+    /// [`Error::ItemsPanicked`]: a caller that catches the panic finds `submit` failing with
+    /// it, moving nothing.
     pub fn write_many<I>(&mut self, items: I) -> Result<&mut Self>
     where
         I: IntoIterator<Item = (ResidentBuffer, u64, &'scope [u8])>,
@@ -927,6 +926,11 @@ impl<'scope> ScopedDownloads<'scope> {
     /// `read_into` returns for it; the batch keeps the items before it and fails `submit`
     /// with that error (moving nothing), as after a bad `read_into`; the items after it are
     /// not added.
+    ///
+    /// # Panics
+    /// Where the iterator panics, the panic goes on to the caller, and the batch keeps
+    /// [`Error::ItemsPanicked`]: a caller that catches the panic finds `submit` failing with
+    /// it, moving nothing.
     pub fn read_into_many<I>(&mut self, items: I) -> Result<&mut Self>
     where
         I: IntoIterator<Item = (ResidentBuffer, u64, &'scope mut [u8])>,

@@ -59,13 +59,20 @@ pub(crate) fn upload_now(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, 
     let mut exec = Exec::begin(core, LaneKind::Upload);
     exec.claim_ranges(std::iter::once(buffer), 1, |r| r.push(address, len as u64))?;
     exec.requested(len as u64);
-    exec.submit(Vec::new(), |q| {
+    let submitted = exec.submit(Vec::new(), |q| {
         // SAFETY: the destination lies in a live buffer (checked, and claimed so that it is
         // not reused before this copy completes); `data` is readable and stays borrowed
-        // until the copy is waited for, below.
+        // until the copy is known done, below.
         unsafe { q.htod(address, data.as_ptr(), len) }
-    })?;
-    exec.finish().wait()
+    });
+    let done = submitted.and_then(|_| exec.finish().wait());
+    if done.is_err() {
+        // The copy may still be queued (its event or its wait failed), and `data` is
+        // borrowed only until this returns: the lane is settled first, so that no copy
+        // reads the caller's memory (pinned memory is read by the DMA itself) afterwards.
+        let _ = core.lane(LaneKind::Upload).settle();
+    }
+    done
 }
 
 /// The work of [`Device::download_async_at`](crate::Device::download_async_at).

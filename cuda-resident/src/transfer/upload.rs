@@ -154,6 +154,11 @@ impl<'a> UploadBatch<'a> {
     /// that error, as after a bad `write`; the items after it are not added.
     /// [`Error::BatchPoisoned`] (adding nothing) once a
     /// [`write_with`](UploadBatch::write_with) of the batch failed part-way.
+    ///
+    /// # Panics
+    /// Where the iterator panics, the panic goes on to the caller, and the batch keeps
+    /// [`Error::ItemsPanicked`]: a caller that catches the panic finds `submit` failing with
+    /// it, moving nothing.
     pub fn write_many<I>(&mut self, items: I) -> Result<&mut Self>
     where
         I: IntoIterator<Item = (ResidentBuffer, u64, &'a [u8])>,
@@ -168,24 +173,43 @@ impl<'a> UploadBatch<'a> {
         self.writes.reserve(lower);
         self.sources.reserve(lower);
         let before = self.writes.len();
-        // The last item's buffer and key: the items of a run on one buffer skip the lookup.
-        let mut last = None;
-        for (index, (buffer, offset, data)) in items.enumerate() {
-            let len = data.len() as u64;
-            let checked =
-                self.table.check_next(&self.core.alloc, &mut last, (buffer, offset, len), &mut None);
-            let (key, buffer_len) = match checked {
-                Ok(found) => found,
-                Err(error) => {
-                    self.slice_writes += self.writes.len() - before;
-                    return Err(Error::bad_item(&mut self.error, "UploadBatch::write_many", index, error));
+        let added = Error::guard_items(
+            "UploadBatch::write_many",
+            self,
+            |batch, at| {
+                // The last item's buffer and key: the items of a run on one buffer skip the
+                // lookup.
+                let mut last = None;
+                for (buffer, offset, data) in items {
+                    let len = data.len() as u64;
+                    let checked = batch.table.check_next(
+                        &batch.core.alloc,
+                        &mut last,
+                        (buffer, offset, len),
+                        &mut None,
+                    );
+                    let (key, buffer_len) = match checked {
+                        Ok(found) => found,
+                        Err(error) => return Err((*at, error)),
+                    };
+                    batch.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
+                    batch.sources.push(Source::Slice(data));
+                    *at += 1;
                 }
-            };
-            self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
-            self.sources.push(Source::Slice(data));
-        }
+                Ok(())
+            },
+            |batch, panicked| {
+                batch.slice_writes += batch.writes.len() - before;
+                batch.error.get_or_insert(panicked);
+            },
+        );
         self.slice_writes += self.writes.len() - before;
-        Ok(self)
+        match added {
+            Ok(()) => Ok(self),
+            Err((index, error)) => {
+                Err(Error::bad_item(&mut self.error, "UploadBatch::write_many", index, error))
+            }
+        }
     }
 
     /// Poisons the batch after write `index` (`len` bytes at `offset` of `buffer`) failed
