@@ -27,10 +27,14 @@ mod download_tests;
 #[cfg(test)]
 mod edge_tests;
 #[cfg(test)]
+mod misuse_tests;
+#[cfg(test)]
 pub(crate) mod model_tests;
 #[cfg(test)]
 mod order_tests;
 #[cfg(test)]
 mod par_tests;
+#[cfg(test)]
+mod scope_misuse_tests;
 #[cfg(test)]
 mod scope_tests;
