@@ -99,6 +99,11 @@ pub(crate) struct Args {
     /// Block sizes of the paging suite, a comma list of sizes, each at most --paging-bytes.
     #[arg(long, value_delimiter = ',', value_parser = size::positive, default_value = "16KiB,256KiB,2MiB")]
     pub(crate) paging_blocks: Vec<usize>,
+    /// Batches each direction of cuda-resident's paging swap is submitted in, one after the
+    /// other in one scope (the blocks split evenly, in swap order): the first moves while the
+    /// next is built.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub(crate) paging_batches: u32,
     /// cuda-resident's staging chunk, a size (Config::chunk_bytes; default: the library's).
     #[arg(long, value_parser = size::parse, conflicts_with = "chunk_kib")]
     pub(crate) chunk: Option<u64>,
@@ -394,5 +399,13 @@ mod tests {
         assert!(line.contains("--reps") && line.contains("at least 5") && line.contains("Fix:"), "{line}");
         assert_eq!(parse(&["--reps", "5"]).unwrap().reps, 5);
         assert_eq!(parse(&[]).unwrap().reps, 5);
+    }
+
+    #[test]
+    fn paging_batches_are_one_unless_asked_and_never_zero() {
+        assert_eq!(parse(&[]).unwrap().paging_batches, 1);
+        assert_eq!(parse(&["--paging-batches", "16"]).unwrap().paging_batches, 16);
+        let line = usage_line(&parse(&["--paging-batches", "0"]).unwrap_err());
+        assert!(line.contains("--paging-batches") && line.contains("Fix:"), "{line}");
     }
 }

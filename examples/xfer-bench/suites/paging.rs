@@ -14,7 +14,9 @@
 //! as a naive server does), then a synchronize; `cuMemcpyBatchAsync`, one call per
 //! direction; cuda-resident, one scope ([`Device::scope`]) with a batch per direction: one
 //! `write` per block from its slot (in), one `read_into` per block into its slot (out),
-//! in place for the pinned cache, staged for the pageable one. For "both", the baselines run
+//! in place for the pinned cache, staged for the pageable one; with `--paging-batches N`,
+//! each direction's blocks are split evenly into N such batches submitted one after the
+//! other (the first moving while the next is built). For "both", the baselines run
 //! each direction on a thread and stream of its own, released together; cuda-resident builds
 //! and submits each direction's batch on a thread of its own in one scope, which waits for
 //! both. GB/s counts the bytes moved, both directions' for "both".
@@ -250,6 +252,12 @@ fn with_pool(
             human(cap as usize)
         ));
     }
+    if args.paging_batches > 1 {
+        notes.push(format!(
+            "cuda-resident submits each direction as {} batches, one after the other (--paging-batches)",
+            args.paging_batches
+        ));
+    }
     let pool_ptr = d.device_ptr(pool.buffer).map_err(error)?;
     for &block in &args.paging_blocks {
         let n = args.paging_bytes / block;
@@ -264,6 +272,7 @@ fn with_pool(
             let mut case = Case {
                 d,
                 pool: pool.buffer,
+                batches: args.paging_batches as usize,
                 out: Lane::new(pool_ptr, block, &out, out_region, baseline.second, false),
                 ins: Lane::new(pool_ptr, block, &ins, &*in_region, baseline.stream, true),
             };
@@ -398,11 +407,11 @@ impl Lane<&mut [u8]> {
 /// released together, as `secs_together` times the baselines.
 fn ours(
     d: &Device,
-    pool: ResidentBuffer,
+    (pool, batches): (ResidentBuffer, usize),
     out: Option<&mut Lane<&mut [u8]>>,
     ins: Option<&Lane<&[u8]>>,
 ) -> BenchResult<f64> {
-    ours_marked(d, pool, out, ins, None)
+    ours_marked(d, (pool, batches), out, ins, None)
 }
 
 /// When each direction of one swap finished adding its blocks, returned from `submit`
@@ -418,7 +427,7 @@ struct Marks {
 /// completion waited for right after its submit.
 fn ours_marked(
     d: &Device,
-    pool: ResidentBuffer,
+    (pool, batches): (ResidentBuffer, usize),
     out: Option<&mut Lane<&mut [u8]>>,
     ins: Option<&Lane<&[u8]>>,
     marks: Option<&std::sync::Mutex<[Marks; 2]>>,
@@ -448,21 +457,35 @@ fn ours_marked(
         // a scope's batches borrow it for the whole scope.
         let swap_in = move || {
             let Some((host, offsets, block)) = ins else { return Ok(()) };
-            let mut writes = s.uploads();
-            for (slot, &offset) in host.chunks_exact(block).zip(offsets) {
-                writes.write(pool, offset, slot)?;
+            let per = offsets.len().div_ceil(batches).max(1);
+            let mut slots = host.chunks_exact(block).zip(offsets).peekable();
+            loop {
+                let mut writes = s.uploads();
+                for (slot, &offset) in slots.by_ref().take(per) {
+                    writes.write(pool, offset, slot)?;
+                }
+                if slots.peek().is_none() {
+                    let built = marks.map_or(0.0, |_| since());
+                    return submit(0, built, writes.submit_fenced());
+                }
+                writes.submit()?;
             }
-            let built = marks.map_or(0.0, |_| since());
-            submit(0, built, writes.submit_fenced())
         };
         let swap_out = move || {
             let Some(out) = out else { return Ok(()) };
-            let mut reads = s.downloads();
-            for (slot, &offset) in out.host.chunks_exact_mut(out.block).zip(&out.offsets) {
-                reads.read_into(pool, offset, slot)?;
+            let per = out.offsets.len().div_ceil(batches).max(1);
+            let mut slots = out.host.chunks_exact_mut(out.block).zip(&out.offsets).peekable();
+            loop {
+                let mut reads = s.downloads();
+                for (slot, &offset) in slots.by_ref().take(per) {
+                    reads.read_into(pool, offset, slot)?;
+                }
+                if slots.peek().is_none() {
+                    let built = marks.map_or(0.0, |_| since());
+                    return submit(1, built, reads.submit_fenced());
+                }
+                reads.submit()?;
             }
-            let built = marks.map_or(0.0, |_| since());
-            submit(1, built, reads.submit_fenced())
         };
         if !both {
             swap_in()?;
@@ -493,6 +516,8 @@ fn ours_marked(
 struct Case<'a> {
     d: &'a Device,
     pool: ResidentBuffer,
+    /// Batches a direction of cuda-resident's swap is submitted in (`--paging-batches`).
+    batches: usize,
     out: Lane<&'a mut [u8]>,
     ins: Lane<&'a [u8]>,
 }
@@ -527,7 +552,7 @@ impl Case<'_> {
             let marks = std::sync::Mutex::new([Marks::default(); 2]);
             let out = dir.outward().then_some(&mut self.out);
             let ins = dir.inward().then_some(&self.ins);
-            ours_marked(d, pool, out, ins, Some(&marks))?;
+            ours_marked(d, (pool, self.batches), out, ins, Some(&marks))?;
             all.push(marks.into_inner().expect("no thread panicked holding the marks"));
         }
         let median = |pick: &dyn Fn(&[Marks; 2]) -> f64| {
@@ -567,9 +592,11 @@ impl Case<'_> {
             (Method::Raw, _) => self.ins.raw(d)?,
             (Method::Batch, Dir::Out) => self.out.batch(d)?,
             (Method::Batch, _) => self.ins.batch(d)?,
-            (Method::Ours, Dir::Out) => return ours(d, pool, Some(&mut self.out), None),
-            (Method::Ours, Dir::In) => return ours(d, pool, None, Some(&self.ins)),
-            (Method::Ours, Dir::Both) => return ours(d, pool, Some(&mut self.out), Some(&self.ins)),
+            (Method::Ours, Dir::Out) => return ours(d, (pool, self.batches), Some(&mut self.out), None),
+            (Method::Ours, Dir::In) => return ours(d, (pool, self.batches), None, Some(&self.ins)),
+            (Method::Ours, Dir::Both) => {
+                return ours(d, (pool, self.batches), Some(&mut self.out), Some(&self.ins));
+            }
         }
         Ok(t.elapsed().as_secs_f64())
     }
