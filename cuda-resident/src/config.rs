@@ -145,7 +145,15 @@ impl Config {
                 "use 16 MiB (the default)",
             );
         }
-        if self.pinned_cap_bytes < 2 * self.chunk_bytes {
+        if self.pinned_cap_bytes > MAX_PINNED_CAP {
+            return invalid(
+                "pinned_cap_bytes",
+                self.pinned_cap_bytes.to_string(),
+                "it must be at most 256 TiB (no host pins more; larger caps overflow the pool's arithmetic)",
+                "set the pinned memory the process may really use, such as 1 GiB (the default)",
+            );
+        }
+        if self.chunk_bytes > self.pinned_cap_bytes / 2 {
             return invalid(
                 "pinned_cap_bytes",
                 self.pinned_cap_bytes.to_string(),
@@ -184,9 +192,9 @@ impl Config {
     /// At least two chunks (the largest lease a transfer takes is a chunk and its descriptor
     /// table, under 1.5 chunks), or the whole cap where it is smaller.
     pub(crate) fn pinned_reserve(&self) -> u64 {
-        (8 * self.chunk_bytes)
+        (self.chunk_bytes.saturating_mul(8))
             .min(self.pinned_cap_bytes / 2)
-            .max((2 * self.chunk_bytes).min(self.pinned_cap_bytes))
+            .max(self.chunk_bytes.saturating_mul(2).min(self.pinned_cap_bytes))
     }
 
     /// The packing threads this config asks for, with 0 resolved.
@@ -277,6 +285,10 @@ impl Config {
 
 /// The longest [`Config::pack_linger_us`].
 const MAX_LINGER_US: u64 = 10_000;
+
+/// The largest [`Config::pinned_cap_bytes`]: 256 TiB, past any host's memory, and small
+/// enough that the pinned pool's sums of arena sizes cannot overflow.
+const MAX_PINNED_CAP: u64 = 1 << 48;
 
 /// What a device is and can do, read once when it opens.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -535,6 +535,16 @@ impl Error {
         self.cuda_code().is_some_and(|code| LOST.contains(&code))
     }
 
+    /// Whether the work queued in the context will never run: the context is lost to a
+    /// fault ([`Error::context_is_lost`]), destroyed, or the driver is shutting down.
+    pub(crate) fn work_never_runs(&self) -> bool {
+        use cuda_sys::{CUDA_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_DEINITIALIZED};
+        self.context_is_lost()
+            || self
+                .cuda_code()
+                .is_some_and(|c| c == CUDA_ERROR_DEINITIALIZED || c == CUDA_ERROR_CONTEXT_IS_DESTROYED)
+    }
+
     /// The `CUresult` of a driver error, if this is one.
     pub fn cuda_code(&self) -> Option<CUresult> {
         match self {

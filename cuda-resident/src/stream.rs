@@ -110,8 +110,32 @@ fn covering<T>(inflight: &VecDeque<T>, seq_of: impl Fn(&T) -> u64, seq: u64) -> 
     inflight.iter().find(|f| seq_of(f) >= seq).or(inflight.back())
 }
 
-/// How many times [`Lane::settle`] asks the driver before it gives up.
+/// How many times [`settle_stream`] asks the driver before it gives up.
 const SETTLE_TRIES: u32 = 8;
+
+/// Synchronizes `stream` (of `kind`'s lane, in `ctx`), asking again while the driver
+/// refuses: `Ok` once it confirms that everything enqueued on the stream is done, the error
+/// of a context whose work will never run ([`crate::error::Error::work_never_runs`]: lost to a fault,
+/// destroyed, or the driver shutting down). Returning otherwise would hand back memory that
+/// queued work reads or writes; where the driver neither confirms the work done nor reports
+/// it gone, nothing can keep that promise: the process aborts, after [`SETTLE_TRIES`] asks.
+fn settle_stream(ctx: &Context, stream: CUstream, kind: LaneKind) -> Result<()> {
+    let mut last = None;
+    for attempt in 0..SETTLE_TRIES {
+        match ctx.bind().and_then(|raw| raw.stream_synchronize(stream)) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.work_never_runs() => return Err(e),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1 << attempt));
+    }
+    eprintln!(
+        "cuda-resident: copies on the {kind:?} lane could not be confirmed done or lost ({}); aborting rather than \
+         handing back memory the GPU may still use",
+        last.map_or_else(String::new, |e| e.to_string())
+    );
+    std::process::abort()
+}
 
 /// One stream and its timeline.
 pub(crate) struct Lane {
@@ -598,29 +622,11 @@ impl Lane {
         drop((retired, keep));
     }
 
-    /// Synchronizes the lane's stream, asking again while the driver refuses: `Ok` once it
-    /// confirms that everything enqueued on the stream is done, the error of a context lost
-    /// to a fault (which runs no work any more). For a path whose copy may still be queued
-    /// after an error (its event or its wait failed): returning would hand back memory that
-    /// copy reads or writes. Where the driver neither confirms the work done nor reports it
-    /// lost, nothing can keep that promise: the process aborts, after [`SETTLE_TRIES`] asks.
+    /// Synchronizes the lane's stream, asking again while the driver refuses
+    /// ([`settle_stream`]): for a path whose copy may still be queued after an error (its
+    /// event or its wait failed), and for teardown.
     pub(crate) fn settle(&self) -> Result<()> {
-        let mut last = None;
-        for attempt in 0..SETTLE_TRIES {
-            match self.ctx.bind().and_then(|raw| raw.stream_synchronize(self.stream)) {
-                Ok(()) => return Ok(()),
-                Err(e) if e.context_is_lost() => return Err(e),
-                Err(e) => last = Some(e),
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1 << attempt));
-        }
-        eprintln!(
-            "cuda-resident: copies on the {:?} lane could not be confirmed done or lost ({}); aborting rather \
-             than returning memory the GPU may still use",
-            self.kind,
-            last.map_or_else(String::new, |e| e.to_string())
-        );
-        std::process::abort()
+        settle_stream(&self.ctx, self.stream, self.kind)
     }
 
     /// Makes every sequence number up to `last` that was reserved but never submitted complete
@@ -644,11 +650,12 @@ impl Drop for Lane {
         // Destroying needs no current context; binding is for the synchronize.
         let _ = release_retrying(|| self.ctx.bind().map(drop));
         let raw = &self.ctx.raw;
-        // Work in flight finishes before its staging is released and the stream destroyed.
-        let _ = release_retrying(|| raw.stream_synchronize(self.stream));
+        // Work in flight finishes before its staging is released and the stream destroyed
+        // (or will never run: a lost context).
+        let _ = self.settle();
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         if let Some(side) = state.side.take() {
-            let _ = release_retrying(|| raw.stream_synchronize(side.stream));
+            let _ = settle_stream(&self.ctx, side.stream, self.kind);
             for event in side.events {
                 let _ = release_retrying(|| raw.event_destroy(event));
             }

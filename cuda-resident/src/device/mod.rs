@@ -230,10 +230,15 @@ impl Device {
     /// Releases cached device memory and free pinned memory back to the driver, and the
     /// host memory kept from the last download that streamed into memory of its own (see
     /// [`Downloaded`](crate::Downloaded)). Returns the bytes of device memory released.
+    ///
+    /// # Errors
+    /// The first release the driver refused; the other caches are trimmed all the same.
     pub fn trim(&self) -> Result<u64> {
-        let released = self.core.alloc.trim(&|last| self.core.is_idle(last))?;
+        let released = self.core.alloc.trim(&|last| self.core.is_idle(last));
         drop(std::mem::take(&mut *lock(&self.core.spares.streamed_host)));
-        self.core.pinned.trim()?;
+        let pinned = self.core.pinned.trim();
+        let released = released?;
+        pinned?;
         Ok(released)
     }
 
@@ -502,7 +507,9 @@ impl Device {
     /// Ranges in order and apart (each past the end of the previous range of its buffer,
     /// with a gap), none longer than 16 KiB and at least 64 of them, are laid out once: the
     /// set keeps a pinned region for their bytes (from the pinned pool, packed as the ranges
-    /// lie, until the set is dropped) and a device buffer of 24 bytes a range (counted in
+    /// lie, until the set is dropped) and a device buffer of 24 bytes a range (the library's
+    /// own memory, counted in
+    /// [`AllocatorStats::library_bytes`](crate::AllocatorStats::library_bytes), not in
     /// [`Device::allocated_bytes`]) with every descriptor written there once: an upload then
     /// costs one parallel copy of the bytes and one launch per chunk. Other sets move
     /// as an [`UploadBatch`] each time (writes in order; later ones win): ranges that touch

@@ -267,9 +267,13 @@ impl Staging for Core {
 
 impl Drop for Core {
     fn drop(&mut self) {
-        // Copies in flight finish before the memory they use is freed.
+        // Copies in flight finish before the memory they use is freed: a lane whose wait
+        // fails is settled (its stream synchronized, asking again), or the process aborts
+        // rather than free memory the GPU may still use.
         for lane in self.lanes.iter() {
-            let _ = lane.synchronize();
+            if lane.synchronize().is_err() {
+                let _ = lane.settle();
+            }
         }
         let _ = release_retrying(|| self.ctx.bind().map(drop));
         if let Some(kernels) = self.kernels.get() {

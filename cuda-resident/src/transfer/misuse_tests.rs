@@ -254,3 +254,66 @@ fn after_a_fault_in_a_small_upload_the_next_copy_works_and_nothing_is_leaked() {
     assert_eq!(d.telemetry().pinned.lent_bytes, 0);
     assert!(model::with(|g| g.errors.is_empty()));
 }
+
+/// A device dropped while a prepared upload is queued, whose final wait fails once without
+/// losing the context: the lane is settled before any device memory is freed, so the queued
+/// launch never runs against freed memory (its descriptor table, its destination).
+#[test]
+fn a_device_whose_final_wait_fails_frees_nothing_a_queued_copy_still_uses() {
+    use cuda_sys::CUDA_ERROR_OUT_OF_MEMORY;
+    let (driver, d) = device(Config::default());
+    let b = d.allocate(1 << 20).unwrap();
+    let ranges: Vec<_> = (0..64u64).map(|i| (b, i * 1024, 100)).collect();
+    let mut set = d.prepare_uploads(&ranges).unwrap();
+    assert!(set.is_laid_out());
+    let data = vec![[7u8; 100]; 64];
+    drop(set.upload(&data).unwrap());
+    drop(set);
+    assert!(model::with(|g| g.errors.is_empty()));
+    driver.faults().inject(Fault::new("cuEventSynchronize", 1, CUDA_ERROR_OUT_OF_MEMORY)).unwrap();
+    drop(d);
+    driver.faults().clear();
+    let errors = model::with(|g| std::mem::take(&mut g.errors));
+    assert!(errors.is_empty(), "the GPU touched memory after the device freed it: {errors:?}");
+}
+
+/// Caps and chunks past what any host holds are refused by `Config::validate` (and so by
+/// `Device::open_with`) with a fix, not by a panic in their arithmetic; the largest cap
+/// allowed opens, and a request for `usize::MAX` bytes under it is an error.
+#[test]
+fn huge_caps_and_chunks_are_refused_with_a_fix_not_a_panic() {
+    for config in [
+        Config::default().with_chunk_bytes(u64::MAX),
+        Config::default().with_chunk_bytes(1 << 62).with_pinned_cap_bytes(1 << 63),
+        Config::default().with_pinned_cap_bytes(u64::MAX),
+    ] {
+        let e = config.validate().unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { .. }) && has_fix(&e), "{e}");
+        let opened = Device::open_with(model::driver(), 0, config);
+        assert!(matches!(opened, Err(Error::InvalidConfig { .. })), "{:?}", opened.map(drop));
+    }
+    let (_driver, d) = device(Config::default().with_pinned_cap_bytes(1 << 48));
+    let _held = d.pinned(1).unwrap();
+    let e = d.pinned(usize::MAX).map(drop).unwrap_err();
+    assert!(has_fix(&e), "{e}");
+    let e = d.pinned((1 << 48) + 1).map(drop).unwrap_err();
+    assert!(has_fix(&e), "{e}");
+}
+
+/// `Device::trim` whose device release the driver refuses: the error comes back, and the
+/// pinned pool is trimmed all the same.
+#[test]
+fn a_trim_whose_device_release_fails_still_trims_the_pinned_pool() {
+    use cuda_sys::CUDA_ERROR_OUT_OF_MEMORY;
+    let (driver, d) = device(Config::default());
+    let b = d.allocate(1 << 20).unwrap();
+    d.free(b).unwrap();
+    drop(d.pinned(1 << 20).unwrap());
+    assert!(d.telemetry().pinned.reserved_bytes > 0, "a free arena is cached");
+    driver.faults().inject(Fault::new("cuMemFree_v2", 1, CUDA_ERROR_OUT_OF_MEMORY).times(2)).unwrap();
+    let e = d.trim().unwrap_err();
+    driver.faults().clear();
+    assert!(e.to_string().contains("cuMemFree") && has_fix(&e), "{e}");
+    assert_eq!(d.telemetry().pinned.reserved_bytes, 0, "the pinned pool was trimmed too");
+    d.trim().unwrap();
+}
