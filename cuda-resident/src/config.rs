@@ -40,11 +40,11 @@ pub struct Config {
     /// In `(0, 1]`; default 0.9. Lower it when other processes share the GPU.
     pub budget_fraction: f64,
     /// Bytes of each slab the allocator takes from the driver; buffers past it get their own
-    /// allocation. At least 4 MiB, a multiple of 256; default 64 MiB.
+    /// allocation. At least 4 MiB and at most 1 TiB, a multiple of 256; default 64 MiB.
     pub slab_bytes: u64,
-    /// The most pinned host memory the pinned pool holds. At least `2 * chunk_bytes`;
-    /// default 1 GiB. Batches larger than this still move: uploads pipeline through it in
-    /// chunks, and a download the pool cannot hold at once streams through a ring of chunks
+    /// The most pinned host memory the pinned pool holds. At least `2 * chunk_bytes`, at most
+    /// 256 TiB; default 1 GiB. Batches larger than this still move: uploads pipeline through
+    /// it in chunks, and a download the pool cannot hold at once streams through a ring of chunks
     /// (see [`DownloadBatch`](crate::DownloadBatch)). Of the cap,
     /// `min(8 * chunk_bytes, pinned_cap_bytes / 2)`, but at least two chunks (128 MiB by
     /// default), is kept for transfers: pinned buffers ([`Device::pinned`]), prepared sets'
@@ -65,8 +65,8 @@ pub struct Config {
     /// Copies of at least this many bytes get their own DMA; smaller ones are packed and
     /// scattered by a kernel. At most `chunk_bytes`; default 256 KiB.
     pub direct_threshold: u64,
-    /// Threads that pack pinned memory for large batches; 0 picks one per core but one, up
-    /// to 16 (with two cores or fewer, one per core). The calling thread packs beside them
+    /// Threads that pack pinned memory for large batches, at most 1024; 0 picks one per core
+    /// but one, up to 16 (with two cores or fewer, one per core). The calling thread packs beside them
     /// and runs the device's steps (leases, copies, launches) in between: a packing thread
     /// on every core would compete with it for one, and hold up those steps (most of all
     /// those of [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par)'s fills).
@@ -135,6 +135,22 @@ impl Config {
                 self.slab_bytes.to_string(),
                 "it must be at least 4 MiB and a multiple of 256",
                 "use 64 MiB (the default) or another multiple of 2 MiB",
+            );
+        }
+        if self.slab_bytes > MAX_SLAB {
+            return invalid(
+                "slab_bytes",
+                self.slab_bytes.to_string(),
+                "it must be at most 1 TiB",
+                "use 64 MiB (the default) or another multiple of 2 MiB",
+            );
+        }
+        if self.pack_threads > MAX_PACK_THREADS {
+            return invalid(
+                "pack_threads",
+                self.pack_threads.to_string(),
+                "it must be at most 1024 (each is an OS thread that copies; more than the cores only wait)",
+                "use 0 (one per core but one, up to 16) or the cores you give to copying",
             );
         }
         if self.chunk_bytes < crate::host_pool::MIN_ARENA {
@@ -285,6 +301,12 @@ impl Config {
 
 /// The longest [`Config::pack_linger_us`].
 const MAX_LINGER_US: u64 = 10_000;
+
+/// The largest [`Config::slab_bytes`]: 1 TiB, past any GPU's memory.
+const MAX_SLAB: u64 = 1 << 40;
+
+/// The most packing threads [`Config::pack_threads`] may ask for.
+const MAX_PACK_THREADS: usize = 1024;
 
 /// The largest [`Config::pinned_cap_bytes`]: 256 TiB, past any host's memory, and small
 /// enough that the pinned pool's sums of arena sizes cannot overflow.

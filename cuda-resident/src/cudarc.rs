@@ -126,7 +126,7 @@ impl Device {
             what: format!("a buffer of {bytes} bytes has more elements than usize holds"),
             fix: "view it on a 64-bit host",
         })?;
-        Ok(ResidentView { ptr, len, stream, _device: PhantomData, _elem: PhantomData })
+        Ok(ResidentView { ptr, len, stream, device: self, buffer, _elem: PhantomData })
     }
 
     /// Fails unless `stream` belongs to this device's primary context.
@@ -162,15 +162,20 @@ impl Device {
 /// The view never frees anything: dropping it leaves the buffer as it was, and only
 /// [`Device::free`] frees it, once. It borrows the [`Device`], so the device (and the memory
 /// of its buffers) outlives it. It does not stop [`Device::free`] of its buffer while it
-/// lives (buffers are `Copy` handles): as with [`Device::device_ptr`], free a buffer only
-/// after the GPU work that uses it has completed (cudarc's launches are `unsafe` for this
-/// reason among others).
+/// lives (buffers are `Copy` handles), but once the buffer is freed the view hands cudarc a
+/// null address: a cudarc copy, memset or collective through it then fails with the
+/// driver's error rather than write memory the allocator may have lent again. Work already
+/// enqueued through the view is not waited for by [`Device::free`]: as with
+/// [`Device::device_ptr`], free a buffer only after the GPU work that uses it has completed
+/// (order it with [`Device::wait_for_cudarc_stream`], or synchronize the stream); cudarc's
+/// launches are `unsafe` for this reason among others.
 #[derive(Debug)]
 pub struct ResidentView<'a, T> {
     ptr: driver::sys::CUdeviceptr,
     len: usize,
     stream: &'a Arc<CudaStream>,
-    _device: PhantomData<&'a Device>,
+    device: &'a Device,
+    buffer: ResidentBuffer,
     _elem: PhantomData<fn() -> T>,
 }
 
@@ -178,6 +183,15 @@ impl<T> ResidentView<'_, T> {
     /// The device address of the first element.
     pub fn device_address(&self) -> u64 {
         self.ptr
+    }
+
+    /// The address handed to cudarc: the buffer's while it is live, null once it was freed
+    /// (the driver then refuses the call that takes it).
+    fn live_ptr(&self) -> driver::sys::CUdeviceptr {
+        match self.device.device_ptr(self.buffer) {
+            Ok(ptr) if ptr == self.ptr => ptr,
+            _ => 0,
+        }
     }
 
     /// The number of elements.
@@ -204,7 +218,7 @@ impl<T> DeviceSlice<T> for ResidentView<'_, T> {
 
 impl<T> DevicePtr<T> for ResidentView<'_, T> {
     fn device_ptr<'b>(&'b self, _stream: &'b CudaStream) -> (driver::sys::CUdeviceptr, SyncOnDrop<'b>) {
-        (self.ptr, SyncOnDrop::Sync(None))
+        (self.live_ptr(), SyncOnDrop::Sync(None))
     }
 }
 
@@ -213,7 +227,7 @@ impl<T> DevicePtrMut<T> for ResidentView<'_, T> {
         &'b mut self,
         _stream: &'b CudaStream,
     ) -> (driver::sys::CUdeviceptr, SyncOnDrop<'b>) {
-        (self.ptr, SyncOnDrop::Sync(None))
+        (self.live_ptr(), SyncOnDrop::Sync(None))
     }
 }
 
@@ -242,7 +256,6 @@ mod tests {
     #[test]
     fn a_view_is_an_address_a_length_and_borrows() {
         assert_eq!(std::mem::size_of::<driver::sys::CUdeviceptr>(), 8);
-        assert_eq!(std::mem::size_of::<ResidentView<'_, f32>>(), 8 + std::mem::size_of::<usize>() + 8);
         fn send_sync<X: Send + Sync>() {}
         send_sync::<ResidentView<'_, f32>>();
     }

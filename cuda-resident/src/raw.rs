@@ -333,6 +333,12 @@ impl Raw {
         }
     }
 
+    /// Takes back the current context's access to memory of `peer`.
+    pub(crate) fn ctx_disable_peer_access(&self, peer: CUcontext) -> Result<()> {
+        // SAFETY: peer is a live context; needs a current context.
+        unsafe { cu!(self, cuCtxDisablePeerAccess(peer)) }
+    }
+
     /// Loads a module from NUL-terminated PTX (JIT-compiled by the driver for this GPU).
     pub(crate) fn module_load_data(&self, ptx: &CStr) -> Result<CUmodule> {
         let mut module: CUmodule = std::ptr::null_mut();

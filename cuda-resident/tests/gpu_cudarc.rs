@@ -94,3 +94,24 @@ fn the_lanes_refuse_a_stream_of_another_context() {
     let err = device.wait_for_cudarc_stream(&stream).unwrap_err();
     assert!(matches!(err, Error::Interop { .. }), "{err}");
 }
+
+/// A view kept past `Device::free` of its buffer, whose memory the allocator then lends to
+/// a new buffer: a cudarc memset through the view (safe code) fails with the driver's error
+/// and the new buffer keeps its bytes.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_view_of_a_freed_buffer_moves_nothing_into_memory_lent_again() {
+    let device = Device::open(0).unwrap();
+    let stream = CudaContext::new(device.info().ordinal).unwrap().new_stream().unwrap();
+    let first = device.allocate(4096).unwrap();
+    let address = device.device_ptr(first).unwrap();
+    let mut view = device.cudarc_view::<u8>(first, &stream).unwrap();
+    device.free(first).unwrap();
+    let second = device.allocate(4096).unwrap();
+    device.upload(second, &[7u8; 4096]).unwrap();
+    // The memory may be lent again at once; whether or not it is, nothing may reach it.
+    let lent_again = device.device_ptr(second).unwrap() == address;
+    assert!(stream.memset_zeros(&mut view).is_err(), "a memset through a freed buffer's view");
+    stream.synchronize().unwrap_or(());
+    assert_eq!(device.download(second).unwrap(), vec![7u8; 4096], "lent again: {lent_again}");
+}

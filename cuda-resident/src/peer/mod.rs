@@ -206,13 +206,26 @@ pub(crate) fn enable_peer(core: &Arc<Core>, peer: &Arc<Core>) -> Result<()> {
     if !raw.device_can_access_peer(b.ctx.device, a.ctx.device)? {
         return Err(Error::PeerUnsupported { device: ordinal(peer), peer: core.info.ordinal });
     }
+    // Both ways or neither: where the second fails, the first (if this call enabled it) is
+    // taken back, so that no copy takes the direct path one way only.
+    let mut enabled: Option<(&Arc<Core>, &Arc<Core>)> = None;
     for (from, to) in [(a, b), (b, a)] {
         let mut peers = lock(&from.peers);
         if peers.iter().any(|c| c.device == to.ctx.device) {
             continue;
         }
-        from.ctx.bind()?.ctx_enable_peer_access(to.ctx.ctx)?;
+        if let Err(e) = from.ctx.bind().and_then(|raw| raw.ctx_enable_peer_access(to.ctx.ctx)) {
+            drop(peers);
+            if let Some((first, other)) = enabled {
+                let mut peers = lock(&first.peers);
+                peers.retain(|c| c.device != other.ctx.device);
+                // A refusal to take it back leaves the access unused: no copy takes it.
+                let _ = first.ctx.bind().and_then(|raw| raw.ctx_disable_peer_access(other.ctx.ctx));
+            }
+            return Err(e);
+        }
         peers.push(Arc::clone(&to.ctx));
+        enabled = Some((from, to));
     }
     Ok(())
 }

@@ -565,3 +565,22 @@ fn descriptor_tables_live_in_pinned_staging_or_on_the_heap_only_while_a_batch_ne
     b.check(&d1, "after a table over the cap");
     assert_eq!(lent(&d1), 0);
 }
+
+/// `enable_peer` whose second direction the driver refuses: the first is taken back, so the
+/// two devices agree (neither way enabled) and copies take the staged path; a retry enables
+/// both.
+#[test]
+fn a_peer_enable_refused_one_way_is_taken_back_the_other() {
+    use cuda_sys::{CUDA_ERROR_INVALID_VALUE, Fault};
+    let driver = model::driver();
+    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
+    let d1 = Device::open_with(std::sync::Arc::clone(&driver), 1, config()).unwrap();
+    driver.faults().inject(Fault::new("cuCtxEnablePeerAccess", 2, CUDA_ERROR_INVALID_VALUE)).unwrap();
+    let e = d0.enable_peer(&d1).unwrap_err();
+    driver.faults().clear();
+    assert!(e.to_string().contains("cuCtxEnablePeerAccess") && e.to_string().contains("Fix: "), "{e}");
+    assert_eq!((d0.is_peer_enabled(&d1), d1.is_peer_enabled(&d0)), (false, false), "half enabled");
+    assert!(with(|g| g.peer_access.is_empty()), "the driver's access taken back too");
+    d0.enable_peer(&d1).unwrap();
+    assert_eq!((d0.is_peer_enabled(&d1), d1.is_peer_enabled(&d0)), (true, true));
+}

@@ -75,7 +75,7 @@ pub(crate) struct FakeGpu {
     stream_device: HashMap<usize, usize>,
     owner: HashMap<usize, usize>,
     /// Pairs (device, peer) where `device` was given access to `peer`'s memory.
-    peer_access: std::collections::HashSet<(usize, usize)>,
+    pub(crate) peer_access: std::collections::HashSet<(usize, usize)>,
     /// Whether the GPUs lack a peer path (`cuDeviceCanAccessPeer` answers 0).
     pub(crate) no_peer_path: bool,
     /// Whether the GPUs lack unified addressing: then kernels cannot read pinned host
@@ -324,6 +324,13 @@ unsafe extern "C" fn ctx_enable_peer_access(peer: CUcontext, _flags: c_uint) -> 
         } else {
             CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
         }
+    })
+}
+
+unsafe extern "C" fn ctx_disable_peer_access(peer: CUcontext) -> CUresult {
+    with(|g| {
+        let pair = (g.current, device_of(peer));
+        if g.peer_access.remove(&pair) { CUDA_SUCCESS } else { CUDA_ERROR_PEER_ACCESS_NOT_ENABLED }
     })
 }
 
@@ -741,6 +748,7 @@ pub(crate) fn driver() -> Arc<Driver> {
     api.cuPointerGetAttributes = Ok(pointer_get_attributes);
     api.cuDeviceCanAccessPeer = Ok(device_can_access_peer);
     api.cuCtxEnablePeerAccess = Ok(ctx_enable_peer_access);
+    api.cuCtxDisablePeerAccess = Ok(ctx_disable_peer_access);
     api.cuMemcpyPeerAsync = Ok(memcpy_peer);
     Arc::new(driver)
 }

@@ -286,6 +286,8 @@ fn huge_caps_and_chunks_are_refused_with_a_fix_not_a_panic() {
         Config::default().with_chunk_bytes(u64::MAX),
         Config::default().with_chunk_bytes(1 << 62).with_pinned_cap_bytes(1 << 63),
         Config::default().with_pinned_cap_bytes(u64::MAX),
+        Config { slab_bytes: !255, ..Config::default() },
+        Config { pack_threads: usize::MAX, ..Config::default() },
     ] {
         let e = config.validate().unwrap_err();
         assert!(matches!(e, Error::InvalidConfig { .. }) && has_fix(&e), "{e}");
