@@ -454,8 +454,12 @@ impl Device {
     /// ([`Device::pinned`]) by one DMA each when large, by the copy kernel over the bus when
     /// small. Memory pinned by [`Device::pin_host`] moves in place in such runs (where a run
     /// crosses the border of a registration, the piece inside it, if shorter than a run, by
-    /// one DMA a range); everything else takes the staged path of ordinary batches. This is the shape of a paging step:
-    /// swap blocks out to a pinned host cache and others in, both directions at once.
+    /// one DMA a range); everything else takes the staged path of ordinary batches. This is
+    /// the shape of a paging step: swap blocks out to a pinned host cache and others in, both
+    /// directions at once. A batch moves nothing until its `submit`: a swap of thousands of
+    /// small blocks between pinned memory and the device starts moving sooner as a few
+    /// batches submitted one after the other, the first moving while the next is built
+    /// (BENCHMARKS.md, "Paging", measures where that pays).
     ///
     /// ```no_run
     /// use cuda_resident::{Config, Device};
