@@ -567,16 +567,18 @@ impl Lane {
         keep: KeepAlive,
         enqueue: impl FnOnce(&Raw, CUstream, u64) -> Result<()>,
     ) -> Result<u64> {
-        let raw = &self.ctx.raw;
         let mut state = lock(&self.state);
         let seq = state.next_seq;
+        // The lane's context is made current first: a launch must go to a stream of the
+        // current context, and the calling thread may have another device's current (or
+        // none: a thread the caller spawned). Cheap when it already is.
+        let bound = self.ctx.bind();
+        let raw = &self.ctx.raw;
         // The event exists before any work is enqueued, so enqueued work always gets one.
-        // Creating one needs the context current on this thread, which nothing else on the
-        // submission path does (copies, launches and records name their stream).
-        let event = match state.spare_events.pop() {
+        let event = bound.and_then(|raw| match state.spare_events.pop() {
             Some(event) => Ok(event),
-            None => self.ctx.bind().and_then(Raw::event_create),
-        };
+            None => raw.event_create(),
+        });
         let recorded = event.and_then(|event| {
             let enqueued = enqueue(raw, self.stream, seq);
             match raw.event_record(event, self.stream) {

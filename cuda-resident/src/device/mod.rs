@@ -401,6 +401,12 @@ impl Device {
     /// Reads `out.len()` bytes of `buffer` at `offset` into `out`, pipelined through a ring
     /// of pinned chunks: chunk `k + 1` is on the wire while chunk `k` is unpacked by the
     /// packing threads. For large ranges; any size works.
+    ///
+    /// # Errors
+    /// A bad range or a stale buffer (nothing read into `out`). A driver error part way (a
+    /// failed wait for a chunk) returns with the chunks unpacked before it already in
+    /// `out`, the rest of `out` as it was: read into a scratch slice where a failed read
+    /// must leave no trace.
     pub fn download_to_slice(&self, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
         crate::transfer::single::download_to_slice(&self.core, buffer, offset, out)
     }

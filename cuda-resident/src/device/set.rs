@@ -88,8 +88,14 @@ impl DeviceSet {
         self.fan_out_with(FanOutPath::EachLink, data, targets, offset)
     }
 
-    /// [`DeviceSet::fan_out`] by the path given. Every target is checked before anything
-    /// moves.
+    /// [`DeviceSet::fan_out`] by the path given.
+    ///
+    /// # Errors
+    /// A bad target (an index not in the set, a buffer of another device or freed, a range
+    /// past its end): every target is checked before anything moves. A failure part way,
+    /// of resources or of the driver (device staging past a device's budget for
+    /// [`FanOutPath::FirstThenPeers`]' peer copies, pinned staging, a driver error), can
+    /// leave the targets copied before it written: the chunks already moved to them stay.
     pub fn fan_out_with(
         &self,
         path: FanOutPath,

@@ -140,7 +140,9 @@ fn fan_out_each_link(data: &[u8], places: &[(&Arc<Core>, ResidentBuffer, u64)]) 
             match submitted {
                 Ok(seq) => row.push(seq),
                 Err(e) => {
-                    hold_until_done(&lease, &row, &devices);
+                    // This device's submission may have enqueued some of its copies before
+                    // it failed: its lane is settled too.
+                    hold_until_done(&lease, &row, &devices, Some(i));
                     return Err(e);
                 }
             }
@@ -155,7 +157,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Arc<Core>, ResidentBuffer, u64)]) 
                 execs.iter().zip(&row).try_for_each(|(exec, &seq)| exec.make_wait(seq, home_stream))
             });
             if let Err(e) = ordered {
-                hold_until_done(&lease, &row, &devices);
+                hold_until_done(&lease, &row, &devices, None);
                 return Err(e);
             }
             row[home] = execs[home].hold(vec![Arc::clone(&lease)])?;
@@ -173,11 +175,19 @@ fn fan_out_each_link(data: &[u8], places: &[(&Arc<Core>, ResidentBuffer, u64)]) 
 }
 
 /// After a failure part-way through a fan-out chunk: the copies already submitted (`row`,
-/// in device order) may still read the chunk's staging, which no submission keeps. Waits for
-/// them; if that fails too, the staging is never lent again (the context is lost).
-fn hold_until_done(lease: &Arc<crate::host_pool::HostLease>, row: &[u64], devices: &[&Arc<Core>]) {
+/// in device order) may still read the chunk's staging, which no submission keeps, and so
+/// may the copies a failed submission of device `failed` enqueued before it failed. Waits
+/// for the first and settles that device's lane ([`crate::stream::Lane::settle`]); if that
+/// fails too, the staging is never lent again (the context is lost).
+fn hold_until_done(
+    lease: &Arc<crate::host_pool::HostLease>,
+    row: &[u64],
+    devices: &[&Arc<Core>],
+    failed: Option<usize>,
+) {
     let waited = devices.iter().zip(row).all(|(d, &seq)| d.lane(LaneKind::Upload).wait(seq).is_ok());
-    if !waited {
+    let settled = failed.is_none_or(|i| devices[i].lane(LaneKind::Upload).settle().is_ok());
+    if !(waited && settled) {
         std::mem::forget(Arc::clone(lease));
     }
 }

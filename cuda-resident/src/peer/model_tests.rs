@@ -584,3 +584,34 @@ fn a_peer_enable_refused_one_way_is_taken_back_the_other() {
     d0.enable_peer(&d1).unwrap();
     assert_eq!((d0.is_peer_enabled(&d1), d1.is_peer_enabled(&d0)), (true, true));
 }
+
+/// An each-link fan-out whose submission on the second device fails after one of its two
+/// copies was enqueued: that copy still reads the chunk's pinned staging, so the staging
+/// goes back to the pool only after it (the failed device's lane is settled). Another
+/// upload that then takes pinned staging never lands its bytes in the fan-out's target.
+#[test]
+fn a_fan_out_failing_part_way_keeps_its_staging_until_its_queued_copies_ran() {
+    use cuda_sys::{CUDA_ERROR_INVALID_VALUE, Fault};
+    let driver = model::driver();
+    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
+    let d1 = Device::open_with(std::sync::Arc::clone(&driver), 1, config()).unwrap();
+    let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
+    let n = 64 << 10; // one chunk
+    let a = d0.allocate(n as u64).unwrap();
+    let (b1, b2) = (d1.allocate(n as u64).unwrap(), d1.allocate(n as u64).unwrap());
+    let other = d0.allocate(n as u64).unwrap();
+    let data = vec![0x11u8; n];
+    // Devices submit in the order of their cores' addresses: the call that is d1's second copy.
+    let d0_first =
+        (std::sync::Arc::as_ptr(d0.core()) as usize) < (std::sync::Arc::as_ptr(d1.core()) as usize);
+    let nth = if d0_first { 3 } else { 2 };
+    driver.faults().inject(Fault::new("cuMemcpyHtoDAsync_v2", nth, CUDA_ERROR_INVALID_VALUE)).unwrap();
+    let e = set.fan_out_with(FanOutPath::EachLink, &data, &[(0, a), (1, b1), (1, b2)], 0).unwrap_err();
+    driver.faults().clear();
+    assert!(e.to_string().contains("cuMemcpyHtoDAsync") && e.to_string().contains("Fix: "), "{e}");
+    d0.upload_at(other, 0, &vec![0xEEu8; n]).unwrap();
+    d1.synchronize().unwrap();
+    let foreign = d1.download(b1).unwrap().iter().filter(|&&x| x == 0xEE).count();
+    assert_eq!(foreign, 0, "the fan-out's target got bytes of a later upload through reused staging");
+    assert!(with(|g| g.errors.is_empty()));
+}

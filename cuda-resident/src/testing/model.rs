@@ -158,6 +158,18 @@ impl FakeGpu {
     }
 
     fn enqueue(&mut self, stream: CUstream, op: Op) {
+        // A copy or a launch goes to a stream of the context current on the calling thread,
+        // as the driver requires of a launch (waits and callbacks name their stream alone).
+        let moves = matches!(op, Op::Copy { .. } | Op::Staged { .. } | Op::Kernel { .. });
+        if let Some(&device) = self.stream_device.get(&(stream as usize))
+            && moves
+            && device != self.current
+        {
+            let current = self.current;
+            self.errors.push(format!(
+                "work enqueued on a stream of device {device} while device {current}'s context is current"
+            ));
+        }
         let at = self.next_position();
         self.streams.entry(stream as usize).or_default().queue.push_back((at, op));
     }

@@ -992,6 +992,12 @@ fn execute_streamed(
     let ring_bytes = usize::try_from(room + plan.chunk_capacity)
         .map_err(|_| Error::HostOutOfMemory { bytes: room + plan.chunk_capacity })?;
     let views = &plan.views[..];
+    let chunks = plan.chunks.len();
+    // The ring is taken before anything is enqueued, and the buffers claimed (a freed one
+    // refused) before the caller's vectors or the kept host memory are touched.
+    let ring = exec.ring(ring_bytes, chunks.min(crate::plan::route::RING))?;
+    exec.claim_ranges(batch.table.buffers(), chunks as u64, batch.ranges())?;
+    exec.requested(plan.requested_bytes);
     // Into the caller's vectors: each emptied with room for its read (and its address
     // kept, for the packing threads); reads with bytes by the chunk of their first byte.
     let mut dsts = Vec::new();
@@ -1013,11 +1019,6 @@ fn execute_streamed(
     let mut host = if out.is_some() { Vec::new() } else { streamed_host(core, plan.total_staging)? };
     // Reads with bytes in the chunk being copied out, and the next read of `order`.
     let (mut active, mut next) = (Vec::new(), 0);
-    let chunks = plan.chunks.len();
-    // The ring is taken before anything is enqueued.
-    let ring = exec.ring(ring_bytes, chunks.min(crate::plan::route::RING))?;
-    exec.claim_ranges(batch.table.buffers(), chunks as u64, batch.ranges())?;
-    exec.requested(plan.requested_bytes);
     let first_seq = exec.first_seq();
     let device_need = plan.chunks.iter().filter(|c| area_of(c) > 0).map(|c| area_of(c) + c.packed_len).max();
     let kernels = if device_need.is_some() { Some(exec.kernels()?) } else { None };

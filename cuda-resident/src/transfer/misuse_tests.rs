@@ -319,3 +319,32 @@ fn a_trim_whose_device_release_fails_still_trims_the_pinned_pool() {
     assert_eq!(d.telemetry().pinned.reserved_bytes, 0, "the pinned pool was trimmed too");
     d.trim().unwrap();
 }
+
+/// A download into the caller's vectors, one of whose buffers was freed before submit: the
+/// batch is refused with `FreedBuffer` and the vectors are as they were, whether the batch
+/// fits the pinned pool (planned) or streams through it (a pool of two chunks).
+#[test]
+fn a_refused_download_into_vectors_leaves_them_as_they_were_on_every_route() {
+    let tiny = Config {
+        chunk_bytes: 64 << 10,
+        direct_threshold: 16 << 10,
+        pinned_cap_bytes: 128 << 10,
+        ..Config::default()
+    };
+    for (config, route) in [(Config::default(), "planned"), (tiny, "streamed")] {
+        let (_driver, d) = device(config);
+        let b = d.allocate(1 << 20).unwrap();
+        let late = d.allocate(4096).unwrap();
+        let mut reads = d.downloads();
+        for k in 0..4u64 {
+            reads.read(b, k * 200_000, 150_000).unwrap();
+        }
+        reads.read(late, 0, 100).unwrap();
+        d.free(late).unwrap();
+        let mut out = vec![vec![0xA5u8; 17]; 5];
+        let e = reads.submit_into(&mut out).unwrap_err();
+        assert!(matches!(e, Error::FreedBuffer { .. }) && has_fix(&e), "{route}: {e}");
+        assert!(out.iter().all(|v| v == &[0xA5u8; 17]), "{route}: the caller's vectors changed");
+        assert_eq!(d.telemetry().pinned.lent_bytes, 0, "{route}");
+    }
+}
