@@ -70,7 +70,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         comm.all_reduce_in_place(view, &ReduceOp::Sum).map_err(|e| format!("ncclAllReduce failed: {e:?}"))?;
     }
     group_end().map_err(|e| format!("ncclGroupEnd failed: {e:?}"))?;
-    drop(views);
 
     // 3. The sums, downloaded after NCCL's work (a wait on the GPU), then checked.
     let expected = (n * (n + 1) / 2) as f32;
@@ -91,6 +90,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             return Err(format!("GPU {rank}: float {i} is not the sum {expected}").into());
         }
     }
+    // The views hold their buffers until they drop (each drop waits for its device's
+    // streams: done by now).
+    drop(views);
     for (d, buffer) in gpus.devices().iter().zip(buffers) {
         d.free(buffer)?;
     }

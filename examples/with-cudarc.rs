@@ -93,6 +93,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     drop(done);
+    // The view holds the buffer until it drops (its drop waits for the device's streams).
+    drop(view);
     device.free(buffer)?;
     println!(
         "uploaded {ROWS} rows of {ROW_BYTES} B in one batch, ran add_one over {bytes} B on cudarc's stream, \

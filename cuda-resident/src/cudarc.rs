@@ -126,7 +126,8 @@ impl Device {
             what: format!("a buffer of {bytes} bytes has more elements than usize holds"),
             fix: "view it on a 64-bit host",
         })?;
-        Ok(ResidentView { ptr, len, stream, device: self, buffer, _elem: PhantomData })
+        let guard = self.core().view_guard(buffer)?;
+        Ok(ResidentView { ptr, len, stream, _guard: guard, _device: PhantomData, _elem: PhantomData })
     }
 
     /// Fails unless `stream` belongs to this device's primary context.
@@ -159,39 +160,33 @@ impl Device {
 ///   track this memory), so order the work with [`Fence::make_cudarc_stream_wait`] and
 ///   [`Device::wait_for_cudarc_stream`].
 ///
-/// The view never frees anything: dropping it leaves the buffer as it was, and only
-/// [`Device::free`] frees it, once. It borrows the [`Device`], so the device (and the memory
-/// of its buffers) outlives it. It does not stop [`Device::free`] of its buffer while it
-/// lives (buffers are `Copy` handles), but once the buffer is freed the view hands cudarc a
-/// null address: a cudarc copy, memset or collective through it then fails with the
-/// driver's error rather than write memory the allocator may have lent again. Work already
-/// enqueued through the view is not waited for by [`Device::free`]: as with
-/// [`Device::device_ptr`], free a buffer only after the GPU work that uses it has completed
-/// (order it with [`Device::wait_for_cudarc_stream`], or synchronize the stream); cudarc's
-/// launches are `unsafe` for this reason among others.
-#[derive(Debug)]
+/// The view never frees anything: dropping it leaves the buffer's bytes as they are, and
+/// only [`Device::free`] frees it, once. It borrows the [`Device`], so the device (and the
+/// memory of its buffers) outlives it. While it lives, [`Device::free`] of its buffer fails
+/// with [`Error::BufferViewed`]; its drop waits, on the host, until every stream of the
+/// device's context and of its peers' is done (`cuCtxSynchronize`), so that no copy,
+/// memset or collective enqueued through it (cudarc's are safe calls, on any stream) still
+/// uses the memory once the buffer can be freed. Keep a view for as long as the work that
+/// uses the buffer goes on, not one per call: its drop is a device-wide wait.
 pub struct ResidentView<'a, T> {
     ptr: driver::sys::CUdeviceptr,
     len: usize,
     stream: &'a Arc<CudaStream>,
-    device: &'a Device,
-    buffer: ResidentBuffer,
+    _guard: crate::engine::core::ViewGuard,
+    _device: PhantomData<&'a Device>,
     _elem: PhantomData<fn() -> T>,
+}
+
+impl<T> std::fmt::Debug for ResidentView<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResidentView").field("ptr", &self.ptr).field("len", &self.len).finish_non_exhaustive()
+    }
 }
 
 impl<T> ResidentView<'_, T> {
     /// The device address of the first element.
     pub fn device_address(&self) -> u64 {
         self.ptr
-    }
-
-    /// The address handed to cudarc: the buffer's while it is live, null once it was freed
-    /// (the driver then refuses the call that takes it).
-    fn live_ptr(&self) -> driver::sys::CUdeviceptr {
-        match self.device.device_ptr(self.buffer) {
-            Ok(ptr) if ptr == self.ptr => ptr,
-            _ => 0,
-        }
     }
 
     /// The number of elements.
@@ -218,7 +213,7 @@ impl<T> DeviceSlice<T> for ResidentView<'_, T> {
 
 impl<T> DevicePtr<T> for ResidentView<'_, T> {
     fn device_ptr<'b>(&'b self, _stream: &'b CudaStream) -> (driver::sys::CUdeviceptr, SyncOnDrop<'b>) {
-        (self.live_ptr(), SyncOnDrop::Sync(None))
+        (self.ptr, SyncOnDrop::Sync(None))
     }
 }
 
@@ -227,7 +222,7 @@ impl<T> DevicePtrMut<T> for ResidentView<'_, T> {
         &'b mut self,
         _stream: &'b CudaStream,
     ) -> (driver::sys::CUdeviceptr, SyncOnDrop<'b>) {
-        (self.live_ptr(), SyncOnDrop::Sync(None))
+        (self.ptr, SyncOnDrop::Sync(None))
     }
 }
 

@@ -111,6 +111,21 @@ pub enum Error {
         device: usize,
     },
 
+    /// [`Device::free`](crate::Device::free) of a buffer that a cudarc view
+    /// (`Device::cudarc_view`, feature `cudarc`) still shows: work enqueued through the view
+    /// may still use the memory.
+    #[error(
+        "{buffer:?} cannot be freed: {views} cudarc view(s) of it are alive, and work enqueued through them may \
+         still use its memory. Fix: drop the ResidentView first (its drop waits for the work enqueued through \
+         it), then free the buffer."
+    )]
+    BufferViewed {
+        /// The handle.
+        buffer: ResidentBuffer,
+        /// The views of it alive.
+        views: usize,
+    },
+
     /// Two GPUs that cannot access each other's memory (no NVLink or PCIe peer path).
     #[error(
         "device {device} cannot access the memory of device {peer}: the driver reports no peer path between them. \
@@ -636,6 +651,7 @@ mod tests {
             },
             Error::FreedBuffer { buffer },
             Error::ForeignBuffer { buffer, device: 0 },
+            Error::BufferViewed { buffer, views: 1 },
             Error::PeerUnsupported { device: 0, peer: 1 },
             Error::NotInSet { index: 2, len: 2 },
             Error::OutOfRange { buffer, offset: u64::MAX, len: 2, buffer_len: 10 },

@@ -333,6 +333,13 @@ impl Raw {
         }
     }
 
+    /// Waits until every stream of the current context is done (`cuCtxSynchronize`).
+    #[cfg(any(feature = "cudarc", test))]
+    pub(crate) fn ctx_synchronize(&self) -> Result<()> {
+        // SAFETY: no arguments; needs a current context.
+        unsafe { cu!(self, cuCtxSynchronize()) }
+    }
+
     /// Takes back the current context's access to memory of `peer`.
     pub(crate) fn ctx_disable_peer_access(&self, peer: CUcontext) -> Result<()> {
         // SAFETY: peer is a live context; needs a current context.

@@ -96,7 +96,7 @@ impl Device {
         Core::open(driver, ordinal, config).map(|core| Device { core: Arc::new(core) })
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "cudarc"))]
     pub(crate) fn core(&self) -> &Arc<Core> {
         &self.core
     }

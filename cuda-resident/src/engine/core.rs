@@ -47,6 +47,11 @@ pub(crate) struct Core {
     /// The contexts of the devices whose memory this context was given access to
     /// (`cuCtxEnablePeerAccess`), kept alive: access ends when either context is destroyed.
     pub(crate) peers: Mutex<Vec<Arc<Context>>>,
+    /// Buffers shown by cudarc views, and how many views of each ([`Core::view_guard`]);
+    /// the count of all, so that a free looks at the map only while there are some.
+    #[cfg(any(feature = "cudarc", test))]
+    pub(crate) viewed:
+        (std::sync::atomic::AtomicUsize, Mutex<std::collections::HashMap<ResidentBuffer, usize>>),
     /// What finished batches leave for the next ones.
     pub(crate) spares: Spares,
     /// The device ranges each lane's batches in flight use.
@@ -96,6 +101,8 @@ impl Core {
             kernels: OnceLock::new(),
             packers,
             peers: Mutex::new(Vec::new()),
+            #[cfg(any(feature = "cudarc", test))]
+            viewed: Default::default(),
             spares: Default::default(),
             order: Ledger::default(),
         })
@@ -206,7 +213,27 @@ impl Core {
     /// Frees `buffer` (see `Device::free`).
     #[inline]
     pub(crate) fn free(&self, buffer: ResidentBuffer) -> Result<()> {
+        #[cfg(any(feature = "cudarc", test))]
+        if self.viewed.0.load(std::sync::atomic::Ordering::Acquire) > 0
+            && let Some(&views) = crate::sync::lock(&self.viewed.1).get(&buffer)
+        {
+            // A stale handle is refused as such by the allocator; a live one stays viewed.
+            self.alloc.resolve(buffer)?;
+            return Err(crate::error::Error::BufferViewed { buffer, views });
+        }
         self.alloc.free(buffer, &|last| self.is_known_idle(last))
+    }
+
+    /// Marks `buffer` as shown by a view of foreign work (a cudarc view) until the guard
+    /// drops: [`Core::free`] refuses it meanwhile, and the guard's drop waits, on the host,
+    /// for every stream of this device's context and of its peers' (the streams that may run
+    /// work enqueued through the view), so that the memory is free of it once freed.
+    #[cfg(any(feature = "cudarc", test))]
+    pub(crate) fn view_guard(self: &Arc<Core>, buffer: ResidentBuffer) -> Result<ViewGuard> {
+        self.alloc.resolve(buffer)?;
+        *crate::sync::lock(&self.viewed.1).entry(buffer).or_insert(0) += 1;
+        self.viewed.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Ok(ViewGuard { core: Arc::clone(self), buffer })
     }
 
     /// The buffer's device address.
@@ -262,6 +289,41 @@ impl Staging for Core {
 
     fn acquire_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
         Core::acquire_staging(self, len)
+    }
+}
+
+/// A buffer shown by a cudarc view ([`Core::view_guard`]).
+#[cfg(any(feature = "cudarc", test))]
+pub(crate) struct ViewGuard {
+    core: Arc<Core>,
+    buffer: ResidentBuffer,
+}
+
+#[cfg(any(feature = "cudarc", test))]
+impl Drop for ViewGuard {
+    fn drop(&mut self) {
+        // Work enqueued through the view runs on a stream of this device's context or, by
+        // peer access, of a peer's: every one of them is waited for. Where a wait fails the
+        // buffer stays viewed (it can never be freed, which is safe), unless the context is
+        // lost (its work never runs).
+        let contexts: Vec<Arc<crate::context::Context>> = std::iter::once(Arc::clone(&self.core.ctx))
+            .chain(crate::sync::lock(&self.core.peers).iter().cloned())
+            .collect();
+        let done = contexts.iter().all(|ctx| match ctx.bind().and_then(|raw| raw.ctx_synchronize()) {
+            Ok(()) => true,
+            Err(e) => e.work_never_runs(),
+        });
+        if !done {
+            return;
+        }
+        let mut viewed = crate::sync::lock(&self.core.viewed.1);
+        if let Some(views) = viewed.get_mut(&self.buffer) {
+            *views -= 1;
+            if *views == 0 {
+                viewed.remove(&self.buffer);
+            }
+        }
+        self.core.viewed.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
 }
 

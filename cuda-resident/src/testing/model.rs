@@ -64,6 +64,8 @@ pub(crate) struct FakeGpu {
     pub(crate) event_waits: Vec<usize>,
     /// `cuStreamSynchronize` calls that succeeded.
     pub(crate) stream_syncs: u64,
+    /// `cuCtxSynchronize` calls.
+    pub(crate) ctx_syncs: u64,
     /// `cuMemcpyHtoDAsync` calls from pageable host memory (staged by the driver).
     pub(crate) pageable_uploads: u64,
     /// What the model found wrong (illegal accesses), in order.
@@ -384,6 +386,24 @@ unsafe extern "C" fn stream_synchronize(stream: CUstream) -> CUresult {
     with(|g| {
         g.complete_to(stream as usize, g.position);
         g.stream_syncs += 1;
+        g.sticky().unwrap_or(CUDA_SUCCESS)
+    })
+}
+
+unsafe extern "C" fn ctx_synchronize() -> CUresult {
+    with(|g| {
+        let current = g.current;
+        let mine: Vec<usize> = g
+            .streams
+            .keys()
+            .copied()
+            .filter(|s| g.stream_device.get(s).copied().unwrap_or(0) == current)
+            .collect();
+        let upto = g.position;
+        for stream in mine {
+            g.complete_to(stream, upto);
+        }
+        g.ctx_syncs += 1;
         g.sticky().unwrap_or(CUDA_SUCCESS)
     })
 }
@@ -730,6 +750,7 @@ pub(crate) fn driver() -> Arc<Driver> {
     api.cuStreamCreate = Ok(stream_create);
     api.cuStreamDestroy_v2 = Ok(stream_destroy);
     api.cuStreamSynchronize = Ok(stream_synchronize);
+    api.cuCtxSynchronize = Ok(ctx_synchronize);
     api.cuStreamWaitEvent = Ok(stream_wait_event);
     api.cuStreamAddCallback = Ok(stream_add_callback);
     api.cuEventCreate = Ok(event_create);

@@ -348,3 +348,33 @@ fn a_refused_download_into_vectors_leaves_them_as_they_were_on_every_route() {
         assert_eq!(d.telemetry().pinned.lent_bytes, 0, "{route}");
     }
 }
+
+/// What a cudarc view (feature `cudarc`) holds of its buffer, on the model: while any view
+/// lives the buffer cannot be freed (`BufferViewed`, naming how many views); the last
+/// view's drop waits for every stream of the device's context and of its peers' before the
+/// buffer can be freed; a freed buffer cannot be viewed; other buffers free as ever.
+#[test]
+fn a_viewed_buffer_is_not_freed_until_its_views_dropped_and_their_work_was_waited_for() {
+    let driver = model::driver();
+    let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
+    let d1 = Device::open_with(Arc::clone(&driver), 1, Config::default()).unwrap();
+    d0.enable_peer(&d1).unwrap();
+    let b = d0.allocate(4096).unwrap();
+    let other = d0.allocate(4096).unwrap();
+    let first = d0.core().view_guard(b).unwrap();
+    let second = d0.core().view_guard(b).unwrap();
+    let e = d0.free(b).unwrap_err();
+    assert!(matches!(e, Error::BufferViewed { views: 2, .. }) && has_fix(&e), "{e}");
+    drop(first);
+    let e = d0.free(b).unwrap_err();
+    assert!(matches!(e, Error::BufferViewed { views: 1, .. }), "{e}");
+    d0.free(other).unwrap();
+    let e = d0.free(other).unwrap_err();
+    assert!(matches!(e, Error::FreedBuffer { .. }), "a stale handle is refused as stale: {e}");
+    assert!(matches!(d0.core().view_guard(other).map(drop), Err(Error::FreedBuffer { .. })));
+    let syncs = model::with(|g| g.ctx_syncs);
+    drop(second);
+    assert_eq!(model::with(|g| g.ctx_syncs) - syncs, 2, "the device's context and its peer's, waited for");
+    d0.free(b).unwrap();
+    assert!(model::with(|g| g.errors.is_empty()));
+}
