@@ -499,22 +499,24 @@ impl Error {
         e
     }
 
-    /// Runs `body` on `batch`: a bulk call's loop over the caller's items (it counts in `at`
-    /// the items taken so far). If it panics (the caller's iterator did), hands `undo` the
-    /// batch and [`Error::ItemsPanicked`] (to keep as the batch's error unless it has one,
-    /// with its bookkeeping back in step with what was added), then lets the panic go on: a
-    /// caller that catches it cannot move half the call.
-    pub(crate) fn guard_items<B: ?Sized, R>(
+    /// Runs `body` on `batch`: a bulk call's loop over the caller's items, which counts in
+    /// `at` the items it added and returns the error of the first bad one. That error is
+    /// returned as [`Error::BadItem`] (of `call`, item `at`) and kept as the batch's
+    /// (`error_of(batch)`, the error its `submit` returns) unless it holds one already. If
+    /// `body` panics (the caller's iterator did), the batch keeps [`Error::ItemsPanicked`]
+    /// instead and the panic goes on: a caller that catches it cannot move half the call.
+    pub(crate) fn add_items<B: ?Sized>(
         call: &'static str,
         batch: &mut B,
-        body: impl FnOnce(&mut B, &mut usize) -> R,
-        undo: impl FnOnce(&mut B, Error),
-    ) -> R {
+        error_of: fn(&mut B) -> &mut Option<Error>,
+        body: impl FnOnce(&mut B, &mut usize) -> Result<()>,
+    ) -> Result<()> {
         let mut at = 0;
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(batch, &mut at))) {
-            Ok(done) => done,
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(Error::bad_item(error_of(batch), call, at, error)),
             Err(panic) => {
-                undo(batch, Error::ItemsPanicked { call, index: at });
+                error_of(batch).get_or_insert(Error::ItemsPanicked { call, index: at });
                 std::panic::resume_unwind(panic)
             }
         }

@@ -104,13 +104,7 @@ struct StreamModel {
 
 /// Completes every piece of work enqueued so far, as the GPU would in its own time.
 pub(crate) fn complete_all() {
-    with(|g| {
-        let streams: Vec<usize> = g.streams.keys().copied().collect();
-        let upto = g.position;
-        for stream in streams {
-            g.complete_to(stream, upto);
-        }
-    });
+    with(|g| g.complete_streams(|_| true));
 }
 
 /// The range of `ranges` (address -> length) that holds address `at`.
@@ -157,6 +151,15 @@ impl FakeGpu {
         }
         self.enqueue(stream, Op::Copy { dst, src, len });
         CUDA_SUCCESS
+    }
+
+    /// Completes every piece of work enqueued so far on the streams `which` picks.
+    fn complete_streams(&mut self, which: impl Fn(usize) -> bool) {
+        let streams: Vec<usize> = self.streams.keys().copied().filter(|&s| which(s)).collect();
+        let upto = self.position;
+        for stream in streams {
+            self.complete_to(stream, upto);
+        }
     }
 
     fn enqueue(&mut self, stream: CUstream, op: Op) {
@@ -392,17 +395,9 @@ unsafe extern "C" fn stream_synchronize(stream: CUstream) -> CUresult {
 
 unsafe extern "C" fn ctx_synchronize() -> CUresult {
     with(|g| {
-        let current = g.current;
-        let mine: Vec<usize> = g
-            .streams
-            .keys()
-            .copied()
-            .filter(|s| g.stream_device.get(s).copied().unwrap_or(0) == current)
-            .collect();
-        let upto = g.position;
-        for stream in mine {
-            g.complete_to(stream, upto);
-        }
+        let mine: Vec<usize> =
+            g.stream_device.iter().filter(|&(_, &d)| d == g.current).map(|(&s, _)| s).collect();
+        g.complete_streams(|s| mine.contains(&s));
         g.ctx_syncs += 1;
         g.sticky().unwrap_or(CUDA_SUCCESS)
     })

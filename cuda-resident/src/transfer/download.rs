@@ -381,25 +381,20 @@ impl DownloadBatch<'_> {
         let lower = items.size_hint().0.min(super::upload::RESERVE_MOST);
         let mut slots = Vec::with_capacity(lower);
         self.reads.reserve(lower);
-        let added = Error::guard_items(
+        Error::add_items(
             "DownloadBatch::read_ranges",
             self,
+            |batch| &mut batch.error,
             |batch, at| {
                 let mut last = None;
                 for (buffer, offset, len) in items {
-                    slots.push(batch.add(buffer, offset, len, &mut last).map_err(|e| (*at, e))?);
+                    slots.push(batch.add(buffer, offset, len, &mut last)?);
                     *at += 1;
                 }
                 Ok(())
             },
-            |batch, panicked| {
-                batch.error.get_or_insert(panicked);
-            },
-        );
-        match added {
-            Ok(()) => Ok(slots),
-            Err((index, e)) => Err(Error::bad_item(&mut self.error, "DownloadBatch::read_ranges", index, e)),
-        }
+        )?;
+        Ok(slots)
     }
 
     /// Number of reads added.

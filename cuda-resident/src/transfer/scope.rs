@@ -141,17 +141,19 @@ impl<'scope> Scope<'scope, '_> {
     }
 
     /// Waits for every submission of the scope. A lane where a batch failed part-way, or
-    /// whose wait fails, is synchronized whole instead ([`Lane::settle`](crate::stream::Lane::settle)), so that no copy
-    /// of the scope runs once this returns.
+    /// whose wait fails, is synchronized whole instead (its stream, which a failed batch's
+    /// side work was joined into: [`Lane::settle`](crate::stream::Lane::settle)), so that no
+    /// copy of the scope runs once this returns.
     fn wait_all(&self) -> Result<()> {
         let mut first = Ok(());
         for kind in [LaneKind::Upload, LaneKind::Readback] {
+            let settle = || self.core.lane(kind).settle();
             let seq = self.seen.last[kind.index()].load(Ordering::Acquire);
             let failed = self.seen.failed[kind.index()].load(Ordering::Acquire);
             let waited = match (failed, seq) {
-                (true, _) => self.settle(kind),
+                (true, _) => settle(),
                 (false, 0) => Ok(()),
-                (false, seq) => wait(self.core, kind, seq).inspect_err(|_| drop(self.settle(kind))),
+                (false, seq) => wait(self.core, kind, seq).inspect_err(|_| drop(settle())),
             };
             if let Err(e) = waited
                 && first.is_ok()
@@ -160,12 +162,6 @@ impl<'scope> Scope<'scope, '_> {
             }
         }
         first
-    }
-
-    /// Synchronizes `kind`'s lane whole (its stream, which a failed batch's side work was
-    /// joined into): [`Lane::settle`](crate::stream::Lane::settle).
-    fn settle(&self, kind: LaneKind) -> Result<()> {
-        self.core.lane(kind).settle()
     }
 }
 
@@ -619,7 +615,7 @@ fn move_pinned(
 /// single call checks its own (a run of items on one buffer looked up once) and pushed onto
 /// `to` as `(key, offset, host)`; the first bad item is named by its index in `call` and kept
 /// as the batch's error, and the items after it are not added. An iterator that panics
-/// leaves [`Error::ItemsPanicked`] as the batch's error ([`Error::guard_items`]).
+/// leaves [`Error::ItemsPanicked`] as the batch's error ([`Error::add_items`]).
 fn add_many<T>(
     core: &Core,
     (table, error): (&mut BufferTable, &mut Option<Error>),
@@ -631,25 +627,21 @@ fn add_many<T>(
     let items = items.into_iter();
     // As `UploadBatch::write_many`: the iterator's hint is trusted only so far.
     to.reserve(items.size_hint().0.min(RESERVE_MOST));
-    let added = Error::guard_items(
+    Error::add_items(
         call,
         error,
+        |error| error,
         |_, at| {
             let mut last = None;
             for (buffer, offset, host) in items {
                 let range = (buffer, offset, len(&host) as u64);
-                let (key, _) =
-                    table.check_next(&core.alloc, &mut last, range, &mut None).map_err(|e| (*at, e))?;
+                let (key, _) = table.check_next(&core.alloc, &mut last, range, &mut None)?;
                 to.push((key, offset, host));
                 *at += 1;
             }
             Ok(())
         },
-        |error, panicked| {
-            error.get_or_insert(panicked);
-        },
-    );
-    added.map_err(|(index, e)| Error::bad_item(error, call, index, e))
+    )
 }
 
 /// A batch of writes from the caller's memory ([`Scope::uploads`]). Writes apply in order:

@@ -48,8 +48,9 @@ pub(crate) const DRIVER_STAGED_MOST: usize = 16 << 10;
 /// ones travel with the command), so no pinned lease or host copy of the library's is
 /// needed. From pinned memory the DMA reads `data` after the call returns: `data` stays
 /// borrowed until the wait returns, so it outlives the read (and where the lane cannot
-/// record the copy's event, the submission waits for the stream before it returns). A wait
-/// that fails is a fault of the context, which then runs no more copies.
+/// record the copy's event, the submission waits for the stream before it returns). Where
+/// the submission or the wait fails, the lane is settled before the error returns
+/// ([`Lane::settle`](crate::stream::Lane::settle)), so no copy reads `data` afterwards.
 pub(crate) fn upload_now(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, data: &[u8]) -> Result<()> {
     let len = data.len();
     let address = core.checked_range(buffer, offset, len as u64)?;

@@ -172,44 +172,31 @@ impl<'a> UploadBatch<'a> {
         let lower = items.size_hint().0.min(RESERVE_MOST);
         self.writes.reserve(lower);
         self.sources.reserve(lower);
-        let before = self.writes.len();
-        let added = Error::guard_items(
+        Error::add_items(
             "UploadBatch::write_many",
             self,
+            |batch| &mut batch.error,
             |batch, at| {
                 // The last item's buffer and key: the items of a run on one buffer skip the
                 // lookup.
                 let mut last = None;
                 for (buffer, offset, data) in items {
                     let len = data.len() as u64;
-                    let checked = batch.table.check_next(
+                    let (key, buffer_len) = batch.table.check_next(
                         &batch.core.alloc,
                         &mut last,
                         (buffer, offset, len),
                         &mut None,
-                    );
-                    let (key, buffer_len) = match checked {
-                        Ok(found) => found,
-                        Err(error) => return Err((*at, error)),
-                    };
+                    )?;
                     batch.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
                     batch.sources.push(Source::Slice(data));
+                    batch.slice_writes += 1;
                     *at += 1;
                 }
                 Ok(())
             },
-            |batch, panicked| {
-                batch.slice_writes += batch.writes.len() - before;
-                batch.error.get_or_insert(panicked);
-            },
-        );
-        self.slice_writes += self.writes.len() - before;
-        match added {
-            Ok(()) => Ok(self),
-            Err((index, error)) => {
-                Err(Error::bad_item(&mut self.error, "UploadBatch::write_many", index, error))
-            }
-        }
+        )?;
+        Ok(self)
     }
 
     /// Poisons the batch after write `index` (`len` bytes at `offset` of `buffer`) failed
