@@ -278,6 +278,16 @@ struct Lent {
 }
 
 impl Lent {
+    /// What [`first_part`] sees of an item of `len` bytes at host `host`, to or from device
+    /// address `dev`.
+    fn seen(&mut self, host: usize, len: usize, dev: u64) -> Seen {
+        match self.arena(host, len) {
+            _ if len == 0 => Seen::Empty,
+            Some(start) => Seen::Mapped(Direct::new(host, dev, len, Place::Mapped(start))),
+            None => Seen::Elsewhere,
+        }
+    }
+
     /// The start of the arena of this crate that holds all of `[ptr, ptr + len)`.
     fn arena(&mut self, ptr: usize, len: usize) -> Option<usize> {
         let end = ptr.saturating_add(len);
@@ -318,6 +328,12 @@ impl Direct {
     fn new(host: usize, dev: u64, len: usize, place: Place) -> Direct {
         debug_assert!(place != Place::Staged, "staged items do not move in place");
         Direct { host, dev, len: len as u64, place }
+    }
+
+    /// Whether `next` starts in host memory where this item ends, in the same region (a run
+    /// never crosses into another: [`Layout::new`], [`parts`]).
+    fn followed_by(&self, next: &Direct) -> bool {
+        next.host == self.host + self.len as usize && next.place == self.place
     }
 
     /// Whether the host side is mapped for the device.
@@ -712,8 +728,10 @@ impl<'scope> ScopedUploads<'scope> {
 
     /// Moves every write: those from pinned memory of this crate straight from it, the
     /// others through staging (copied before this returns). The scope waits for them. A
-    /// batch of more than 1024 writes or a chunk of bytes, all in place, moves in up to three
-    /// parts, the first while the rest is laid out; the parts apply in order.
+    /// batch of more than 1024 writes or a chunk of bytes moves in up to three parts, the
+    /// first while the rest is looked at and laid out, where they come from pinned memory
+    /// (the first part from this crate's: it moves before any later write is classified);
+    /// the parts apply in order.
     ///
     /// # Errors
     /// The first bad write's error, or a staging or driver error; nothing moves if a write
@@ -735,13 +753,26 @@ impl<'scope> ScopedUploads<'scope> {
         }
         let core = self.core;
         let ptr_of = |key: u32, offset: u64| self.table.entries[key as usize].ptr + offset;
-        let hosts: Vec<(usize, usize)> =
-            self.writes.iter().map(|w| (w.2.as_ptr() as usize, w.2.len())).collect();
+        // The first part moves before the rest is looked at (where the batch has one).
+        let mut lent = Lent::default();
+        let first = first_part(self.writes.len(), core.config.chunk_bytes, |i| {
+            let (key, offset, data) = self.writes[i];
+            lent.seen(data.as_ptr() as usize, data.len(), ptr_of(key, offset))
+        });
+        let mut fence = Fence::completed();
+        let from = match first {
+            Some((items, end)) => {
+                fence = self.move_part(&items, 0..end)?;
+                end
+            }
+            None => 0,
+        };
+        let rest = &self.writes[from..];
+        let hosts: Vec<(usize, usize)> = rest.iter().map(|w| (w.2.as_ptr() as usize, w.2.len())).collect();
         let places = places(core, &hosts)?;
         // One pass: the items that move in place (and the write each comes from), the others.
-        let (mut direct, mut origin, mut staged) =
-            (Vec::with_capacity(self.writes.len()), Vec::new(), Vec::new());
-        for (i, (&(key, offset, data), place)) in self.writes.iter().zip(places).enumerate() {
+        let (mut direct, mut origin, mut staged) = (Vec::with_capacity(rest.len()), Vec::new(), Vec::new());
+        for (i, (&(key, offset, data), place)) in (from..).zip(rest.iter().zip(places)) {
             if data.is_empty() {
                 continue;
             }
@@ -753,41 +784,25 @@ impl<'scope> ScopedUploads<'scope> {
                 Place::Staged => staged.push(i),
             }
         }
-        let mut fence = Fence::completed();
         if staged.is_empty() {
             // All in place: in parts, each checked for overlaps of its own (a part that has
             // some goes staged whole); the parts apply in order, one after the other on the
             // lane, so a later write wins over an earlier one in another part too.
-            for part in parts(&direct, core.config.chunk_bytes) {
-                let mut ranges = ranges_of(core, LaneKind::Upload, &direct[part.clone()]);
-                // A pool's blocks are checked by granules, without a sort (which would cost
-                // ~0.7 ms for 16384 of them on the development VM, before the first DMA).
-                fence = if ranges.disjoint_by_granules().unwrap_or_else(|| ranges.sort_disjoint()) {
-                    let moved = move_pinned(
-                        core,
-                        LaneKind::Upload,
-                        self.table.buffers(),
-                        &direct[part],
-                        ranges,
-                        self.seen,
-                    );
-                    self.seen.note(LaneKind::Upload, moved)?
-                } else {
-                    self.submit_staged(origin[part].iter().copied())?
-                };
-                note(self.seen, &fence);
+            for part in parts(&direct, core.config.chunk_bytes, usize::from(from > 0)) {
+                fence = self.move_part(&direct[part.clone()], origin[part].iter().copied())?;
             }
             return Ok(fence);
         }
         // Some staged: overlapping writes apply in order, so where any two writes overlap, the
-        // staged path's planner takes them all.
+        // staged path's planner takes them all (those of a first part moved already come
+        // before them all on the lane).
         let mut ranges = core.ranges(LaneKind::Upload);
-        for &(key, offset, data) in &self.writes {
+        for &(key, offset, data) in rest {
             ranges.push(ptr_of(key, offset), data.len() as u64);
         }
         if !direct.is_empty() && !ranges.disjoint_by_granules().unwrap_or_else(|| ranges.sort_disjoint()) {
             direct.clear();
-            staged = (0..self.writes.len()).collect();
+            staged = (from..self.writes.len()).collect();
         }
         if !direct.is_empty() {
             let ranges = ranges_of(core, LaneKind::Upload, &direct);
@@ -796,6 +811,23 @@ impl<'scope> ScopedUploads<'scope> {
             note(self.seen, &fence);
         }
         fence = self.submit_staged(staged.into_iter())?;
+        note(self.seen, &fence);
+        Ok(fence)
+    }
+
+    /// Moves a part of the batch's writes made in place, `items`, coming from the writes at
+    /// `origin`: in place where no two of them overlap (checked by granules, without a sort,
+    /// which would cost ~0.7 ms for 16384 blocks of a pool on the development VM, before the
+    /// first DMA), else those writes through staging, in order.
+    fn move_part(&self, items: &[Direct], origin: impl Iterator<Item = usize>) -> Result<Fence> {
+        let core = self.core;
+        let mut ranges = ranges_of(core, LaneKind::Upload, items);
+        let fence = if ranges.disjoint_by_granules().unwrap_or_else(|| ranges.sort_disjoint()) {
+            let moved = move_pinned(core, LaneKind::Upload, self.table.buffers(), items, ranges, self.seen);
+            self.seen.note(LaneKind::Upload, moved)?
+        } else {
+            self.submit_staged(origin)?
+        };
         note(self.seen, &fence);
         Ok(fence)
     }
@@ -820,7 +852,74 @@ const PART_ITEMS: usize = 1024;
 /// Whether item `i + 1` goes on item `i`'s run: it starts in host memory where `i` ends, in
 /// the same region (a run never crosses into another: [`Layout::new`], [`parts`]).
 fn continues(items: &[Direct], i: usize) -> bool {
-    items[i + 1].host == items[i].host + items[i].len as usize && items[i + 1].place == items[i].place
+    items[i].followed_by(&items[i + 1])
+}
+
+/// What [`first_part`] sees of an item of a scoped batch.
+#[derive(Clone, Copy, Debug)]
+enum Seen {
+    /// Moves nothing (no bytes).
+    Empty,
+    /// In pinned memory of this crate.
+    Mapped(Direct),
+    /// Anywhere else: only the whole batch's classification ([`places`]) says how it moves.
+    Elsewhere,
+}
+
+/// The first of a scoped batch's [`parts`], cut off its front before the rest of the batch is
+/// looked at, so that it moves while the rest is classified and laid out (for 16384 blocks
+/// of a pool, that work took 0.15 ms on the development VM before the first DMA, and about
+/// twice that on the H200's host). `seen(i)` tells item `i` of `n`. The first part found is
+/// the one [`parts`] would cut from the whole batch: its items (all in pinned memory of this
+/// crate, empty ones left out) and the number of the batch's items it spans; `None` where
+/// an item of it lies elsewhere, or where it would take the whole batch (or more than twice
+/// [`PART_ITEMS`] items), which the caller then moves as before.
+fn first_part(n: usize, chunk: u64, mut seen: impl FnMut(usize) -> Seen) -> Option<(Vec<Direct>, usize)> {
+    // The first item after `i` that moves bytes: its index, and itself where it is mapped.
+    let mut next = |mut i: usize| {
+        while i < n {
+            match seen(i) {
+                Seen::Empty => i += 1,
+                Seen::Mapped(d) => return Some((i, Some(d))),
+                Seen::Elsewhere => return Some((i, None)),
+            }
+        }
+        None
+    };
+    let mut items: Vec<Direct> = Vec::with_capacity(PART_ITEMS);
+    let (mut bytes, mut run) = (0, 0);
+    // Where the run being added ends, once a look ahead found its rest shorter than a run:
+    // no cut inside it then (its rest only gets shorter).
+    let mut short_until = 0;
+    let (mut i, mut item) = next(0)?;
+    loop {
+        let d = item?;
+        run = if items.last().is_some_and(|p| p.followed_by(&d)) { run + d.len } else { d.len };
+        bytes += d.len;
+        items.push(d);
+        if items.len() > 2 * PART_ITEMS {
+            return None;
+        }
+        let (after, following) = next(i + 1)?;
+        let due = bytes >= chunk || items.len() >= PART_ITEMS;
+        if due && !following.is_some_and(|f| d.followed_by(&f)) {
+            return Some((items, i + 1));
+        }
+        if due && run >= RUN_MIN && after >= short_until {
+            // The rest of the run from `after`: a cut here leaves it a run too.
+            let (mut rest, mut last, mut at) = (0, d, Some((after, following)));
+            while let Some((j, Some(f))) = at
+                && last.followed_by(&f)
+                && rest < RUN_MIN
+            {
+                (rest, last, at, short_until) = (rest + f.len, f, next(j + 1), j + 1);
+            }
+            if rest >= RUN_MIN {
+                return Some((items, i + 1));
+            }
+        }
+        (i, item) = (after, following);
+    }
 }
 
 /// The parts a scoped batch's in-place `items` are submitted in, so that the first part
@@ -830,7 +929,9 @@ fn continues(items: &[Direct], i: usize) -> bool {
 /// host-contiguous run only where the run's pieces on both sides are [`RUN_MIN`] long or
 /// more, so that each still moves as a run (a shorter piece would move by one DMA an item).
 /// Three parts at most: each is a batch of its own on the lane, entered in the ledger.
-fn parts(items: &[Direct], chunk: u64) -> Vec<std::ops::Range<usize>> {
+/// `moved` parts were cut off the batch's front before `items` ([`first_part`]): the parts
+/// returned go on from there.
+fn parts(items: &[Direct], chunk: u64, moved: usize) -> Vec<std::ops::Range<usize>> {
     let mut parts = Vec::with_capacity(3);
     if items.is_empty() {
         return parts;
@@ -846,8 +947,8 @@ fn parts(items: &[Direct], chunk: u64) -> Vec<std::ops::Range<usize>> {
     for (i, d) in items.iter().enumerate() {
         bytes += d.len;
         run = if i > start && continues(items, i - 1) { run + d.len } else { d.len };
-        let shift = parts.len();
-        if shift == 2 || i + 1 == items.len() {
+        let shift = moved + parts.len();
+        if shift >= 2 || i + 1 == items.len() {
             continue;
         }
         let due = bytes >= chunk << shift || i + 1 - start >= PART_ITEMS << shift;
@@ -965,15 +1066,38 @@ impl<'scope> ScopedDownloads<'scope> {
             return Err(e);
         }
         let core = self.core;
-        let hosts: Vec<(usize, usize)> =
-            self.reads.iter().map(|r| (r.2.as_ptr() as usize, r.2.len())).collect();
+        let entries = &self.table.entries;
+        // The first part moves before the rest is looked at (where the batch has one).
+        let mut lent = Lent::default();
+        let reads = &mut self.reads;
+        let first = first_part(reads.len(), core.config.chunk_bytes, |i| {
+            let (key, offset, ref mut out) = reads[i];
+            lent.seen(out.as_mut_ptr() as usize, out.len(), entries[key as usize].ptr + offset)
+        });
+        let mut fence = Fence::completed();
+        let move_part = |items: &[Direct]| {
+            let ranges = ranges_of(core, LaneKind::Readback, items);
+            let moved = move_pinned(core, LaneKind::Readback, self.table.buffers(), items, ranges, self.seen);
+            let fence = self.seen.note(LaneKind::Readback, moved)?;
+            note(self.seen, &fence);
+            Ok::<_, Error>(fence)
+        };
+        let from = match first {
+            Some((items, end)) => {
+                fence = move_part(&items)?;
+                end
+            }
+            None => 0,
+        };
+        let rest: Vec<_> = std::mem::take(reads).into_iter().skip(from).collect();
+        let hosts: Vec<(usize, usize)> = rest.iter().map(|r| (r.2.as_ptr() as usize, r.2.len())).collect();
         let places = places(core, &hosts)?;
-        let (mut direct, mut staged) = (Vec::with_capacity(self.reads.len()), Vec::new());
-        for ((key, offset, out), place) in std::mem::take(&mut self.reads).into_iter().zip(places) {
+        let (mut direct, mut staged) = (Vec::with_capacity(rest.len()), Vec::new());
+        for ((key, offset, out), place) in rest.into_iter().zip(places) {
             if out.is_empty() {
                 continue;
             }
-            let entry = self.table.entries[key as usize];
+            let entry = entries[key as usize];
             match place {
                 Place::Mapped(_) | Place::Pinned(_) => {
                     direct.push(Direct::new(out.as_mut_ptr() as usize, entry.ptr + offset, out.len(), place))
@@ -981,14 +1105,9 @@ impl<'scope> ScopedDownloads<'scope> {
                 Place::Staged => staged.push((entry.buffer, offset, out)),
             }
         }
-        let mut fence = Fence::completed();
         // In parts (reads of distinct caller slices: their order does not matter).
-        for part in parts(&direct, core.config.chunk_bytes) {
-            let ranges = ranges_of(core, LaneKind::Readback, &direct[part.clone()]);
-            let moved =
-                move_pinned(core, LaneKind::Readback, self.table.buffers(), &direct[part], ranges, self.seen);
-            fence = self.seen.note(LaneKind::Readback, moved)?;
-            note(self.seen, &fence);
+        for part in parts(&direct, core.config.chunk_bytes, usize::from(from > 0)) {
+            fence = move_part(&direct[part])?;
         }
         if !staged.is_empty() {
             let mut batch = super::download::downloads(core);
@@ -1018,7 +1137,7 @@ impl<'scope> ScopedDownloads<'scope> {
 
 #[cfg(test)]
 mod layout_tests {
-    use super::{Direct, Layout, Lent, PART_ITEMS, Place, parts};
+    use super::{Direct, Layout, Lent, PART_ITEMS, Place, RUN_MIN, Seen, first_part, parts};
     use crate::stream::LaneKind;
     use crate::testing::device;
 
@@ -1065,7 +1184,7 @@ mod layout_tests {
                 host += len as usize;
             }
             let chunk = [16u64 << 20, 1 << 20, 64 << 10][round % 3];
-            let p = parts(&items, chunk);
+            let p = parts(&items, chunk, 0);
             assert_eq!(p.iter().map(|r| r.len()).sum::<usize>(), items.len());
             for w in p.windows(2) {
                 let (part, cut) = (w[0].start, w[1].start);
@@ -1094,14 +1213,14 @@ mod layout_tests {
     /// item past a chunk of bytes or `PART_ITEMS` items, the second past twice that.
     #[test]
     fn parts_cover_the_items_in_order_the_first_small() {
-        assert!(parts(&[], 1 << 20).is_empty());
+        assert!(parts(&[], 1 << 20, 0).is_empty());
         let mut rng = fastrand::Rng::with_seed(5);
         for _ in 0..200 {
             let chunk = rng.u64(1..4 << 20);
             let items: Vec<Direct> = (0..rng.usize(1..6000))
                 .map(|_| Direct { host: 0, dev: 0, len: rng.u64(1..64 << 10), place: Place::Mapped(0) })
                 .collect();
-            let p = parts(&items, chunk);
+            let p = parts(&items, chunk, 0);
             assert!((1..=3).contains(&p.len()));
             assert_eq!(p[0].start, 0);
             assert_eq!(p.last().unwrap().end, items.len());
@@ -1115,6 +1234,84 @@ mod layout_tests {
                 assert!(bytes >= chunk << k || count >= PART_ITEMS << k, "part {k} ended early");
             }
         }
+    }
+
+    /// The first part cut off a batch's front, seeing one item at a time, is the first part
+    /// `parts` cuts from the whole batch (empty items skipped, gaps between runs, any chunk),
+    /// and `parts` of the rest, told that one part moved, cuts it as it cut the whole. An
+    /// item of that first part outside this crate's pinned memory leaves the batch whole (or
+    /// ends the first part before it); an item past it does not matter.
+    #[test]
+    fn the_first_part_cut_off_the_front_is_the_one_parts_cuts_from_the_whole() {
+        let mut rng = fastrand::Rng::with_seed(12);
+        let mut cut = 0;
+        for round in 0..600 {
+            let mut all: Vec<Option<Direct>> = Vec::new();
+            let mut host = 1usize << 40;
+            let longest = [64u64, 1024, 4096, 64 << 10, 1 << 20][round % 5];
+            for _ in 0..rng.usize(1..5000) {
+                if rng.u16(..40) == 0 {
+                    all.push(None);
+                    continue;
+                }
+                if rng.u16(..[3000, 300, 30][round % 3]) == 0 {
+                    host += 4096;
+                }
+                let len = rng.u64(1..=longest);
+                all.push(Some(Direct { host, dev: host as u64, len, place: Place::Mapped(0) }));
+                host += len as usize;
+            }
+            let direct: Vec<Direct> = all.iter().flatten().copied().collect();
+            let chunk = [16u64 << 20, 1 << 20, 64 << 10][round % 3];
+            let whole = parts(&direct, chunk, 0);
+            let seen = |i: usize| all[i].map_or(Seen::Empty, Seen::Mapped);
+            match first_part(all.len(), chunk, seen) {
+                Some((items, end)) => {
+                    cut += 1;
+                    assert!(whole.len() >= 2 && all[end - 1].is_some(), "round {round}");
+                    let took = all[..end].iter().flatten().count();
+                    assert_eq!(took, whole[0].end, "round {round}: the first part's items");
+                    assert!(items.iter().zip(&direct).all(|(a, b)| (a.host, a.len) == (b.host, b.len)));
+                    let rest: Vec<_> = parts(&direct[took..], chunk, 1)
+                        .into_iter()
+                        .map(|r| r.start + took..r.end + took)
+                        .collect();
+                    assert_eq!(rest, whole[1..], "round {round}: the rest's parts");
+                    // Another item in the first part: the batch stays whole; past it: no change.
+                    let at = rng.usize(..end);
+                    let elsewhere = |i: usize| if i == at { Seen::Elsewhere } else { seen(i) };
+                    let cut_before = first_part(all.len(), chunk, elsewhere).is_none_or(|f| f.1 <= at);
+                    assert!(cut_before, "round {round}: a first part over an item elsewhere");
+                    let later = |i: usize| if i == end { Seen::Elsewhere } else { seen(i) };
+                    assert_eq!(first_part(all.len(), chunk, later).map(|f| f.1), Some(end), "round {round}");
+                }
+                None => assert!(
+                    whole.len() < 2 || whole[0].len() > 2 * PART_ITEMS,
+                    "round {round}: no first part, but parts cut {whole:?}"
+                ),
+            }
+        }
+        assert!(cut > 200, "{cut} batches of 600 had a first part cut off");
+    }
+
+    /// A run already past `RUN_MIN` when the first part is due, whose rest is shorter than a
+    /// run, is looked ahead once, not once an item: 2000 items of 1 KiB in one run, then
+    /// others apart.
+    #[test]
+    fn a_short_rest_of_a_run_is_looked_ahead_once() {
+        let item = |i: usize| {
+            let host = (1usize << 40) + i * 1024 + if i >= 2000 { 4096 } else { 0 };
+            Direct { host, dev: 0, len: 1024, place: Place::Mapped(0) }
+        };
+        assert!(PART_ITEMS as u64 * 1024 >= RUN_MIN && (2000 - PART_ITEMS as u64) * 1024 < RUN_MIN);
+        let mut calls = 0;
+        let (items, end) = first_part(3000, 16 << 20, |i| {
+            calls += 1;
+            Seen::Mapped(item(i))
+        })
+        .expect("a first part, cut where the run ends");
+        assert_eq!((items.len(), end), (2000, 2000));
+        assert!(calls <= 2 * 2001, "{calls} looks at 2001 items");
     }
 
     /// Every item's bytes are covered exactly once by chunk descriptors, bus descriptors or

@@ -527,6 +527,69 @@ fn a_large_scoped_batch_moves_in_parts_and_later_writes_win() {
     assert!(model::with(|g| g.errors.is_empty()));
 }
 
+/// A batch whose first part lies in pinned memory of this crate moves that part before it
+/// looks at the rest: 1500 distinct blocks from a pinned cache (the first 1024 a part), then
+/// 300 writes from pageable memory onto distinct blocks of that first part, staged. The later writes
+/// still win, and the first part moved in place whole (no byte of it fused away by the
+/// planner, as it is where the whole batch goes staged). Reads into a pinned cache followed
+/// by reads into a vector land every byte.
+#[test]
+fn a_first_part_moved_early_stays_before_the_staged_writes_after_it() {
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(77);
+    let (block, blocks) = (4096, 4096);
+    let (buffer, mut expect) = pool(&d, &mut rng, block * blocks);
+    let mut order: Vec<usize> = (0..blocks).collect();
+    rng.shuffle(&mut order);
+    let mut cache = d.pinned(1500 * block).unwrap();
+    rng.fill(&mut cache);
+    let mut later = order[..1024].to_vec();
+    rng.shuffle(&mut later);
+    later.truncate(300);
+    let pageable = crate::testing::random_vec(&mut rng, 300 * block);
+    let before = d.telemetry();
+    d.scope(|s| {
+        let mut writes = s.uploads();
+        for (&t, bytes) in order[..1500].iter().zip(cache.chunks(block)) {
+            writes.write(buffer, (t * block) as u64, bytes)?;
+        }
+        for (&t, bytes) in later.iter().zip(pageable.chunks(block)) {
+            writes.write(buffer, (t * block) as u64, bytes)?;
+        }
+        writes.submit()
+    })
+    .unwrap();
+    let after = d.telemetry();
+    for (&t, bytes) in
+        order[..1500].iter().zip(cache.chunks(block)).chain(later.iter().zip(pageable.chunks(block)))
+    {
+        expect[t * block..(t + 1) * block].copy_from_slice(bytes);
+    }
+    assert!(d.download(buffer).unwrap() == expect, "the later, staged writes win");
+    let (asked, moved) =
+        (after.bytes_requested - before.bytes_requested, after.bytes_moved - before.bytes_moved);
+    assert_eq!(asked, 1800 * block as u64);
+    assert!(moved >= asked, "{moved} bytes moved of {asked}: the first part went staged");
+    let mut out = d.pinned(1500 * block).unwrap();
+    out.fill(0x5A);
+    let mut tail = vec![0xA5u8; 300 * block];
+    d.scope(|s| {
+        let mut reads = s.downloads();
+        for (&t, dst) in order[..1500].iter().zip(out.chunks_mut(block)) {
+            reads.read_into(buffer, (t * block) as u64, dst)?;
+        }
+        for (&t, dst) in order[1500..1800].iter().zip(tail.chunks_mut(block)) {
+            reads.read_into(buffer, (t * block) as u64, dst)?;
+        }
+        reads.submit()
+    })
+    .unwrap();
+    for (&t, got) in order[..1800].iter().zip(out.chunks(block).chain(tail.chunks(block))) {
+        assert!(got == &expect[t * block..(t + 1) * block], "block {t} read");
+    }
+    assert!(model::with(|g| g.errors.is_empty()));
+}
+
 /// 5000 blocks of 512 B, one run of 2.5 MiB in memory pinned by `pin_host`, to shuffled
 /// places: the batch moves in parts, but no part cuts the run into pieces too short to move
 /// as runs (which would take one DMA a block): a few chunk DMAs, and every byte lands.
