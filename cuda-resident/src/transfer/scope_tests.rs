@@ -722,3 +722,89 @@ fn a_bad_item_of_a_scoped_bulk_call_is_named_and_nothing_moves() {
     assert!(out.iter().all(|&x| x == 0x5A), "no read landed");
     assert!(d.download(p).unwrap() == before, "no write landed");
 }
+
+/// Random scoped batches against a byte model: up to 3000 writes, a random number of them
+/// first from consecutive slots of a pinned cache (a run that a first part can be cut
+/// from), the rest from random places of that cache, of a second pinned buffer and of a
+/// vector, of 1 B to 8 KiB, onto ranges of one buffer: random and often overlapping (the
+/// later write wins) in even rounds, in distinct 8 KiB blocks in odd ones. Then as many
+/// reads of random ranges into the same kinds of memory, each landing what the model holds.
+#[test]
+fn random_scoped_batches_of_mixed_memory_apply_in_order() {
+    let d = device(Config::default());
+    let mut rng = fastrand::Rng::with_seed(97);
+    let len = 32 << 20;
+    let (buffer, mut expect) = pool(&d, &mut rng, len);
+    let mut cache = d.pinned(8 << 20).unwrap();
+    let mut other = d.pinned(1 << 20).unwrap();
+    let mut pageable = vec![0u8; 1 << 20];
+    for round in 0..24 {
+        rng.fill(&mut cache);
+        rng.fill(&mut other);
+        rng.fill(&mut pageable);
+        let n = rng.usize(1..3000);
+        let slot = [64, 1024, 4096][round % 3];
+        let front = rng.usize(..=n).min(cache.len() / slot);
+        // (source: 0 cache, 1 other, 2 pageable; host offset; device offset; length)
+        let mut blocks: Vec<usize> = (0..len / 8192).collect();
+        rng.shuffle(&mut blocks);
+        let mut items = Vec::with_capacity(n);
+        for (i, &block) in blocks.iter().enumerate().take(n) {
+            let (source, size) = if i < front { (0, slot) } else { (rng.usize(..3), rng.usize(1..=8192)) };
+            let host = if i < front {
+                i * slot
+            } else {
+                rng.usize(..=[cache.len(), 1 << 20, 1 << 20][source] - size)
+            };
+            let dev = match round % 2 {
+                1 => block * 8192,
+                _ if rng.u8(..8) == 0 => 0,
+                _ => rng.usize(..=len - size),
+            };
+            items.push((source, host, dev, size));
+        }
+        let (cache_ref, other_ref, pageable_ref) = (&cache[..], &other[..], &pageable[..]);
+        let bytes = |(source, host, _, size): (usize, usize, usize, usize)| {
+            &[cache_ref, other_ref, pageable_ref][source][host..host + size]
+        };
+        d.scope(|s| {
+            let mut writes = s.uploads();
+            for &item in &items {
+                writes.write(buffer, item.2 as u64, bytes(item))?;
+            }
+            writes.submit()
+        })
+        .unwrap();
+        for &item in &items {
+            expect[item.2..item.2 + item.3].copy_from_slice(bytes(item));
+        }
+        assert!(d.download(buffer).unwrap() == expect, "round {round}: {n} writes, {front} in front");
+        // Reads: the same shapes, into distinct places of each memory.
+        cache.fill(0x5A);
+        other.fill(0x5A);
+        pageable.fill(0x5A);
+        let mut reads = Vec::new();
+        let mut rest: [&mut [u8]; 3] = [&mut cache[..], &mut other[..], &mut pageable[..]];
+        for i in 0..n {
+            let (source, size) = if i < front { (0, slot) } else { (rng.usize(..3), rng.usize(1..=8192)) };
+            if rest[source].len() < size {
+                break;
+            }
+            let (dst, after) = std::mem::take(&mut rest[source]).split_at_mut(size);
+            rest[source] = after;
+            reads.push((rng.usize(..=len - size), dst));
+        }
+        d.scope(|s| {
+            let mut batch = s.downloads();
+            for (dev, dst) in reads.iter_mut() {
+                batch.read_into(buffer, *dev as u64, dst)?;
+            }
+            batch.submit()
+        })
+        .unwrap();
+        for (dev, dst) in &reads {
+            assert!(**dst == expect[*dev..*dev + dst.len()], "round {round}: a read at {dev}");
+        }
+    }
+    assert!(model::with(|g| g.errors.is_empty()));
+}
