@@ -281,8 +281,10 @@ impl Lent {
     /// What [`first_part`] sees of an item of `len` bytes at host `host`, to or from device
     /// address `dev`.
     fn seen(&mut self, host: usize, len: usize, dev: u64) -> Seen {
+        if len == 0 {
+            return Seen::Empty;
+        }
         match self.arena(host, len) {
-            _ if len == 0 => Seen::Empty,
             Some(start) => Seen::Mapped(Direct::new(host, dev, len, Place::Mapped(start))),
             None => Seen::Elsewhere,
         }
