@@ -494,6 +494,13 @@ impl<M: DeviceMemory> Allocator<M> {
         Ok(latest_other)
     }
 
+    /// Checks that every one of `buffers` is live, as [`Allocator::mark_used_many`] does
+    /// (one lock per run of one shard's buffers), without marking any: submission 0 comes
+    /// before every real one, so no mark moves. Fails on the first stale or foreign handle.
+    pub(crate) fn check_live_many(&self, buffers: impl Iterator<Item = ResidentBuffer>) -> Result<()> {
+        self.mark_used_many(buffers, 0, 0, |_, _| ()).map(drop)
+    }
+
     /// Frees `buffer`. The handle is invalid at once; the memory is reused at once when no
     /// copy uses it (`is_idle`, asked under a shard lock: it must not lock a lane), else
     /// once the copies complete (reclaimed on the next slow-path allocation or trim).

@@ -406,6 +406,9 @@ fn marking_many_buffers_across_shards_checks_and_marks_each() {
     // Readback lane (1) used one of them at 7: an upload (lane 0) marking all learns it.
     a.mark_used(theirs[2], 1, 7).unwrap();
     assert_eq!(a.mark_used_many(all.iter().copied(), 0, 5, |_, _| ()).unwrap(), 7);
+    // Checking them all marks none: the upload lane's marks stay at 5.
+    a.check_live_many(all.iter().copied()).unwrap();
+    assert_eq!(a.mark_used_many(all.iter().copied(), 1, 1, |_, _| ()).unwrap(), 5);
     // Every one is marked: the other lane now learns 5 from any of them.
     for &b in &all {
         assert_eq!(a.mark_used_many(std::iter::once(b), 1, 1, |_, _| ()).unwrap(), 5);
@@ -413,6 +416,7 @@ fn marking_many_buffers_across_shards_checks_and_marks_each() {
     // A freed or foreign handle anywhere in the list fails the call.
     a.free(mine[3], &|_| true).unwrap();
     assert!(matches!(a.mark_used_many(all.iter().copied(), 0, 9, |_, _| ()), Err(Error::FreedBuffer { .. })));
+    assert!(matches!(a.check_live_many(all.iter().copied()), Err(Error::FreedBuffer { .. })));
     let (_, other) = allocator(GIB, 0.9);
     let foreign = other.allocate(4096, IDLE).unwrap();
     let err = a.mark_used_many([theirs[0], foreign].into_iter(), 0, 9, |_, _| ()).unwrap_err();

@@ -754,6 +754,9 @@ impl<'scope> ScopedUploads<'scope> {
             return Err(e);
         }
         let core = self.core;
+        // Nothing moves where a buffer was freed before this call: a part that goes through
+        // staging claims only the buffers of its own writes, so every buffer is checked first.
+        core.alloc.check_live_many(self.table.buffers())?;
         let ptr_of = |key: u32, offset: u64| self.table.entries[key as usize].ptr + offset;
         // The first part moves before the rest is looked at (where the batch has one).
         let mut lent = Lent::default();

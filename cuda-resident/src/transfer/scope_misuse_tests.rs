@@ -523,3 +523,36 @@ fn random_scoped_batches_match_a_byte_model() {
         unsafe { d.unpin_host(reg.as_mut_ptr().add(1 << 20)) }.unwrap();
     }
 }
+
+/// A buffer freed before `submit` fails the batch with nothing moved, whatever route its
+/// first part takes: 1024 writes of 1 KiB from pinned memory (a first part), two of them
+/// overlapping (that part then goes through staging, which claims only its own buffers) or
+/// none, then a write to a second buffer, from pageable or from pinned memory, and that
+/// buffer freed before `submit`.
+#[test]
+fn a_buffer_freed_before_submit_fails_the_batch_whatever_route_its_first_part_takes() {
+    for (overlap, last_pinned) in [(true, false), (true, true), (false, false), (false, true)] {
+        let (_driver, d) = device(Config::default());
+        let mut rng = fastrand::Rng::with_seed(3);
+        let (b1, before) = pool(&d, &mut rng, 8 << 20);
+        let b2 = d.allocate(4096).unwrap();
+        let mut cache = d.pinned(1025 * 2048).unwrap();
+        rng.fill(&mut cache[..]);
+        let page = random_vec(&mut rng, 1024);
+        let r = d.scope(|s| {
+            let mut w = s.uploads();
+            // 1 KiB items 2 KiB apart in host memory (no runs): the first part ends at 1024.
+            for i in 0..1024 {
+                let at = if overlap && i == 1 { 0 } else { i * 4096 };
+                w.write(b1, at as u64, &cache[i * 2048..i * 2048 + 1024])?;
+            }
+            w.write(b2, 0, if last_pinned { &cache[1024 * 2048..1024 * 2048 + 1024] } else { &page })?;
+            d.free(b2)?;
+            w.submit()
+        });
+        let case = format!("overlap {overlap}, last write pinned {last_pinned}");
+        assert!(matches!(r, Err(Error::FreedBuffer { buffer }) if buffer == b2), "{case}: {r:?}");
+        assert!(d.download(b1).unwrap() == before, "{case}: the batch failed, yet moved bytes");
+        assert!(model::with(|g| g.errors.is_empty()));
+    }
+}
