@@ -1242,35 +1242,56 @@ mod layout_tests {
     }
 
     /// The first part cut off a batch's front, seeing one item at a time, is the first part
-    /// `parts` cuts from the whole batch (empty items skipped, gaps between runs, any chunk),
-    /// and `parts` of the rest, told that one part moved, cuts it as it cut the whole. An
-    /// item of that first part outside this crate's pinned memory leaves the batch whole (or
-    /// ends the first part before it); an item past it does not matter.
+    /// `parts` cuts from the whole batch (empty items skipped, gaps between runs, arenas that
+    /// abut in host memory, items of exactly a run, chunks smaller than an item, counts at
+    /// the edges of `PART_ITEMS`), and `parts` of the rest, told that one part moved, cuts it
+    /// as it cut the whole; it looks at no item more than three times. An item of that first
+    /// part outside this crate's pinned memory leaves the batch whole (or ends the first part
+    /// before it); an item past it does not matter.
     #[test]
     fn the_first_part_cut_off_the_front_is_the_one_parts_cuts_from_the_whole() {
         let mut rng = fastrand::Rng::with_seed(12);
         let mut cut = 0;
-        for round in 0..600 {
+        for round in 0..1200 {
             let mut all: Vec<Option<Direct>> = Vec::new();
-            let mut host = 1usize << 40;
-            let longest = [64u64, 1024, 4096, 64 << 10, 1 << 20][round % 5];
-            for _ in 0..rng.usize(1..5000) {
+            let (mut host, mut arena) = (1usize << 40, 0);
+            let n = if round % 2 == 0 {
+                rng.usize(1..5000)
+            } else {
+                [1023, 1024, 1025, 2047, 2048, 2049][round % 6]
+            };
+            for _ in 0..n {
                 if rng.u16(..40) == 0 {
                     all.push(None);
                     continue;
                 }
-                if rng.u16(..[3000, 300, 30][round % 3]) == 0 {
-                    host += 4096;
+                match rng.u16(..[3000, 300, 30][round % 3]) {
+                    0 => host += 4096,
+                    1 => arena += 1,
+                    _ => {}
                 }
-                let len = rng.u64(1..=longest);
-                all.push(Some(Direct { host, dev: host as u64, len, place: Place::Mapped(0) }));
+                let len = match round % 7 {
+                    0 => rng.u64(1..=64),
+                    1 => 1024,
+                    2 => rng.u64(1..=4096),
+                    3 => rng.u64(1..=64 << 10),
+                    4 => [RUN_MIN / 2, RUN_MIN - 1, RUN_MIN, 1, 512][rng.usize(..5)],
+                    _ => rng.u64(1..=1 << 20),
+                };
+                all.push(Some(Direct { host, dev: host as u64, len, place: Place::Mapped(arena) }));
                 host += len as usize;
             }
             let direct: Vec<Direct> = all.iter().flatten().copied().collect();
-            let chunk = [16u64 << 20, 1 << 20, 64 << 10][round % 3];
+            let chunk = [16u64 << 20, 1 << 20, 64 << 10, 7777, 1][round % 5];
             let whole = parts(&direct, chunk, 0);
             let seen = |i: usize| all[i].map_or(Seen::Empty, Seen::Mapped);
-            match first_part(all.len(), chunk, seen) {
+            let mut looks = 0;
+            let counted = first_part(all.len(), chunk, |i| {
+                looks += 1;
+                seen(i)
+            });
+            assert!(looks <= 3 * all.len(), "round {round}: {looks} looks at {} items", all.len());
+            match counted {
                 Some((items, end)) => {
                     cut += 1;
                     assert!(whole.len() >= 2 && all[end - 1].is_some(), "round {round}");
@@ -1296,7 +1317,7 @@ mod layout_tests {
                 ),
             }
         }
-        assert!(cut > 200, "{cut} batches of 600 had a first part cut off");
+        assert!(cut > 400, "{cut} batches of 1200 had a first part cut off");
     }
 
     /// A run already past `RUN_MIN` when the first part is due, whose rest is shorter than a
