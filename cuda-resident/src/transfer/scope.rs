@@ -810,10 +810,9 @@ impl<'scope> ScopedUploads<'scope> {
             staged = (from..self.writes.len()).collect();
         }
         if !direct.is_empty() {
-            let ranges = ranges_of(core, LaneKind::Upload, &direct);
-            let moved = move_pinned(core, LaneKind::Upload, self.table.buffers(), &direct, ranges, self.seen);
-            fence = self.seen.note(LaneKind::Upload, moved)?;
-            note(self.seen, &fence);
+            // Noted in the scope, which waits for it; the staged batch comes after it on the
+            // lane, so its fence is the one returned.
+            drop(self.move_part(&direct, origin.into_iter())?);
         }
         fence = self.submit_staged(staged.into_iter())?;
         note(self.seen, &fence);
