@@ -23,7 +23,8 @@
 //!
 //! With `--breakdown`, each cuda-resident swap is also run again with each direction
 //! waited for right after its submit, and stderr gets the medians of when each direction
-//! finished adding its blocks, returned from `submit` and completed, from the start.
+//! finished adding its blocks, returned from `submit` and completed, from the start, and
+//! the page faults its thread took while adding and in `submit`.
 //!
 //! Every method's swap is verified once per case, outside the clock: its destination
 //! poisoned, one swap, then every byte of every moved block compared with its source, the
@@ -421,6 +422,21 @@ struct Marks {
     built: f64,
     submitted: f64,
     done: f64,
+    /// Page faults the direction's thread took while it added its blocks, and then in
+    /// `submit` ([`minor_faults`]; 0 where the system does not say).
+    faults_built: u64,
+    faults_submit: u64,
+}
+
+/// Minor page faults of the calling thread so far (Linux: `/proc/thread-self/stat`), or 0:
+/// memory a batch maps fresh and touches costs one each, and two threads faulting at once
+/// contend for the process's memory map.
+fn minor_faults() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/thread-self/stat") else { return 0 };
+    // The fields after the command name (which may hold spaces), from the state on:
+    // `minflt` is the eighth.
+    let after = stat.rfind(')').map_or("", |at| &stat[at + 1..]);
+    after.split_whitespace().nth(7).and_then(|n| n.parse().ok()).unwrap_or(0)
 }
 
 /// [`ours`], and where `marks` is given, each direction's [`Marks`] (in, out), its
@@ -445,18 +461,31 @@ fn ours_marked(
     d.scope(|s| {
         let since = move || start.get().map_or(0.0, |t: &Instant| t.elapsed().as_secs_f64() * 1e6);
         // Submits a direction's batch; with `marks`, waits for it and marks its times.
-        let submit = move |which: usize, built: f64, fenced: cuda_resident::Result<cuda_resident::Fence>| {
+        // `built` is when the direction finished adding its blocks and the faults its thread
+        // had taken by then, from `faults_at` before it began.
+        let submit = move |which: usize,
+                           (built, faults_at, faults_built): (f64, u64, u64),
+                           fenced: cuda_resident::Result<cuda_resident::Fence>| {
             let Some(marks) = marks else { return fenced.map(drop) };
             let submitted = since();
+            let faults_submitted = minor_faults();
             fenced?.wait()?;
-            marks.lock().expect("no thread panics holding the marks")[which] =
-                Marks { built, submitted, done: since() };
+            marks.lock().expect("no thread panics holding the marks")[which] = Marks {
+                built,
+                submitted,
+                done: since(),
+                faults_built: faults_built.saturating_sub(faults_at),
+                faults_submit: faults_submitted.saturating_sub(faults_built),
+            };
             Ok(())
         };
+        let mark = move || if marks.is_some() { (since(), minor_faults()) } else { (0.0, 0) };
+        let faults = move || if marks.is_some() { minor_faults() } else { 0 };
         // Closures that capture the caller's memory, rather than take it as an argument:
         // a scope's batches borrow it for the whole scope.
         let swap_in = move || {
             let Some((host, offsets, block)) = ins else { return Ok(()) };
+            let faults_at = faults();
             let per = offsets.len().div_ceil(batches).max(1);
             let mut slots = host.chunks_exact(block).zip(offsets).peekable();
             loop {
@@ -465,14 +494,15 @@ fn ours_marked(
                     writes.write(pool, offset, slot)?;
                 }
                 if slots.peek().is_none() {
-                    let built = marks.map_or(0.0, |_| since());
-                    return submit(0, built, writes.submit_fenced());
+                    let (built, faulted) = mark();
+                    return submit(0, (built, faults_at, faulted), writes.submit_fenced());
                 }
                 writes.submit()?;
             }
         };
         let swap_out = move || {
             let Some(out) = out else { return Ok(()) };
+            let faults_at = faults();
             let per = out.offsets.len().div_ceil(batches).max(1);
             let mut slots = out.host.chunks_exact_mut(out.block).zip(&out.offsets).peekable();
             loop {
@@ -481,8 +511,8 @@ fn ours_marked(
                     reads.read_into(pool, offset, slot)?;
                 }
                 if slots.peek().is_none() {
-                    let built = marks.map_or(0.0, |_| since());
-                    return submit(1, built, reads.submit_fenced());
+                    let (built, faulted) = mark();
+                    return submit(1, (built, faults_at, faulted), reads.submit_fenced());
                 }
                 reads.submit()?;
             }
@@ -563,13 +593,17 @@ impl Case<'_> {
         let mut line = format!("breakdown {name}:");
         for (which, (way, on)) in [("in", dir.inward()), ("out", dir.outward())].into_iter().enumerate() {
             if on {
-                let [built, submitted, done] = [
+                let [built, submitted, done, faults_built, faults_submit] = [
                     median(&|m| m[which].built),
                     median(&|m| m[which].submitted),
                     median(&|m| m[which].done),
+                    median(&|m| m[which].faults_built as f64),
+                    median(&|m| m[which].faults_submit as f64),
                 ];
-                line +=
-                    &format!(" {way} built {built:.0} µs, submitted {submitted:.0} µs, done {done:.0} µs;");
+                line += &format!(
+                    " {way} built {built:.0} µs, submitted {submitted:.0} µs, done {done:.0} µs \
+                     (page faults: {faults_built:.0} building, {faults_submit:.0} in submit);"
+                );
             }
         }
         eprintln!("{}", line.trim_end_matches(';'));
