@@ -1070,6 +1070,9 @@ impl<'scope> ScopedDownloads<'scope> {
             return Err(e);
         }
         let core = self.core;
+        // Nothing moves where a buffer was freed before this call: a buffer named only by
+        // empty reads is claimed by no part, and a staged read claims only its own.
+        core.alloc.check_live_many(self.table.buffers())?;
         let entries = &self.table.entries;
         // The first part moves before the rest is looked at (where the batch has one).
         let mut lent = Lent::default();

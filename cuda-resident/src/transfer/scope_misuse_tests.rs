@@ -556,3 +556,39 @@ fn a_buffer_freed_before_submit_fails_the_batch_whatever_route_its_first_part_ta
         assert!(model::with(|g| g.errors.is_empty()));
     }
 }
+
+/// The same for reads: a buffer freed before `submit` fails the batch and lands nothing in
+/// the caller's memory, whether the batch has an in-place first part or none, and whether
+/// the freed buffer is named by a read of bytes or only by an empty one (which moves
+/// nothing, and so is never claimed).
+#[test]
+fn a_buffer_freed_before_submit_fails_a_read_batch_even_where_only_an_empty_read_names_it() {
+    for (pinned_front, empty) in [(false, true), (true, true), (false, false), (true, false)] {
+        let (_driver, d) = device(Config::default());
+        let mut rng = fastrand::Rng::with_seed(5);
+        let (b1, _) = pool(&d, &mut rng, 8 << 20);
+        let b2 = d.allocate(4096).unwrap();
+        let mut cache = d.pinned(1025 * 2048).unwrap();
+        cache.fill(0xA5);
+        let mut page = vec![0x5A_u8; 4096];
+        let mut last = vec![0x3C_u8; 1024];
+        let r = d.scope(|s| {
+            let mut reads = s.downloads();
+            if pinned_front {
+                // 1 KiB reads 2 KiB apart in a pinned cache: a first part of 1024 items.
+                for (i, slot) in cache.chunks_mut(2048).take(1024).enumerate() {
+                    reads.read_into(b1, (i * 4096) as u64, &mut slot[..1024])?;
+                }
+            }
+            reads.read_into(b1, 0, &mut page)?;
+            reads.read_into(b2, 0, if empty { &mut [] } else { &mut last[..] })?;
+            d.free(b2)?;
+            reads.submit()
+        });
+        let case = format!("pinned first part {pinned_front}, empty read of the freed buffer {empty}");
+        assert!(matches!(r, Err(Error::FreedBuffer { buffer }) if buffer == b2), "{case}: {r:?}");
+        assert!(cache.iter().all(|&b| b == 0xA5), "{case}: the batch failed, yet landed bytes");
+        assert!(page.iter().all(|&b| b == 0x5A) && last.iter().all(|&b| b == 0x3C), "{case}");
+        assert!(model::with(|g| g.errors.is_empty()));
+    }
+}
