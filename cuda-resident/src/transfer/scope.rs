@@ -32,7 +32,7 @@ use crate::engine::host::Piece;
 use crate::engine::order::Ranges;
 use crate::engine::{Exec, wait};
 use crate::error::{Error, Result};
-use crate::host_pool::lent_extent;
+use crate::host_pool::{HostLease, lent_extent};
 use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors, table_bytes};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
@@ -351,7 +351,8 @@ const RUN_MIN: u64 = 1 << 20;
 
 /// One chunk of a run: its host bytes, moved by one DMA into or out of a device staging
 /// slot; the items it covers (from `first`, whose first `skip` bytes an earlier chunk
-/// moves); and where its descriptors lie in the batch's table.
+/// moves); and its descriptors, numbered in the batch's order (chunks first, then the
+/// over-the-bus launches from `bus_from`).
 #[derive(Clone, Debug)]
 struct Chunk {
     host: usize,
@@ -362,11 +363,10 @@ struct Chunk {
 }
 
 /// How a batch of [`Direct`] items moves: the chunks of host-contiguous runs, the items
-/// moved by the over-the-bus launch, and the items moved by a DMA each. Descriptors are
-/// counted here and written chunk by chunk as the chunks are enqueued
-/// ([`Layout::chunk_descriptors`]), so that the first chunk moves while later ones are
-/// still being described: the table holds the chunks' descriptors first, then the
-/// over-the-bus launch's from `bus_from`.
+/// moved by over-the-bus launches, and the items moved by a DMA each. Descriptors are
+/// counted here and written launch by launch into a table of each launch's own as the
+/// launches are enqueued ([`Layout::chunk_descriptors`], [`Layout::bus_descriptors`]), so
+/// that the first chunk moves while later ones are still being described.
 #[derive(Debug, Default)]
 struct Layout {
     chunks: Vec<Chunk>,
@@ -374,7 +374,20 @@ struct Layout {
     count: usize,
     bus_from: usize,
     bus: Vec<Direct>,
+    /// The over-the-bus items in launches of at most [`Layout::most`] descriptors each: a
+    /// range of `bus` a launch.
+    bus_groups: Vec<std::ops::Range<usize>>,
     dmas: Vec<Direct>,
+    /// The most descriptors of one launch (a chunk's or a group of bus items'): its table,
+    /// leased from the pinned pool, stays within half a chunk, which the pool keeps for
+    /// transfers (`Config::pinned_reserve`) however small the items.
+    most: usize,
+}
+
+/// The most descriptors of one launch for chunks of `chunk` bytes: a table of half a chunk
+/// (at least one descriptor).
+fn launch_descriptors_most(chunk: u64) -> usize {
+    ((chunk / 2) as usize / size_of::<CopyDescriptor>()).max(1)
 }
 
 impl Layout {
@@ -385,7 +398,7 @@ impl Layout {
     /// bus where `bus` (the configuration lets small copies move over the bus:
     /// `Core::moves_small_copies_over_bus`), else by DMA too.
     fn new(items: &[Direct], chunk: u64, threshold: u64, unified: bool, bus: bool) -> Layout {
-        let mut layout = Layout::default();
+        let mut layout = Layout { most: launch_descriptors_most(chunk), ..Layout::default() };
         let mut i = 0;
         while i < items.len() {
             let mut end = i + 1;
@@ -410,19 +423,33 @@ impl Layout {
             i = end;
         }
         layout.bus_from = layout.count;
-        layout.count += layout.bus.iter().map(|d| d.len.div_ceil(SEGMENT) as usize).sum::<usize>();
+        let (mut from, mut descriptors) = (0, 0);
+        for (i, d) in layout.bus.iter().enumerate() {
+            // A bus item is shorter than the threshold, at most a chunk: it fits in a launch.
+            let n = d.len.div_ceil(SEGMENT) as usize;
+            if descriptors + n > layout.most && i > from {
+                layout.bus_groups.push(from..i);
+                (from, descriptors) = (i, 0);
+            }
+            descriptors += n;
+            layout.count += n;
+        }
+        if from < layout.bus.len() {
+            layout.bus_groups.push(from..layout.bus.len());
+        }
         layout
     }
 
-    /// Cuts a host-contiguous run (items from `first`) into chunks, an item split where a
-    /// chunk ends, counting each chunk's descriptors.
+    /// Cuts a host-contiguous run (items from `first`) into chunks of at most `chunk` bytes
+    /// and [`Layout::most`] descriptors, an item split where a chunk ends, counting each
+    /// chunk's descriptors.
     fn push_run(&mut self, run: &[Direct], first: usize, chunk: u64) {
         let mut open =
             Chunk { host: run[0].host, len: 0, first, skip: 0, descriptors: self.count..self.count };
         for (i, d) in run.iter().enumerate() {
             let mut done = 0;
             while done < d.len {
-                if open.len == chunk {
+                if open.len == chunk || open.descriptors.len() == self.most {
                     let next = Chunk {
                         host: open.host + open.len as usize,
                         len: 0,
@@ -432,7 +459,8 @@ impl Layout {
                     };
                     self.chunks.push(std::mem::replace(&mut open, next));
                 }
-                let len = (d.len - done).min(chunk - open.len);
+                let room = (self.most - open.descriptors.len()) as u64 * SEGMENT;
+                let len = (d.len - done).min(chunk - open.len).min(room);
                 self.count += len.div_ceil(SEGMENT) as usize;
                 open.descriptors.end = self.count;
                 open.len += len;
@@ -468,22 +496,25 @@ impl Layout {
         assert_eq!(out.len(), c.descriptors.len(), "a chunk's descriptors as counted");
     }
 
-    /// The over-the-bus launch's descriptors into `out` (cleared first).
-    fn bus_descriptors(&self, kind: LaneKind, out: &mut Vec<CopyDescriptor>) {
+    /// Over-the-bus launch `g`'s descriptors into `out` (cleared first), and its bytes.
+    fn bus_descriptors(&self, g: usize, kind: LaneKind, out: &mut Vec<CopyDescriptor>) -> u64 {
         out.clear();
-        for d in &self.bus {
+        let mut bytes = 0;
+        for d in &self.bus[self.bus_groups[g].clone()] {
             let (src, dst) =
                 if kind == LaneKind::Upload { (d.host as u64, d.dev) } else { (d.dev, d.host as u64) };
             push_descriptors(out, src, dst, d.len);
+            bytes += d.len;
         }
-        assert_eq!(out.len(), self.count - self.bus_from, "the bus launch's descriptors as counted");
+        assert!(out.len() <= self.most, "a bus launch within its table");
+        bytes
     }
 
     /// Submissions on the lane: one a chunk and one to close the chunks (their side work
-    /// joined), one for the over-the-bus launch, one for the DMAs.
+    /// joined), one per over-the-bus launch, one for the DMAs.
     fn submissions(&self) -> u64 {
         let chunks = if self.chunks.is_empty() { 0 } else { self.chunks.len() + 1 };
-        (chunks + usize::from(!self.bus.is_empty()) + usize::from(!self.dmas.is_empty())) as u64
+        (chunks + self.bus_groups.len() + usize::from(!self.dmas.is_empty())) as u64
     }
 }
 
@@ -530,54 +561,50 @@ fn move_pinned(
     let slots = layout.chunks.len().min(SIDE_SLOTS) as u64;
     let region = if slots > 0 { exec.region(&mut scratch.region, slots * stride)? } else { 0 };
     let slot_at = |k: usize| region + (k % SIDE_SLOTS) as u64 * stride;
-    // One pinned table for every launch, read over the bus (or copied into a slot): each
-    // part is written just before the submission that uses it, so the first chunk moves
-    // while later ones are still being described.
-    let count = layout.count;
-    let table =
-        if count > 0 { Some(Arc::new(exec.lease(table_bytes(count as u64) as usize)?)) } else { None };
-    let table_at =
-        |i: usize| table.as_ref().map_or(0, |t| t.as_ptr() as u64 + (i * size_of::<CopyDescriptor>()) as u64);
-    let put = |first: usize, descriptors: &[CopyDescriptor]| {
-        let table = table.as_ref().expect("descriptors have a table");
-        assert!(first + descriptors.len() <= count, "a table part past the count");
-        // SAFETY: the table holds `count` descriptors (`table_bytes`), past `first +
-        // descriptors.len()`; a descriptor is three u64s (`repr(C)`, no padding). No
-        // reference to the table's bytes exists, and the device reads this part only in
-        // submissions enqueued after this write.
+    // A pinned table per launch, read over the bus (or copied into a slot), leased and
+    // written just before the submission that uses it, so that the first chunk moves while
+    // later ones are still being described. Each holds at most `layout.most` descriptors
+    // (half a chunk): the pool keeps that much for transfers however small the items, and
+    // a table taken while earlier ones are in flight waits for them as staging does.
+    let table_of = |exec: &Exec, descriptors: &[CopyDescriptor]| -> Result<Arc<HostLease>> {
+        let table = exec.lease(table_bytes(descriptors.len() as u64) as usize)?;
+        // SAFETY: the lease holds `table_bytes(len)` bytes, room for the descriptors (three
+        // u64s each, `repr(C)`, no padding); it is new, so no reference to its bytes exists,
+        // and the device reads it only in submissions enqueued after this write.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 descriptors.as_ptr().cast::<u8>(),
-                table.as_ptr().add(first * size_of::<CopyDescriptor>()),
+                table.as_ptr(),
                 std::mem::size_of_val(descriptors),
             );
         }
+        Ok(Arc::new(table))
     };
     let mut part = Vec::new();
-    let kernels = if count > 0 { Some(exec.kernels()?) } else { None };
+    let kernels = if layout.count > 0 { Some(exec.kernels()?) } else { None };
     for (k, chunk) in layout.chunks.iter().enumerate() {
         let (slot, at) = (k % SIDE_SLOTS, slot_at(k));
         let at_table = at + slot_bytes;
         layout.chunk_descriptors(items, k, kind, at, &mut part);
-        put(chunk.descriptors.start, &part);
-        let (first, n) = (chunk.descriptors.start, chunk.descriptors.len() as u64);
-        let (kernels, table) = (kernels.expect("chunks have descriptors"), table.as_ref().expect("as above"));
-        let (table_ptr, table_len) = (table_at(first) as *const u8, n as usize * size_of::<CopyDescriptor>());
+        let table = table_of(&exec, &part)?;
+        let n = part.len() as u64;
+        let kernels = kernels.expect("chunks have descriptors");
+        let (table_ptr, table_len) = (table.as_ptr().cast_const(), std::mem::size_of_val(&part[..]));
         // The slot's last user (two chunks ago, on the side stream) is done first.
         exec.wait_side(slot)?;
-        // SAFETY, for the DMAs and launches below: the chunk's part of the pinned table is
-        // written and kept alive by the lane's submission that copies it into the slot,
-        // behind the slot's bytes (`table_area` holds it), or that reads it over the bus
-        // (mapped for the device: chunks exist only with unified addressing); its
-        // descriptors name the slot (a chunk is at most `slot_bytes`) and ranges of live,
-        // claimed buffers, no two destinations overlapping; the host run lies in one pinned
-        // region (this crate's, or registered: only DMAs touch it) that the scope borrows
-        // until the copies complete; the side work comes after the lane's submission and is
-        // joined before the batch's last one.
+        // SAFETY, for the DMAs and launches below: the chunk's pinned table is written and
+        // kept alive by the lane's submission that copies it into the slot, behind the
+        // slot's bytes (`table_area` holds it), or that reads it over the bus (mapped for
+        // the device: chunks exist only with unified addressing); its descriptors name the
+        // slot (a chunk is at most `slot_bytes`) and ranges of live, claimed buffers, no two
+        // destinations overlapping; the host run lies in one pinned region (this crate's, or
+        // registered: only DMAs touch it) that the scope borrows until the copies complete;
+        // the side work comes after the lane's submission and is joined before the batch's
+        // last one.
         match kind {
             LaneKind::Upload => {
                 // SAFETY: as above.
-                exec.submit(vec![Arc::clone(table)], |q| unsafe {
+                exec.submit(vec![Arc::clone(&table)], |q| unsafe {
                     q.htod(at, chunk.host as *const u8, chunk.len as usize)?;
                     q.htod(at_table, table_ptr, table_len)
                 })?;
@@ -586,7 +613,7 @@ fn move_pinned(
             }
             LaneKind::Readback => {
                 // SAFETY: as above.
-                exec.submit(vec![Arc::clone(table)], |q| unsafe {
+                exec.submit(vec![Arc::clone(&table)], |q| unsafe {
                     q.launch(kernels, table_ptr as u64, n, table_len as u64)
                 })?;
                 // SAFETY: as above.
@@ -598,17 +625,15 @@ fn move_pinned(
         exec.join_side()?;
         exec.submit(Vec::new(), |_| Ok(()))?;
     }
-    if !layout.bus.is_empty() {
-        layout.bus_descriptors(kind, &mut part);
-        put(layout.bus_from, &part);
-        let (first, n) = (layout.bus_from, (count - layout.bus_from) as u64);
-        let bus_bytes: u64 = layout.bus.iter().map(|d| d.len).sum();
+    for g in 0..layout.bus_groups.len() {
+        let bytes = layout.bus_descriptors(g, kind, &mut part);
+        let table = table_of(&exec, &part)?;
+        let (at, n) = (table.as_ptr() as u64, part.len() as u64);
         let kernels = kernels.expect("loaded for descriptors");
-        let keep = table.iter().cloned().collect();
-        exec.submit(keep, |q| {
+        exec.submit(vec![table], |q| {
             // SAFETY: as above; the host side of each copy lies in pinned memory of this
             // crate, mapped for the device, borrowed by the scope.
-            unsafe { q.launch_over_bus(kernels, table_at(first), n, bus_bytes + n * 24) }
+            unsafe { q.launch_over_bus(kernels, at, n, bytes + n * 24) }
         })?;
     }
     if !layout.dmas.is_empty() {
@@ -1386,8 +1411,11 @@ mod layout_tests {
                     }
                 }
                 assert_eq!(layout.bus_from, counted);
-                let mut bus_part = Vec::new();
-                layout.bus_descriptors(kind, &mut bus_part);
+                let (mut bus_part, mut group) = (Vec::new(), Vec::new());
+                for g in 0..layout.bus_groups.len() {
+                    layout.bus_descriptors(g, kind, &mut group);
+                    bus_part.extend_from_slice(&group);
+                }
                 assert_eq!(layout.bus_from + bus_part.len(), layout.count, "as counted");
                 for d in &bus_part {
                     let (host, dev) = if kind == LaneKind::Upload { (d.src, d.dst) } else { (d.dst, d.src) };
@@ -1416,6 +1444,57 @@ mod layout_tests {
                 }
                 let _ = layout.submissions();
             }
+        }
+    }
+
+    /// However small the items, no launch takes more than [`Layout::most`] descriptors (its
+    /// pinned table stays within half a chunk): a run of 16-byte items is cut into chunks by
+    /// descriptors before bytes, and scattered small items into several bus launches; every
+    /// byte is still described once, in order.
+    #[test]
+    fn no_launch_of_tiny_items_takes_a_table_past_half_a_chunk() {
+        let chunk = 64u64 << 10;
+        let most = super::launch_descriptors_most(chunk);
+        assert_eq!(most, (32 << 10) / 24);
+        // A run of 1.5 MiB in 16-byte items, then 5000 scattered 8-byte items.
+        let mut items = Vec::new();
+        let (mut host, mut dev) = (1usize << 40, 1u64 << 30);
+        for _ in 0..(3 << 16) {
+            items.push(Direct { host, dev, len: 16, place: Place::Mapped(1) });
+            (host, dev) = (host + 16, dev + 32);
+        }
+        for _ in 0..5000 {
+            host += 64;
+            items.push(Direct { host, dev, len: 8, place: Place::Mapped(1) });
+            (host, dev) = (host + 8, dev + 8);
+        }
+        for kind in [LaneKind::Upload, LaneKind::Readback] {
+            let layout = Layout::new(&items, chunk, 4096, true, true);
+            assert_eq!(layout.most, most);
+            assert!(layout.chunks.len() >= (3 << 16) / most, "{} chunks", layout.chunks.len());
+            let mut part = Vec::new();
+            let mut next_dev = 1u64 << 30;
+            for (k, c) in layout.chunks.iter().enumerate() {
+                assert!(c.descriptors.len() <= most && c.len <= chunk);
+                layout.chunk_descriptors(&items, k, kind, 0, &mut part);
+                assert_eq!(part.len(), c.descriptors.len());
+                for d in &part {
+                    let dv = if kind == LaneKind::Upload { d.dst } else { d.src };
+                    assert_eq!((dv, d.len), (next_dev, 16), "in order, each item once");
+                    next_dev += 32;
+                }
+            }
+            assert!(layout.bus_groups.len() >= 5000 / most + 1);
+            let mut described = 0;
+            for g in 0..layout.bus_groups.len() {
+                let bytes = layout.bus_descriptors(g, kind, &mut part);
+                assert!(!part.is_empty() && part.len() <= most);
+                assert_eq!(bytes, 8 * part.len() as u64);
+                described += part.len();
+            }
+            assert_eq!(described, 5000);
+            let launches = layout.chunks.len() + 1 + layout.bus_groups.len();
+            assert_eq!(layout.submissions(), launches as u64);
         }
     }
 }
