@@ -620,6 +620,58 @@ fn a_paging_step_on_disjoint_blocks_moves_both_ways_without_waits_between_lanes(
     }
 }
 
+/// Tiny items in place in a pinned cache that holds nearly all of the pinned cap, both
+/// directions at once: runs of 16-byte items (many chunks, each cut by its descriptor
+/// table's bound before its bytes) and scattered 8-byte items (many over-the-bus launches),
+/// each launch with a pinned table of its own within half a chunk. Every byte is checked.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn tiny_items_move_in_place_in_launches_whose_tables_fit_what_the_pool_keeps() {
+    let config = Config::default()
+        .with_chunk_bytes(256 << 10)
+        .with_direct_threshold(16 << 10)
+        .with_pinned_cap_bytes(24 << 20);
+    let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
+    let mut rng = fastrand::Rng::with_seed(41);
+    let pool = d.allocate(16 << 20).unwrap();
+    let mut expect = random_vec(&mut rng, 16 << 20);
+    d.upload(pool, &expect).unwrap();
+    // 21.5 MiB held of a 24 MiB cap, which keeps 2 MiB for transfers: 2.5 MiB are free for
+    // the tables (the reads' 160,000 descriptors alone take 3.7 MB).
+    let mut cache = d.pinned((43 << 20) / 2).unwrap();
+    // Out: 160,000 runs of 16 bytes (2.5 MiB) from every other 16 bytes of the pool's first
+    // 5 MiB; in: 60,000 items of 8 bytes, 64 bytes apart in the cache, into the pool's last
+    // MiB (every 16 bytes).
+    let (runs, scattered) = (160_000usize, 60_000usize);
+    let (out_half, in_half) = cache.split_at_mut(8 << 20);
+    out_half.fill(0xA5);
+    rng.fill(in_half);
+    let incoming = in_half.to_vec();
+    let at_in = (15 << 20) as u64;
+    d.scope(|s| {
+        let mut reads = s.downloads();
+        for (i, dst) in out_half.chunks_mut(16).take(runs).enumerate() {
+            reads.read_into(pool, (32 * i) as u64, dst)?;
+        }
+        let mut writes = s.uploads();
+        for (i, src) in in_half.chunks(64).take(scattered).enumerate() {
+            writes.write(pool, at_in + (16 * i) as u64, &src[..8])?;
+        }
+        writes.submit()?;
+        reads.submit()
+    })
+    .unwrap();
+    for i in 0..runs {
+        assert!(cache[16 * i..16 * (i + 1)] == expect[32 * i..32 * i + 16], "run item {i}");
+    }
+    assert!(cache[16 * runs..8 << 20].iter().all(|&b| b == 0xA5), "past the reads");
+    for i in 0..scattered {
+        let at = at_in as usize + 16 * i;
+        expect[at..at + 8].copy_from_slice(&incoming[64 * i..64 * i + 8]);
+    }
+    assert!(d.download(pool).unwrap() == expect, "the pool after the writes");
+}
+
 /// A paging step through a scope on a GPU: blocks of one pool buffer swapped out into a
 /// pinned host cache and others swapped in from it, in place (no staging), both directions
 /// at once; then the same with a cache pinned by `pin_host` (in place, by chunk DMAs) and a
