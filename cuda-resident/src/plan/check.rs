@@ -143,6 +143,9 @@ fn check_chunks(
             in_buffer.push((p.buffer, p.buffer_offset, p.len, true));
         }
         assert_eq!(at, c.packed_offset + c.packed_len, "packed region ends at the last packed copy");
+        // Their descriptor table stays within half a chunk, however small the copies.
+        let descriptors: u64 = c.packed.iter().map(|p| p.len.div_ceil(crate::kernels::SEGMENT)).sum();
+        assert!(descriptors <= super::chunk_descriptors_most(cap), "chunk {i}: {descriptors} descriptors");
         for (pc, p) in c.packed_copies().zip(&c.packed) {
             assert_eq!(pc.region_offset, p.stage_offset - c.packed_offset);
             assert_eq!(pc.region_offset % cfg.align, 0);

@@ -52,7 +52,7 @@ pub(super) fn lay_out<S: Sorted + ?Sized>(
     directs: &mut Vec<Interval>,
     emit: &mut impl Emit,
 ) -> Result<Layout, PlanError> {
-    let mut placer = Placer { geo, chunks, open: 0, end: 0, cursor: 0 };
+    let mut placer = Placer { geo, chunks, open: 0, end: 0, cursor: 0, descriptors: 0 };
     directs.clear();
     // The counts are taken afterwards rather than per interval, which keeps the loop's
     // state in registers.
@@ -95,6 +95,8 @@ struct Placer<'a> {
     end: u64,
     /// One past the last byte placed.
     cursor: u64,
+    /// Kernel descriptors of the current chunk's packed copies so far.
+    descriptors: u64,
 }
 
 impl Placer<'_> {
@@ -120,6 +122,7 @@ impl Placer<'_> {
             self.chunks.push(chunk);
         }
         self.open += 1;
+        self.descriptors = 0;
         Ok(())
     }
 
@@ -130,18 +133,21 @@ impl Placer<'_> {
     }
 
     /// A packed interval goes at the next aligned offset if it fits in the current chunk,
-    /// else at the start of a new one. It is shorter than `cap`, so it always fits there and
-    /// is one copy at the end of its chunk's packed region.
+    /// bytes and descriptors ([`Geometry::most`]), else at the start of a new one. It is
+    /// shorter than `cap`, so it always fits there, and is one copy at the end of its chunk's
+    /// packed region.
     #[inline(always)]
     fn packed(&mut self, iv: &mut Interval) -> Result<(), PlanError> {
         let len = iv.len();
+        let descriptors = len.div_ceil(crate::kernels::SEGMENT);
         // `cursor <= end`, and `end` is a multiple of `align` that fits `u64`: no overflow.
         let mut start = (self.cursor + self.geo.align - 1) & !(self.geo.align - 1);
-        if len > self.end - start {
+        if len > self.end - start || self.descriptors + descriptors > self.geo.most {
             self.close_packed();
             start = self.end;
             self.open_chunk()?;
         }
+        self.descriptors += descriptors;
         iv.stage = start;
         iv.chunk = (self.open - 1) as u32;
         self.cursor = start + len;

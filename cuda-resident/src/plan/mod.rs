@@ -653,6 +653,19 @@ struct Geometry {
     threshold: u64,
     /// Power of two.
     align: u64,
+    /// The most kernel descriptors of one chunk's packed copies ([`chunk_descriptors_most`]).
+    most: u64,
+}
+
+/// The most kernel descriptors (each of at most [`SEGMENT`](crate::kernels::SEGMENT) bytes)
+/// the packed copies of a chunk of `cap` bytes may take: a table of half a chunk. Tiny
+/// copies would otherwise take a table of up to 1.5 times the chunk (24 bytes a descriptor
+/// for each 16-byte slot), and the pinned lease of a chunk and its table has to fit in what
+/// the pool keeps for transfers, two chunks at least. Never fewer than 1024: the smallest
+/// chunk a `Config` accepts (64 KiB) allows 1365, and geometries of a few bytes (the
+/// planner's own tests) stay bound by bytes alone.
+pub(crate) fn chunk_descriptors_most(cap: u64) -> u64 {
+    (cap / 2 / std::mem::size_of::<crate::kernels::CopyDescriptor>() as u64).max(1024)
 }
 
 impl Geometry {
@@ -664,7 +677,12 @@ impl Geometry {
         if cap == 0 {
             return Err(PlanError::ChunkTooSmall { chunk_bytes: cfg.chunk_bytes, align: cfg.align });
         }
-        Ok(Self { cap, threshold: cfg.direct_threshold.min(cap), align: cfg.align })
+        Ok(Self {
+            cap,
+            threshold: cfg.direct_threshold.min(cap),
+            align: cfg.align,
+            most: chunk_descriptors_most(cap),
+        })
     }
 
     /// Whether an interval of `len` bytes goes through the packed path.

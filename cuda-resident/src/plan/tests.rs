@@ -394,3 +394,20 @@ fn every_error_message_ends_with_a_fix() {
     let text = PlanError::OutOfRange { index: 3, buffer: 1, offset: 10, len: 5, buffer_len: 12 }.to_string();
     assert!(text.contains("request 3") && text.contains("12 bytes"), "{text}");
 }
+
+#[test]
+fn tiny_packed_intervals_end_a_chunk_at_half_a_chunk_of_descriptors() {
+    // 64 KiB chunks hold 4096 one-byte intervals at 16-byte slots by bytes, but their table
+    // (24 bytes each) may take only half the chunk: 1365 descriptors a chunk.
+    let most = super::chunk_descriptors_most(64 << 10);
+    assert_eq!(most, 1365);
+    let writes: Vec<_> = (0..10_000).map(|i| w(1, 1 << 20, i * 32, 1)).collect();
+    let plan = upload_checked(&writes, &cfg(8 << 10, 64 << 10, 16));
+    let counts: Vec<usize> = plan.chunks.iter().map(|c| c.packed.len()).collect();
+    assert!(counts[..counts.len() - 1].iter().all(|&n| n == most as usize), "{counts:?}");
+    assert_eq!(counts.iter().sum::<usize>(), 10_000);
+    // Intervals of a whole segment each: bytes fill the chunk before the table's bound.
+    let writes: Vec<_> = (0..40).map(|i| w(1, 1 << 20, i * 20_000, 16 << 10)).collect();
+    let plan = upload_checked(&writes, &cfg(32 << 10, 64 << 10, 16));
+    assert!(plan.chunks.iter().all(|c| c.packed.len() == 4), "{:?}", plan.chunks.len());
+}

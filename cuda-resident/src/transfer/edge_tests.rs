@@ -348,3 +348,37 @@ fn a_submission_without_an_event_is_waited_for_before_synchronize_returns() {
     model::complete_all();
     assert!(model::with(|g| g.errors.is_empty()), "no copy touched freed memory");
 }
+
+/// A planned upload (writes out of order) of tiny writes: each chunk's pinned lease, its
+/// packed bytes and their descriptor table, fits in what the pool keeps for transfers, at
+/// the smallest cap a config accepts (two chunks) and with most of a larger cap held by a
+/// `PinnedBuffer`. Every byte lands.
+#[test]
+fn tiny_writes_out_of_order_fit_the_pinned_pool_at_its_smallest() {
+    let small = Config { chunk_bytes: 64 << 10, direct_threshold: 8 << 10, ..Config::default() };
+    for (cap, hold) in [(128u64 << 10, 0usize), (256 << 10, 128 << 10)] {
+        let (_driver, d) = device(Config { pinned_cap_bytes: cap, ..small.clone() });
+        let _held = (hold > 0).then(|| d.pinned(hold).unwrap());
+        let big = d.allocate(128 << 10).unwrap();
+        let b = d.allocate(20_000 * 16).unwrap();
+        let mut expect_big = vec![0u8; 128 << 10];
+        let mut expect = vec![0u8; 20_000 * 16];
+        d.upload(big, &expect_big).unwrap();
+        d.upload(b, &expect).unwrap();
+        let block = vec![0xEE_u8; 4096];
+        let tiny: Vec<[u8; 1]> = (0..20_000u32).map(|i| [(i % 251) as u8 + 1]).collect();
+        let mut w = d.uploads();
+        // Out of order and apart: the planned route. 4 KiB writes, then 1-byte writes.
+        for i in (0..16u64).rev() {
+            w.write(big, i * 8192, &block).unwrap();
+            expect_big[(i * 8192) as usize..][..4096].fill(0xEE);
+        }
+        for i in (0..20_000usize).rev() {
+            w.write(b, (i * 16) as u64, &tiny[i]).unwrap();
+            expect[i * 16] = tiny[i][0];
+        }
+        w.submit().and_then(|f| f.wait()).unwrap_or_else(|e| panic!("cap {cap}, {hold} held: {e}"));
+        assert!(d.download(big).unwrap() == expect_big, "cap {cap}");
+        assert!(d.download(b).unwrap() == expect, "cap {cap}");
+    }
+}
