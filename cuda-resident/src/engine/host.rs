@@ -150,9 +150,10 @@ pub(crate) enum Source<'a> {
 /// no staging once cleared.
 ///
 /// A table that would take more than an eighth of the pinned pool (or for which the pool has
-/// no room) is built on the heap instead and copied into one lease at submit: it would hold
-/// that much staging while the batch is built, and growing it holds the old lease and the
-/// new one at once.
+/// no room) is built on the heap instead, and stays there for the submission to upload: in
+/// the pool it would hold that much staging while the batch is built (growing it holds the
+/// old lease and the new one at once), and at submit it could ask more than the pool keeps
+/// for transfers.
 #[derive(Default)]
 pub(crate) struct PinnedDescriptors {
     lease: Option<HostLease>,
@@ -166,6 +167,14 @@ pub(crate) struct PinnedDescriptors {
 }
 
 pub(crate) const DESCRIPTOR: usize = std::mem::size_of::<CopyDescriptor>();
+
+/// A finished descriptor table ([`PinnedDescriptors::take`]).
+pub(crate) enum Table {
+    /// In pinned memory of the device, where the kernel may read it.
+    Pinned(HostLease),
+    /// On the heap: to be uploaded to device staging before the launch.
+    Heap(Vec<CopyDescriptor>),
+}
 
 impl PinnedDescriptors {
     fn capacity(&self) -> usize {
@@ -259,26 +268,22 @@ impl PinnedDescriptors {
         }
     }
 
-    /// Hands the table over, in pinned memory of the device (to the submission that runs the
-    /// kernel); the next batch starts a new one.
-    pub(crate) fn take(&mut self, staging: &impl Staging) -> Result<Option<HostLease>> {
-        if self.on_heap && self.len > 0 {
-            let lease = staging.acquire_staging(self.len * DESCRIPTOR)?;
-            // SAFETY: the lease holds the table's bytes and is fresh.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.heap.as_ptr().cast(),
-                    lease.as_ptr(),
-                    self.len * DESCRIPTOR,
-                )
-            };
-            self.lease = Some(lease);
-        }
+    /// Hands the table over to the submission that runs the kernel; the next batch starts
+    /// a new one. A table built on the heap stays there: copying it into one pinned lease
+    /// could ask more of the pool than it keeps for transfers (those are the tables past an
+    /// eighth of the cap, or built while the pool had no room); the caller uploads it to
+    /// device staging instead.
+    pub(crate) fn take(&mut self) -> Option<Table> {
         self.high = self.high.max(self.len);
+        let table = match self.lease.take() {
+            _ if self.on_heap && self.len > 0 => Some(Table::Heap(std::mem::take(&mut self.heap))),
+            Some(lease) => Some(Table::Pinned(lease)),
+            None => None,
+        };
         self.len = 0;
         self.heap.clear();
         self.on_heap = false;
-        Ok(self.lease.take())
+        table
     }
 
     pub(crate) fn clear(&mut self) {

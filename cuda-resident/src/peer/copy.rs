@@ -21,7 +21,7 @@ use std::sync::Arc;
 use crate::alloc::ResidentBuffer;
 use crate::engine::Exec;
 use crate::engine::core::Core;
-use crate::engine::host::DESCRIPTOR;
+use crate::engine::host::{DESCRIPTOR, Table};
 use crate::engine::spares::PeerParts;
 use crate::engine::table::BufferTable;
 use crate::error::{Error, Result};
@@ -31,6 +31,7 @@ use crate::plan::{PlanConfig, Planner, UploadPlan, WriteRequest};
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
 use crate::telemetry::Telemetry;
+use crate::transfer::single::DRIVER_STAGED_MOST;
 
 /// A copy of at least this many bytes moves by its own `cuMemcpyPeerAsync`; smaller ones
 /// share one kernel launch.
@@ -405,25 +406,38 @@ impl PeerBatch<'_> {
         };
         // What the kernel moves: what lands less what the DMAs move.
         let by_kernel = landed - self.parts.dmas.iter().map(|m| m.len).sum::<u64>();
-        let table = self.parts.descriptors.take(&**dst)?;
+        let table = self.parts.descriptors.take().filter(|_| count > 0);
         let parts = &self.parts;
         let mut keep = Vec::new();
         let mut kernel = None;
-        if let Some(table) = table.filter(|_| count > 0) {
-            // The descriptors were built in this pinned table as the copies were added.
-            let table = Arc::new(table);
-            // With unified addressing the kernel reads the table where it is, in pinned
-            // memory (mapped for every device): no upload of the table first, whose DMA and
-            // wait cost more than the warps' reads over the bus (8192 x 256 B peer copies:
-            // see BENCHMARKS.md). Otherwise it is uploaded to device staging.
-            let dev = if dst.info.unified_addressing {
-                None
-            } else {
-                let area = kernels::table_bytes(count);
-                Some(exec.region(&mut scratch.region, area)?)
+        // A table left on the heap, uploaded from there (below): it lives until the
+        // submission has returned, by when the driver has copied it out.
+        let mut heap = None;
+        if let Some(table) = table {
+            // With unified addressing the kernel reads a pinned table where it is (mapped for
+            // every device): no upload of the table first, whose DMA and wait cost more than
+            // the warps' reads over the bus (8192 x 256 B peer copies: see BENCHMARKS.md).
+            // Otherwise, and for a table on the heap, it is uploaded to device staging.
+            let area = kernels::table_bytes(count);
+            let (dev, at) = match table {
+                Table::Pinned(lease) => {
+                    let lease = Arc::new(lease);
+                    let dev = if dst.info.unified_addressing {
+                        None
+                    } else {
+                        Some(exec.region(&mut scratch.region, area)?)
+                    };
+                    let at = lease.as_ptr().cast_const();
+                    keep.push(lease);
+                    (dev, at)
+                }
+                Table::Heap(descriptors) => {
+                    let dev = exec.region(&mut scratch.region, area)?;
+                    let at = heap.insert(descriptors).as_ptr().cast::<u8>();
+                    (Some(dev), at)
+                }
             };
-            kernel = Some((exec.kernels()?, dev, table.as_ptr()));
-            keep.push(table);
+            kernel = Some((exec.kernels()?, dev, at));
         }
 
         // Lock order: an upload lane (and its staging) before a readback lane. Nothing
@@ -446,6 +460,17 @@ impl PeerBatch<'_> {
         let enqueued = exec.submit(keep, |q| {
             if let Some((kernels, dev, table)) = kernel {
                 let at = match dev {
+                    Some(dev) if heap.is_some() => {
+                        // From the heap in pieces the driver stages at the call, as it takes
+                        // pageable memory for small blocking uploads.
+                        for from in (0..table_bytes).step_by(DRIVER_STAGED_MOST) {
+                            let len = (table_bytes - from).min(DRIVER_STAGED_MOST);
+                            // SAFETY: the heap table holds table_bytes bytes and outlives
+                            // this call; device staging holds at least table_bytes bytes.
+                            unsafe { q.htod(dev + from as u64, table.add(from), len) }?;
+                        }
+                        dev
+                    }
                     Some(dev) => {
                         // SAFETY: the pinned table is kept alive by this submission; device
                         // staging holds at least table_bytes bytes.
