@@ -292,3 +292,74 @@ fn a_prepared_upload_whose_as_ref_uses_the_device_completes_without_deadlock() {
         }
     });
 }
+
+/// Writes made in place that fill the pinned pool as they are added (most of the cap held by
+/// a `PinnedBuffer`, or none held and the arena taking the whole cap): either every
+/// `write_with` (or `write_with_par`) is taken and `submit` moves them all, taking no pinned
+/// memory beyond the arena (its leases keep room for their descriptor tables), or one is
+/// refused, poisoning the batch, and nothing moves. Never a `submit` that fails part way.
+#[test]
+fn writes_in_place_that_fill_the_pinned_pool_move_whole_or_not_at_all() {
+    let config = Config {
+        chunk_bytes: 64 << 10,
+        direct_threshold: 8 << 10,
+        pinned_cap_bytes: 8 << 20,
+        ..Config::default()
+    };
+    let cases = [(false, true, true), (true, true, true), (false, false, true), (true, false, false)];
+    for (par, hold, over_bus) in cases {
+        for n in if hold { [4_000u64, 10_000, 28_000, 60_000] } else { [50_000, 150_000, 300_000, 600_000] } {
+            let (_driver, d) = device(config.clone().with_small_copies_over_bus(over_bus));
+            let held = hold.then(|| d.pinned((15 << 20) / 2).unwrap());
+            let big = d.allocate(8 << 10).unwrap();
+            let b = d.allocate(n * 32).unwrap();
+            d.upload(big, &[0u8; 8 << 10]).unwrap();
+            d.upload(b, &vec![0u8; (n * 32) as usize]).unwrap();
+            let mut w = d.uploads();
+            // A write of a lease of its own (a DMA of its own), then n one-byte writes.
+            let first = if par {
+                w.write_with_par(big, 0, 8 << 10, |dst| dst.fill(0xEE)).map(drop)
+            } else {
+                w.write_with(big, 0, 8 << 10, |dst| dst.fill(0xEE)).map(drop)
+            };
+            let mut refused = first.err();
+            for i in 0..n {
+                if refused.is_some() {
+                    break;
+                }
+                let value = (i % 251) as u8 + 1;
+                let added = if par {
+                    w.write_with_par(b, i * 32, 1, move |dst| dst[0] = value).map(drop)
+                } else {
+                    w.write_with(b, i * 32, 1, |dst| dst[0] = value).map(drop)
+                };
+                refused = added.err();
+            }
+            let case = format!("par {par}, pool held {hold}, over the bus {over_bus}, {n} writes");
+            let submitted = w.submit().and_then(|f| f.wait());
+            drop(held);
+            let (got, got_big) = (d.download(b).unwrap(), d.download(big).unwrap());
+            match refused {
+                None => {
+                    submitted
+                        .unwrap_or_else(|e| panic!("{case}: every write was taken, yet submit failed: {e}"));
+                    for i in 0..n as usize {
+                        assert_eq!(got[i * 32], (i % 251) as u8 + 1, "{case}: write {i}");
+                    }
+                    assert!(got_big.iter().all(|&v| v == 0xEE), "{case}: the large write");
+                }
+                Some(e) => {
+                    assert!(
+                        matches!(e, Error::PinnedExhausted { .. } | Error::PinnedCapExceeded { .. }),
+                        "{case}: {e}"
+                    );
+                    assert!(submitted.is_err(), "{case}: a poisoned batch submitted");
+                    assert!(
+                        got.iter().chain(&got_big).all(|&v| v == 0),
+                        "{case}: a refused batch moved bytes"
+                    );
+                }
+            }
+        }
+    }
+}

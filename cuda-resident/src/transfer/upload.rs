@@ -326,12 +326,22 @@ impl<'a> UploadBatch<'a> {
         // Same address residue mod 16 as the destination (buffers are 256-aligned), so the
         // scatter can use 16-byte accesses.
         let residue = (offset % 16) as usize;
-        let fits = |lease: &HostLease, used: usize| used.next_multiple_of(16) + residue + len <= lease.len();
+        // A lease holds its writes' bytes and, after them (from a multiple of 256), their
+        // descriptor table: submit writes it there, so that moving the arena takes no more
+        // pinned memory than adding to it did.
+        let descriptors = (len as u64).div_ceil(SEGMENT);
+        let fits = |lease: &HostLease, used: usize, counted: u64| {
+            let end = (used.next_multiple_of(16) + residue + len).next_multiple_of(256) as u64;
+            end + table_bytes(counted + descriptors) <= lease.len() as u64
+        };
         // A write that will be its own DMA gets a lease of its own, so that arena leases hold
         // only packed writes and move whole.
         let own = len as u64 >= self.core.config.direct_threshold;
         let last = self.arena.len().checked_sub(1);
-        let open = |i: usize| self.arena_used[i] != CLOSED && fits(&self.arena[i], self.arena_used[i]);
+        let open = |i: usize| {
+            self.arena_used[i] != CLOSED
+                && fits(&self.arena[i], self.arena_used[i], self.arena_descriptors[i])
+        };
         let reuse = !own && last.is_some_and(open);
         if !reuse {
             // A lease opened for fills at submit is smaller when it moves over the bus: the
@@ -340,7 +350,11 @@ impl<'a> UploadBatch<'a> {
                 true => PAR_LEASE.min(self.core.config.chunk_bytes as usize),
                 false => self.core.config.chunk_bytes as usize,
             };
-            let size = if own { len + 16 } else { packed.max(len + 32) };
+            let size = if own {
+                len + 16
+            } else {
+                packed.max((len + 32).next_multiple_of(256) + table_bytes(descriptors) as usize)
+            };
             match self.core.acquire_staging(size) {
                 Ok(lease) => {
                     self.arena.push(lease);
@@ -365,7 +379,7 @@ impl<'a> UploadBatch<'a> {
         if !own {
             self.arena_used[lease_index] = at + len;
         }
-        self.arena_descriptors[lease_index] += (len as u64).div_ceil(SEGMENT);
+        self.arena_descriptors[lease_index] += descriptors;
         Ok((lease_index as u32, at))
     }
 
@@ -719,12 +733,12 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         let kernels = kernels.expect("loaded when there are packed writes");
         if bus(i) {
             let copies = run.map(|w| (base as u64 + offset_of(w), ptr_of(w), batch.writes[w].len));
-            let (table, count) = lease_table(&exec, &mut scratch.descriptors, copies, areas[i])?;
+            let (table, count) = write_table(lease, table_at(i), areas[i], &mut scratch.descriptors, copies);
             let bytes = count * size_of::<CopyDescriptor>() as u64;
             let payload = runs[i].0.clone().map(|w| batch.writes[w].len).sum::<u64>();
-            let at = table.as_ptr() as u64;
-            exec.submit(vec![Arc::clone(lease), table], |q| {
-                // SAFETY: the table and the writes' bytes are in pinned leases, which this
+            let at = table as u64;
+            exec.submit(vec![Arc::clone(lease)], |q| {
+                // SAFETY: the table and the writes' bytes are in the pinned lease, which this
                 // submission keeps alive and the device reads (unified addressing);
                 // destinations are disjoint ranges (no two writes fuse) of live, marked
                 // buffers.
@@ -747,7 +761,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         // Built while the bytes are on the wire.
         let copies = run.map(|w| (region + offset_of(w), ptr_of(w), batch.writes[w].len));
         let (area, at) = (areas[i], region + table_at(i));
-        let (table, count) = lease_table(&exec, &mut scratch.descriptors, copies, area)?;
+        let (table, count) = write_table(lease, table_at(i), area, &mut scratch.descriptors, copies);
         // The launches below: the table sits in the region after the lease's bytes
         // (packed_need), put there by DMAs before on the lane's stream (which the side stream
         // waits for); destinations are disjoint ranges of live, marked buffers (no two writes
@@ -755,17 +769,19 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         // or by the last lease's join: device staging's next user comes after this batch).
         if last {
             exec.join_side()?;
-            exec.submit(vec![Arc::clone(&table)], |q| {
-                // SAFETY: the table lease is kept alive by this submission; the launch as above.
+            exec.submit(vec![Arc::clone(lease)], |q| {
+                // SAFETY: the table, in the lease after its bytes, is kept alive by this
+                // submission; the launch as above.
                 unsafe {
-                    q.htod(at, table.as_ptr(), area as usize)?;
+                    q.htod(at, table, area as usize)?;
                     q.launch(kernels, at, count, 0)
                 }
             })?;
         } else {
-            exec.submit(vec![Arc::clone(&table)], |q| {
-                // SAFETY: the table lease is kept alive by this submission, into the region.
-                unsafe { q.htod(at, table.as_ptr(), area as usize) }
+            exec.submit(vec![Arc::clone(lease)], |q| {
+                // SAFETY: the table, in the lease after its bytes, is kept alive by this
+                // submission, into the region.
+                unsafe { q.htod(at, table, area as usize) }
             })?;
             exec.submit_side(slot, |q| {
                 // SAFETY: as above.
@@ -799,25 +815,31 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     Ok(Some(exec.finish()))
 }
 
-/// The descriptor table of an arena lease's `copies` (source, destination, length: the
-/// source where the kernel reads the write's bytes), in a pinned lease of `area` bytes, the
-/// table's size counted as the writes were added; and its number of descriptors.
-fn lease_table(
-    exec: &Exec<'_>,
+/// Writes the descriptor table of an arena lease's `copies` (source, destination, length:
+/// the source where the kernel reads the write's bytes) into the lease itself, at `at` (past
+/// its writes' bytes, where [`UploadBatch::stage`] kept `area` bytes for it, the table's size
+/// counted as the writes were added); returns where it is and its number of descriptors.
+fn write_table(
+    lease: &HostLease,
+    at: u64,
+    area: u64,
     descriptors: &mut Vec<CopyDescriptor>,
     copies: impl Iterator<Item = (u64, u64, u64)>,
-    area: u64,
-) -> Result<(Arc<HostLease>, u64)> {
+) -> (*const u8, u64) {
     descriptors.clear();
     for (src, dst, len) in copies {
         push_descriptors(descriptors, src, dst, len);
     }
     let bytes = descriptors.len() * size_of::<CopyDescriptor>();
     assert!(bytes as u64 <= area, "descriptors counted as the writes were added match those built");
-    let table = Arc::new(exec.lease(area as usize)?);
-    // SAFETY: the table lease holds `area >= bytes` bytes and is this batch's own.
-    unsafe { std::ptr::copy_nonoverlapping(descriptors.as_ptr().cast::<u8>(), table.as_ptr(), bytes) };
-    Ok((table, descriptors.len() as u64))
+    assert!(at + area <= lease.len() as u64, "the lease kept room for its table");
+    // SAFETY: the lease holds `at + area` bytes (checked), past its writes' bytes, which
+    // nothing else writes: the fills write only their writes' bytes, and the device reads
+    // this part only in submissions enqueued after this call.
+    let table = unsafe { lease.as_ptr().add(at as usize) };
+    // SAFETY: as above; descriptors are three u64s (`repr(C)`, no padding).
+    unsafe { std::ptr::copy_nonoverlapping(descriptors.as_ptr().cast::<u8>(), table, bytes) };
+    (table.cast_const(), descriptors.len() as u64)
 }
 
 /// The routes [`Route::InOrder`] and [`Route::Planned`].
