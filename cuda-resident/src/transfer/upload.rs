@@ -350,10 +350,14 @@ impl<'a> UploadBatch<'a> {
                 true => PAR_LEASE.min(self.core.config.chunk_bytes as usize),
                 false => self.core.config.chunk_bytes as usize,
             };
+            // A sixteenth more for the table: room for the whole table of writes of 384
+            // bytes or more (24 bytes of descriptor each), so that they fill the lease's
+            // bytes as before the table moved in (4096 writes of 4 KiB in a 16 MiB chunk).
+            let room = packed + packed / 16;
             let size = if own {
                 len + 16
             } else {
-                packed.max((len + 32).next_multiple_of(256) + table_bytes(descriptors) as usize)
+                room.max((len + 32).next_multiple_of(256) + table_bytes(descriptors) as usize)
             };
             match self.core.acquire_staging(size) {
                 Ok(lease) => {
