@@ -34,6 +34,7 @@ use crate::engine::{Exec, wait};
 use crate::error::{Error, Result};
 use crate::host_pool::{HostLease, lent_extent};
 use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors, table_bytes};
+use crate::plan::chunk_descriptors_most;
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 
@@ -378,16 +379,11 @@ struct Layout {
     /// range of `bus` a launch.
     bus_groups: Vec<std::ops::Range<usize>>,
     dmas: Vec<Direct>,
-    /// The most descriptors of one launch (a chunk's or a group of bus items'): its table,
-    /// leased from the pinned pool, stays within half a chunk, which the pool keeps for
-    /// transfers (`Config::pinned_reserve`) however small the items.
+    /// The most descriptors of one launch (a chunk's or a group of bus items'), as the
+    /// planner bounds a chunk's ([`chunk_descriptors_most`]): its table, leased from the
+    /// pinned pool, stays within half a chunk, which the pool keeps for transfers
+    /// (`Config::pinned_reserve`) however small the items.
     most: usize,
-}
-
-/// The most descriptors of one launch for chunks of `chunk` bytes: a table of half a chunk
-/// (at least one descriptor).
-fn launch_descriptors_most(chunk: u64) -> usize {
-    ((chunk / 2) as usize / size_of::<CopyDescriptor>()).max(1)
 }
 
 impl Layout {
@@ -398,7 +394,7 @@ impl Layout {
     /// bus where `bus` (the configuration lets small copies move over the bus:
     /// `Core::moves_small_copies_over_bus`), else by DMA too.
     fn new(items: &[Direct], chunk: u64, threshold: u64, unified: bool, bus: bool) -> Layout {
-        let mut layout = Layout { most: launch_descriptors_most(chunk), ..Layout::default() };
+        let mut layout = Layout { most: chunk_descriptors_most(chunk) as usize, ..Layout::default() };
         let mut i = 0;
         while i < items.len() {
             let mut end = i + 1;
@@ -1454,7 +1450,7 @@ mod layout_tests {
     #[test]
     fn no_launch_of_tiny_items_takes_a_table_past_half_a_chunk() {
         let chunk = 64u64 << 10;
-        let most = super::launch_descriptors_most(chunk);
+        let most = crate::plan::chunk_descriptors_most(chunk) as usize;
         assert_eq!(most, (32 << 10) / 24);
         // A run of 1.5 MiB in 16-byte items, then 5000 scattered 8-byte items.
         let mut items = Vec::new();
