@@ -350,9 +350,11 @@ pub enum Error {
 
     /// The pinned pool is full of regions the caller still holds.
     #[error(
-        "pinned staging of {requested} bytes is not available: {lent} of the pool's {cap} bytes are lent out to \
-         PinnedBuffers or Readbacks that are still alive, and no copy in flight will release more. \
-         Fix: drop PinnedBuffers and Readbacks you are done with, or raise Config::pinned_cap_bytes."
+        "pinned staging of {requested} bytes is not available: {lent} of the pool's {cap} bytes are lent out (to \
+         PinnedBuffers, prepared sets or Readbacks still alive, or to the in-place writes of batches not yet \
+         submitted), and no copy in flight will release more. Fix: drop PinnedBuffers and Readbacks you are done \
+         with, split a batch of in-place writes (write_with, write_with_par) into smaller ones, or raise \
+         Config::pinned_cap_bytes."
     )]
     PinnedExhausted {
         /// Bytes asked for.

@@ -45,6 +45,15 @@ pub(crate) fn arena_bytes(len: u64, cap: u64) -> u64 {
     len.checked_next_multiple_of(step).unwrap_or(len).min(cap).max(len)
 }
 
+/// The largest request whose arena is at most `limit` bytes (for `limit >= MIN_ARENA`):
+/// `limit` rounded down to an arena size. Two requests of `arena_floor(cap / 2)` bytes fit
+/// a pool of `cap` bytes together.
+pub(crate) fn arena_floor(limit: u64) -> u64 {
+    let limit = limit.max(MIN_ARENA);
+    let step = 1u64 << (u64::BITS - 1 - limit.leading_zeros()).saturating_sub(CLASS_BITS);
+    limit - limit % step
+}
+
 /// One `cuMemHostAlloc` allocation.
 struct Arena {
     ptr: NonNull<u8>,
@@ -521,6 +530,19 @@ mod tests {
         assert_eq!(arena_bytes(1000 * MIB + 1, 1001 * MIB), 1001 * MIB);
         assert_eq!(arena_bytes(5 * MIB, 5 * MIB), 5 * MIB);
         assert_eq!(arena_bytes(u64::MAX, u64::MAX), u64::MAX, "no overflow");
+    }
+
+    #[test]
+    fn a_request_of_the_arena_floor_takes_an_arena_within_the_limit_and_one_byte_more_does_not() {
+        let cap = u64::MAX;
+        let mut rng = fastrand::Rng::with_seed(3);
+        let edges =
+            [MIN_ARENA, MIN_ARENA + 1, 128 << 10, (128 << 10) + 5000, 17 * MIB, 1 << 39, u64::MAX / 4];
+        for limit in edges.into_iter().chain((0..2000).map(|_| rng.u64(MIN_ARENA..1 << 36))) {
+            let floor = arena_floor(limit);
+            assert!(floor <= limit && arena_bytes(floor, cap) <= limit, "limit {limit}: floor {floor}");
+            assert!(arena_bytes(floor + 1, cap) > limit, "limit {limit}: floor {floor} is the largest");
+        }
     }
 
     #[test]

@@ -365,3 +365,90 @@ fn writes_in_place_that_fill_the_pinned_pool_move_whole_or_not_at_all() {
         }
     }
 }
+
+/// The smallest pool a config accepts (two chunks) lends two leases of in-place writes at
+/// once, by `write_with` and `write_with_par`, over the bus or by DMA: two writes of 40 KiB
+/// (a lease each, the direct threshold at the chunk), and a write of 40 KiB beside one of 8
+/// KiB that takes a lease of its own (the threshold at 8 KiB).
+#[test]
+fn the_smallest_pinned_pool_lends_two_leases_of_writes_in_place() {
+    let shapes: [(u64, [(usize, usize); 2]); 2] =
+        [(64 << 10, [(0, 40 << 10), (50_000, 40 << 10)]), (8 << 10, [(0, 40 << 10), (128 << 10, 8 << 10)])];
+    for (threshold, writes) in shapes {
+        for (par, over_bus) in [(false, false), (false, true), (true, false), (true, true)] {
+            let case = format!("threshold {threshold}, par {par}, over the bus {over_bus}");
+            let config = Config {
+                chunk_bytes: 64 << 10,
+                direct_threshold: threshold,
+                pinned_cap_bytes: 128 << 10,
+                ..small_chunks()
+            };
+            let (_driver, d) = device(config.with_small_copies_over_bus(over_bus));
+            let b = d.allocate(256 << 10).unwrap();
+            d.upload(b, &vec![0u8; 256 << 10]).unwrap();
+            let mut w = d.uploads();
+            for (k, &(at, len)) in writes.iter().enumerate() {
+                let value = k as u8 + 1;
+                let added = match par {
+                    true => w.write_with_par(b, at as u64, len, move |dst| dst.fill(value)).map(drop),
+                    false => w.write_with(b, at as u64, len, |dst| dst.fill(value)).map(drop),
+                };
+                added.unwrap_or_else(|e| panic!("{case}: write {k} refused: {e}"));
+            }
+            w.submit().and_then(|f| f.wait()).unwrap_or_else(|e| panic!("{case}: {e}"));
+            let got = d.download(b).unwrap();
+            for (k, &(at, len)) in writes.iter().enumerate() {
+                assert!(got[at..at + len].iter().all(|&v| v == k as u8 + 1), "{case}: write {k}");
+            }
+        }
+    }
+}
+
+/// A batch of writes in place and writes from slices takes the planned route, which leases
+/// staging at submit while the in-place writes hold theirs. Where the pool cannot lend its
+/// largest chunk (a later one, with its descriptor table), submit fails before anything
+/// moves, not after its first chunk has landed; with room for it, everything lands.
+#[test]
+fn a_mixed_batch_the_pool_cannot_stage_fails_at_submit_before_anything_moves() {
+    for cap in [256u64 << 10, 320 << 10] {
+        let config = Config {
+            chunk_bytes: 64 << 10,
+            direct_threshold: 8 << 10,
+            pinned_cap_bytes: cap,
+            ..small_chunks()
+        }
+        .with_small_copies_over_bus(false);
+        let (_driver, d) = device(config);
+        let (a, b) = (d.allocate(1 << 20).unwrap(), d.allocate(1 << 20).unwrap());
+        d.upload(a, &vec![0u8; 1 << 20]).unwrap();
+        d.upload(b, &vec![0u8; 1 << 20]).unwrap();
+        let block = vec![0xBB_u8; 8191];
+        let mut w = d.uploads();
+        // Three writes of a lease of their own: 192 KiB of the pool.
+        for k in 0..3u64 {
+            w.write_with(a, k * 100_000, 60_000, |dst| dst.fill(0xAA)).unwrap();
+        }
+        // From slices: chunk 0 packs 7 x 8191 + 5000 bytes (a 64 KiB arena); chunk 1 packs 8 x
+        // 8191 and its table, 65,791 bytes (a 68 KiB arena).
+        for k in 0..16u64 {
+            w.write(b, k * 10_000, if k == 7 { &block[..5000] } else { &block[..] }).unwrap();
+        }
+        let submitted = w.submit().and_then(|f| f.wait());
+        let (got_a, got_b) = (d.download(a).unwrap(), d.download(b).unwrap());
+        if cap == 256 << 10 {
+            let e = submitted.expect_err("64 KiB free cannot stage a 68 KiB chunk");
+            assert!(matches!(e, Error::PinnedExhausted { .. }), "{e}");
+            assert!(got_a.iter().chain(&got_b).all(|&v| v == 0), "a failed batch moved bytes");
+        } else {
+            submitted.unwrap_or_else(|e| panic!("128 KiB free stages every chunk: {e}"));
+            for k in 0..3 {
+                assert!(got_a[k * 100_000..][..60_000].iter().all(|&v| v == 0xAA), "in-place write {k}");
+            }
+            for k in 0..16 {
+                let len = if k == 7 { 5000 } else { 8191 };
+                assert!(got_b[k * 10_000..][..len].iter().all(|&v| v == 0xBB), "write {k}");
+            }
+        }
+        assert_eq!(d.telemetry().pinned.lent_bytes, 0, "cap {cap}: the staging went back");
+    }
+}

@@ -19,12 +19,12 @@ use crate::engine::pipeline::{self, Groups, Step};
 use crate::engine::spares::UploadParts;
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
-use crate::host_pool::HostLease;
+use crate::host_pool::{HostLease, arena_floor};
 use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::route::{
     self, FIRST_CHUNK, PIPELINE_DEPTH, RING, Route, Span, UploadShape, cut_apart, growing, in_order_chunk,
 };
-use crate::plan::{PlanConfig, WriteRequest};
+use crate::plan::{Chunk, PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 
@@ -352,8 +352,11 @@ impl<'a> UploadBatch<'a> {
             };
             // A sixteenth more for the table: room for the whole table of writes of 384
             // bytes or more (24 bytes of descriptor each), so that they fill the lease's
-            // bytes as before the table moved in (4096 writes of 4 KiB in a 16 MiB chunk).
-            let room = packed + packed / 16;
+            // bytes as before the table moved in (4096 writes of 4 KiB in a 16 MiB chunk);
+            // but never an arena past half the cap, so that two leases fit the smallest
+            // pool (two chunks).
+            let room =
+                (packed + packed / 16).min(arena_floor(self.core.config.pinned_cap_bytes / 2) as usize);
             let size = if own {
                 len + 16
             } else {
@@ -880,6 +883,15 @@ fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
         .max()
         .unwrap_or(0);
     let dev = if device_need > 0 { exec.region(&mut scratch.region, device_need)? } else { 0 };
+    let area_of = |chunk: &Chunk| match uses_kernel(chunk.packed.len()) {
+        true => descriptor_area(chunk.packed.iter().map(|p| p.len)),
+        false => 0,
+    };
+    // The first chunk's lease is as large as the largest any chunk takes: where the pool
+    // cannot lend that much (in-place writes of the batch hold the rest of it), the batch
+    // fails here, before anything moves, rather than at a later chunk; each later lease
+    // finds that room again once the chunks before it complete.
+    let largest = plan.chunks.iter().map(|c| area_of(c) + c.staging_len).max().unwrap_or(0);
 
     let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
     let mut seqs = Vec::with_capacity(plan.chunks.len());
@@ -888,8 +900,9 @@ fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
             exec.wait(seqs[k - RING])?;
         }
         let kernel = uses_kernel(chunk.packed.len());
-        let area = if kernel { descriptor_area(chunk.packed.iter().map(|p| p.len)) } else { 0 };
-        let lease = Arc::new(exec.lease((area + chunk.staging_len) as usize)?);
+        let area = area_of(chunk);
+        let len = if k == 0 { largest } else { area + chunk.staging_len };
+        let lease = Arc::new(exec.lease(len as usize)?);
         let base = lease.as_ptr();
         // SAFETY: the lease holds area + staging_len bytes; offsets below stay inside.
         let staged = |flat: u64| unsafe { base.add((area + chunk.local_offset(flat)) as usize) };
