@@ -30,6 +30,8 @@ use crate::sync::{Mutex, lock};
 
 /// The smallest arena.
 pub(crate) const MIN_ARENA: u64 = 64 << 10;
+/// A host page: an arena made to measure is a whole number of them where it can be.
+const PAGE: u64 = 4096;
 /// Arena sizes per doubling of the request: a request of `len` bytes, `2^k <= len < 2^(k+1)`,
 /// gets the next multiple of `2^(k - CLASS_BITS)`, so that rounding never wastes more than
 /// `1 / 2^CLASS_BITS` (6.25 %) of an arena, while sizes stay few enough to be reused.
@@ -223,11 +225,17 @@ impl HostPool {
         if len64 > self.cap {
             return Err(Error::PinnedCapExceeded { requested: len64, cap: self.cap });
         }
-        let bytes = arena_bytes(len64, self.cap);
+        let mut bytes = arena_bytes(len64, self.cap);
         let mut evicted = Vec::new();
         {
             let mut state = lock(&self.state);
             if held {
+                // A request within the held limit is not refused for its arena's rounding:
+                // it takes an arena of its own pages instead.
+                let room = self.held_limit().saturating_sub(state.held);
+                if len64 <= room && bytes > room {
+                    bytes = len64.checked_next_multiple_of(PAGE).unwrap_or(len64).min(room);
+                }
                 self.check_held(&state, bytes, len64)?;
                 state.held += bytes;
             }

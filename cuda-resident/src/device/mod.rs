@@ -248,7 +248,11 @@ impl Device {
     ///
     /// Pinned buffers, prepared sets and download views are held staging: together they may
     /// take the pool's cap less a reserve kept for transfers ([`Config::pinned_cap_bytes`]);
-    /// past that, [`Error::PinnedReserved`].
+    /// past that, [`Error::PinnedReserved`]. Each takes an arena of one of the pool's sizes
+    /// (rounded up by at most 6.25 %, so that it is reused), or, where that rounding would
+    /// pass the limit, exactly its own pages: a request of no more than what is left of the
+    /// limit ([`PinnedStats::held_limit_bytes`](crate::PinnedStats::held_limit_bytes) less `held_bytes`) is
+    /// lent.
     pub fn pinned(&self, len: usize) -> Result<PinnedBuffer> {
         self.core.acquire_held_staging(len).map(PinnedBuffer::new)
     }

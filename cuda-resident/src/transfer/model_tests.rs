@@ -1040,6 +1040,43 @@ fn in_place_staging_wastes_at_most_a_tenth() {
     }
 }
 
+/// A pinned buffer of exactly what held staging may still take is lent, though its arena
+/// size would round past the limit (it takes pages to measure); one byte more, or any more
+/// once the limit is held, is refused with a Fix. Its memory goes back whole.
+#[test]
+fn a_pinned_buffer_of_the_whole_held_limit_is_lent_and_one_byte_more_is_not() {
+    // A held limit of no arena size: 2 MiB + 4000 bytes less the reserve of 512 KiB.
+    let config = Config { pinned_cap_bytes: (2 << 20) + 4000, ..small_chunks() };
+    let d = device(config);
+    let limit = d.telemetry().pinned.held_limit_bytes;
+    assert_eq!(limit, (2 << 20) + 4000 - (512 << 10));
+    let over = d.pinned(limit as usize + 1).expect_err("past the limit");
+    assert!(matches!(over, Error::PinnedReserved { .. }) && over.to_string().contains("Fix:"), "{over}");
+    for _ in 0..2 {
+        let mut whole = d.pinned(limit as usize).unwrap_or_else(|e| panic!("the whole limit: {e}"));
+        assert_eq!(whole.len(), limit as usize);
+        whole.fill(0x5A);
+        assert_eq!(d.telemetry().pinned.held_bytes, limit);
+        let more = d.pinned(1).expect_err("the limit is held");
+        assert!(matches!(more, Error::PinnedReserved { .. }), "{more}");
+        // Transfers still have the reserve.
+        let b = d.allocate(300_000).unwrap();
+        let data = random_vec(&mut fastrand::Rng::with_seed(5), 300_000);
+        d.upload(b, &data).unwrap();
+        assert!(d.download(b).unwrap() == data);
+        drop(whole);
+        assert_eq!(d.telemetry().pinned.held_bytes, 0);
+    }
+    // Half of it (an arena rounded up), then exactly what that leaves.
+    let half = d.pinned(limit as usize / 2).unwrap();
+    let left = limit - d.telemetry().pinned.held_bytes;
+    assert!(left < limit / 2, "the first half's arena was rounded up");
+    let rest = d.pinned(left as usize).unwrap_or_else(|e| panic!("what is left, {left} bytes: {e}"));
+    assert_eq!(d.telemetry().pinned.held_bytes, limit);
+    drop((half, rest));
+    assert_eq!(d.telemetry().pinned.held_bytes, 0);
+}
+
 /// Staging held outside transfers (pinned buffers, prepared sets) cannot take the pool's
 /// reserve: with the rest of the pool held, transfers of several times the reserve still
 /// move every byte (in fewer chunks at a time), a prepared set that finds no room moves as
