@@ -18,11 +18,13 @@
 //!
 //! Arenas are allocated portable (`CU_MEMHOSTALLOC_PORTABLE`): every context may use them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Condvar, Weak};
+use std::thread::ThreadId;
+use std::time::Duration;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
@@ -56,6 +58,30 @@ pub(crate) fn arena_floor(limit: u64) -> u64 {
     limit - limit % step
 }
 
+impl PoolState {
+    /// Counts `bytes` more as `transfer`'s transfer staging, where given.
+    fn lend_to_transfer(&mut self, transfer: Option<ThreadId>, bytes: u64) {
+        if let Some(thread) = transfer {
+            self.transfer_bytes += bytes;
+            *self.transfers.entry(thread).or_insert(0) += bytes;
+        }
+    }
+
+    /// Counts `bytes` of `transfer`'s transfer staging as back, where given.
+    fn return_from_transfer(&mut self, transfer: Option<ThreadId>, bytes: u64) {
+        if let Some(thread) = transfer {
+            self.transfer_bytes -= bytes;
+            self.transfer_returns += 1;
+            if let Some(held) = self.transfers.get_mut(&thread) {
+                *held -= bytes;
+                if *held == 0 {
+                    self.transfers.remove(&thread);
+                }
+            }
+        }
+    }
+}
+
 /// One `cuMemHostAlloc` allocation.
 struct Arena {
     ptr: NonNull<u8>,
@@ -78,6 +104,16 @@ struct PoolState {
     /// Arenas whose `cuMemFreeHost` failed: still counted in `reserved`, retried by the next
     /// trim.
     unreleased: Vec<Arena>,
+    /// Bytes lent to transfers as they run, by the thread that took them (part of `lent`):
+    /// staging that comes back without the caller's doing, once those transfers' copies
+    /// are done ([`HostPool::wait_for_transfers`]).
+    transfers: HashMap<ThreadId, u64>,
+    /// The sum of `transfers`.
+    transfer_bytes: u64,
+    /// Threads waiting in [`HostPool::wait_for_transfers`].
+    waiters: usize,
+    /// Transfer leases given back so far.
+    transfer_returns: u64,
 }
 
 /// Counters of the pool, for telemetry.
@@ -110,6 +146,8 @@ pub(crate) struct HostPool {
     /// Bytes held staging may not take: kept for transfers.
     reserve: u64,
     state: Mutex<PoolState>,
+    /// Signalled when a transfer's staging comes back while a transfer waits for some.
+    returned: Condvar,
     hits: AtomicU64,
     misses: AtomicU64,
     released: AtomicU64,
@@ -175,6 +213,8 @@ pub(crate) struct HostLease {
     held: bool,
     /// Listed in [`LENT_BUFFERS`] (unlisted when it drops).
     listed: bool,
+    /// Lent to a running transfer of this thread (see [`PoolState::transfers`]).
+    transfer: Option<ThreadId>,
 }
 
 // SAFETY: through `&HostLease` only the address and length are read; the bytes are reached
@@ -195,6 +235,7 @@ impl HostPool {
             cap,
             reserve: reserve.min(cap),
             state: Mutex::new(PoolState::default()),
+            returned: Condvar::new(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             released: AtomicU64::new(0),
@@ -221,6 +262,17 @@ impl HostPool {
     /// As [`HostPool::try_acquire`], for held staging (`held`): fails with
     /// [`Error::PinnedReserved`] when held staging would pass `cap - reserve`.
     pub(crate) fn try_acquire_as(self: &Arc<Self>, len: usize, held: bool) -> Result<Option<HostLease>> {
+        self.try_acquire_with(len, held, None)
+    }
+
+    /// [`HostPool::try_acquire_as`], the lease counted as `transfer`'s transfer staging
+    /// where given.
+    fn try_acquire_with(
+        self: &Arc<Self>,
+        len: usize,
+        held: bool,
+        transfer: Option<ThreadId>,
+    ) -> Result<Option<HostLease>> {
         let len64 = len.max(1) as u64;
         if len64 > self.cap {
             return Err(Error::PinnedCapExceeded { requested: len64, cap: self.cap });
@@ -241,9 +293,10 @@ impl HostPool {
             }
             if let Some(arena) = state.free.get_mut(&bytes).and_then(Vec::pop) {
                 state.lent += bytes;
+                state.lend_to_transfer(transfer, bytes);
                 drop(state);
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(Some(self.lease(arena, len, held)));
+                return Ok(Some(self.lease(arena, len, held, transfer)));
             }
             // Make room: first retry arenas the driver refused to free before, then release
             // free arenas of other sizes, largest first.
@@ -278,13 +331,14 @@ impl HostPool {
             }
             state.reserved += bytes;
             state.lent += bytes;
+            state.lend_to_transfer(transfer, bytes);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         let _ = self.free_arenas(evicted);
         match self.ctx.bind().and_then(|raw| raw.mem_host_alloc(bytes)) {
             Ok(ptr) => {
                 let ptr = NonNull::new(ptr).expect("cuMemHostAlloc returned success and null");
-                Ok(Some(self.lease(Arena { ptr, bytes }, len, held)))
+                Ok(Some(self.lease(Arena { ptr, bytes }, len, held, transfer)))
             }
             Err(e) => {
                 let mut state = lock(&self.state);
@@ -293,6 +347,7 @@ impl HostPool {
                 if held {
                     state.held -= bytes;
                 }
+                state.return_from_transfer(transfer, bytes);
                 Err(e)
             }
         }
@@ -312,17 +367,56 @@ impl HostPool {
         Ok(())
     }
 
-    fn lease(self: &Arc<Self>, arena: Arena, len: usize, held: bool) -> HostLease {
-        HostLease { pool: Arc::clone(self), arena: Some(arena), len, held, listed: false }
+    fn lease(
+        self: &Arc<Self>,
+        arena: Arena,
+        len: usize,
+        held: bool,
+        transfer: Option<ThreadId>,
+    ) -> HostLease {
+        HostLease { pool: Arc::clone(self), arena: Some(arena), len, held, listed: false, transfer }
     }
 
-    fn give_back(&self, arena: Arena, held: bool) {
+    fn give_back(&self, arena: Arena, held: bool, transfer: Option<ThreadId>) {
         let mut state = lock(&self.state);
         state.lent -= arena.bytes;
         if held {
             state.held -= arena.bytes;
         }
+        if transfer.is_some() {
+            state.return_from_transfer(transfer, arena.bytes);
+            if state.waiters > 0 {
+                self.returned.notify_all();
+            }
+        }
         state.free.entry(arena.bytes).or_default().push(arena);
+    }
+
+    /// [`HostPool::try_acquire`] for a running transfer: the lease counts as this thread's
+    /// transfer staging until it comes back ([`HostPool::wait_for_transfers`]).
+    pub(crate) fn try_acquire_for_transfer(self: &Arc<Self>, len: usize) -> Result<Option<HostLease>> {
+        self.try_acquire_with(len, false, Some(std::thread::current().id()))
+    }
+
+    /// For a transfer that found the pool full with no copy in flight to wait for: where
+    /// running transfers hold staging, waits (up to `most`) for some to come back, and
+    /// returns how many transfer leases have come back so far (a measure of progress);
+    /// with none out, returns `None` at once.
+    ///
+    /// Transfer staging comes back without its holder waiting for anyone: as its copies
+    /// complete (a thread that retired them may still be handing them back), or as a
+    /// streaming readback finishes copying its chunks out. A transfer asks for more only
+    /// once every lease it took is submitted, so transfers never wait for each other in a
+    /// circle; the caller still gives up where nothing moves for a while.
+    pub(crate) fn wait_for_transfers(&self, most: Duration) -> Option<u64> {
+        let mut state = lock(&self.state);
+        if state.transfer_bytes == 0 {
+            return None;
+        }
+        state.waiters += 1;
+        let (mut state, _) = self.returned.wait_timeout(state, most).unwrap_or_else(|e| e.into_inner());
+        state.waiters -= 1;
+        Some(state.transfer_returns)
     }
 
     fn free_arenas(&self, arenas: Vec<Arena>) -> Result<()> {
@@ -470,7 +564,7 @@ impl Drop for HostLease {
             lock(&LENT_BUFFERS).remove(&(self.as_ptr() as usize));
         }
         if let Some(arena) = self.arena.take() {
-            self.pool.give_back(arena, self.held);
+            self.pool.give_back(arena, self.held, self.transfer);
         }
     }
 }

@@ -2,6 +2,7 @@
 //! its opening.
 
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use cuda_sys::Driver;
 
@@ -21,6 +22,13 @@ use super::order::Ledger;
 use super::pipeline::Packers;
 use super::spares::Spares;
 use super::staging::{DeviceRegion, DeviceStaging};
+
+/// How long a transfer that found the pinned pool full waits for other transfers' staging
+/// before it looks again at the copies in flight.
+const TRANSFER_WAIT: Duration = Duration::from_millis(10);
+/// How long it goes on waiting with no staging coming back and no work completing, before
+/// it fails with [`Error::PinnedExhausted`].
+const TRANSFER_STALL: Duration = Duration::from_secs(2);
 
 /// The process-wide driver, loaded on first use.
 pub(crate) fn shared_driver() -> Result<Arc<Driver>> {
@@ -152,9 +160,31 @@ impl Core {
     /// Pinned memory of `len` bytes, held past any transfer (`held`: see
     /// `Device::pinned`) or for one, waiting for copies in flight when the pool is full.
     pub(crate) fn acquire_staging_as(&self, len: usize, held: bool) -> Result<crate::host_pool::HostLease> {
+        self.acquire_staging_with(len, held, false)
+    }
+
+    /// Pinned memory of `len` bytes for the transfer this thread is running (an
+    /// [`Exec`](super::Exec)'s), which gives it back before the transfer returns: counted so
+    /// that a transfer of another thread that finds the pool full waits for it.
+    pub(crate) fn acquire_transfer_staging(&self, len: usize) -> Result<crate::host_pool::HostLease> {
+        self.acquire_staging_with(len, false, true)
+    }
+
+    fn acquire_staging_with(
+        &self,
+        len: usize,
+        held: bool,
+        transfer: bool,
+    ) -> Result<crate::host_pool::HostLease> {
         let mut retried = false;
+        // The last sign of progress while waiting for other transfers, and when it came.
+        let mut progress = ((0, 0, 0), Instant::now());
         loop {
-            if let Some(lease) = self.pinned.try_acquire_as(len, held)? {
+            let lease = match transfer {
+                true => self.pinned.try_acquire_for_transfer(len)?,
+                false => self.pinned.try_acquire_as(len, held)?,
+            };
+            if let Some(lease) = lease {
                 return Ok(lease);
             }
             // Full: retire completed copies, and wait for the oldest one on each lane, which
@@ -165,6 +195,24 @@ impl Core {
                 lane.poll()?;
                 if let Some(seq) = lane.oldest_in_flight() {
                     waited |= lane.wait(seq)?;
+                }
+            }
+            // Nothing in flight: running transfers (of other threads, or this one's being
+            // handed back by a thread that retired them) may hold staging they give back
+            // without waiting for anyone. Wait for it while something moves: staging comes
+            // back, or a lane completes work.
+            if !waited && let Some(returns) = self.pinned.wait_for_transfers(TRANSFER_WAIT) {
+                let mark = (
+                    returns,
+                    self.lane(LaneKind::Upload).known_done(),
+                    self.lane(LaneKind::Readback).known_done(),
+                );
+                if mark != progress.0 {
+                    progress = (mark, Instant::now());
+                }
+                if progress.1.elapsed() < TRANSFER_STALL {
+                    retried = false;
+                    continue;
                 }
             }
             if !waited {

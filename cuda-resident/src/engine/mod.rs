@@ -222,15 +222,17 @@ impl<'a> Exec<'a> {
         self.core.lane(self.kind).stream()
     }
 
-    /// Pinned memory of `len` bytes, waiting for copies in flight when the pool is full.
+    /// Pinned memory of `len` bytes, waiting for copies in flight when the pool is full, and
+    /// for the staging other threads' transfers give back ([`Core::acquire_transfer_staging`]).
+    /// Asked for only once every lease the batch took before is submitted.
     pub(crate) fn lease(&self, len: usize) -> Result<HostLease> {
-        self.core.acquire_staging(len)
+        self.core.acquire_transfer_staging(len)
     }
 
     /// Pinned memory of `len` bytes if the pool has it free now, without waiting (for a
     /// chunk opened while earlier chunks of the batch hold leases not yet moved).
     pub(crate) fn try_lease(&self, len: usize) -> Result<Option<HostLease>> {
-        self.core.pinned.try_acquire(len)
+        self.core.pinned.try_acquire_for_transfer(len)
     }
 
     /// How many leases of `len` bytes the pinned pool's cap holds at once.

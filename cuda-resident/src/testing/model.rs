@@ -86,12 +86,26 @@ pub(crate) struct FakeGpu {
 }
 
 thread_local! {
-    static GPU: RefCell<FakeGpu> = RefCell::default();
+    /// Each thread's model GPU: its own, or another thread's after [`join`] (a test whose
+    /// threads share one device).
+    static GPU: RefCell<Arc<std::sync::Mutex<FakeGpu>>> = RefCell::default();
 }
 
-/// Runs `f` on this thread's model GPU.
+/// Runs `f` on this thread's model GPU (one driver call at a time, whichever thread makes it).
 pub(crate) fn with<R>(f: impl FnOnce(&mut FakeGpu) -> R) -> R {
-    GPU.with(|gpu| f(&mut gpu.borrow_mut()))
+    let gpu = GPU.with(|gpu| Arc::clone(&gpu.borrow()));
+    let mut g = crate::sync::lock(&gpu);
+    f(&mut g)
+}
+
+/// This thread's model GPU, to share with other threads ([`join`]).
+pub(crate) fn shared() -> Arc<std::sync::Mutex<FakeGpu>> {
+    GPU.with(|gpu| Arc::clone(&gpu.borrow()))
+}
+
+/// Makes this thread use `gpu` (another thread's model GPU, from [`shared`]).
+pub(crate) fn join(gpu: Arc<std::sync::Mutex<FakeGpu>>) {
+    GPU.with(|g| *g.borrow_mut() = gpu);
 }
 
 /// One stream of the model.

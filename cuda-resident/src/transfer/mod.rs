@@ -19,6 +19,8 @@ pub use scope::{Scope, ScopedDownloads, ScopedUploads};
 pub use upload::UploadBatch;
 
 #[cfg(test)]
+mod adversary_tests;
+#[cfg(test)]
 mod bulk_tests;
 #[cfg(test)]
 mod callback_tests;

@@ -603,12 +603,14 @@ impl Fills<'_> {
 /// path, which packs on the packing threads and pipelines chunks.
 fn execute_one(core: &Arc<Core>, table: &BufferTable, write: &WriteRequest, data: &[u8]) -> Result<Fence> {
     let target = table.entries[write.buffer as usize];
-    let mut lease = core.acquire_staging(data.len())?;
+    // The lane first, then the staging (as every transfer takes them): a transfer that
+    // waits for staging holds its lane, and waits only for staging that comes back.
+    let mut exec = Exec::begin(core, LaneKind::Upload);
+    let mut lease = exec.lease(data.len())?;
     // SAFETY: the lease is fresh (no copy uses it) and holds data.len() bytes.
     unsafe { lease.as_mut_slice() }.copy_from_slice(data);
     let lease = Arc::new(lease);
     let src = lease.as_ptr();
-    let mut exec = Exec::begin(core, LaneKind::Upload);
     exec.claim_ranges(std::iter::once(target.buffer), 1, |r| r.push(target.ptr + write.offset, write.len))?;
     exec.requested(write.len);
     exec.submit(vec![lease], |q| {
