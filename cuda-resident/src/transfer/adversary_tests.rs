@@ -986,6 +986,37 @@ fn zero_and_end_reads() {
     lent_zero(&d, "zero reads");
 }
 
+/// Runs `body` while another thread, on the same device and model GPU, reads `ranges` with
+/// `Device::download_ranges` over and over (each read must succeed).
+fn beside_a_reader<T>(d: &Device, ranges: Vec<(ResidentBuffer, u64, u64)>, body: impl FnOnce() -> T) -> T {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (d, stop) = (d.clone(), Arc::clone(&stop));
+        spawn_joined(&model::shared(), move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                d.download_ranges(&ranges).unwrap();
+            }
+        })
+    };
+    let result = body();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    reader.join().unwrap();
+    result
+}
+
+/// Uploads `data` into `dst` again and again for `secs` seconds: how many, and the errors.
+fn uploads_for(d: &Device, dst: ResidentBuffer, data: &[u8], secs: u64) -> (usize, Vec<String>) {
+    let (mut errors, mut runs) = (Vec::new(), 0);
+    let start = std::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_secs(secs) {
+        runs += 1;
+        if let Err(e) = d.upload(dst, data) {
+            errors.push(e.to_string());
+        }
+    }
+    (runs, errors)
+}
+
 /// Two threads on one device: one reads a buffer larger than the pinned pool (it streams
 /// through a ring of pinned chunks), the other uploads. The streamed read holds the whole
 /// pool for its ring while it copies chunks out, with nothing in flight to wait for: the
@@ -993,99 +1024,42 @@ fn zero_and_end_reads() {
 #[test]
 fn an_upload_waits_for_the_staging_of_a_download_streaming_on_another_thread() {
     let d = device(minimal());
-    let gpu = model::shared();
     let big = d.allocate(1 << 20).unwrap();
     let small = d.allocate(1 << 20).unwrap();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let reader = {
-        let (d, stop) = (d.clone(), Arc::clone(&stop));
-        spawn_joined(&gpu, move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                d.download_ranges(&[(big, 0, 1 << 20)]).unwrap();
-            }
-        })
-    };
     let data = vec![7u8; 1 << 20];
-    let (mut errors, mut runs) = (Vec::new(), 0);
-    let start = std::time::Instant::now();
-    while start.elapsed() < std::time::Duration::from_secs(2) {
-        runs += 1;
-        if let Err(e) = d.upload(small, &data) {
-            errors.push(e.to_string());
-        }
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    reader.join().unwrap();
+    let (runs, errors) = beside_a_reader(&d, vec![(big, 0, 1 << 20)], || uploads_for(&d, small, &data, 2));
     assert!(errors.is_empty(), "{} of {runs} uploads failed; first: {}", errors.len(), errors[0]);
+    assert!(d.download(small).unwrap() == data);
 }
 
-/// As above, with batches of several chunks (many small writes in order, one large write):
-/// each lands whole; one that failed would have to have moved nothing.
+/// As above, with batches of several chunks (many small writes in order, one large write),
+/// each followed by a read of the whole buffer on the same thread: every batch lands whole.
 #[test]
 fn uploads_beside_a_streaming_download_land_whole() {
     for (name, in_order) in [("many small writes in order", true), ("one large write", false)] {
         let d = device(minimal());
-        let gpu = model::shared();
         let big = d.allocate(1 << 20).unwrap();
         let target = d.allocate(1 << 20).unwrap();
         d.upload(target, &vec![0u8; 1 << 20]).unwrap();
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let reader = {
-            let (d, stop) = (d.clone(), Arc::clone(&stop));
-            spawn_joined(&gpu, move || {
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    d.download_ranges(&[(big, 0, 1 << 20)]).unwrap();
-                }
-            })
-        };
-        let mut current = 0u8;
-        let (mut failed, mut half) = (0, Vec::new());
-        let start = std::time::Instant::now();
-        let mut round = 0u32;
-        while start.elapsed() < std::time::Duration::from_secs(2) && half.is_empty() {
-            round += 1;
-            let value = (round % 250) as u8 + 1;
-            let data = vec![value; 1 << 20];
-            let mut b = d.uploads();
-            if in_order {
-                for k in 0..(1 << 20) / 1024 {
-                    b.write(target, k * 1024, &data[k as usize * 1024..][..1000]).unwrap();
-                }
-            } else {
-                b.write(target, 0, &data).unwrap();
-            }
-            match b.submit().and_then(|f| f.wait()) {
-                Ok(()) => current = value,
-                Err(_) => {
-                    failed += 1;
-                    // Read it back on this thread (retrying the read for staging as well).
-                    let got = loop {
-                        if let Ok(mut v) = d.download_ranges(&[(target, 0, 1 << 20)]) {
-                            break v.pop().unwrap();
-                        }
-                    };
-                    let news = got
-                        .iter()
-                        .enumerate()
-                        .filter(|&(i, &x)| x == value && (!in_order || i % 1024 < 1000))
-                        .count();
-                    if news != 0 {
-                        half.push(format!(
-                            "round {round}: {news} bytes of the failed batch landed (old value {current})"
-                        ));
+        beside_a_reader(&d, vec![(big, 0, 1 << 20)], || {
+            for round in 0..60u32 {
+                let value = (round % 250) as u8 + 1;
+                let data = vec![value; 1 << 20];
+                let mut b = d.uploads();
+                if in_order {
+                    for k in 0..(1 << 20) / 1024 {
+                        b.write(target, k * 1024, &data[k as usize * 1024..][..1000]).unwrap();
                     }
-                    // Restore a uniform state.
-                    loop {
-                        if d.upload(target, &vec![current; 1 << 20]).is_ok() {
-                            break;
-                        }
-                    }
+                } else {
+                    b.write(target, 0, &data).unwrap();
                 }
+                b.submit().and_then(|f| f.wait()).unwrap_or_else(|e| panic!("{name}, round {round}: {e}"));
+                let got = d.download_ranges(&[(target, 0, 1 << 20)]).unwrap().pop().unwrap();
+                let landed =
+                    got.iter().enumerate().all(|(i, &x)| x == value || (in_order && i % 1024 >= 1000));
+                assert!(landed, "{name}, round {round}: the batch did not land whole");
             }
-        }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        reader.join().unwrap();
-        assert!(half.is_empty(), "{name}: {failed} failed uploads, half-applied: {half:?}");
+        });
     }
 }
 
@@ -1303,32 +1277,13 @@ fn uploads_beside_a_streaming_download_and_a_full_held_limit_never_fail_for_stag
 
 fn upload_with_pinned_buffer_at_the_held_limit(config: Config) {
     let d = device(config.clone());
-    let gpu = model::shared();
     let limit = d.telemetry().pinned.held_limit_bytes;
     let _held = d.pinned(limit as usize).unwrap();
     let src = d.allocate(1 << 20).unwrap();
     let dst = d.allocate(1 << 20).unwrap();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let reader = {
-        let (d, stop) = (d.clone(), Arc::clone(&stop));
-        spawn_joined(&gpu, move || {
-            let ranges: Vec<_> = (0..20_000u64).rev().map(|k| (src, k * 50, 1)).collect();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                d.download_ranges(&ranges).unwrap();
-            }
-        })
-    };
+    let ranges: Vec<_> = (0..20_000u64).rev().map(|k| (src, k * 50, 1)).collect();
     let data = vec![7u8; 1 << 20];
-    let (mut errors, mut runs) = (Vec::new(), 0);
-    let start = std::time::Instant::now();
-    while start.elapsed() < std::time::Duration::from_secs(3) {
-        runs += 1;
-        if let Err(e) = d.upload(dst, &data) {
-            errors.push(e.to_string());
-        }
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    reader.join().unwrap();
+    let (runs, errors) = beside_a_reader(&d, ranges, || uploads_for(&d, dst, &data, 2));
     assert!(errors.is_empty(), "{config:?}: {} of {runs} uploads failed; first: {}", errors.len(), errors[0]);
 }
 
