@@ -480,11 +480,13 @@ impl PendingDownload {
     /// Waits for the reads chunk by chunk and copies each read into the caller's vector of
     /// the same index as soon as its chunk has landed, while later chunks are still on the
     /// wire, on the packing threads; replaces each vector's contents (capacity is reused).
-    /// Returns the download for views as well. On error the vectors are left empty.
+    /// Returns the download for views as well.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`] unless there is one vector per slot; [`Error::ForeignSlot`]
-    /// for a slot of another batch (checked before any vector is written); a failed wait.
+    /// for a slot of another batch: both checked before any vector is touched, which are
+    /// left as they were (the download is consumed: its staging goes back once its copies
+    /// are done). A failed wait: the vectors are left empty.
     ///
     /// Slots are best passed in the order their reads were added: for a batch of small
     /// reads in order, a slot whose read lands in a later chunk than the one its position
