@@ -352,9 +352,9 @@ pub enum Error {
     #[error(
         "pinned staging of {requested} bytes is not available: {lent} of the pool's {cap} bytes are lent out (to \
          PinnedBuffers, prepared sets or Readbacks still alive, or to the in-place writes of batches not yet \
-         submitted), and no copy in flight will release more. Fix: drop PinnedBuffers and Readbacks you are done \
-         with, split a batch of in-place writes (write_with, write_with_par) into smaller ones, or raise \
-         Config::pinned_cap_bytes."
+         submitted), and neither copies in flight nor other threads' transfers gave any back. Fix: drop \
+         PinnedBuffers and Readbacks you are done with, split a batch of in-place writes (write_with, \
+         write_with_par) into smaller ones, or raise Config::pinned_cap_bytes."
     )]
     PinnedExhausted {
         /// Bytes asked for.
