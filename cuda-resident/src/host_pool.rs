@@ -18,12 +18,12 @@
 //!
 //! Arenas are allocated portable (`CU_MEMHOSTALLOC_PORTABLE`): every context may use them.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Weak};
-use std::thread::ThreadId;
 use std::time::Duration;
 
 use crate::context::Context;
@@ -59,25 +59,18 @@ pub(crate) fn arena_floor(limit: u64) -> u64 {
 }
 
 impl PoolState {
-    /// Counts `bytes` more as `transfer`'s transfer staging, where given.
-    fn lend_to_transfer(&mut self, transfer: Option<ThreadId>, bytes: u64) {
-        if let Some(thread) = transfer {
+    /// Counts `bytes` more as running transfers' staging, where `transfer`.
+    fn lend_to_transfer(&mut self, transfer: bool, bytes: u64) {
+        if transfer {
             self.transfer_bytes += bytes;
-            *self.transfers.entry(thread).or_insert(0) += bytes;
         }
     }
 
-    /// Counts `bytes` of `transfer`'s transfer staging as back, where given.
-    fn return_from_transfer(&mut self, transfer: Option<ThreadId>, bytes: u64) {
-        if let Some(thread) = transfer {
+    /// Counts `bytes` of running transfers' staging as back, where `transfer`.
+    fn return_from_transfer(&mut self, transfer: bool, bytes: u64) {
+        if transfer {
             self.transfer_bytes -= bytes;
             self.transfer_returns += 1;
-            if let Some(held) = self.transfers.get_mut(&thread) {
-                *held -= bytes;
-                if *held == 0 {
-                    self.transfers.remove(&thread);
-                }
-            }
         }
     }
 }
@@ -104,11 +97,9 @@ struct PoolState {
     /// Arenas whose `cuMemFreeHost` failed: still counted in `reserved`, retried by the next
     /// trim.
     unreleased: Vec<Arena>,
-    /// Bytes lent to transfers as they run, by the thread that took them (part of `lent`):
-    /// staging that comes back without the caller's doing, once those transfers' copies
-    /// are done ([`HostPool::wait_for_transfers`]).
-    transfers: HashMap<ThreadId, u64>,
-    /// The sum of `transfers`.
+    /// Bytes lent to running transfers (part of `lent`): staging that comes back without
+    /// the caller's doing, once those transfers' copies are done
+    /// ([`HostPool::wait_for_transfers`]).
     transfer_bytes: u64,
     /// Threads waiting in [`HostPool::wait_for_transfers`].
     waiters: usize,
@@ -213,8 +204,9 @@ pub(crate) struct HostLease {
     held: bool,
     /// Listed in [`LENT_BUFFERS`] (unlisted when it drops).
     listed: bool,
-    /// Lent to a running transfer of this thread (see [`PoolState::transfers`]).
-    transfer: Option<ThreadId>,
+    /// Counted in [`PoolState::transfer_bytes`]: lent to a running transfer, and not
+    /// stranded ([`HostLease::strand`]).
+    transfer: AtomicBool,
 }
 
 // SAFETY: through `&HostLease` only the address and length are read; the bytes are reached
@@ -262,16 +254,16 @@ impl HostPool {
     /// As [`HostPool::try_acquire`], for held staging (`held`): fails with
     /// [`Error::PinnedReserved`] when held staging would pass `cap - reserve`.
     pub(crate) fn try_acquire_as(self: &Arc<Self>, len: usize, held: bool) -> Result<Option<HostLease>> {
-        self.try_acquire_with(len, held, None)
+        self.try_acquire_with(len, held, false)
     }
 
-    /// [`HostPool::try_acquire_as`], the lease counted as `transfer`'s transfer staging
-    /// where given.
+    /// [`HostPool::try_acquire_as`], the lease counted as a running transfer's staging
+    /// where `transfer`.
     fn try_acquire_with(
         self: &Arc<Self>,
         len: usize,
         held: bool,
-        transfer: Option<ThreadId>,
+        transfer: bool,
     ) -> Result<Option<HostLease>> {
         let len64 = len.max(1) as u64;
         if len64 > self.cap {
@@ -367,24 +359,19 @@ impl HostPool {
         Ok(())
     }
 
-    fn lease(
-        self: &Arc<Self>,
-        arena: Arena,
-        len: usize,
-        held: bool,
-        transfer: Option<ThreadId>,
-    ) -> HostLease {
+    fn lease(self: &Arc<Self>, arena: Arena, len: usize, held: bool, transfer: bool) -> HostLease {
+        let transfer = AtomicBool::new(transfer);
         HostLease { pool: Arc::clone(self), arena: Some(arena), len, held, listed: false, transfer }
     }
 
-    fn give_back(&self, arena: Arena, held: bool, transfer: Option<ThreadId>) {
+    fn give_back(&self, arena: Arena, held: bool, transfer: bool) {
         let mut state = lock(&self.state);
         state.lent -= arena.bytes;
         if held {
             state.held -= arena.bytes;
         }
-        if transfer.is_some() {
-            state.return_from_transfer(transfer, arena.bytes);
+        if transfer {
+            state.return_from_transfer(true, arena.bytes);
             if state.waiters > 0 {
                 self.returned.notify_all();
             }
@@ -395,7 +382,7 @@ impl HostPool {
     /// [`HostPool::try_acquire`] for a running transfer: the lease counts as this thread's
     /// transfer staging until it comes back ([`HostPool::wait_for_transfers`]).
     pub(crate) fn try_acquire_for_transfer(self: &Arc<Self>, len: usize) -> Result<Option<HostLease>> {
-        self.try_acquire_with(len, false, Some(std::thread::current().id()))
+        self.try_acquire_with(len, false, true)
     }
 
     /// For a transfer that found the pool full with no copy in flight to wait for: where
@@ -532,6 +519,15 @@ impl HostLease {
         lease
     }
 
+    /// Stops counting the lease as a running transfer's staging: it will not come back soon
+    /// (after a lost context a copy may still use it, so it is kept until the lane goes
+    /// away), and transfers that find the pool full must not wait for it.
+    pub(crate) fn strand(&self) {
+        if self.transfer.swap(false, Ordering::Relaxed) {
+            lock(&self.pool.state).transfer_bytes -= self.arena_bytes();
+        }
+    }
+
     /// The start of the region.
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.arena.as_ref().expect("present until drop").ptr.as_ptr()
@@ -564,7 +560,7 @@ impl Drop for HostLease {
             lock(&LENT_BUFFERS).remove(&(self.as_ptr() as usize));
         }
         if let Some(arena) = self.arena.take() {
-            self.pool.give_back(arena, self.held, self.transfer);
+            self.pool.give_back(arena, self.held, *self.transfer.get_mut());
         }
     }
 }

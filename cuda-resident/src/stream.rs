@@ -610,6 +610,8 @@ impl Lane {
     /// lane goes away).
     fn retire_without_event(&self, seq: u64, keep: KeepAlive) {
         if self.settle().is_err() {
+            // Not coming back: transfers that find the pool full must not wait for it.
+            keep.iter().for_each(|lease| lease.strand());
             lock(&self.state).stranded.push(keep);
             return;
         }

@@ -188,6 +188,7 @@ fn hold_until_done(
     let waited = devices.iter().zip(row).all(|(d, &seq)| d.lane(LaneKind::Upload).wait(seq).is_ok());
     let settled = failed.is_none_or(|i| devices[i].lane(LaneKind::Upload).settle().is_ok());
     if !(waited && settled) {
+        lease.strand();
         std::mem::forget(Arc::clone(lease));
     }
 }

@@ -1325,3 +1325,25 @@ fn download_many_duplicates_and_bad_items() {
         lent_zero(&d, "download_many");
     }
 }
+
+/// After a lost context, staging a copy may still use is kept until the lane goes away; it
+/// is not counted as staging a running transfer will give back, so later calls that find
+/// the pool full fail at once instead of waiting for it.
+#[test]
+fn staging_stranded_by_a_lost_context_is_not_waited_for() {
+    let driver = model::driver();
+    let d = Device::open_with(Arc::clone(&driver), 0, tiny()).unwrap();
+    let buf = d.allocate(1 << 20).unwrap();
+    let lost = cuda_sys::CUDA_ERROR_LAUNCH_FAILED;
+    for entry in ["cuEventRecord", "cuStreamSynchronize"] {
+        driver.faults().inject(cuda_sys::Fault::new(entry, 1, lost).times(u64::MAX)).unwrap();
+    }
+    // Each call fails and strands its 64 KiB; from the ninth on, the pool is full of them.
+    for call in 0..12 {
+        let start = std::time::Instant::now();
+        let result = d.upload_at(buf, 0, &vec![1u8; 60_000]);
+        let took = start.elapsed();
+        assert!(result.is_err(), "call {call} succeeded on a lost context");
+        assert!(took < std::time::Duration::from_millis(500), "call {call} waited {took:?}: {result:?}");
+    }
+}
