@@ -423,6 +423,29 @@ fn panicking_iterators() {
     }
 }
 
+/// Submits reads of `ranges`, then frees the model's buffers and allocates new ones of the
+/// same sizes (perhaps at the same addresses), written with `junk`: the slots, the pending
+/// download and the new buffers.
+fn submit_then_free(
+    d: &Device,
+    m: &Model,
+    ranges: &[R],
+    junk: u8,
+) -> (Vec<Slot>, crate::PendingDownload, Vec<ResidentBuffer>) {
+    let mut b = d.downloads();
+    let slots = b.read_ranges(abs(m, ranges)).unwrap();
+    let pending = b.submit().unwrap();
+    for &x in &m.buffers {
+        d.free(x).unwrap();
+    }
+    let sizes: Vec<usize> = m.expect.iter().map(Vec::len).collect();
+    let fresh: Vec<ResidentBuffer> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
+    for (&x, &n) in fresh.iter().zip(&sizes) {
+        d.upload(x, &vec![junk; n]).unwrap();
+    }
+    (slots, pending, fresh)
+}
+
 #[test]
 fn free_between_submit_and_wait() {
     for (name, config) in [("small", small_chunks()), ("minimal", minimal()), ("tiny", tiny())] {
@@ -438,17 +461,7 @@ fn free_between_submit_and_wait() {
                 _ => vec![(2, 1, 1)],
             };
             let w = want(&m, &ranges);
-            let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
-            let pending = b.submit().unwrap();
-            for &x in &m.buffers {
-                d.free(x).unwrap();
-            }
-            // New buffers, perhaps at the same addresses, written with other bytes.
-            let junk: Vec<ResidentBuffer> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
-            for (&x, &n) in junk.iter().zip(&sizes) {
-                d.upload(x, &vec![0xA5u8; n]).unwrap();
-            }
+            let (slots, pending, junk) = submit_then_free(&d, &m, &ranges, 0xA5);
             let done = pending.wait().unwrap();
             for (i, &s) in slots.iter().enumerate() {
                 same(&format!("{name} kind {kind}: read {i} after free"), done.get(s), &w[i]);
@@ -457,16 +470,7 @@ fn free_between_submit_and_wait() {
             // Free between submit and wait_into.
             let m = Model::new(&d, &mut rng, &sizes);
             let w = want(&m, &ranges);
-            let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
-            let pending = b.submit().unwrap();
-            for &x in &m.buffers {
-                d.free(x).unwrap();
-            }
-            let junk2: Vec<ResidentBuffer> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();
-            for (&x, &n) in junk2.iter().zip(&sizes) {
-                d.upload(x, &vec![0x5Au8; n]).unwrap();
-            }
+            let (slots, pending, junk2) = submit_then_free(&d, &m, &ranges, 0x5A);
             let mut out = dirty(&mut rng, slots.len());
             drop(pending.wait_into(&slots, &mut out).unwrap());
             for i in 0..slots.len() {
