@@ -21,8 +21,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicBool;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Weak};
 use std::time::Duration;
 
@@ -58,23 +57,6 @@ pub(crate) fn arena_floor(limit: u64) -> u64 {
     limit - limit % step
 }
 
-impl PoolState {
-    /// Counts `bytes` more as running transfers' staging, where `transfer`.
-    fn lend_to_transfer(&mut self, transfer: bool, bytes: u64) {
-        if transfer {
-            self.transfer_bytes += bytes;
-        }
-    }
-
-    /// Counts `bytes` of running transfers' staging as back, where `transfer`.
-    fn return_from_transfer(&mut self, transfer: bool, bytes: u64) {
-        if transfer {
-            self.transfer_bytes -= bytes;
-            self.transfer_returns += 1;
-        }
-    }
-}
-
 /// One `cuMemHostAlloc` allocation.
 struct Arena {
     ptr: NonNull<u8>,
@@ -105,6 +87,23 @@ struct PoolState {
     waiters: usize,
     /// Transfer leases given back so far.
     transfer_returns: u64,
+}
+
+impl PoolState {
+    /// Counts `bytes` more as running transfers' staging, where `transfer`.
+    fn lend_to_transfer(&mut self, transfer: bool, bytes: u64) {
+        if transfer {
+            self.transfer_bytes += bytes;
+        }
+    }
+
+    /// Counts `bytes` of running transfers' staging as back, where `transfer`.
+    fn return_from_transfer(&mut self, transfer: bool, bytes: u64) {
+        if transfer {
+            self.transfer_bytes -= bytes;
+            self.transfer_returns += 1;
+        }
+    }
 }
 
 /// Counters of the pool, for telemetry.
@@ -370,17 +369,15 @@ impl HostPool {
         if held {
             state.held -= arena.bytes;
         }
-        if transfer {
-            state.return_from_transfer(true, arena.bytes);
-            if state.waiters > 0 {
-                self.returned.notify_all();
-            }
+        state.return_from_transfer(transfer, arena.bytes);
+        if transfer && state.waiters > 0 {
+            self.returned.notify_all();
         }
         state.free.entry(arena.bytes).or_default().push(arena);
     }
 
-    /// [`HostPool::try_acquire`] for a running transfer: the lease counts as this thread's
-    /// transfer staging until it comes back ([`HostPool::wait_for_transfers`]).
+    /// [`HostPool::try_acquire`] for a running transfer: the lease counts as running
+    /// transfers' staging until it comes back ([`HostPool::wait_for_transfers`]).
     pub(crate) fn try_acquire_for_transfer(self: &Arc<Self>, len: usize) -> Result<Option<HostLease>> {
         self.try_acquire_with(len, false, true)
     }

@@ -24,7 +24,7 @@ use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors,
 use crate::plan::route::{
     self, FIRST_CHUNK, PIPELINE_DEPTH, RING, Route, Span, UploadShape, cut_apart, growing, in_order_chunk,
 };
-use crate::plan::{Chunk, PlanConfig, WriteRequest};
+use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 
@@ -877,23 +877,28 @@ fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
     let kernels =
         if plan.chunks.iter().any(|c| uses_kernel(c.packed.len())) { Some(exec.kernels()?) } else { None };
+    // Each chunk's descriptor table (0 without a kernel), counted once.
+    let areas: Vec<u64> = plan
+        .chunks
+        .iter()
+        .map(
+            |c| if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 },
+        )
+        .collect();
     let device_need = plan
         .chunks
         .iter()
-        .filter(|c| uses_kernel(c.packed.len()))
-        .map(|c| descriptor_area(c.packed.iter().map(|p| p.len)) + c.packed_len)
+        .zip(&areas)
+        .filter(|(c, _)| uses_kernel(c.packed.len()))
+        .map(|(c, area)| area + c.packed_len)
         .max()
         .unwrap_or(0);
     let dev = if device_need > 0 { exec.region(&mut scratch.region, device_need)? } else { 0 };
-    let area_of = |chunk: &Chunk| match uses_kernel(chunk.packed.len()) {
-        true => descriptor_area(chunk.packed.iter().map(|p| p.len)),
-        false => 0,
-    };
     // The first chunk's lease is as large as the largest any chunk takes: where the pool
     // cannot lend that much (in-place writes of the batch hold the rest of it), the batch
     // fails here, before anything moves, rather than at a later chunk; each later lease
     // finds that room again once the chunks before it complete.
-    let largest = plan.chunks.iter().map(|c| area_of(c) + c.staging_len).max().unwrap_or(0);
+    let largest = plan.chunks.iter().zip(&areas).map(|(c, area)| area + c.staging_len).max().unwrap_or(0);
 
     let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
     let mut seqs = Vec::with_capacity(plan.chunks.len());
@@ -902,7 +907,7 @@ fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
             exec.wait(seqs[k - RING])?;
         }
         let kernel = uses_kernel(chunk.packed.len());
-        let area = area_of(chunk);
+        let area = areas[k];
         let len = if k == 0 { largest } else { area + chunk.staging_len };
         let lease = Arc::new(exec.lease(len as usize)?);
         let base = lease.as_ptr();
