@@ -26,6 +26,7 @@ use std::sync::{Arc, Condvar, Weak};
 use std::time::Duration;
 
 use crate::context::Context;
+use crate::counter::take;
 use crate::error::{Error, Result};
 use crate::sync::{Mutex, lock};
 
@@ -100,7 +101,7 @@ impl PoolState {
     /// Counts `bytes` of running transfers' staging as back, where `transfer`.
     fn return_from_transfer(&mut self, transfer: bool, bytes: u64) {
         if transfer {
-            self.transfer_bytes -= bytes;
+            take(&mut self.transfer_bytes, bytes, "pinned transfer bytes");
             self.transfer_returns += 1;
         }
     }
@@ -293,14 +294,18 @@ impl HostPool {
             // free arenas of other sizes, largest first.
             if state.reserved + bytes > self.cap && !state.unreleased.is_empty() {
                 let retry = std::mem::take(&mut state.unreleased);
-                state.reserved -= retry.iter().map(|a| a.bytes).sum::<u64>();
+                take(
+                    &mut state.reserved,
+                    retry.iter().map(|a| a.bytes).sum::<u64>(),
+                    "pinned reserved bytes",
+                );
                 evicted.extend(retry);
             }
             while state.reserved + bytes > self.cap {
                 let Some(mut entry) = state.free.last_entry() else { break };
                 match entry.get_mut().pop() {
                     Some(arena) => {
-                        state.reserved -= arena.bytes;
+                        take(&mut state.reserved, arena.bytes, "pinned reserved bytes");
                         evicted.push(arena);
                     }
                     // Lists emptied by hits stay in the map (to keep their capacity) until
@@ -312,7 +317,7 @@ impl HostPool {
             }
             if state.reserved + bytes > self.cap {
                 if held {
-                    state.held -= bytes;
+                    take(&mut state.held, bytes, "pinned held bytes");
                 }
                 drop(state);
                 // A failed eviction is not this request's failure: the arena stays listed
@@ -333,10 +338,10 @@ impl HostPool {
             }
             Err(e) => {
                 let mut state = lock(&self.state);
-                state.reserved -= bytes;
-                state.lent -= bytes;
+                take(&mut state.reserved, bytes, "pinned reserved bytes");
+                take(&mut state.lent, bytes, "pinned lent bytes");
                 if held {
-                    state.held -= bytes;
+                    take(&mut state.held, bytes, "pinned held bytes");
                 }
                 state.return_from_transfer(transfer, bytes);
                 Err(e)
@@ -365,9 +370,9 @@ impl HostPool {
 
     fn give_back(&self, arena: Arena, held: bool, transfer: bool) {
         let mut state = lock(&self.state);
-        state.lent -= arena.bytes;
+        take(&mut state.lent, arena.bytes, "pinned lent bytes");
         if held {
-            state.held -= arena.bytes;
+            take(&mut state.held, arena.bytes, "pinned held bytes");
         }
         state.return_from_transfer(transfer, arena.bytes);
         if transfer && state.waiters > 0 {
@@ -463,7 +468,7 @@ impl HostPool {
             let mut state = lock(&self.state);
             let mut arenas: Vec<Arena> = std::mem::take(&mut state.free).into_values().flatten().collect();
             arenas.append(&mut state.unreleased);
-            state.reserved -= arenas.iter().map(|a| a.bytes).sum::<u64>();
+            take(&mut state.reserved, arenas.iter().map(|a| a.bytes).sum::<u64>(), "pinned reserved bytes");
             arenas
         };
         let bytes = arenas.iter().map(|a| a.bytes).sum();
@@ -521,7 +526,7 @@ impl HostLease {
     /// away), and transfers that find the pool full must not wait for it.
     pub(crate) fn strand(&self) {
         if self.transfer.swap(false, Ordering::Relaxed) {
-            lock(&self.pool.state).transfer_bytes -= self.arena_bytes();
+            take(&mut lock(&self.pool.state).transfer_bytes, self.arena_bytes(), "pinned transfer bytes");
         }
     }
 

@@ -82,6 +82,7 @@ mod budget;
 mod completion;
 mod config;
 mod context;
+mod counter;
 #[cfg(feature = "cudarc")]
 pub mod cudarc;
 mod device;

@@ -89,8 +89,11 @@ pub struct TelemetrySnapshot {
     /// Kernel launches enqueued.
     pub kernel_launches: u64,
     /// Bytes of device memory held as staging by the copy lanes: buffers of the resident
-    /// store (counted in `memory`) that no caller owns. With every caller buffer freed,
-    /// `memory.allocated_bytes` equals this.
+    /// store that no caller owns. They are the library's, counted in
+    /// [`AllocatorStats::library_bytes`] (with prepared sets' descriptor tables), never in
+    /// `memory.allocated_bytes` (the caller's buffers alone). So `memory.library_bytes >=
+    /// staging_bytes` always, with equality while no prepared set is alive; subtracting
+    /// this from `memory.allocated_bytes` is meaningless (and wraps below zero).
     pub staging_bytes: u64,
     /// Bytes copied into this device from device memory by peer batches on the peer path
     /// ([`Device::peer_copies`](crate::Device::peer_copies): from other GPUs, and inside this

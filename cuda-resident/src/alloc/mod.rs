@@ -45,6 +45,7 @@ use ranges::{Ranges, SlabId};
 
 use crate::budget;
 use crate::context::Context;
+use crate::counter::take;
 use crate::error::{Error, Result};
 use crate::sync::{Mutex, lock};
 
@@ -342,7 +343,7 @@ impl<M: DeviceMemory> Allocator<M> {
         if let Some(class) = class {
             let mut shard = lock(&self.shards[shard_index].state);
             if let Some(block) = shard.cache[class].pop() {
-                shard.cached -= block.bytes;
+                take(&mut shard.cached, block.bytes, "cached bytes");
                 return Ok(self.insert(shard_index, &mut shard, block, len, library));
             }
         }
@@ -523,13 +524,13 @@ impl<M: DeviceMemory> Allocator<M> {
             shard.free_slots.push(slot_index as u32);
         }
         if library {
-            shard.library -= len;
+            take(&mut shard.library, len, "library bytes");
             cell.library.store(shard.library, Ordering::Relaxed);
         } else {
-            shard.allocated -= len;
+            take(&mut shard.allocated, len, "allocated bytes");
             cell.allocated.store(shard.allocated, Ordering::Relaxed);
         }
-        shard.footprint -= block.bytes;
+        take(&mut shard.footprint, block.bytes, "footprint bytes");
         shard.frees += 1;
         // Under the shard lock, after the slot is dead: see `frees_in`. This shard's own line,
         // a plain store: frees on other shards never touch it.
@@ -574,9 +575,9 @@ impl<M: DeviceMemory> Allocator<M> {
     fn driver_free(&self, global: &mut Global, memory: Unreleased) -> Result<()> {
         match self.memory.mem_free(memory.ptr) {
             Ok(()) => {
-                global.reserved -= memory.bytes;
+                take(&mut global.reserved, memory.bytes, "reserved bytes");
                 if memory.dedicated {
-                    global.dedicated -= memory.bytes;
+                    take(&mut global.dedicated, memory.bytes, "dedicated bytes");
                 }
                 global.driver_frees += 1;
                 Ok(())

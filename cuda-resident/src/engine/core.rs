@@ -248,7 +248,7 @@ impl Core {
         let staging = &self.telemetry.staging_bytes;
         staging.fetch_add(want, std::sync::atomic::Ordering::Relaxed);
         if let Some((old, old_len)) = region.replace(new, ptr, want) {
-            staging.fetch_sub(old_len, std::sync::atomic::Ordering::Relaxed);
+            crate::counter::take_atomic(staging, old_len, "staging bytes");
             // Work already enqueued may still use it: free after that work.
             self.alloc.mark_used(old, lane.index(), last_seq)?;
             // A refused driver free is not this batch's failure: the memory stays listed

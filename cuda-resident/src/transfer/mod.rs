@@ -25,6 +25,8 @@ mod bulk_tests;
 #[cfg(test)]
 mod callback_tests;
 #[cfg(test)]
+mod counter_tests;
+#[cfg(test)]
 mod download_tests;
 #[cfg(test)]
 mod edge_tests;
