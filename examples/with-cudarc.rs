@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use cuda_resident::Device;
 use cuda_resident::cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
-use cuda_resident::cudarc::nvrtc::Ptx;
+use cudarc::nvrtc::Ptx;
 
 /// `add_one(u8 *data, u32 n)`: `data[i] += 1` for every `i < n`, one thread per byte.
 /// The text is shared with cuda-resident's GPU test and lies in that package, the published one.

@@ -5,11 +5,31 @@
 //! A [`Device`] retains the GPU's *primary* context, and so does cudarc's
 //! [`CudaContext::new(ordinal)`](driver::CudaContext::new): both crates work in the same
 //! context, so device pointers, streams and events of one are valid in the other. Both load
-//! the driver library at run time (cudarc with its `dynamic-loading` feature, which this
-//! feature selects, against CUDA 13.0): the process has one driver, whichever crate loaded it
+//! the driver library at run time (cudarc with its `dynamic-loading` or
+//! `fallback-dynamic-loading` feature): the process has one driver, whichever crate loaded it
 //! first (cudarc looks for it by its default names: `CUDA_SYS_LIBCUDA` does not steer it, so
 //! point both at one driver). Open the [`Device`] first: it fails with an error when there is
 //! no driver, where cudarc panics.
+//!
+//! # Choosing cudarc's CUDA version and linking
+//!
+//! This feature asks cudarc for its driver API alone (`driver`, `std`) and chooses neither a
+//! CUDA version nor how cudarc finds the driver: your application's own cudarc dependency
+//! does, and Cargo unifies the two. cudarc needs one CUDA version to build:
+//!
+//! ```toml
+//! [dependencies]
+//! cuda-resident = { version = "0.1", features = ["cudarc"] }
+//! # One CUDA version (or `cuda-version-from-build-system`, or CUDARC_CUDA_VERSION=12080 in
+//! # the build's environment), and NVRTC if you compile kernels at run time.
+//! cudarc = { version = "0.19", default-features = false, features = ["std", "driver", "nvrtc", "cuda-12080"] }
+//! ```
+//!
+//! Without a linking feature cudarc loads the driver at run time (its
+//! `fallback-dynamic-loading`, which this feature asks for); an application that links
+//! cudarc against `libcuda` adds `dynamic-linking` (or `static-linking`) to its own cudarc
+//! dependency, and that choice wins. This crate's own driver calls are loaded at run time
+//! whatever cudarc does.
 //!
 //! This module adds, with cudarc's own types and no casts at the call site:
 //! - [`Fence::make_cudarc_stream_wait`]: a cudarc stream waits, on the GPU, for copies of
@@ -25,8 +45,9 @@
 //! ways. cudarc's own tracking of reads and writes (for its `CudaSlice`s) does not see this
 //! crate's copies: order them with the two calls above.
 //!
-//! The crate is re-exported here as [`driver`] and [`nvrtc`] (and `nccl` with the `nccl`
-//! feature), so that callers use the version this crate is built against.
+//! cudarc's driver API is re-exported here as [`driver`] (and `nccl` with the `nccl`
+//! feature, which selects cudarc's NCCL 2.30 bindings), so that callers name the version this
+//! crate is built against.
 //!
 //! `examples/with-cudarc.rs` uploads a batch, runs a cudarc kernel on it and downloads the
 //! result, ordered on the GPU only.
@@ -48,10 +69,8 @@ pub use ::cudarc::driver;
 /// cudarc's NCCL binding (feature `nccl`; `libnccl` is loaded at run time). `docs/multi-gpu.md`
 /// and `examples/nccl-allreduce.rs` hand resident buffers and fences to it.
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub use ::cudarc::nccl;
-/// cudarc's NVRTC binding and [`Ptx`](nvrtc::Ptx), for
-/// [`CudaContext::load_module`](driver::CudaContext::load_module).
-pub use ::cudarc::nvrtc;
 
 impl Fence {
     /// Makes a cudarc stream wait, on the GPU, for this work: kernels launched on `stream`

@@ -70,6 +70,9 @@
 //! # Ok::<(), cuda_resident::Error>(())
 //! ```
 
+// docs.rs (`--cfg docsrs`, nightly) marks each feature-gated item with its feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 mod alloc;
 // The planner and the budget rule are internals: private, except with the `internals`
 // feature, which `internals` below reaches them through for the benches and the fuzz target.
@@ -84,6 +87,7 @@ mod config;
 mod context;
 mod counter;
 #[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub mod cudarc;
 mod device;
 mod engine;

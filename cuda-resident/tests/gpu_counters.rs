@@ -111,7 +111,7 @@ fn mixes(d: &Device, rng: &mut fastrand::Rng) {
 #[ignore = "needs an NVIDIA GPU"]
 fn adversarial_mixes_leave_every_counter_at_its_baseline() {
     for config in
-        [Config::default(), Config { pinned_cap_bytes: 4 << 20, chunk_bytes: 1 << 20, ..Config::default() }]
+        [Config::default(), Config::default().with_pinned_cap_bytes(4 << 20).with_chunk_bytes(1 << 20)]
     {
         let d = Device::open_with_config(0, config).unwrap_or_else(|e| panic!("{e}"));
         let keep = d.allocate(12_345).unwrap();

@@ -3,8 +3,8 @@
 #![cfg(feature = "cudarc")]
 
 use cuda_resident::cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
-use cuda_resident::cudarc::nvrtc::Ptx;
 use cuda_resident::{Device, Error};
+use cudarc::nvrtc::Ptx;
 
 /// `add_one(u8 *data, u32 n)`: `data[i] += 1` for every `i < n`.
 const ADD_ONE_PTX: &str = include_str!("kernels/add_one.ptx");
