@@ -24,6 +24,18 @@
 //! Faults are per [`Driver`] value: two `Driver`s loaded from the same library count and
 //! fail independently.
 //!
+//! This module exists only with the crate's `faults` feature (off by default). It is test
+//! machinery: unstable, not part of the API and exempt from semver. Enable it for tests, from
+//! `[dev-dependencies]`:
+//!
+//! ```toml
+//! [dev-dependencies]
+//! cuda-sys = { package = "cuda-resident-sys", version = "0.1", features = ["faults"] }
+//! ```
+//!
+//! Without the feature, `Driver` has no fault state and [`call!`](crate::call) calls the
+//! driver directly: a default build pays nothing for this module.
+//!
 //! [`Driver`]: crate::Driver
 
 use std::collections::BTreeMap;

@@ -24,6 +24,16 @@
 //!
 //! Versioned entry points keep the name the library exports: `cuMemAlloc` is
 //! `cuMemAlloc_v2`, `cuMemcpyBatchAsync` is `cuMemcpyBatchAsync_v2`, as `cuda.h` maps them.
+//!
+//! # Features
+//!
+//! - `faults` (off by default): fault injection and call counting at every driver call
+//!   (`Driver::faults`, and `Fault`, `Faults`, `CallCount`, `InvalidFault` from the `faults`
+//!   module), for tests of what a failing driver does to the code above it. It is test
+//!   machinery: unstable, not part of the API and exempt from semver; enable it from
+//!   `[dev-dependencies]` only. Without it the fault state does not exist, by construction:
+//!   `Driver` has no field for it, and [`call!`] expands to the entry point's call alone,
+//!   with no check on the way.
 
 #[allow(
     non_upper_case_globals,
@@ -40,10 +50,12 @@
 #[rustfmt::skip]
 mod bindings;
 
+#[cfg(feature = "faults")]
 pub mod faults;
 mod loader;
 
 pub use bindings::*;
+#[cfg(feature = "faults")]
 pub use faults::{CallCount, Fault, Faults, InvalidFault};
 pub use loader::{Attempt, DEFAULT_LIBRARY_NAMES, Driver, DriverVersion, ENV_VAR, LoadError, MissingSymbol};
 
@@ -52,6 +64,10 @@ pub use loader::{Attempt, DEFAULT_LIBRARY_NAMES, Driver, DriverVersion, ENV_VAR,
 #[doc = include_str!("../README.md")]
 mod readme_doctests {}
 
+// `call!` is defined twice, once per setting of the `faults` feature: a `#[cfg]` inside a
+// `macro_rules!` body would be expanded, and tested, in the calling crate, against that
+// crate's features. Keep the two definitions' documentation and shape in step.
+
 /// Calls a driver entry point through a [`Driver`]'s symbol table.
 ///
 /// `call!(driver, cuMemAlloc_v2(&mut ptr, len))` evaluates to
@@ -59,12 +75,14 @@ mod readme_doctests {}
 /// loaded library does not export that entry point. `driver` may be a `Driver`, a reference
 /// to one, or anything that dereferences to one (`Arc<Driver>`).
 ///
-/// The call passes through the driver's [`Faults`] first: unarmed, that is one atomic load;
-/// armed by a test, the call is counted and may be answered by an injected fault instead of
-/// the driver (then its arguments are not evaluated).
+/// With the `faults` feature (this build), the call passes through the driver's [`Faults`]
+/// first: unarmed, that is one atomic load; armed by a test, the call is counted and may be
+/// answered by an injected fault instead of the driver (then its arguments are not
+/// evaluated).
 ///
 /// The call itself is `unsafe`: use the macro inside an `unsafe` block and uphold the
 /// entry point's contract from the CUDA documentation.
+#[cfg(feature = "faults")]
 #[macro_export]
 macro_rules! call {
     ($driver:expr, $entry:ident ( $($arg:expr),* $(,)? )) => {{
@@ -81,6 +99,32 @@ macro_rules! call {
                     }
                 }
             }
+            ::core::result::Result::Err(_) => {
+                ::core::result::Result::Err(driver.missing(::core::stringify!($entry)))
+            }
+        }
+    }};
+}
+
+/// Calls a driver entry point through a [`Driver`]'s symbol table.
+///
+/// `call!(driver, cuMemAlloc_v2(&mut ptr, len))` evaluates to
+/// `Result<CUresult, MissingSymbol>`: `Ok` with the driver's return code, or `Err` when the
+/// loaded library does not export that entry point. `driver` may be a `Driver`, a reference
+/// to one, or anything that dereferences to one (`Arc<Driver>`).
+///
+/// The call goes straight to the driver: this build has no `faults` feature, so nothing is
+/// counted or checked on the way.
+///
+/// The call itself is `unsafe`: use the macro inside an `unsafe` block and uphold the
+/// entry point's contract from the CUDA documentation.
+#[cfg(not(feature = "faults"))]
+#[macro_export]
+macro_rules! call {
+    ($driver:expr, $entry:ident ( $($arg:expr),* $(,)? )) => {{
+        let driver: &$crate::Driver = &$driver;
+        match &driver.api().$entry {
+            ::core::result::Result::Ok(entry) => ::core::result::Result::Ok(entry($($arg),*)),
             ::core::result::Result::Err(_) => {
                 ::core::result::Result::Err(driver.missing(::core::stringify!($entry)))
             }

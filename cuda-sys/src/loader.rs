@@ -7,6 +7,7 @@ use std::fmt;
 use std::os::raw::{c_char, c_int};
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "faults")]
 use crate::faults::Faults;
 use crate::{CUDA_SUCCESS, CUresult, DriverApi};
 
@@ -36,6 +37,9 @@ pub struct Driver {
     api: DriverApi,
     path: PathBuf,
     version: Option<DriverVersion>,
+    /// Only with the `faults` feature: a default build's `Driver` is its table, path and
+    /// version, nothing more (`fault_state_only_with_the_feature` checks it).
+    #[cfg(feature = "faults")]
     faults: Faults,
 }
 
@@ -101,7 +105,13 @@ impl Driver {
             origin,
             reason: error_chain(&e),
         })?;
-        let mut driver = Driver { api, path: PathBuf::from(name), version: None, faults: Faults::default() };
+        let mut driver = Driver {
+            api,
+            path: PathBuf::from(name),
+            version: None,
+            #[cfg(feature = "faults")]
+            faults: Faults::default(),
+        };
         driver.version = driver.query_version();
         Ok(driver)
     }
@@ -143,6 +153,10 @@ impl Driver {
 
     /// The fault plan and call counts of this driver: see [`Faults`]. Unarmed (every call
     /// goes to the driver, uncounted) until a test arms it.
+    ///
+    /// Only with the `faults` feature, which is test machinery: unstable, not part of the
+    /// API and exempt from semver.
+    #[cfg(feature = "faults")]
     pub fn faults(&self) -> &Faults {
         &self.faults
     }
@@ -433,6 +447,7 @@ mod tests {
         assert_eq!(driver.error_string(crate::CUDA_ERROR_OUT_OF_MEMORY), None);
     }
 
+    #[cfg(feature = "faults")]
     #[test]
     fn call_goes_through_the_fault_plan_and_an_injected_fault_never_reaches_the_driver() {
         use crate::{CUDA_ERROR_NOT_INITIALIZED, Fault};
@@ -463,6 +478,18 @@ mod tests {
         // SAFETY: missing, so nothing is called.
         let missing = unsafe { crate::call!(driver, cuMemAlloc_v2(std::ptr::null_mut(), 1)) };
         assert_eq!(missing.unwrap_err().entry(), "cuMemAlloc_v2");
+    }
+
+    #[test]
+    fn fault_state_only_with_the_feature() {
+        // A default build's driver is its table, its path and its version: no fault state, not
+        // even an "armed" flag, so `call!` has nothing to consult. The fields need no padding
+        // (the table and the path are whole words, the version two `i32`s), so any other field
+        // shows in the size.
+        let fields = size_of::<DriverApi>() + size_of::<PathBuf>() + size_of::<Option<DriverVersion>>();
+        #[cfg(feature = "faults")]
+        let fields = fields + size_of::<Faults>();
+        assert_eq!(size_of::<Driver>(), fields);
     }
 
     #[test]
