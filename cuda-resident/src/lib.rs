@@ -69,6 +69,17 @@
 //! device.free(b)?;
 //! # Ok::<(), cuda_resident::Error>(())
 //! ```
+//!
+//! # Features
+//!
+//! - `cudarc`: the module `cuda_resident::cudarc`, working beside
+//!   [cudarc](https://docs.rs/cudarc) (fences and lanes ordered against cudarc streams,
+//!   resident buffers as cudarc kernel arguments).
+//! - `nccl`: `cudarc`, and cudarc's NCCL binding as `cuda_resident::cudarc::nccl`.
+//! - `internals` and `fuzzing`: for this repository's benches and fuzz target only.
+//!   `internals` exposes the copy planner and the budget rule; `fuzzing` also exposes the
+//!   planner's test byte model. Both are unstable, hidden from these docs, not part of the
+//!   API and exempt from semver: do not enable them.
 
 // docs.rs (`--cfg docsrs`, nightly) marks each feature-gated item with its feature.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -137,8 +148,9 @@ pub use cuda_sys;
 mod readme_doctests {}
 
 /// The copy planner and the budget rule, for the benches (`benches/plan.rs`) and the fuzz
-/// target (`fuzz/`), behind the `internals` feature. Not part of the API: no stability
-/// promise, hidden from the docs.
+/// target (`fuzz/`), behind the `internals` feature (and the planner's test byte model,
+/// `plan::check`, behind `fuzzing`). Not part of the API: unstable, exempt from semver,
+/// hidden from the docs.
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod internals {
