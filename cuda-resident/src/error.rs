@@ -93,7 +93,10 @@ pub enum Error {
     },
 
     /// A buffer handle that was freed (and perhaps its slot reused).
-    #[error("{buffer:?} was already freed. Fix: do not use a buffer after Device::free; allocate a new one.")]
+    #[error(
+        "{buffer:?} was already freed. \
+         Fix: do not use a buffer after Device::free (or after its OwnedBuffer is dropped); allocate a new one."
+    )]
     FreedBuffer {
         /// The stale handle.
         buffer: ResidentBuffer,

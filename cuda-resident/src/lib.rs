@@ -4,7 +4,8 @@
 //! - a budgeted **resident store** of device memory ([`Device::allocate`] /
 //!   [`Device::free`]): buffers are small `Copy` handles ([`ResidentBuffer`]) sub-allocated
 //!   from slabs, so allocating and freeing cost nanoseconds, not a driver call; a stale or
-//!   foreign handle is an error, never a dangling pointer;
+//!   foreign handle is an error, never a dangling pointer. [`Device::allocate_owned`] gives
+//!   an [`OwnedBuffer`], which frees its buffer when dropped (`*owned` is the handle);
 //! - a **pinned pool** ([`Device::pinned`]): page-locked host memory, reused;
 //! - two **lanes**, one non-blocking stream per direction, so that uploads and downloads
 //!   overlap (uploads written in place also scatter on a second stream while the next
@@ -108,6 +109,9 @@ mod host_pool;
 mod hostcopy;
 pub mod interop;
 mod kernels;
+mod owned;
+#[cfg(test)]
+mod owned_tests;
 mod peer;
 #[cfg(feature = "internals")]
 #[doc(hidden)]
@@ -131,6 +135,7 @@ pub use config::{Config, DeviceInfo};
 pub use device::{Device, DeviceSet};
 pub use error::{Error, PlanError, Result};
 pub use host_pool::{PinnedBuffer, PinnedStats};
+pub use owned::OwnedBuffer;
 pub use peer::{FanOutPath, PeerBatch};
 pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use cuda_resident::{
     AllocatorStats, Config, Device, DeviceInfo, DeviceSet, DownloadBatch, Downloaded, Error, FanOutPath,
-    Fence, FenceEvent, FenceFuture, GRANULE, MAX_CLASS_BYTES, PeerBatch, PendingDownload, PinnedBuffer,
-    PinnedStats, PlanError, PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Scope,
+    Fence, FenceEvent, FenceFuture, GRANULE, MAX_CLASS_BYTES, OwnedBuffer, PeerBatch, PendingDownload,
+    PinnedBuffer, PinnedStats, PlanError, PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Scope,
     ScopedDownloads, ScopedUploads, Slot, TelemetrySnapshot, UploadBatch, cuda_sys,
 };
 
@@ -34,6 +34,16 @@ fn every_public_item_is_named() {
     // The resident store and the pinned pool.
     let _: fn(&Device, u64) -> Result<ResidentBuffer> = Device::allocate;
     let _: fn(&Device, ResidentBuffer) -> Result<()> = Device::free;
+    let _: fn(&Device, u64) -> Result<OwnedBuffer> = Device::allocate_owned;
+    let _: fn(&Device, ResidentBuffer) -> Result<OwnedBuffer> = Device::adopt;
+    let _: fn(&OwnedBuffer) -> ResidentBuffer = OwnedBuffer::handle;
+    let _: fn(&OwnedBuffer) -> u64 = OwnedBuffer::len;
+    let _: fn(&OwnedBuffer) -> bool = OwnedBuffer::is_empty;
+    let _: fn(&OwnedBuffer) -> &Device = OwnedBuffer::device;
+    let _: fn(OwnedBuffer) -> ResidentBuffer = OwnedBuffer::into_raw;
+    let _: fn(OwnedBuffer) -> Result<()> = OwnedBuffer::free;
+    fn owns<T: std::ops::Deref<Target = ResidentBuffer> + Send + Sync + std::fmt::Debug>() {}
+    owns::<OwnedBuffer>();
     let _: fn(&Device, ResidentBuffer) -> Result<u64> = Device::device_ptr;
     let _: fn(&Device, ResidentBuffer) -> Result<u64> = Device::buffer_len;
     let _: fn(&Device) -> u64 = Device::allocated_bytes;

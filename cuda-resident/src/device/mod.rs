@@ -16,6 +16,7 @@ use crate::engine::core::{Core, shared_driver};
 use crate::error::Error;
 use crate::error::Result;
 use crate::host_pool::PinnedBuffer;
+use crate::owned::OwnedBuffer;
 use crate::peer::PeerBatch;
 use crate::raw::{Raw, release_retrying};
 use crate::stream::Fence;
@@ -188,8 +189,40 @@ impl Device {
     ///
     /// Fails for zero bytes, and when the budget (or the driver, after cached memory was
     /// released) refuses; the error gives the request, the bytes in use and the limit.
+    ///
+    /// The handle is freed by hand ([`Device::free`]); [`Device::allocate_owned`] gives one
+    /// that is freed on drop.
     pub fn allocate(&self, bytes: u64) -> Result<ResidentBuffer> {
         self.core.alloc.allocate(bytes, &|last| self.core.is_idle(last))
+    }
+
+    /// Allocates `bytes` as [`Device::allocate`] does, owned by an [`OwnedBuffer`] that frees
+    /// it when dropped (deferred while copies use it, as [`Device::free`] is): no early
+    /// return or `?` can leak it. `*owned` is the handle for batches.
+    ///
+    /// ```no_run
+    /// use cuda_resident::Device;
+    ///
+    /// let device = Device::open(0)?;
+    /// let staging = device.allocate_owned(64 << 20)?;
+    /// device.upload_at(*staging, 0, &[1u8; 4096])?; // on error, `staging` is freed
+    /// # Ok::<(), cuda_resident::Error>(())
+    /// ```
+    pub fn allocate_owned(&self, bytes: u64) -> Result<OwnedBuffer> {
+        self.allocate(bytes).map(|buffer| OwnedBuffer::new(self.clone(), buffer, bytes))
+    }
+
+    /// Takes ownership of `buffer`, a live handle of this device (from
+    /// [`Device::allocate`] or [`OwnedBuffer::into_raw`]): the [`OwnedBuffer`] frees it
+    /// when dropped. Adopt a handle once; free it no other way afterwards (a copy freed by
+    /// hand makes the owner's free a no-op, never a double free).
+    ///
+    /// # Errors
+    /// [`Error::FreedBuffer`] for a handle already freed, [`Error::ForeignBuffer`] for one
+    /// of another device; nothing is owned then.
+    pub fn adopt(&self, buffer: ResidentBuffer) -> Result<OwnedBuffer> {
+        let len = self.buffer_len(buffer)?;
+        Ok(OwnedBuffer::new(self.clone(), buffer, len))
     }
 
     /// Frees a buffer. The handle is invalid at once; if a copy still uses the buffer, its
