@@ -225,15 +225,16 @@ fn waste_percent(device: &Device) -> Result<f64, String> {
     let e = |e: cuda_resident::Error| e.to_string();
     let mut rng = fastrand::Rng::with_seed(42);
     let before = device.telemetry().memory;
+    // Owned: those allocated before a refusal are freed on the way out.
     let buffers = (0..4000)
-        .map(|_| device.allocate(rng.u64(1..=MAX_CLASS_BYTES)))
+        .map(|_| device.allocate_owned(rng.u64(1..=MAX_CLASS_BYTES)))
         .collect::<Result<Vec<_>, _>>()
         .map_err(e)?;
     let during = device.telemetry().memory;
     let requested = during.allocated_bytes - before.allocated_bytes;
     let footprint = during.footprint_bytes - before.footprint_bytes;
     for b in buffers {
-        device.free(b).map_err(e)?;
+        b.free().map_err(e)?;
     }
     Ok(100.0 * (footprint - requested) as f64 / requested as f64)
 }

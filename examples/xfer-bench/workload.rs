@@ -1,7 +1,7 @@
 //! The data the cases move: random host bytes, and the scattered device places of the
 //! many-small cases with their check.
 
-use cuda_resident::{Device, DownloadBatch, Downloaded, ResidentBuffer, Slot, UploadBatch};
+use cuda_resident::{Device, DownloadBatch, Downloaded, OwnedBuffer, ResidentBuffer, Slot, UploadBatch};
 
 use crate::BenchResult;
 
@@ -43,8 +43,11 @@ pub(crate) fn host_pair(seed: u64, n: usize) -> (Vec<u8>, Vec<u8>) {
 }
 
 /// Many small copies: `count` copies of `size` bytes spread over 64 buffers with gaps, so
-/// that none fuse.
+/// that none fuse. The buffers are freed when it is dropped.
 pub(crate) struct Scatter {
+    /// The buffers' owners.
+    _owned: Vec<OwnedBuffer>,
+    /// Their handles, as the batches and `download_many` take them.
     pub(crate) buffers: Vec<ResidentBuffer>,
     /// Each copy's `(buffer index, offset)`.
     pub(crate) places: Vec<(usize, u64)>,
@@ -57,17 +60,19 @@ impl Scatter {
     pub(crate) fn new(d: &Device, count: usize, size: usize) -> BenchResult<Scatter> {
         let per = count.div_ceil(64);
         let stride = size as u64 + 64;
-        let buffers = (0..64)
-            .map(|_| d.allocate(per as u64 * stride))
+        // Owned: those allocated before a refusal are freed on the way out.
+        let owned = (0..64)
+            .map(|_| d.allocate_owned(per as u64 * stride))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())?;
+        let buffers: Vec<ResidentBuffer> = owned.iter().map(OwnedBuffer::handle).collect();
         let places: Vec<(usize, u64)> = (0..count).map(|i| (i % 64, (i / 64) as u64 * stride)).collect();
         let ptrs = places
             .iter()
             .map(|&(b, o)| d.device_ptr(buffers[b]).map(|p| p + o))
             .collect::<Result<_, _>>()
             .map_err(|e| e.to_string())?;
-        Ok(Scatter { buffers, places, ptrs })
+        Ok(Scatter { _owned: owned, buffers, places, ptrs })
     }
 
     /// An upload batch of every copy from `sources` (one per copy), by `write`.
@@ -129,13 +134,6 @@ impl Scatter {
     pub(crate) fn read_all(&self, d: &Device, size: usize) -> cuda_resident::Result<(Vec<Slot>, Downloaded)> {
         let (reads, slots) = self.reads(d, size)?;
         Ok((slots, reads.submit()?.wait()?))
-    }
-
-    /// Frees the buffers.
-    pub(crate) fn free(self, d: &Device) {
-        for b in self.buffers {
-            let _ = d.free(b);
-        }
     }
 }
 

@@ -20,28 +20,22 @@ pub(crate) fn run(
 ) -> BenchResult<()> {
     let n = args.large;
     let (mut src, mut dst) = host_pair(77, n);
-    let b = d.allocate(n as u64).map_err(error)?;
-    let result = (|| {
-        let (up, down) = up_down(d, baseline, args.reps, b, (&src, &mut dst), false, 1)?;
-        rows.push(Row::from_times(format!("H2D {} from pageable", human(n)), n, &up));
-        rows.push(Row::from_times(format!("D2H {} into pageable", human(n)), n, &down));
-        with_pinned(d, &mut src, &mut dst, |src, dst| {
-            let (up, down) = up_down(d, baseline, args.reps, b, (src, dst), true, 1)?;
-            rows.push(Row::from_times(format!("H2D {} pinned", human(n)), n, &up));
-            rows.push(Row::from_times(format!("D2H {} pinned", human(n)), n, &down));
-            let half = (n / 2).max(1);
-            let other = d.allocate(half as u64).map_err(error)?;
-            let both =
-                both_ways(d, baseline, args.reps, (b, other), (&src[..half], &mut dst[..half]), true, 1);
-            d.free(other).map_err(error)?;
-            rows.push(Row::from_times(
-                format!("both directions, 2 x {} pinned", human(half)),
-                2 * half,
-                &both?,
-            ));
-            Ok(())
-        })
-    })();
-    d.free(b).map_err(error)?;
-    result
+    // Owned: an error part way frees it on its way out.
+    let b = d.allocate_owned(n as u64).map_err(error)?;
+    let (up, down) = up_down(d, baseline, args.reps, *b, (&src, &mut dst), false, 1)?;
+    rows.push(Row::from_times(format!("H2D {} from pageable", human(n)), n, &up));
+    rows.push(Row::from_times(format!("D2H {} into pageable", human(n)), n, &down));
+    with_pinned(d, &mut src, &mut dst, |src, dst| {
+        let (up, down) = up_down(d, baseline, args.reps, *b, (src, dst), true, 1)?;
+        rows.push(Row::from_times(format!("H2D {} pinned", human(n)), n, &up));
+        rows.push(Row::from_times(format!("D2H {} pinned", human(n)), n, &down));
+        let half = (n / 2).max(1);
+        let other = d.allocate_owned(half as u64).map_err(error)?;
+        let both =
+            both_ways(d, baseline, args.reps, (*b, *other), (&src[..half], &mut dst[..half]), true, 1)?;
+        other.free().map_err(error)?;
+        rows.push(Row::from_times(format!("both directions, 2 x {} pinned", human(half)), 2 * half, &both));
+        Ok(())
+    })?;
+    b.free().map_err(error)
 }

@@ -32,7 +32,9 @@ pub(crate) fn run(
         let (s, t) = (start(&src_mem), start(&dst_mem));
         let (src, dst) = (&mut src_mem[s..s + padded], &mut dst_mem[t..t + padded]);
         fastrand::Rng::with_seed(3).fill(&mut src[..size]);
-        let b = d.allocate(size as u64).map_err(error)?;
+        // Owned: an error part way frees it on its way out.
+        let owned = d.allocate_owned(size as u64).map_err(error)?;
+        let b = *owned;
         let mut measure = |src: &mut [u8], dst: &mut [u8], pinned: bool| -> BenchResult<()> {
             let mut found = vec![
                 Single::new(d, baseline.stream, b, Host::Src(&*src), pinned, true)?.latencies(args.reps)?,
@@ -59,15 +61,14 @@ pub(crate) fn run(
             }
             Ok(())
         };
-        let result = memories.iter().try_for_each(|&pinned| {
+        memories.iter().try_for_each(|&pinned| {
             if pinned {
                 with_pinned(d, src, dst, |src, dst| measure(&mut src[..size], &mut dst[..size], true))
             } else {
                 measure(&mut src[..size], &mut dst[..size], false)
             }
-        });
-        d.free(b).map_err(error)?;
-        result?;
+        })?;
+        owned.free().map_err(error)?;
     }
     Ok(())
 }

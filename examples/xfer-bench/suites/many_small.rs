@@ -35,7 +35,6 @@ pub(crate) fn run(
     let case = Case { d, baseline, args, count, size, base_reps, sources: &sources, s: &s };
     let ranges = case.upload_rows(rows)?;
     case.download_rows(&ranges, rows)?;
-    s.free(d);
     for r in &mut rows[first..] {
         (r.count, r.size) = (Some(count), Some(size));
         if base_reps < args.reps {

@@ -31,7 +31,7 @@
 //! device side read back block by block through the raw driver.
 
 use cuda_resident::cuda_sys::{CUstream, call};
-use cuda_resident::{Config, Device, ResidentBuffer};
+use cuda_resident::{Config, Device, OwnedBuffer, ResidentBuffer};
 use indicatif::ProgressBar;
 
 use crate::baselines::{DriverBaseline, check, each_d2h, each_h2d, memcpy_batch, sync};
@@ -165,15 +165,14 @@ pub(super) fn run(
 ) -> BenchResult<()> {
     progress.set_message("paging: filling the pool");
     let pool = Pool::allocate(d, args.paging_pool, 2 * args.paging_bytes)?;
-    let result = with_pool(d, baseline, args, &pool, rows, progress);
-    let freed = d.free(pool.buffer).map_err(error);
-    result?;
-    freed
+    with_pool(d, baseline, args, &pool, rows, progress)?;
+    pool.buffer.free().map_err(error)
 }
 
 /// The device pool.
 struct Pool {
-    buffer: ResidentBuffer,
+    /// Owned: an error part way frees it on its way out.
+    buffer: OwnedBuffer,
     bytes: usize,
     /// Why it is smaller than `--paging-pool`, where it is.
     clamped: Option<String>,
@@ -184,7 +183,7 @@ impl Pool {
     /// (leaving [`HEADROOM`] of what the budget allows to cuda-resident's own staging) but
     /// at least `least`.
     fn allocate(d: &Device, wanted: usize, least: usize) -> BenchResult<Pool> {
-        let refused = match d.allocate(wanted as u64) {
+        let refused = match d.allocate_owned(wanted as u64) {
             Ok(buffer) => return Ok(Pool { buffer, bytes: wanted, clamped: None }),
             Err(e) => e,
         };
@@ -193,7 +192,7 @@ impl Pool {
         let mib = |bytes: u64| bytes >> 20 << 20;
         let mut bytes = mib(allowed.saturating_sub(HEADROOM).min(wanted as u64));
         while bytes >= least as u64 {
-            if let Ok(buffer) = d.allocate(bytes) {
+            if let Ok(buffer) = d.allocate_owned(bytes) {
                 let clamped = format!(
                     "device pool clamped from --paging-pool {} to {}: the device could not hold \
                      more ({} free, budget fraction {}, {} left to cuda-resident's staging)",
@@ -223,7 +222,7 @@ impl Pool {
         for (k, start) in (0..self.bytes).step_by(step).enumerate() {
             let piece = &mut scratch[..(self.bytes - start).min(step)];
             fill_random(SEED ^ ((k as u64 + 1) << 32), piece);
-            d.upload_at(self.buffer, start as u64, piece).map_err(error)?;
+            d.upload_at(*self.buffer, start as u64, piece).map_err(error)?;
         }
         Ok(())
     }
@@ -259,7 +258,7 @@ fn with_pool(
             args.paging_batches
         ));
     }
-    let pool_ptr = d.device_ptr(pool.buffer).map_err(error)?;
+    let pool_ptr = d.device_ptr(*pool.buffer).map_err(error)?;
     for &block in &args.paging_blocks {
         let n = args.paging_bytes / block;
         let (out, ins) = pick_blocks(SEED ^ block as u64, pool.bytes / block, n);
@@ -272,7 +271,7 @@ fn with_pool(
             let (out_region, in_region) = cache.split_at_mut(args.paging_bytes);
             let mut case = Case {
                 d,
-                pool: pool.buffer,
+                pool: *pool.buffer,
                 batches: args.paging_batches as usize,
                 out: Lane::new(pool_ptr, block, &out, out_region, baseline.second, false),
                 ins: Lane::new(pool_ptr, block, &ins, &*in_region, baseline.stream, true),

@@ -122,35 +122,25 @@ fn with_peer_access(
     let (src, dst) = (p.src, p.dst);
     let n = args.large;
     let data = random_vec(&mut fastrand::Rng::with_seed(101), n);
-    let a = src.allocate(n as u64).map_err(error)?;
-    let b = match dst.allocate(n as u64) {
-        Ok(b) => b,
-        Err(e) => {
-            let _ = src.free(a);
-            return Err(error(e));
-        }
-    };
-    let result = (|| -> BenchResult<()> {
-        progress.set_message(format!("peer {}", human(n)));
-        src.upload(a, &data).map_err(error)?;
-        large(p, args, (a, b), &data, rows)?;
+    // Owned: an error part way frees both on its way out.
+    let a = src.allocate_owned(n as u64).map_err(error)?;
+    let b = dst.allocate_owned(n as u64).map_err(error)?;
+    progress.set_message(format!("peer {}", human(n)));
+    src.upload(*a, &data).map_err(error)?;
+    large(p, args, (*a, *b), &data, rows)?;
+    progress.inc(1);
+    for &case in cases {
+        progress.set_message(format!("peer {} x {}", case.0, human(case.1)));
+        many_small(p, args, case, false, rows)?;
         progress.inc(1);
-        for &case in cases {
-            progress.set_message(format!("peer {} x {}", case.0, human(case.1)));
-            many_small(p, args, case, false, rows)?;
-            progress.inc(1);
-        }
-        progress.set_message("peer both directions");
-        both_ways(p, args, (a, b), &data, rows)?;
-        progress.inc(1);
-        progress.set_message("fan-out");
-        fan_out(set, p, args, (a, b), &data, rows)?;
-        progress.inc(1);
-        Ok(())
-    })();
-    let freed = src.free(a).and(dst.free(b)).map_err(error);
-    result?;
-    freed
+    }
+    progress.set_message("peer both directions");
+    both_ways(p, args, (*a, *b), &data, rows)?;
+    progress.inc(1);
+    progress.set_message("fan-out");
+    fan_out(set, p, args, (*a, *b), &data, rows)?;
+    progress.inc(1);
+    a.free().and(b.free()).map_err(error)
 }
 
 fn add_note(row: &mut Row, note: &str) {
@@ -239,17 +229,8 @@ fn many_small(
     let mut rng = fastrand::Rng::with_seed((count * 37 + size) as u64);
     let sources: Vec<Vec<u8>> = (0..count).map(|_| random_vec(&mut rng, size)).collect();
     let from = Scatter::new(src, count, size)?;
-    let to = match Scatter::new(dst, count, size) {
-        Ok(to) => to,
-        Err(e) => {
-            from.free(src);
-            return Err(e);
-        }
-    };
-    let result = many_small_rows(p, args, (&from, &to), &sources, staged, rows);
-    from.free(src);
-    to.free(dst);
-    result
+    let to = Scatter::new(dst, count, size)?;
+    many_small_rows(p, args, (&from, &to), &sources, staged, rows)
 }
 
 /// The rows of [`many_small`] between the scatters `from` and `to`, `sources` the copies'
@@ -374,41 +355,31 @@ fn both_ways(
         return Ok(());
     }
     let h = half as u64;
-    let back_from = dst.allocate(h).map_err(error)?;
-    let back_to = match src.allocate(h) {
-        Ok(buffer) => buffer,
-        Err(e) => {
-            let _ = dst.free(back_from);
-            return Err(error(e));
-        }
-    };
-    let result = (|| -> BenchResult<()> {
-        dst.upload(back_from, &data[half..2 * half]).map_err(error)?;
-        let ptr = |d: &Device, buffer| d.device_ptr(buffer).map_err(error);
-        let (pa, pb) = (ptr(src, a)?, ptr(dst, b)?);
-        let (pf, pt) = (ptr(dst, back_from)?, ptr(src, back_to)?);
-        let raw = median_secs(args.reps, || {
-            raw_copy(dst, pb, src, pa, half, p.dst_stream)?;
-            raw_copy(src, pt, dst, pf, half, p.src_stream)?;
-            sync(dst, p.dst_stream)?;
-            sync(src, p.src_stream)
-        })?;
-        poison(dst, p.dst_stream, b, 0, half)?;
-        poison(src, p.src_stream, back_to, 0, half)?;
-        let ours = median_secs(args.reps, || {
-            let there = ours(dst, src, [(a, 0, b, 0, h)])?;
-            let back = ours(src, dst, [(back_from, 0, back_to, 0, h)])?;
-            there.wait().and(back.wait()).map_err(error)
-        })?;
-        let case = format!("peer both ways, 2 x {}", human(half));
-        verify(dst, b, 0, &data[..half], &case)?;
-        verify(src, back_to, 0, &data[half..2 * half], &case)?;
-        rows.push(Row::gbps(case, 2 * half, Some(raw), None, ours));
-        Ok(())
-    })();
-    let freed = dst.free(back_from).and(src.free(back_to)).map_err(error);
-    result?;
-    freed
+    // Owned: an error part way frees both on its way out.
+    let back_from = dst.allocate_owned(h).map_err(error)?;
+    let back_to = src.allocate_owned(h).map_err(error)?;
+    dst.upload(*back_from, &data[half..2 * half]).map_err(error)?;
+    let ptr = |d: &Device, buffer| d.device_ptr(buffer).map_err(error);
+    let (pa, pb) = (ptr(src, a)?, ptr(dst, b)?);
+    let (pf, pt) = (ptr(dst, *back_from)?, ptr(src, *back_to)?);
+    let raw = median_secs(args.reps, || {
+        raw_copy(dst, pb, src, pa, half, p.dst_stream)?;
+        raw_copy(src, pt, dst, pf, half, p.src_stream)?;
+        sync(dst, p.dst_stream)?;
+        sync(src, p.src_stream)
+    })?;
+    poison(dst, p.dst_stream, b, 0, half)?;
+    poison(src, p.src_stream, *back_to, 0, half)?;
+    let ours = median_secs(args.reps, || {
+        let there = ours(dst, src, [(a, 0, b, 0, h)])?;
+        let back = ours(src, dst, [(*back_from, 0, *back_to, 0, h)])?;
+        there.wait().and(back.wait()).map_err(error)
+    })?;
+    let case = format!("peer both ways, 2 x {}", human(half));
+    verify(dst, b, 0, &data[..half], &case)?;
+    verify(src, *back_to, 0, &data[half..2 * half], &case)?;
+    rows.push(Row::gbps(case, 2 * half, Some(raw), None, ours));
+    back_from.free().and(back_to.free()).map_err(error)
 }
 
 /// `data`, from pageable memory, to `a` and `b` on both devices (the set's 0 and 1) by each

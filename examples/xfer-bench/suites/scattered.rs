@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use cuda_resident::{Device, ResidentBuffer};
+use cuda_resident::{Device, OwnedBuffer, ResidentBuffer};
 
 use crate::baselines::DriverBaseline;
 use crate::cli::Args;
@@ -71,16 +71,12 @@ pub(crate) fn run(
     let lens = sizes.sizes(&mut rng, count);
     let total: usize = lens.iter().sum();
     let sources: Vec<Vec<u8>> = lens.iter().map(|&len| random_vec(&mut rng, len)).collect();
-    let buffers = lens
-        .iter()
-        .map(|&len| d.allocate(len as u64))
-        .collect::<Result<Vec<ResidentBuffer>, _>>()
-        .map_err(error)?;
-    let result = measure(d, baseline, args, &buffers, &sources, &mut rng);
-    for &b in &buffers {
-        let _ = d.free(b);
-    }
-    let [h2d, d2h] = result?;
+    // Owned: those allocated before a refusal, or an error part way, are freed on the way out.
+    let owned =
+        lens.iter().map(|&len| d.allocate_owned(len as u64)).collect::<Result<Vec<_>, _>>().map_err(error)?;
+    let buffers: Vec<ResidentBuffer> = owned.iter().map(OwnedBuffer::handle).collect();
+    let [h2d, d2h] = measure(d, baseline, args, &buffers, &sources, &mut rng)?;
+    drop(owned);
     let name =
         |dir: &str, what: &str| format!("{dir} {count} x {} a buffer each, shuffled, {what}", sizes.label());
     let base_reps = baseline_reps(args, count);

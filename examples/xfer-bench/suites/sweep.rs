@@ -33,45 +33,36 @@ pub(crate) fn run(
 ) -> BenchResult<()> {
     let n = args.large;
     let (mut src, mut dst) = host_pair(11, n);
-    let b = d.allocate(n as u64).map_err(error)?;
-    let other = match d.allocate(n as u64) {
-        Ok(other) => other,
-        Err(e) => {
-            let _ = d.free(b);
-            return Err(error(e));
-        }
-    };
-    let result = (|| {
-        for pinned in [false, true] {
-            let memory = if pinned { "pinned" } else { "pageable" };
-            let mut run = |src: &mut [u8], dst: &mut [u8]| -> BenchResult<()> {
-                for size in sweep_sizes(n) {
-                    progress.set_message(format!("sweep: {} {memory}", human(size)));
-                    let iters = (16usize << 20).div_ceil(size);
-                    let host = (&src[..size], &mut dst[..size]);
-                    let (up, down) = up_down(d, baseline, args.reps, b, host, pinned, iters)?;
-                    let host = (&src[..size], &mut dst[..size]);
-                    let both = both_ways(d, baseline, args.reps, (b, other), host, pinned, iters)?;
-                    let bytes = size * iters;
-                    let case = |dir: &str| format!("sweep {dir} {memory} {}", human(size));
-                    rows.extend([
-                        Row::from_times(case("H2D"), bytes, &up).sized(size),
-                        Row::from_times(case("D2H"), bytes, &down).sized(size),
-                        Row::from_times(case("both"), 2 * bytes, &both).sized(size),
-                    ]);
-                    progress.inc(1);
-                }
-                Ok(())
-            };
-            if pinned {
-                with_pinned(d, &mut src, &mut dst, run)?;
-            } else {
-                run(&mut src, &mut dst)?;
+    // Owned: an error part way frees both on its way out.
+    let b = d.allocate_owned(n as u64).map_err(error)?;
+    let other = d.allocate_owned(n as u64).map_err(error)?;
+    for pinned in [false, true] {
+        let memory = if pinned { "pinned" } else { "pageable" };
+        let mut run = |src: &mut [u8], dst: &mut [u8]| -> BenchResult<()> {
+            for size in sweep_sizes(n) {
+                progress.set_message(format!("sweep: {} {memory}", human(size)));
+                let iters = (16usize << 20).div_ceil(size);
+                let host = (&src[..size], &mut dst[..size]);
+                let (up, down) = up_down(d, baseline, args.reps, *b, host, pinned, iters)?;
+                let host = (&src[..size], &mut dst[..size]);
+                let both = both_ways(d, baseline, args.reps, (*b, *other), host, pinned, iters)?;
+                let bytes = size * iters;
+                let case = |dir: &str| format!("sweep {dir} {memory} {}", human(size));
+                rows.extend([
+                    Row::from_times(case("H2D"), bytes, &up).sized(size),
+                    Row::from_times(case("D2H"), bytes, &down).sized(size),
+                    Row::from_times(case("both"), 2 * bytes, &both).sized(size),
+                ]);
+                progress.inc(1);
             }
+            Ok(())
+        };
+        if pinned {
+            with_pinned(d, &mut src, &mut dst, run)?;
+        } else {
+            run(&mut src, &mut dst)?;
         }
-        Ok(())
-    })();
-    d.free(other).map_err(error)?;
-    d.free(b).map_err(error)?;
-    result
+    }
+    other.free().map_err(error)?;
+    b.free().map_err(error)
 }
