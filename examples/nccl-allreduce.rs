@@ -16,7 +16,7 @@ use std::process::ExitCode;
 
 use cuda_resident::cudarc::driver::CudaContext;
 use cuda_resident::cudarc::nccl::safe::{Comm, ReduceOp, group_end, group_start};
-use cuda_resident::{DeviceSet, ResidentBuffer};
+use cuda_resident::{DeviceSet, OwnedBuffer};
 
 /// Floats per GPU.
 const COUNT: usize = 1 << 20;
@@ -49,21 +49,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let comms = Comm::from_devices(streams.clone()).map_err(|e| format!("ncclCommInitAll failed: {e:?}"))?;
 
-    // 1. Each GPU's part, uploaded; NCCL's stream waits for it on the GPU.
-    let mut buffers: Vec<ResidentBuffer> = Vec::with_capacity(n);
+    // 1. Each GPU's part, uploaded; NCCL's stream waits for it on the GPU. Owned buffers: an
+    // error on the way frees them (after the views below, which drop first).
+    let mut buffers: Vec<OwnedBuffer> = Vec::with_capacity(n);
     for (rank, (d, stream)) in gpus.devices().iter().zip(&streams).enumerate() {
-        let buffer = d.allocate((COUNT * size_of::<f32>()) as u64)?;
+        let buffer = d.allocate_owned((COUNT * size_of::<f32>()) as u64)?;
         let part: Vec<u8> = std::iter::repeat_n((rank as f32 + 1.0).to_ne_bytes(), COUNT).flatten().collect();
         let mut uploads = d.uploads();
-        uploads.write(buffer, 0, &part)?;
+        uploads.write(*buffer, 0, &part)?;
         uploads.submit()?.make_cudarc_stream_wait(stream)?;
         buffers.push(buffer);
     }
 
     // 2. The all-reduce, in place: one call per GPU, grouped (one thread drives every GPU).
     let mut views = Vec::with_capacity(n);
-    for ((d, stream), &buffer) in gpus.devices().iter().zip(&streams).zip(&buffers) {
-        views.push(d.cudarc_view::<f32>(buffer, stream)?);
+    for ((d, stream), buffer) in gpus.devices().iter().zip(&streams).zip(&buffers) {
+        views.push(d.cudarc_view::<f32>(buffer.handle(), stream)?);
     }
     group_start().map_err(|e| format!("ncclGroupStart failed: {e:?}"))?;
     for (comm, view) in comms.iter().zip(&mut views) {
@@ -74,10 +75,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // 3. The sums, downloaded after NCCL's work (a wait on the GPU), then checked.
     let expected = (n * (n + 1) / 2) as f32;
     let mut pending = Vec::with_capacity(n);
-    for ((d, stream), &buffer) in gpus.devices().iter().zip(&streams).zip(&buffers) {
+    for ((d, stream), buffer) in gpus.devices().iter().zip(&streams).zip(&buffers) {
         d.wait_for_cudarc_stream(stream)?;
         let mut reads = d.downloads();
-        let slot = reads.read(buffer, 0, (COUNT * size_of::<f32>()) as u64)?;
+        let slot = reads.read(buffer.handle(), 0, (COUNT * size_of::<f32>()) as u64)?;
         pending.push((reads.submit()?, slot));
     }
     for (rank, (p, slot)) in pending.into_iter().enumerate() {
@@ -93,8 +94,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // The views hold their buffers until they drop (each drop waits for its device's
     // streams: done by now).
     drop(views);
-    for (d, buffer) in gpus.devices().iter().zip(buffers) {
-        d.free(buffer)?;
+    for buffer in buffers {
+        buffer.free()?;
     }
     println!("all-reduce (sum) of {COUNT} floats over {n} GPUs: every GPU holds {expected} everywhere");
     Ok(())

@@ -48,32 +48,34 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("device {ordinal}: {}; cudarc stream on the same primary context", device.info().name);
 
     let bytes = ROWS * ROW_BYTES;
-    let buffer = device.allocate(bytes)?;
+    // Owned: an error on the way frees it (after the view below, which drops first).
+    let buffer = device.allocate_owned(bytes)?;
     let rows: Vec<Vec<u8>> = (0..ROWS).map(row).collect();
     let host_waits_before = device.telemetry().host_waits;
 
     // 1. Upload: ROWS small writes, fused into one batch.
     let mut uploads = device.uploads();
     for (i, r) in rows.iter().enumerate() {
-        uploads.write(buffer, i as u64 * ROW_BYTES, r)?;
+        uploads.write(*buffer, i as u64 * ROW_BYTES, r)?;
     }
     let uploaded = uploads.submit()?;
 
     // 2. The kernel, on cudarc's stream, after the upload (a wait on the GPU).
     uploaded.make_cudarc_stream_wait(&stream)?;
-    let mut view = device.cudarc_view::<u8>(buffer, &stream)?;
+    let mut view = device.cudarc_view::<u8>(*buffer, &stream)?;
     let n = u32::try_from(view.len())?;
     let mut launch = stream.launch_builder(&kernel);
     launch.arg(&mut view).arg(&n);
     // SAFETY: `add_one` takes a `u8*` and a `u32`, as pushed; it touches the `n` bytes of
-    // `buffer`, which stays allocated until the download below has completed.
+    // `buffer`, which stays allocated until the kernel is done: on every path the view drops
+    // before the buffer, and its drop waits for the device's streams.
     unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }?;
 
     // 3. The download, after the kernel (a wait on the GPU).
     device.wait_for_cudarc_stream(&stream)?;
     let mut reads = device.downloads();
     let slots =
-        (0..ROWS).map(|i| reads.read(buffer, i * ROW_BYTES, ROW_BYTES)).collect::<Result<Vec<_>, _>>()?;
+        (0..ROWS).map(|i| reads.read(*buffer, i * ROW_BYTES, ROW_BYTES)).collect::<Result<Vec<_>, _>>()?;
     let pending = reads.submit()?;
     let submitted_waits = device.telemetry().host_waits - host_waits_before;
     let done = pending.wait()?; // the only host wait
@@ -95,7 +97,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     drop(done);
     // The view holds the buffer until it drops (its drop waits for the device's streams).
     drop(view);
-    device.free(buffer)?;
+    buffer.free()?;
     println!(
         "uploaded {ROWS} rows of {ROW_BYTES} B in one batch, ran add_one over {bytes} B on cudarc's stream, \
          downloaded {ROWS} rows in one batch"
