@@ -52,9 +52,9 @@ use crate::error::Result;
 /// - the handle freed already, through a copy of it passed to [`Device::free`]: nothing is
 ///   freed twice or counted twice;
 /// - (feature `cudarc`) a `ResidentView` of the buffer still alive: the free is refused and
-///   the buffer stays allocated until the device is dropped. A view made through
-///   [`device`](Self::device) borrows the owner, so the compiler keeps it from being
-///   dropped first.
+///   the buffer stays allocated, until a copy of the handle is freed once the view is gone,
+///   or the device is dropped. A view made through [`device`](Self::device) borrows the
+///   owner, so the compiler keeps the owner from being dropped first.
 ///
 /// Call [`free`](Self::free) where the error matters.
 pub struct OwnedBuffer {
@@ -112,8 +112,7 @@ impl OwnedBuffer {
     /// returns: the driver's error for a buffer past the slab size (its memory then stays
     /// counted and the next [`Device::trim`] tries again), [`Error::FreedBuffer`] when a
     /// copy of the handle was freed already, (feature `cudarc`) [`Error::BufferViewed`]
-    /// while a view of the buffer lives (it then stays allocated until the device is
-    /// dropped).
+    /// while a view of the buffer lives (it then stays allocated, as for a drop).
     pub fn free(mut self) -> Result<()> {
         self.owns = false;
         self.device.free(self.buffer)

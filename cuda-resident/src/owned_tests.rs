@@ -1,8 +1,11 @@
 //! `OwnedBuffer` on the model driver: every way its buffer can be freed (drop, `free`,
-//! by hand through a copy of the handle, not at all with `into_raw`), drops while copies
-//! are in flight, the device dropped first, and threads allocating and dropping at once.
+//! by hand through a copy of the handle, not at all with `into_raw`), frees the driver or a
+//! view refuses, drops while copies are in flight, the device dropped first, and threads
+//! allocating and dropping at once.
 
 use std::sync::Arc;
+
+use cuda_sys::{CUDA_ERROR_INVALID_CONTEXT, Fault};
 
 use crate::testing::{device, model, random_vec, small_chunks};
 use crate::{Config, Device, Error, OwnedBuffer};
@@ -158,6 +161,58 @@ fn a_handle_freed_by_hand_makes_the_drop_a_no_op() {
     assert_eq!(held(&d), (bytes + 300_000, buffers + 1, frees + 1), "counted once");
     d.free(reused).unwrap();
     assert_eq!(held(&d), (bytes, buffers, frees + 2));
+}
+
+#[test]
+fn a_driver_free_refused_on_drop_keeps_the_memory_counted_and_the_next_trim_retries_it() {
+    let driver = model::driver();
+    let d = Device::open_with(Arc::clone(&driver), 0, small_chunks()).expect("the model opens");
+    let big = 100u64 << 20; // past the slab size: a cuMemAlloc of its own, freed by cuMemFree
+    let (bytes, buffers, _) = held(&d);
+    let refuse = || {
+        driver.faults().record();
+        let fault = Fault::new("cuMemFree_v2", 1, CUDA_ERROR_INVALID_CONTEXT).times(u64::MAX);
+        driver.faults().inject(fault).unwrap();
+    };
+    // The drop has nowhere to report the refusal: the handle is gone, the memory (still the
+    // driver's) stays counted, and the next trim frees it.
+    let owned = d.allocate_owned(big).unwrap();
+    let handle = *owned;
+    refuse();
+    drop(owned);
+    assert!(driver.faults().injected() > 0, "the free reached the driver");
+    assert!(matches!(d.buffer_len(handle), Err(Error::FreedBuffer { .. })));
+    assert_eq!((d.allocated_bytes(), d.telemetry().memory.buffers), (bytes, buffers));
+    assert_eq!(d.telemetry().memory.dedicated_bytes, big, "still held, so still counted");
+    driver.faults().clear();
+    d.trim().unwrap();
+    assert_eq!(d.telemetry().memory.dedicated_bytes, 0, "the trim retried it");
+    // `free` reports the same refusal.
+    let owned = d.allocate_owned(big).unwrap();
+    refuse();
+    let e = owned.free().unwrap_err();
+    assert!(e.to_string().contains("cuMemFree_v2") && e.to_string().contains("Fix:"), "{e}");
+    driver.faults().clear();
+    d.trim().unwrap();
+    assert_eq!(d.telemetry().memory.dedicated_bytes, 0);
+}
+
+/// A cudarc view (its guard, here) refuses the free: the owner's drop leaves the buffer
+/// allocated, and a copy of the handle frees it once the view is gone.
+#[test]
+fn a_drop_refused_by_a_view_leaves_the_buffer_to_a_copy_of_its_handle() {
+    let d = device(small_chunks());
+    let (bytes, buffers, _) = held(&d);
+    let owned = d.allocate_owned(4096).unwrap();
+    let handle = *owned;
+    let view = d.core().view_guard(handle).unwrap();
+    drop(owned);
+    assert_eq!(d.buffer_len(handle).unwrap(), 4096, "viewed, so not freed");
+    let owned = d.adopt(handle).unwrap();
+    assert!(matches!(owned.free(), Err(Error::BufferViewed { views: 1, .. })));
+    drop(view);
+    d.free(handle).unwrap();
+    assert_eq!((d.allocated_bytes(), d.telemetry().memory.buffers), (bytes, buffers));
 }
 
 #[test]
