@@ -38,13 +38,13 @@
 //!
 //! let device = Device::open(0)?;
 //! let a = device.allocate(1 << 20)?; // budgeted, sub-allocated: no driver call
-//! let b = device.allocate(4096)?;
+//! let b = device.allocate_owned(4096)?; // freed when dropped; `*b` is the handle
 //!
 //! // Small writes are fused, packed into pinned memory and moved by one DMA plus one
 //! // scatter launch.
 //! let (x, y) = (vec![1u8; 300], vec![2u8; 64]);
 //! let mut uploads = device.uploads();
-//! uploads.write(a, 0, &x)?.write(b, 128, &y)?;
+//! uploads.write(a, 0, &x)?.write(*b, 128, &y)?;
 //! uploads.write_with(a, 4096, 1000, |dst| dst.fill(3))?; // fill pinned memory in place
 //! let fence = uploads.submit()?; // returns at once
 //!
@@ -67,7 +67,6 @@
 //! assert_eq!(out, rows);
 //! drop((prepared, back));
 //! device.free(a)?;
-//! device.free(b)?;
 //! # Ok::<(), cuda_resident::Error>(())
 //! ```
 //!
