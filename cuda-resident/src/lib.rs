@@ -74,7 +74,8 @@
 //!
 //! - `cudarc`: the module `cuda_resident::cudarc`, working beside
 //!   [cudarc](https://docs.rs/cudarc) (fences and lanes ordered against cudarc streams,
-//!   resident buffers as cudarc kernel arguments).
+//!   resident buffers as cudarc kernel arguments). Your own cudarc dependency chooses its CUDA
+//!   version and linking: see the module's docs.
 //! - `nccl`: `cudarc`, and cudarc's NCCL binding as `cuda_resident::cudarc::nccl`.
 //! - `internals` and `fuzzing`: for this repository's benches and fuzz target only.
 //!   `internals` exposes the copy planner and the budget rule; `fuzzing` also exposes the
