@@ -4,6 +4,8 @@
 //! tables built straight into pinned memory ([`PinnedDescriptors`]), and host memory for
 //! results ([`zeroed_vec`]).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::error::{Error, Result};
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, PEER_SEGMENT, segments};
@@ -103,9 +105,14 @@ impl Piece {
 }
 
 /// Runs `work` over `0..count` split into contiguous ranges of about equal bytes (item `i`
-/// has `bytes(i)`, `total` in all), a few per packing thread, in parallel when there is
+/// has `bytes(i)`, `total` in all), a few per copying thread, in parallel when there is
 /// enough to do: one task per range, not per item (thousands of tiny tasks cost more than
 /// the copies). Returns when every range is done.
+///
+/// The calling thread copies too: it would otherwise only wait, and the packing threads
+/// are one per core but one ([`Config::pack_threads`](crate::Config::pack_threads)), so a
+/// bulk copy runs on every core. Every thread takes the next range from a shared counter
+/// until none is left, so a thread that starts late (or is descheduled) takes fewer.
 pub(crate) fn in_groups(
     packers: &Packers,
     count: usize,
@@ -117,12 +124,24 @@ pub(crate) fn in_groups(
         return work(0..count);
     }
     let pool = packers.pool();
-    let target = (total / (pool.current_num_threads() * 4)).max(64 << 10);
+    let helpers = pool.current_num_threads();
+    let target = (total / ((helpers + 1) * 4)).max(64 << 10);
     let mut groups = Vec::new();
     pipeline::split_by_bytes(0..count, bytes, target, |group| groups.push(group));
-    use rayon::prelude::*;
+    let next = AtomicUsize::new(0);
+    let take = || {
+        while let Some(group) = groups.get(next.fetch_add(1, Ordering::Relaxed)) {
+            work(group.clone());
+        }
+    };
     let packing = pipeline::Packing::start(packers);
-    pool.install(|| groups.into_par_iter().for_each(work));
+    // The scope returns once every spawned task has; a panic in any is resumed here after.
+    pool.in_place_scope(|scope| {
+        for _ in 0..helpers.min(groups.len() - 1) {
+            scope.spawn(|_| take());
+        }
+        take();
+    });
     drop(packing);
     pipeline::linger(packers);
 }
@@ -292,5 +311,86 @@ impl PinnedDescriptors {
         self.lease = None;
         self.heap.clear();
         self.on_heap = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::thread::ThreadId;
+
+    use super::*;
+
+    /// Ranges `in_groups` ran, and on which threads.
+    fn run(threads: usize, count: usize, each: usize) -> (Vec<std::ops::Range<usize>>, Vec<ThreadId>) {
+        let packers = Packers::new(threads, 0);
+        let seen = Mutex::new((Vec::new(), Vec::new()));
+        in_groups(
+            &packers,
+            count,
+            count * each,
+            |_| each,
+            |range| {
+                // Long enough that every thread gets a range before the others run out.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                let mut seen = seen.lock().unwrap();
+                seen.0.push(range);
+                seen.1.push(std::thread::current().id());
+            },
+        );
+        let (mut ranges, threads) = seen.into_inner().unwrap();
+        ranges.sort_by_key(|r| r.start);
+        (ranges, threads)
+    }
+
+    #[test]
+    fn every_item_runs_once_and_the_calling_thread_copies_too() {
+        for (threads, count) in [(1, 2), (3, 64), (4, 1000), (2, 17)] {
+            let (ranges, ran_on) = run(threads, count, 256 << 10);
+            let mut next = 0;
+            for r in &ranges {
+                assert_eq!(r.start, next, "{threads} threads, {count} items: ranges {ranges:?}");
+                assert!(r.end > r.start);
+                next = r.end;
+            }
+            assert_eq!(next, count, "{threads} threads, {count} items: every item");
+            if ranges.len() > threads {
+                assert!(
+                    ran_on.contains(&std::thread::current().id()),
+                    "{threads} threads, {count} items: the calling thread took no range"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn small_work_runs_on_the_calling_thread_alone() {
+        let (ranges, ran_on) = run(4, 3, 1000);
+        assert_eq!(ranges, vec![0..3]);
+        assert_eq!(ran_on, vec![std::thread::current().id()]);
+    }
+
+    #[test]
+    fn a_panicking_range_reaches_the_caller_after_the_others_are_done() {
+        let packers = Packers::new(3, 0);
+        let done = AtomicUsize::new(0);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            in_groups(
+                &packers,
+                64,
+                64 << 20,
+                |_| 1 << 20,
+                |range| {
+                    assert!(!range.contains(&40), "a range that panics");
+                    done.fetch_add(range.len(), Ordering::Relaxed);
+                },
+            )
+        }));
+        assert!(r.is_err());
+        // Every other range ran, and none runs after the call returned.
+        let after = done.load(Ordering::Relaxed);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(done.load(Ordering::Relaxed), after);
+        assert!(after < 64);
     }
 }
