@@ -890,22 +890,26 @@ fn batches_staged_ahead_land_only_at_submit() {
         let mut rng = fastrand::Rng::with_seed(ahead ^ 0x5eed);
         let mut m = Model::new(&d, &mut rng, &[8 << 20; 6]);
         let w = in_order_writes(&m, &mut rng, 24 << 20);
-        let add = |d: &Device| {
+        fn add<'d>(
+            d: &'d Device,
+            m: &Model,
+            w: &'d [(usize, usize, Vec<u8>)],
+        ) -> cuda_resident::UploadBatch<'d> {
             let mut batch = d.uploads();
-            for (i, at, data) in &w {
+            for (i, at, data) in w {
                 batch.write(m.buffers[*i], *at as u64, data).unwrap();
             }
             batch
-        };
+        }
         let dmas = d.telemetry().dma_copies;
-        let dropped = add(&d);
+        let dropped = add(&d, &m, &w);
         assert_eq!(d.telemetry().dma_copies > dmas, ahead > 0, "staged ahead with {ahead} bytes");
         d.synchronize().unwrap();
         m.check(&d, "built, not submitted");
         drop(dropped);
         d.synchronize().unwrap();
         m.check(&d, "dropped after staging");
-        add(&d).submit().unwrap().wait().unwrap();
+        add(&d, &m, &w).submit().unwrap().wait().unwrap();
         for (i, at, data) in &w {
             m.expect[*i][*at..at + data.len()].copy_from_slice(data);
         }
