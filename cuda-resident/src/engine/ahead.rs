@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use super::Exec;
 use super::core::Core;
-use super::host::Piece;
+use super::host::{Source, in_groups};
 use crate::alloc::ResidentBuffer;
 use crate::engine::table::BufferTable;
 use crate::error::Result;
@@ -53,15 +53,15 @@ pub(crate) struct Ahead {
     /// Bytes of device staging held.
     held: u64,
     spans: Vec<Span>,
-    pieces: Vec<Piece>,
 }
 
 /// Where a batch's writes stand, for [`Ahead::stage`].
 pub(crate) struct Pending<'b> {
     pub(crate) table: &'b BufferTable,
     pub(crate) writes: &'b [WriteRequest],
-    /// Each write's bytes.
-    pub(crate) data: &'b dyn Fn(usize) -> &'b [u8],
+    /// Each write's bytes: slices only (a batch with writes made in place stages nothing
+    /// ahead).
+    pub(crate) sources: &'b [Source<'b>],
 }
 
 impl Ahead {
@@ -73,7 +73,6 @@ impl Ahead {
             requested: 0,
             held: 0,
             spans: Vec::new(),
-            pieces: Vec::new(),
         }
     }
 
@@ -127,26 +126,44 @@ impl Ahead {
         self.held += len;
         crate::telemetry::Telemetry::add(&core.telemetry.staging_bytes, len);
 
+        // The packing threads write each write's descriptor and copy its bytes, a group of
+        // writes each.
         let base = lease.as_ptr();
-        let table = base.cast::<CopyDescriptor>();
-        self.pieces.clear();
-        let mut requested = 0;
-        for (slot, i) in span.requests.clone().enumerate() {
-            let (w, at) = (&pending.writes[from + i], pending.table.apart.offsets[from + i] - span.start);
-            let data = (pending.data)(from + i);
-            debug_assert_eq!(data.len() as u64, w.len, "a write's slice is its length");
-            let dst = pending.table.entries[w.buffer as usize].ptr + w.offset;
-            // SAFETY: the lease holds `area` bytes of table (a descriptor a write, 8-byte
-            // aligned at its page-aligned start) and the packed bytes after them.
-            unsafe { table.add(slot).write(CopyDescriptor { src: ptr + area + at, dst, len: w.len }) };
-            // SAFETY: each write has a range of its own inside the chunk (`cut_apart`).
-            let to = unsafe { base.add((area + at) as usize) };
-            Piece::push_split(&mut self.pieces, Piece { dst: to, src: data.as_ptr(), len: data.len() });
-            requested += w.len;
-        }
-        // SAFETY: sources are the batch's live slices; destinations are disjoint ranges of
-        // the lease.
-        unsafe { Piece::copy_all(&core.packers, &self.pieces) };
+        let (first, addr) = (from + span.requests.start, base as usize);
+        let (writes, offsets) =
+            (&pending.writes[first..from + span.requests.end], &pending.table.apart.offsets[first..]);
+        let (entries, sources) = (&pending.table.entries[..], &pending.sources[first..]);
+        in_groups(
+            &core.packers,
+            writes.len(),
+            span.len as usize,
+            |k| writes[k].len as usize,
+            |group| {
+                for k in group {
+                    let (w, at) = (&writes[k], offsets[k] - span.start);
+                    let Source::Slice(data) = sources[k] else {
+                        unreachable!("a batch with writes made in place stages nothing ahead")
+                    };
+                    let d = CopyDescriptor {
+                        src: ptr + area + at,
+                        dst: entries[w.buffer as usize].ptr + w.offset,
+                        len: w.len,
+                    };
+                    // SAFETY: the lease holds `area` bytes of table (a descriptor a write, 8-byte
+                    // aligned at its page-aligned start) and the packed bytes after them; each
+                    // write has a slot and a range of its own inside the chunk (`cut_apart`).
+                    unsafe {
+                        (addr as *mut CopyDescriptor).add(k).write(d);
+                        std::ptr::copy_nonoverlapping(
+                            data.as_ptr(),
+                            (addr + (area + at) as usize) as *mut u8,
+                            data.len(),
+                        );
+                    }
+                }
+            },
+        );
+        let requested: u64 = writes.iter().map(|w| w.len).sum();
 
         let mut exec = Exec::begin(core, LaneKind::Upload);
         // SAFETY: the lease holds `len` bytes, kept alive by the submission until the DMA

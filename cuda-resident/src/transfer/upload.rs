@@ -181,12 +181,7 @@ impl<'a> UploadBatch<'a> {
             && apart.longest < core.config.direct_threshold;
         let staged = can && {
             let ahead = self.ahead.get_or_insert_with(|| Ahead::new(core));
-            let sources = &self.sources[..];
-            let data = |i: usize| match sources[i] {
-                Source::Slice(data) => data,
-                Source::Arena { .. } => unreachable!("a batch with an arena stages nothing ahead"),
-            };
-            let pending = Pending { table: &self.table, writes: &self.writes, data: &data };
+            let pending = Pending { table: &self.table, writes: &self.writes, sources: &self.sources };
             match ahead.stage(&pending, core.config.stage_ahead_bytes) {
                 Ok(all) => all,
                 Err(_) => {
