@@ -1,10 +1,13 @@
 //! The public API, named item by item: a renamed, removed or re-typed item fails to compile
-//! here. No GPU: nothing is called, the items are only named (and a few pure ones run).
+//! here, and a public item this file does not name fails `this_file_names_every_public_item`.
+//! No GPU: nothing is called, the items are only named (and a few pure ones run).
 
 // The fn types spelled out are the point here.
 #![allow(clippy::type_complexity)]
 
+use std::collections::BTreeSet;
 use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cuda_resident::{
@@ -54,6 +57,10 @@ fn every_public_item_is_named() {
     let _: unsafe fn(&Device, *mut u8) -> Result<()> = Device::unpin_host;
     let _: fn(&Device) -> Result<()> = Device::synchronize;
     let _: fn(&Device) -> Result<()> = Device::synchronize_uploads;
+    let _: unsafe fn(&Device, ResidentBuffer, u64, *const u8, usize) -> Result<Fence> =
+        Device::upload_async_at;
+    let _: unsafe fn(&Device, ResidentBuffer, u64, *mut u8, usize) -> Result<Fence> =
+        Device::download_async_at;
     let _: fn(&Device) -> TelemetrySnapshot = Device::telemetry;
 
     // Blocking conveniences: one batch each, submitted and waited for.
@@ -98,7 +105,7 @@ fn every_public_item_is_named() {
     send_sync::<FenceFuture>();
 
     // Scoped transfers: the caller's memory as the other end.
-    let _ = |d: &Device| d.scope(|s: &Scope<'_, '_>| -> Result<u8> { Ok(scoped_items(s)) });
+    let _ = |d: &Device| Device::scope(d, |s: &Scope<'_, '_>| -> Result<u8> { Ok(scoped_items(s)) });
 
     // Prepared sets.
     let _: fn(&Device, Ranges<'_>) -> Result<PreparedUploads> = Device::prepare_uploads;
@@ -153,6 +160,20 @@ fn batch_items<'a>(_device: PhantomData<&'a Device>) {
         &'a [u8],
     ) -> Result<&'b mut UploadBatch<'a>> = UploadBatch::write;
     let _: for<'b> fn(
+        &'b mut UploadBatch<'a>,
+        ResidentBuffer,
+        u64,
+        usize,
+        fn(&mut [u8]),
+    ) -> Result<&'b mut UploadBatch<'a>> = UploadBatch::write_with;
+    let _: for<'b> fn(
+        &'b mut UploadBatch<'a>,
+        ResidentBuffer,
+        u64,
+        usize,
+        fn(&mut [u8]),
+    ) -> Result<&'b mut UploadBatch<'a>> = UploadBatch::write_with_par;
+    let _: for<'b> fn(
         &'b mut PeerBatch<'a>,
         ResidentBuffer,
         u64,
@@ -189,6 +210,17 @@ fn batch_items<'a>(_device: PhantomData<&'a Device>) {
 
 #[test]
 fn config_is_built_from_its_defaults_with_setters() {
+    let _: fn(Config, f64) -> Config = Config::with_budget_fraction;
+    let _: fn(Config, u64) -> Config = Config::with_slab_bytes;
+    let _: fn(Config, u64) -> Config = Config::with_pinned_cap_bytes;
+    let _: fn(Config, u64) -> Config = Config::with_pinned_prewarm_bytes;
+    let _: fn(Config, u64) -> Config = Config::with_chunk_bytes;
+    let _: fn(Config, u64) -> Config = Config::with_direct_threshold;
+    let _: fn(Config, usize) -> Config = Config::with_pack_threads;
+    let _: fn(Config, u64) -> Config = Config::with_pack_linger_us;
+    let _: fn(Config, bool) -> Config = Config::with_small_copies_over_bus;
+    let _: fn(&Config) -> Result<()> = Config::validate;
+    let _: fn(&Config) -> usize = Config::resolved_pack_threads;
     let config = Config::default()
         .with_budget_fraction(0.5)
         .with_slab_bytes(32 << 20)
@@ -218,8 +250,8 @@ fn config_is_built_from_its_defaults_with_setters() {
 
 /// The items of a scope's batches, named with the scope's lifetime.
 fn scoped_items<'scope>(s: &'scope Scope<'scope, '_>) -> u8 {
-    let _: ScopedUploads<'scope> = s.uploads();
-    let _: ScopedDownloads<'scope> = s.downloads();
+    let _: ScopedUploads<'scope> = Scope::uploads(s);
+    let _: ScopedDownloads<'scope> = Scope::downloads(s);
     let _: for<'b> fn(
         &'b mut ScopedUploads<'scope>,
         ResidentBuffer,
@@ -232,6 +264,14 @@ fn scoped_items<'scope>(s: &'scope Scope<'scope, '_>) -> u8 {
         u64,
         &'scope mut [u8],
     ) -> Result<&'b mut ScopedDownloads<'scope>> = ScopedDownloads::read_into;
+    let _: for<'b> fn(
+        &'b mut ScopedUploads<'scope>,
+        Vec<(ResidentBuffer, u64, &'scope [u8])>,
+    ) -> Result<&'b mut ScopedUploads<'scope>> = ScopedUploads::write_many;
+    let _: for<'b> fn(
+        &'b mut ScopedDownloads<'scope>,
+        Vec<(ResidentBuffer, u64, &'scope mut [u8])>,
+    ) -> Result<&'b mut ScopedDownloads<'scope>> = ScopedDownloads::read_into_many;
     let _: fn(ScopedUploads<'scope>) -> Result<()> = ScopedUploads::submit;
     let _: fn(ScopedUploads<'scope>) -> Result<Fence> = ScopedUploads::submit_fenced;
     let _: fn(ScopedDownloads<'scope>) -> Result<()> = ScopedDownloads::submit;
@@ -241,4 +281,185 @@ fn scoped_items<'scope>(s: &'scope Scope<'scope, '_>) -> u8 {
     let _: fn(&ScopedDownloads<'scope>) -> usize = ScopedDownloads::len;
     let _: fn(&ScopedDownloads<'scope>) -> bool = ScopedDownloads::is_empty;
     0
+}
+
+/// Fails when the crate has a public item that this file does not name. The rule, applied to
+/// the crate's source with a line scan (the code is rustfmt-formatted; an `impl` header it
+/// cannot read fails the test rather than being skipped):
+///
+/// - Public items are the names `src/lib.rs` re-exports at the crate root (`pub use`), and the
+///   `pub fn` and `pub const` items at the first level of a top-level inherent `impl` block
+///   (`impl Type {`, `impl<'a> Type<'a> {`; not `impl Trait for Type`) of one of those types,
+///   in any file under `src/`.
+/// - Left out: files of modules that `lib.rs` compiles only under `cfg(test)` or with a
+///   feature (`cudarc`, `internals`: this test builds without features), test files
+///   (`tests.rs`, `*_tests.rs`, `proptests.rs`), items marked `#[cfg(test)]`,
+///   `#[cfg(feature = ...)]` or `#[doc(hidden)]`, and `pub(crate)` and narrower items.
+///   Struct fields, enum variants and trait impls are not counted: the tests that use them
+///   name them.
+/// - A root name counts as named when it appears as a word in this file's code, a method when
+///   `Type::method` does (comments are not code). Name a method by its path, as a typed fn
+///   pointer above or a call in `Type::method(receiver, ...)` form.
+#[test]
+fn this_file_names_every_public_item() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let lib = read(&root.join("src/lib.rs"));
+    let exported = root_exports(&lib);
+    let gated = gated_modules(&lib);
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    let mut public: BTreeSet<String> = exported.iter().cloned().collect();
+    for file in &files {
+        let rel = file.strip_prefix(root.join("src")).unwrap();
+        let top = rel.iter().next().unwrap().to_str().unwrap().trim_end_matches(".rs");
+        let stem = file.file_stem().unwrap().to_str().unwrap();
+        if gated.contains(top) || stem == "tests" || stem == "proptests" || stem.ends_with("_tests") {
+            continue;
+        }
+        public.extend(impl_items(&read(file), &exported, rel));
+    }
+    let this = read(&root.join("tests/api_surface.rs"));
+    let code: String =
+        this.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+    let missing: Vec<_> = public.iter().filter(|item| !names(&code, item)).collect();
+    assert!(
+        public.len() > 100,
+        "the scan found only {} public items: is the rule still right?",
+        public.len()
+    );
+    assert!(missing.is_empty(), "public items not named in tests/api_surface.rs: {missing:?}");
+}
+
+/// The names re-exported at the crate root: `pub use path::{A, B};` or `pub use path::A;`.
+fn root_exports(lib: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut rest = lib;
+    while let Some(at) = rest.find("\npub use ") {
+        let body = &rest[at + "\npub use ".len()..];
+        let end = body.find(';').expect("a pub use ends with ;");
+        let list = &body[..end];
+        let list = match (list.find('{'), list.rfind('}')) {
+            (Some(open), Some(close)) => &list[open + 1..close],
+            _ => list.rsplit("::").next().unwrap(),
+        };
+        names.extend(list.split(',').map(str::trim).filter(|n| !n.is_empty()).map(String::from));
+        rest = &body[end..];
+    }
+    names
+}
+
+/// Modules that `lib.rs` declares only under `cfg(test)` or with a feature on.
+fn gated_modules(lib: &str) -> BTreeSet<String> {
+    let (mut gated, mut always) = (BTreeSet::new(), BTreeSet::new());
+    let mut cfg: Option<&str> = None;
+    for line in lib.lines().map(str::trim) {
+        if line.starts_with("#[cfg(") {
+            cfg = Some(line);
+            continue;
+        }
+        if line.starts_with("#[") || line.starts_with("//") {
+            continue;
+        }
+        let decl = line.strip_prefix("pub ").unwrap_or(line).strip_prefix("mod ");
+        if let Some(name) = decl.map(|d| d.trim_end_matches(';').trim_end_matches(" {").trim()) {
+            match cfg {
+                Some(c) if c.contains("test") || (c.contains("feature") && !c.contains("not(")) => {
+                    gated.insert(name.to_string())
+                }
+                _ => always.insert(name.to_string()),
+            };
+        }
+        cfg = None;
+    }
+    gated.difference(&always).cloned().collect()
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for path in entries {
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// `Type::item` for each `pub fn` / `pub const` at the first level of a top-level inherent
+/// impl of an exported type.
+fn impl_items(text: &str, exported: &BTreeSet<String>, file: &Path) -> Vec<String> {
+    let mut items = Vec::new();
+    let (mut ty, mut hidden) = (None::<String>, false);
+    for line in text.lines() {
+        if line.starts_with("impl ") || line.starts_with("impl<") {
+            ty = Some(
+                inherent_impl_type(line)
+                    .unwrap_or_else(|| panic!("{}: cannot read `{line}`", file.display())),
+            );
+            hidden = false;
+            continue;
+        }
+        if line == "}" {
+            ty = None;
+        }
+        let Some(t) = ty.as_ref().filter(|t| exported.contains(*t)) else { continue };
+        if let Some(attr) = line.strip_prefix("    #[") {
+            hidden |= ["cfg(test", "cfg(feature", "doc(hidden"].iter().any(|a| attr.starts_with(a));
+            continue;
+        }
+        if line.starts_with("    ///") || line.trim().is_empty() {
+            continue;
+        }
+        if let Some(name) = pub_item(line).filter(|_| !hidden) {
+            items.push(format!("{t}::{name}"));
+        }
+        if !line.starts_with("        ") {
+            hidden = false;
+        }
+    }
+    items
+}
+
+/// The self type of `impl<..> Type<..> {`; `Some("")` for a trait impl (counted as no type).
+fn inherent_impl_type(line: &str) -> Option<String> {
+    let header = line.strip_prefix("impl")?.strip_suffix(" {")?;
+    if header.contains(" for ") {
+        return Some(String::new());
+    }
+    let mut rest = header;
+    if rest.starts_with('<') {
+        let mut depth = 0;
+        let close = rest.char_indices().find(|&(_, c)| {
+            depth += match c {
+                '<' => 1,
+                '>' => -1,
+                _ => 0,
+            };
+            depth == 0
+        })?;
+        rest = &rest[close.0 + 1..];
+    }
+    let name: String = rest.trim_start().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+    (!name.is_empty()).then_some(name)
+}
+
+/// The name of `    pub [const|async|unsafe] fn name` or `    pub const NAME:`.
+fn pub_item(line: &str) -> Option<String> {
+    let mut rest = line.strip_prefix("    pub ")?;
+    let is_const = rest.starts_with("const ") && !rest.starts_with("const fn ");
+    while let Some(r) = ["const ", "async ", "unsafe "].iter().find_map(|q| rest.strip_prefix(q)) {
+        rest = r;
+    }
+    let rest = if is_const { rest } else { rest.strip_prefix("fn ")? };
+    let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+    (!name.is_empty()).then_some(name)
+}
+
+/// Whether `code` holds `item` as a whole path or word (not as part of a longer name).
+fn names(code: &str, item: &str) -> bool {
+    let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+    code.match_indices(item)
+        .any(|(at, _)| !word(code[..at].chars().next_back()) && !word(code[at + item.len()..].chars().next()))
 }
