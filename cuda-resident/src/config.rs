@@ -97,15 +97,6 @@ pub struct Config {
     ///
     /// [`Device::moves_small_copies_over_bus`]: crate::Device::moves_small_copies_over_bus
     pub small_copies_over_bus: bool,
-    /// Bytes of an upload batch staged ahead, while it is being built: once the small
-    /// writes of a batch (each from a slice, in order and apart: the batch that moves by one
-    /// launch a chunk) fill a few MiB, the packing threads copy them into pinned memory and
-    /// one DMA takes them to device staging of the batch's own, while the caller goes on
-    /// adding writes; `submit` then only scatters them. Nothing reaches a destination before
-    /// `submit`: a batch dropped, refused or poisoned moves nothing. Up to this many bytes
-    /// of a batch (and as much device memory, counted as the library's) are staged ahead;
-    /// the rest moves at submit. 0 turns it off; at most 1 TiB; default 64 MiB.
-    pub stage_ahead_bytes: u64,
 }
 
 impl Default for Config {
@@ -120,7 +111,6 @@ impl Default for Config {
             pack_threads: 0,
             pack_linger_us: 300,
             small_copies_over_bus: true,
-            stage_ahead_bytes: 64 << 20,
         }
     }
 }
@@ -209,14 +199,6 @@ impl Config {
                 self.direct_threshold.to_string(),
                 "it must be between 1 and chunk_bytes",
                 "use 256 KiB (the default)",
-            );
-        }
-        if self.stage_ahead_bytes > MAX_SLAB {
-            return invalid(
-                "stage_ahead_bytes",
-                self.stage_ahead_bytes.to_string(),
-                "it must be at most 1 TiB",
-                "use 64 MiB (the default), or 0 to stage every byte at submit",
             );
         }
         Ok(())
@@ -313,13 +295,6 @@ impl Config {
     #[must_use]
     pub fn with_small_copies_over_bus(mut self, small_copies_over_bus: bool) -> Config {
         self.small_copies_over_bus = small_copies_over_bus;
-        self
-    }
-
-    /// Sets [`Config::stage_ahead_bytes`].
-    #[must_use]
-    pub fn with_stage_ahead_bytes(mut self, stage_ahead_bytes: u64) -> Config {
-        self.stage_ahead_bytes = stage_ahead_bytes;
         self
     }
 }

@@ -219,7 +219,6 @@ fn config_is_built_from_its_defaults_with_setters() {
     let _: fn(Config, usize) -> Config = Config::with_pack_threads;
     let _: fn(Config, u64) -> Config = Config::with_pack_linger_us;
     let _: fn(Config, bool) -> Config = Config::with_small_copies_over_bus;
-    let _: fn(Config, u64) -> Config = Config::with_stage_ahead_bytes;
     let _: fn(&Config) -> Result<()> = Config::validate;
     let _: fn(&Config) -> usize = Config::resolved_pack_threads;
     let config = Config::default()
@@ -231,8 +230,7 @@ fn config_is_built_from_its_defaults_with_setters() {
         .with_direct_threshold(64 << 10)
         .with_pack_threads(2)
         .with_pack_linger_us(0)
-        .with_small_copies_over_bus(false)
-        .with_stage_ahead_bytes(0);
+        .with_small_copies_over_bus(false);
     let mut same = Config::default();
     same.budget_fraction = 0.5;
     same.slab_bytes = 32 << 20;
@@ -243,7 +241,6 @@ fn config_is_built_from_its_defaults_with_setters() {
     same.pack_threads = 2;
     same.pack_linger_us = 0;
     same.small_copies_over_bus = false;
-    same.stage_ahead_bytes = 0;
     assert_eq!(config, same);
     config.validate().unwrap();
     assert_eq!(config.resolved_pack_threads(), 2);

@@ -127,10 +127,6 @@ pub(crate) struct Args {
     /// gather) instead of by the kernel over the bus (Config::small_copies_over_bus = false).
     #[arg(long)]
     pub(crate) staged_small_copies: bool,
-    /// Bytes of an upload batch cuda-resident stages while it is built, a size
-    /// (Config::stage_ahead_bytes; 0 stages every byte at submit; default: the library's).
-    #[arg(long, value_parser = size::parse)]
-    pub(crate) stage_ahead: Option<u64>,
     /// Also print, on stderr, where the time of a batch goes (adding requests, submit,
     /// waiting), for the many-small and the scattered cases, each way, and for the paging
     /// suite's swaps (each direction's times from the start, for "both" too).
@@ -270,9 +266,6 @@ pub(crate) fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
         config.pack_threads = threads;
     }
     config.small_copies_over_bus = !args.staged_small_copies;
-    if let Some(bytes) = args.stage_ahead {
-        config.stage_ahead_bytes = bytes;
-    }
     if args.runs_paging() {
         let cap = paging_pinned_cap(args, config.chunk_bytes);
         if cap > config.pinned_cap_bytes {

@@ -157,7 +157,6 @@ pub(crate) fn config_json(d: &Device) -> serde_json::Value {
         "pack_threads": c.pack_threads, "resolved_pack_threads": c.resolved_pack_threads(),
         "pack_linger_us": c.pack_linger_us, "small_copies_over_bus": c.small_copies_over_bus,
         "moves_small_copies_over_bus": d.moves_small_copies_over_bus(),
-        "stage_ahead_bytes": c.stage_ahead_bytes,
     })
 }
 

@@ -24,9 +24,8 @@
 //! packing threads), [`host`], [`order`] (ordering by byte range), [`table`], [`staging`]
 //! and [`spares`], then [`core`], then the executor here. The leaves take the parts of the
 //! core they need (the packing threads, the allocator, a source of pinned staging), not the
-//! core. [`ahead`] (chunks of an upload batch staged while it is built) runs on the executor.
+//! core.
 
-pub(crate) mod ahead;
 pub(crate) mod core;
 pub(crate) mod host;
 pub(crate) mod order;
@@ -280,19 +279,6 @@ impl<'a> Exec<'a> {
         let seq = self.batch.submit(keep, |raw, stream, _| enqueue(&mut Enqueue { raw, stream, moves }))?;
         self.moves.submissions += 1;
         Ok(seq)
-    }
-
-    /// Enqueues a submission that claims no buffer: work on the library's own memory only
-    /// (a chunk staged ahead, [`ahead`]), whose moves are counted but which is not one of
-    /// the batch's submissions (the batch claims nothing). Returns its number.
-    pub(crate) fn stage(
-        &mut self,
-        keep: KeepAlive,
-        enqueue: impl FnOnce(&mut Enqueue<'_>) -> Result<()>,
-    ) -> Result<u64> {
-        debug_assert!(!self.claimed, "staging ahead claims nothing");
-        let moves = &mut self.moves;
-        self.batch.submit(keep, |raw, stream, _| enqueue(&mut Enqueue { raw, stream, moves }))
     }
 
     /// A submission that enqueues nothing and only keeps `keep` until the work before it on

@@ -129,21 +129,6 @@ pub(crate) const READ_DEPTH: u64 = 8;
 /// Chunks of one batch in flight at once; packing chunk `k` waits for chunk `k - RING`.
 pub(crate) const RING: usize = 4;
 
-/// The budget (descriptor table and packed bytes) of a chunk an upload batch stages ahead,
-/// while it is built (`engine::ahead`): the allocator's largest size class, so that each
-/// chunk's device staging comes from and goes back to its cache.
-pub(crate) const AHEAD_CHUNK: u64 = crate::alloc::classes::MAX_CLASS_BYTES;
-
-/// A batch stages its pending writes ahead once they span this many flat bytes
-/// ([`Apart::end`] past the last chunk staged), or [`AHEAD_DUE_WRITES`] writes: most of a
-/// chunk, so that each chunk's packing and DMA are worth their fixed costs (waking the
-/// packing threads, taking the lane), and the first leaves while the caller adds the rest.
-pub(crate) const AHEAD_DUE: u64 = 3 << 20;
-
-/// [`AHEAD_DUE`] in writes: a write takes at least 16 flat bytes and a 24-byte descriptor, so
-/// this many fill at most a chunk's budget.
-pub(crate) const AHEAD_DUE_WRITES: usize = (AHEAD_DUE / 64) as usize;
-
 /// Chunks are never cut smaller than this for pipelining.
 const MIN_PIPELINE_CHUNK: u64 = 1 << 20;
 

@@ -21,8 +21,6 @@ pub use upload::UploadBatch;
 #[cfg(test)]
 mod adversary_tests;
 #[cfg(test)]
-mod ahead_tests;
-#[cfg(test)]
 mod bulk_tests;
 #[cfg(test)]
 mod callback_tests;

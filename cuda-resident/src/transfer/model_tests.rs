@@ -442,8 +442,7 @@ fn pipelined_ranges(count: usize) -> Vec<(usize, usize, usize)> {
 
 #[test]
 fn large_batches_in_order_pack_and_copy_out_while_chunks_move() {
-    // Nothing staged ahead: the whole upload is packed at submit.
-    let d = device(small_chunks().with_stage_ahead_bytes(0));
+    let d = device(small_chunks());
     let mut rng = fastrand::Rng::with_seed(36);
     let mut m = Model::new(&d, &mut rng, &[4 << 20]);
     let runs = || crate::engine::pipeline::PARALLEL_RUNS.with(|n| n.get());

@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::engine::Exec;
-use crate::engine::ahead::{Ahead, Pending};
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
@@ -23,8 +22,7 @@ use crate::error::{Error, Result};
 use crate::host_pool::{HostLease, arena_floor};
 use crate::kernels::{CopyDescriptor, SEGMENT, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::route::{
-    self, AHEAD_DUE, AHEAD_DUE_WRITES, FIRST_CHUNK, PIPELINE_DEPTH, RING, Route, Span, UploadShape,
-    cut_apart, growing, in_order_chunk,
+    self, FIRST_CHUNK, PIPELINE_DEPTH, RING, Route, Span, UploadShape, cut_apart, growing, in_order_chunk,
 };
 use crate::plan::{PlanConfig, WriteRequest};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
@@ -68,13 +66,6 @@ pub struct UploadBatch<'a> {
     closures: Vec<MaybeUninit<u8>>,
     error: Option<Error>,
     spare: Spare,
-    /// The chunks staged ahead ([`Config::stage_ahead_bytes`](crate::Config::stage_ahead_bytes)),
-    /// made at the first.
-    ahead: Option<Ahead>,
-    /// The next chunk is staged ahead once the layout's flat end reaches this, or the
-    /// batch this many writes (`MAX`: not staging ahead).
-    due_end: u64,
-    due_writes: usize,
 }
 
 /// Hands a submitted batch's vectors back to its device when the batch goes. A field of its
@@ -121,9 +112,6 @@ pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
         closures: Vec::new(),
         error: None,
         spare: Spare { core: Arc::clone(core), parts: UploadParts::default() },
-        ahead: None,
-        due_end: if core.config.stage_ahead_bytes > 0 { AHEAD_DUE } else { u64::MAX },
-        due_writes: if core.config.stage_ahead_bytes > 0 { AHEAD_DUE_WRITES } else { usize::MAX },
     }
 }
 
@@ -153,48 +141,7 @@ impl<'a> UploadBatch<'a> {
         self.add(buffer, offset, data.len() as u64)?;
         self.sources.push(Source::Slice(data));
         self.slice_writes += 1;
-        if self.is_due() {
-            self.stage_ahead();
-        }
         Ok(self)
-    }
-
-    /// Whether the writes added since the last chunk staged ahead fill the next one.
-    #[inline(always)]
-    fn is_due(&self) -> bool {
-        self.table.apart.end >= self.due_end || self.writes.len() >= self.due_writes
-    }
-
-    /// Stages the writes added since the last chunk staged ahead ([`crate::engine::ahead`]),
-    /// while the batch can still take the in-order route: every write from a slice, in
-    /// order and apart, none made in place, none bad. Where it cannot (or the cap, the
-    /// pinned pool, the budget or the driver says no), the batch stops staging ahead and
-    /// the rest moves at submit; what a driver error spoiled is dropped whole.
-    #[cold]
-    #[inline(never)]
-    fn stage_ahead(&mut self) {
-        let core = self.core;
-        let apart = &self.table.apart;
-        let can = self.error.is_none()
-            && self.arena.is_empty()
-            && !apart.broken
-            && apart.longest < core.config.direct_threshold;
-        let staged = can && {
-            let ahead = self.ahead.get_or_insert_with(|| Ahead::new(core));
-            let pending = Pending { table: &self.table, writes: &self.writes, sources: &self.sources };
-            match ahead.stage(&pending, core.config.stage_ahead_bytes) {
-                Ok(all) => all,
-                Err(_) => {
-                    // The driver's error comes again at submit, which moves every write.
-                    self.ahead = None;
-                    false
-                }
-            }
-        };
-        (self.due_end, self.due_writes) = match staged {
-            true => (self.table.apart.end + AHEAD_DUE, self.writes.len() + AHEAD_DUE_WRITES),
-            false => (u64::MAX, usize::MAX),
-        };
     }
 
     /// Adds a write for each `(buffer, offset, data)` item, in order, as that many
@@ -245,9 +192,6 @@ impl<'a> UploadBatch<'a> {
                     batch.sources.push(Source::Slice(data));
                     batch.slice_writes += 1;
                     *at += 1;
-                    if batch.is_due() {
-                        batch.stage_ahead();
-                    }
                 }
                 Ok(())
             },
@@ -264,7 +208,6 @@ impl<'a> UploadBatch<'a> {
         self.writes.truncate(index);
         self.sources.truncate(index);
         self.arena.clear();
-        self.ahead = None;
         self.arena_used.clear();
         self.arena_descriptors.clear();
         self.par.clear();
@@ -380,9 +323,6 @@ impl<'a> UploadBatch<'a> {
     /// the lease and the offset in it. On a refusal of pinned memory, poisons the batch.
     fn stage(&mut self, buffer: ResidentBuffer, offset: u64, len: usize, par: bool) -> Result<(u32, usize)> {
         self.add(buffer, offset, len as u64)?;
-        // A batch with writes made in place takes another route: what was staged ahead is
-        // given back.
-        (self.ahead, self.due_end, self.due_writes) = (None, u64::MAX, usize::MAX);
         // Same address residue mod 16 as the destination (buffers are 256-aligned), so the
         // scatter can use 16-byte accesses.
         let residue = (offset % 16) as usize;
@@ -1046,14 +986,9 @@ fn execute_in_order(
     let core = batch.core;
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
     let DeviceStaging { spans, region, .. } = scratch;
-    let apart = &batch.table.apart;
-    debug_assert_eq!(apart.offsets.len(), batch.writes.len(), "one offset a write");
-    // The writes staged ahead (`engine::ahead`) only need their scatters; the rest, from
-    // `from`, are laid out, packed and moved here.
-    let ahead = batch.ahead.as_ref().map(|a| (a.staged, &a.chunks[..], a.requested));
-    let (from, staged, staged_bytes) = ahead.unwrap_or((0, &[], 0));
-    let (writes, offsets) = (&batch.writes[from..], &apart.offsets[from..]);
-    let requested = apart.requested - staged_bytes;
+    let (writes, apart) = (&batch.writes[..], &batch.table.apart);
+    let (offsets, requested) = (&apart.offsets[..], apart.requested);
+    debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
     let chunk_bytes = in_order_chunk(core.config.chunk_bytes, requested, PIPELINE_DEPTH);
     // Over the bus a chunk costs a launch: the first is small and leaves while the rest is
     // packed. Through device staging (a DMA and a launch a chunk) chunks stay equal.
@@ -1064,19 +999,9 @@ fn execute_in_order(
     }
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
-    exec.claim_ranges(batch.table.buffers(), (staged.len() + spans.len()) as u64, batch.ranges())?;
-    exec.requested(apart.requested);
+    exec.claim_ranges(batch.table.buffers(), spans.len() as u64, batch.ranges())?;
+    exec.requested(requested);
     let kernels = exec.kernels()?;
-    for chunk in staged {
-        // SAFETY: the chunk's table and packed bytes are in its device staging, by stream
-        // order (its DMA is an earlier submission of this lane), which is freed only after
-        // this lane's submissions so far; destinations are disjoint ranges (writes in order
-        // do not overlap) of live, marked buffers.
-        exec.submit(Vec::new(), |q| unsafe { q.launch(kernels, chunk.ptr, chunk.count, 0) })?;
-    }
-    if spans.is_empty() {
-        return Ok(exec.finish());
-    }
     // Where the kernel finds the packed bytes: in the lease itself, or in device staging.
     let dev = if core.moves_small_copies_over_bus() { None } else { Some(exec.region(region, device_need)?) };
     let spans = &*spans;
@@ -1153,8 +1078,8 @@ fn execute_in_order(
             let span = &spans[k];
             let (base, area) = (bases[k].load(Ordering::Relaxed), area(span));
             for i in items {
-                let (w, at) = (&writes[i], offsets[i] - span.start);
-                let Source::Slice(data) = batch.sources[from + i] else {
+                let (w, at) = (&batch.writes[i], offsets[i] - span.start);
+                let Source::Slice(data) = batch.sources[i] else {
                     unreachable!("only slices take this path")
                 };
                 let from = dev.unwrap_or(base as u64);
