@@ -127,6 +127,9 @@ mod telemetry;
 #[cfg(test)]
 mod testing;
 mod transfer;
+#[cfg(feature = "safetensors")]
+#[cfg_attr(docsrs, doc(cfg(feature = "safetensors")))]
+pub mod weights;
 
 pub use alloc::classes::{GRANULE, MAX_CLASS_BYTES};
 pub use alloc::{AllocatorStats, ResidentBuffer};
