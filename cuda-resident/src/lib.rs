@@ -163,4 +163,7 @@ mod readme_doctests {}
 #[doc(hidden)]
 pub mod internals {
     pub use crate::{budget, plan};
+    /// A checkpoint header's checks (with the `safetensors` feature), for the fuzz target.
+    #[cfg(feature = "safetensors")]
+    pub use crate::weights::header as weights_header;
 }

@@ -109,6 +109,38 @@ pub(crate) fn byte_len(shape: &[usize], dtype: Dtype) -> Option<u64> {
     (bits % 8 == 0).then_some(bits / 8)
 }
 
+/// For the fuzz target (`internals`): [`parse`] of `file`, as `(start, len)` of each tensor,
+/// after checking what every success promises (each range inside the file, after the
+/// header, in order and apart, as long as its shape says); a broken promise panics.
+#[cfg(feature = "internals")]
+pub fn check_parse(file: &[u8]) -> Result<Vec<(u64, u64)>, String> {
+    let header = parse(Path::new("fuzz"), file).map_err(|e| e.to_string())?;
+    let mut end = file.len() as u64 - header.data_bytes;
+    for e in &header.entries {
+        assert!(e.start >= end && e.start + e.len <= file.len() as u64, "{e:?} outside the file or overlapping");
+        assert_eq!(byte_len(&e.shape, e.dtype), Some(e.len));
+        end = e.start + e.len;
+    }
+    Ok(header.entries.iter().map(|e| (e.start, e.len)).collect())
+}
+
+/// For the fuzz target (`internals`): [`spans`] of any numbers, `(begin, end)` offsets and
+/// a shape of bf16 each; on success, the promises of [`check_parse`] are checked.
+#[cfg(feature = "internals")]
+pub fn check_spans(data_start: u64, file_len: u64, tensors: &[((u64, u64), Vec<usize>)]) -> Result<(), String> {
+    let infos = tensors.iter().enumerate().map(|(i, ((s, e), shape))| {
+        let info = TensorInfo { dtype: Dtype::BF16, shape: shape.clone(), data_offsets: (*s as usize, *e as usize) };
+        (format!("t{i}"), info)
+    });
+    let entries = spans(data_start, file_len, infos)?;
+    let mut end = data_start;
+    for e in &entries {
+        assert!(e.start >= end && e.start.checked_add(e.len).is_some_and(|x| x <= file_len), "{e:?}");
+        end = e.start + e.len;
+    }
+    Ok(())
+}
+
 fn bad(path: &Path, detail: String) -> WeightsError {
     WeightsError::BadHeader { path: path.to_owned(), detail }
 }

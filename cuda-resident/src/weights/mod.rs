@@ -55,6 +55,11 @@
 //! started.
 
 mod error;
+// The header's checks are public (hidden) with `internals`, for the fuzz target.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod header;
+#[cfg(not(feature = "internals"))]
 pub(crate) mod header;
 mod load;
 mod save;
