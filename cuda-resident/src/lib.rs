@@ -77,6 +77,9 @@
 //!   resident buffers as cudarc kernel arguments). Your own cudarc dependency chooses its CUDA
 //!   version and linking: see the module's docs.
 //! - `nccl`: `cudarc`, and cudarc's NCCL binding as `cuda_resident::cudarc::nccl`.
+//! - `safetensors`: the module [`weights`](crate::weights): safetensors checkpoints loaded
+//!   into resident buffers and saved from them through the engine
+//!   (`Device::load_safetensors`, `Device::save_safetensors`).
 //! - `internals` and `fuzzing`: for this repository's benches and fuzz target only.
 //!   `internals` exposes the copy planner and the budget rule; `fuzzing` also exposes the
 //!   planner's test byte model. Both are unstable, hidden from these docs, not part of the
