@@ -77,7 +77,7 @@
 //!   resident buffers as cudarc kernel arguments). Your own cudarc dependency chooses its CUDA
 //!   version and linking: see the module's docs.
 //! - `nccl`: `cudarc`, and cudarc's NCCL binding as `cuda_resident::cudarc::nccl`.
-//! - `safetensors`: the module [`weights`](crate::weights): safetensors checkpoints loaded
+//! - `safetensors`: the module `cuda_resident::weights`: safetensors checkpoints loaded
 //!   into resident buffers and saved from them through the engine
 //!   (`Device::load_safetensors`, `Device::save_safetensors`).
 //! - `internals` and `fuzzing`: for this repository's benches and fuzz target only.
@@ -165,8 +165,8 @@ mod readme_doctests {}
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod internals {
-    pub use crate::{budget, plan};
     /// A checkpoint header's checks (with the `safetensors` feature), for the fuzz target.
     #[cfg(feature = "safetensors")]
     pub use crate::weights::header as weights_header;
+    pub use crate::{budget, plan};
 }

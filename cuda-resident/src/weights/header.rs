@@ -117,7 +117,10 @@ pub fn check_parse(file: &[u8]) -> Result<Vec<(u64, u64)>, String> {
     let header = parse(Path::new("fuzz"), file).map_err(|e| e.to_string())?;
     let mut end = file.len() as u64 - header.data_bytes;
     for e in &header.entries {
-        assert!(e.start >= end && e.start + e.len <= file.len() as u64, "{e:?} outside the file or overlapping");
+        assert!(
+            e.start >= end && e.start + e.len <= file.len() as u64,
+            "{e:?} outside the file or overlapping"
+        );
         assert_eq!(byte_len(&e.shape, e.dtype), Some(e.len));
         end = e.start + e.len;
     }
@@ -127,9 +130,14 @@ pub fn check_parse(file: &[u8]) -> Result<Vec<(u64, u64)>, String> {
 /// For the fuzz target (`internals`): [`spans`] of any numbers, `(begin, end)` offsets and
 /// a shape of bf16 each; on success, the promises of [`check_parse`] are checked.
 #[cfg(feature = "internals")]
-pub fn check_spans(data_start: u64, file_len: u64, tensors: &[((u64, u64), Vec<usize>)]) -> Result<(), String> {
+pub fn check_spans(
+    data_start: u64,
+    file_len: u64,
+    tensors: &[((u64, u64), Vec<usize>)],
+) -> Result<(), String> {
     let infos = tensors.iter().enumerate().map(|(i, ((s, e), shape))| {
-        let info = TensorInfo { dtype: Dtype::BF16, shape: shape.clone(), data_offsets: (*s as usize, *e as usize) };
+        let info =
+            TensorInfo { dtype: Dtype::BF16, shape: shape.clone(), data_offsets: (*s as usize, *e as usize) };
         (format!("t{i}"), info)
     });
     let entries = spans(data_start, file_len, infos)?;

@@ -158,7 +158,7 @@ fn upload(
     options: &mut LoadOptions<'_>,
 ) -> Result<()> {
     let total: u64 = entries.iter().map(|e| e.len).sum();
-    let step = options.batch_bytes.max(MIN_BATCH);
+    let step = options.pacing.batch_bytes.max(MIN_BATCH);
     let mut fences: Vec<Fence> = Vec::new();
     let mut done = 0u64;
     let mut batch = device.uploads();
@@ -176,9 +176,7 @@ fn upload(
                 fences.push(std::mem::replace(&mut batch, device.uploads()).submit()?);
                 done += in_batch;
                 in_batch = 0;
-                if let Some(progress) = options.progress.as_mut() {
-                    progress(done, total);
-                }
+                options.pacing.report(done, total);
             }
         }
     }
@@ -190,8 +188,6 @@ fn upload(
     for fence in fences {
         fence.wait()?;
     }
-    if let Some(progress) = options.progress.as_mut() {
-        progress(total, total);
-    }
+    options.pacing.report(total, total);
     Ok(())
 }

@@ -216,38 +216,52 @@ impl Tensor {
 /// A progress callback: bytes done, bytes in all.
 type Progress<'p> = Box<dyn FnMut(u64, u64) + 'p>;
 
-/// How [`Device::load_safetensors_with`] loads.
-#[must_use]
-pub struct LoadOptions<'p> {
-    arena: bool,
+/// Bytes an upload or download batch of a load or save moves by default: progress is
+/// reported after each, and batches follow each other on the lane with no gap.
+pub const DEFAULT_BATCH_BYTES: u64 = 256 << 20;
+
+/// What loads and saves share: the size of their batches and the progress callback.
+struct Pacing<'p> {
     progress: Option<Progress<'p>>,
     batch_bytes: u64,
 }
 
-impl fmt::Debug for LoadOptions<'_> {
+impl Default for Pacing<'_> {
+    fn default() -> Self {
+        Pacing { progress: None, batch_bytes: DEFAULT_BATCH_BYTES }
+    }
+}
+
+impl fmt::Debug for Pacing<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LoadOptions")
-            .field("arena", &self.arena)
+        f.debug_struct("Pacing")
             .field("progress", &self.progress.is_some())
             .field("batch_bytes", &self.batch_bytes)
             .finish()
     }
 }
 
-impl Default for LoadOptions<'_> {
-    fn default() -> Self {
-        LoadOptions::new()
+impl Pacing<'_> {
+    /// Calls the progress callback, where there is one.
+    fn report(&mut self, done: u64, total: u64) {
+        if let Some(progress) = self.progress.as_mut() {
+            progress(done, total);
+        }
     }
 }
 
-/// Bytes an upload or download batch of a load or save moves by default: progress is
-/// reported after each, and batches follow each other on the lane with no gap.
-pub const DEFAULT_BATCH_BYTES: u64 = 256 << 20;
+/// How [`Device::load_safetensors_with`] loads.
+#[must_use]
+#[derive(Debug, Default)]
+pub struct LoadOptions<'p> {
+    arena: bool,
+    pacing: Pacing<'p>,
+}
 
 impl<'p> LoadOptions<'p> {
     /// One buffer per tensor, no progress callback, batches of [`DEFAULT_BATCH_BYTES`].
     pub fn new() -> Self {
-        LoadOptions { arena: false, progress: None, batch_bytes: DEFAULT_BATCH_BYTES }
+        LoadOptions::default()
     }
 
     /// Every tensor in one buffer, each at an offset that is a multiple of 256, instead of a
@@ -260,45 +274,29 @@ impl<'p> LoadOptions<'p> {
     /// Calls `f(done, total)` as bytes are handed to the device (after each batch) and
     /// once more, with `done == total`, when every byte has landed.
     pub fn progress(mut self, f: impl FnMut(u64, u64) + 'p) -> Self {
-        self.progress = Some(Box::new(f));
+        self.pacing.progress = Some(Box::new(f));
         self
     }
 
     /// Bytes per batch (at least 1 MiB is used): how often progress is reported.
     pub fn batch_bytes(mut self, bytes: u64) -> Self {
-        self.batch_bytes = bytes;
+        self.pacing.batch_bytes = bytes;
         self
     }
 }
 
 /// How [`Device::save_safetensors_with`] saves.
 #[must_use]
+#[derive(Debug, Default)]
 pub struct SaveOptions<'p> {
     metadata: Option<HashMap<String, String>>,
-    progress: Option<Progress<'p>>,
-    batch_bytes: u64,
-}
-
-impl fmt::Debug for SaveOptions<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SaveOptions")
-            .field("metadata", &self.metadata)
-            .field("progress", &self.progress.is_some())
-            .field("batch_bytes", &self.batch_bytes)
-            .finish()
-    }
-}
-
-impl Default for SaveOptions<'_> {
-    fn default() -> Self {
-        SaveOptions::new()
-    }
+    pacing: Pacing<'p>,
 }
 
 impl<'p> SaveOptions<'p> {
     /// No `__metadata__`, no progress callback, batches of [`DEFAULT_BATCH_BYTES`].
     pub fn new() -> Self {
-        SaveOptions { metadata: None, progress: None, batch_bytes: DEFAULT_BATCH_BYTES }
+        SaveOptions::default()
     }
 
     /// The header's free-form `__metadata__` (`{"format": "pt"}`, say).
@@ -309,13 +307,13 @@ impl<'p> SaveOptions<'p> {
 
     /// Calls `f(done, total)` as bytes land in the file (after each batch).
     pub fn progress(mut self, f: impl FnMut(u64, u64) + 'p) -> Self {
-        self.progress = Some(Box::new(f));
+        self.pacing.progress = Some(Box::new(f));
         self
     }
 
     /// Bytes per batch (at least 1 MiB is used): how often progress is reported.
     pub fn batch_bytes(mut self, bytes: u64) -> Self {
-        self.batch_bytes = bytes;
+        self.pacing.batch_bytes = bytes;
         self
     }
 }

@@ -162,7 +162,7 @@ fn download(
     options: &mut SaveOptions<'_>,
     total: u64,
 ) -> Result<()> {
-    let step = options.batch_bytes.max(MIN_BATCH);
+    let step = options.pacing.batch_bytes.max(MIN_BATCH);
     let small = device.config().direct_threshold;
     let mut rest = map;
     let mut consumed = 0u64;
@@ -204,9 +204,7 @@ fn download(
             }
         }
         done += bytes;
-        if let Some(progress) = options.progress.as_mut() {
-            progress(done, total);
-        }
+        options.pacing.report(done, total);
     }
     Ok(())
 }
