@@ -73,7 +73,7 @@ pub(crate) fn run(
     let _ = warm(&map(&path)?);
     let (raw, batch, ours) = loads.time(args.reps, &|| Ok(()), false)?;
     rows.push(Row::gbps(format!("load {what}, page cache"), bytes, Some(raw), batch, ours).noted(&threads));
-    let (_, _, arena) = loads.time(args.reps, &|| Ok(()), true)?;
+    let arena = loads.timed(args.reps, &|| Ok(()), Method::Ours, true)?;
     rows.push(Row::gbps(format!("load {what}, page cache, one arena"), bytes, None, None, arena));
     progress.inc(1);
 
