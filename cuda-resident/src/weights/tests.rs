@@ -286,7 +286,9 @@ fn bad_tensors_to_save_leave_no_file_behind() {
     let dir = path.0.parent().unwrap();
     let partials = std::fs::read_dir(dir)
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains(".refused.safetensors.partial-"))
+        .filter(|e| {
+            e.as_ref().unwrap().file_name().to_string_lossy().contains(".refused.safetensors.partial-")
+        })
         .count();
     assert_eq!(partials, 0);
     let missing_dir =

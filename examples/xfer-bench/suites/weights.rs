@@ -75,6 +75,23 @@ pub(crate) fn run(
     rows.push(Row::gbps(format!("load {what}, page cache"), bytes, Some(raw), batch, ours).noted(&threads));
     let arena = loads.timed(args.reps, &|| Ok(()), Method::Ours, true)?;
     rows.push(Row::gbps(format!("load {what}, page cache, one arena"), bytes, None, None, arena));
+    // Whether registering the mapping (read only) pays: registration and unregistration
+    // timed with the copies, by the raw driver and by a scope of cuda-resident.
+    match loads.timed_registered(args.reps) {
+        Ok((raw, ours)) => rows.push(
+            Row::gbps(
+                format!("load {what}, page cache, mapping registered read only"),
+                bytes,
+                Some(raw),
+                None,
+                ours,
+            )
+            .noted(
+                "cuMemHostRegister(READ_ONLY) of the mapping included; raw: one cuMemcpyHtoDAsync per tensor",
+            ),
+        ),
+        Err(why) => println!("skipped: weights load from the registered mapping: {why}"),
+    }
     progress.inc(1);
 
     progress.set_message("weights: load, cold");
@@ -196,6 +213,53 @@ impl Loads<'_> {
             })?;
         }
         Ok(())
+    }
+
+    /// The seconds of loads from the mapped file registered read only
+    /// (`cuMemHostRegister`), registration and unregistration included: one
+    /// `cuMemcpyHtoDAsync` per tensor, and a scope of cuda-resident (which moves registered
+    /// memory in place). Each checked.
+    fn timed_registered(&self, reps: usize) -> BenchResult<(Spread, Spread)> {
+        let raw = median_of(reps, || self.registered(false))?;
+        Ok((raw, median_of(reps, || self.registered(true))?))
+    }
+
+    fn registered(&self, ours: bool) -> BenchResult<f64> {
+        let d = self.d;
+        let t = Instant::now();
+        let file = map(self.path)?;
+        let ptr = file.as_ptr() as *mut std::ffi::c_void;
+        let flags = cuda_resident::cuda_sys::CU_MEMHOSTREGISTER_READ_ONLY
+            | cuda_resident::cuda_sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: the whole live mapping, unregistered below before it is unmapped.
+        check("cuMemHostRegister", unsafe {
+            call!(d.driver(), cuMemHostRegister_v2(ptr, file.len(), flags))
+        })?;
+        let moved = if ours {
+            d.scope(|s| {
+                let mut up = s.uploads();
+                up.write_many(
+                    self.ranges.iter().zip(self.buffers).map(|(r, b)| (**b, 0, &file[r.1..r.1 + r.2])),
+                )?;
+                up.submit()
+            })
+            .map_err(error)
+        } else {
+            let sources = self.ranges.iter().map(|r| &file[r.1..r.1 + r.2]);
+            crate::baselines::each_h2d(d, self.baseline.stream, sources, self.ptrs)
+        };
+        // A raw copy that failed part way may leave earlier ones in flight: done before the
+        // mapping goes.
+        let _ = crate::baselines::sync(d, self.baseline.stream);
+        // SAFETY: registered above; every copy from it is done (waited for above).
+        let unregistered =
+            check("cuMemHostUnregister", unsafe { call!(d.driver(), cuMemHostUnregister(ptr)) });
+        moved?;
+        unregistered?;
+        drop(file);
+        let secs = t.elapsed().as_secs_f64();
+        self.verify_buffers(&map(self.path)?)?;
+        Ok(secs)
     }
 
     /// Checks the baselines' buffers against `file`.
