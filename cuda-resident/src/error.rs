@@ -416,6 +416,12 @@ pub enum Error {
         /// A byte of it that is not pinned.
         unpinned: usize,
     },
+
+    /// A safetensors checkpoint could not be loaded or saved (feature `safetensors`).
+    #[cfg(feature = "safetensors")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "safetensors")))]
+    #[error(transparent)]
+    Weights(#[from] crate::weights::WeightsError),
 }
 
 /// Why a batch could not be planned. Nothing of the batch was planned.

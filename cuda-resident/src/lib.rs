@@ -77,6 +77,9 @@
 //!   resident buffers as cudarc kernel arguments). Your own cudarc dependency chooses its CUDA
 //!   version and linking: see the module's docs.
 //! - `nccl`: `cudarc`, and cudarc's NCCL binding as `cuda_resident::cudarc::nccl`.
+//! - `safetensors`: the module `cuda_resident::weights`: safetensors checkpoints loaded
+//!   into resident buffers and saved from them through the engine
+//!   (`Device::load_safetensors`, `Device::save_safetensors`).
 //! - `internals` and `fuzzing`: for this repository's benches and fuzz target only.
 //!   `internals` exposes the copy planner and the budget rule; `fuzzing` also exposes the
 //!   planner's test byte model. Both are unstable, hidden from these docs, not part of the
@@ -127,6 +130,9 @@ mod telemetry;
 #[cfg(test)]
 mod testing;
 mod transfer;
+#[cfg(feature = "safetensors")]
+#[cfg_attr(docsrs, doc(cfg(feature = "safetensors")))]
+pub mod weights;
 
 pub use alloc::classes::{GRANULE, MAX_CLASS_BYTES};
 pub use alloc::{AllocatorStats, ResidentBuffer};
@@ -159,5 +165,8 @@ mod readme_doctests {}
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod internals {
+    /// A checkpoint header's checks (with the `safetensors` feature), for the fuzz target.
+    #[cfg(feature = "safetensors")]
+    pub use crate::weights::header as weights_header;
     pub use crate::{budget, plan};
 }

@@ -463,3 +463,52 @@ fn names(code: &str, item: &str) -> bool {
     code.match_indices(item)
         .any(|(at, _)| !word(code[..at].chars().next_back()) && !word(code[at + item.len()..].chars().next()))
 }
+
+/// The `safetensors` feature's items: `cuda_resident::weights`.
+#[cfg(feature = "safetensors")]
+#[test]
+fn the_weights_items_are_named() {
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    use cuda_resident::weights::{
+        Checkpoint, DEFAULT_BATCH_BYTES, Dtype, LoadOptions, SaveOptions, Tensor, WeightsError,
+    };
+
+    type Named<'a> = &'a [(&'a str, Dtype, &'a [usize], ResidentBuffer)];
+    // `impl AsRef<Path>` arguments take no turbofish: named through closures of the types.
+    let _: fn(&Device, &Path) -> Result<Checkpoint> = |d, p| d.load_safetensors(p);
+    let _: fn(&Device, &Path, LoadOptions<'_>) -> Result<Checkpoint> =
+        |d, p, o| d.load_safetensors_with(p, o);
+    let _: fn(&Device, &Path, Named<'_>) -> Result<()> = |d, p, t| d.save_safetensors(p, t);
+    let _: fn(&Device, &Path, Named<'_>, SaveOptions<'_>) -> Result<()> =
+        |d, p, t, o| d.save_safetensors_with(p, t, o);
+    let _: fn(&Checkpoint) -> &[Tensor] = Checkpoint::tensors;
+    let _: for<'c> fn(&'c Checkpoint, &str) -> Option<&'c Tensor> = Checkpoint::get;
+    let _: fn(&Checkpoint) -> usize = Checkpoint::len;
+    let _: fn(&Checkpoint) -> bool = Checkpoint::is_empty;
+    let _: fn(&Checkpoint) -> u64 = Checkpoint::total_bytes;
+    let _: fn(&Checkpoint) -> Option<&HashMap<String, String>> = Checkpoint::metadata;
+    let _: fn(&Checkpoint) -> Option<ResidentBuffer> = Checkpoint::arena;
+    let _: fn(Checkpoint) -> (Vec<Tensor>, Option<OwnedBuffer>) = Checkpoint::into_parts;
+    let _: fn(&Checkpoint, &Device, &Path) -> Result<()> = |c, d, p| c.save(d, p);
+    let _: fn(&Tensor) -> &str = Tensor::name;
+    let _: fn(&Tensor) -> Dtype = Tensor::dtype;
+    let _: fn(&Tensor) -> &[usize] = Tensor::shape;
+    let _: fn(&Tensor) -> ResidentBuffer = Tensor::buffer;
+    let _: fn(&Tensor) -> u64 = Tensor::offset;
+    let _: fn(&Tensor) -> u64 = Tensor::len;
+    let _: fn(&Tensor) -> bool = Tensor::is_empty;
+    let _: fn(Tensor) -> Option<OwnedBuffer> = Tensor::into_owned;
+    let options = LoadOptions::new().arena(true).batch_bytes(DEFAULT_BATCH_BYTES).progress(|_, _| ());
+    let _ = (options, LoadOptions::default());
+    let save = SaveOptions::new().metadata(HashMap::new()).batch_bytes(1).progress(|_, _| ());
+    let _ = (save, SaveOptions::default());
+    fn error<T: std::error::Error + Send + Sync + Clone + 'static>() {}
+    error::<WeightsError>();
+    let e = Error::from(WeightsError::BadTensor { tensor: "a".into(), detail: "d".into(), fix: "f" });
+    assert!(matches!(e, Error::Weights(_)));
+    fn owned<T: Send + Sync + std::fmt::Debug>() {}
+    owned::<Checkpoint>();
+    owned::<Tensor>();
+}

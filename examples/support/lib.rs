@@ -3,7 +3,9 @@
 //! binary runs.
 
 pub mod alloc_bench;
+pub mod random;
 mod spread;
+pub mod weights;
 
 pub use spread::Spread;
 

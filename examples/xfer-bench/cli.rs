@@ -38,6 +38,13 @@ pub(crate) enum Suite {
     /// host cache. Needs --paging-pool of device memory and 2 x --paging-bytes each of
     /// pinned and of pageable host memory (8 GiB, 512 MiB and 512 MiB by default).
     Paging,
+    /// Model weights: a synthetic safetensors checkpoint of --weights-size in Llama-3-8B's
+    /// shapes (bf16, random bytes) loaded and saved: one cuMemcpyHtoD / cuMemcpyDtoH per
+    /// tensor from / into the mapped file, cuMemcpyBatchAsync, and cuda-resident's
+    /// load_safetensors / save_safetensors; from the page cache, and cold where the page
+    /// cache can be dropped. Writes the file to --weights-file and leaves it there (for
+    /// benches/weights_torch.py). Not part of `all`.
+    Weights,
     /// Everything: the grid, `--large` single copies, sweep, latency, allocation, paging and,
     /// where there are two GPUs, peer (about 2 to 3 minutes on an H200 without paging and
     /// peer).
@@ -104,6 +111,13 @@ pub(crate) struct Args {
     /// next is built.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub(crate) paging_batches: u32,
+    /// Size of the weights suite's synthetic checkpoint, a size (whole layers of Llama-3-8B
+    /// that fit it, at least one).
+    #[arg(long, value_parser = size::positive, default_value = "4GiB")]
+    pub(crate) weights_size: usize,
+    /// Where the weights suite writes its checkpoint [default: weights.safetensors in --out].
+    #[arg(long)]
+    pub(crate) weights_file: Option<PathBuf>,
     /// cuda-resident's staging chunk, a size (Config::chunk_bytes; default: the library's).
     #[arg(long, value_parser = size::parse, conflicts_with = "chunk_kib")]
     pub(crate) chunk: Option<u64>,

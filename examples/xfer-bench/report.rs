@@ -91,6 +91,12 @@ impl Row {
         Row::gbps(case, bytes, Some(t.raw), t.batch, t.ours)
     }
 
+    /// The row with `note`.
+    pub(crate) fn noted(mut self, note: &str) -> Row {
+        self.note = Some(note.to_owned());
+        self
+    }
+
     pub(crate) fn sized(mut self, size: usize) -> Row {
         self.size = Some(size);
         self

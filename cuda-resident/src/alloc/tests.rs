@@ -109,7 +109,7 @@ fn buffers_are_aligned_sized_and_disjoint() {
     }
     assert_eq!(
         a.allocated_bytes(),
-        [1, 255, 256, 257, 1000, 4096, 100_000, MIB, 3 * MIB, 5 * MIB, 70 * MIB].iter().sum()
+        [1, 255, 256, 257, 1000, 4096, 100_000, MIB, 3 * MIB, 5 * MIB, 70 * MIB].iter().sum::<u64>()
     );
 }
 

@@ -10,6 +10,7 @@ pub(crate) mod download;
 pub(crate) mod prepared;
 pub(crate) mod scope;
 pub(crate) mod single;
+pub(crate) mod slices;
 pub(crate) mod upload;
 
 pub(crate) use crate::engine::table::BufferTable;

@@ -10,10 +10,8 @@ use std::sync::Arc;
 
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
-use crate::engine::host::Piece;
 use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
-use crate::plan::route::{PIPELINE_DEPTH, pipeline_chunk};
 use crate::stream::{Fence, LaneKind};
 
 /// The work of [`Device::upload_async_at`](crate::Device::upload_async_at).
@@ -101,7 +99,8 @@ pub(crate) fn download_to_slice(
     offset: u64,
     out: &mut [u8],
 ) -> Result<()> {
-    download_into(core, buffer, offset, out)
+    let mut reads = [super::slices::SliceRead { buffer, offset, out }];
+    super::slices::download_into_slices(core, &mut reads)
 }
 
 /// The work of [`Device::synchronize_uploads`](crate::Device::synchronize_uploads).
@@ -195,54 +194,4 @@ fn single_copy(
     exec.requested(len as u64);
     exec.submit(keep, |q| copy(q, address))?;
     Ok(exec.finish())
-}
-
-/// `Device::download_to_slice`.
-fn download_into(core: &Arc<Core>, buffer: ResidentBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-    let len = out.len() as u64;
-    let src = core.checked_range(buffer, offset, len)?;
-    if len == 0 {
-        return Ok(());
-    }
-    let chunk = pipeline_chunk(core.config.chunk_bytes, len, PIPELINE_DEPTH);
-    let chunks = len.div_ceil(chunk) as usize;
-    let mut exec = Exec::begin(core, LaneKind::Readback);
-    exec.claim_ranges(std::iter::once(buffer), chunks as u64, |r| r.push(src, len))?;
-    exec.requested(len);
-    let ring = exec.ring(chunk as usize, chunks.min(crate::plan::route::RING))?;
-    let ring_len = ring.len();
-    let mut seqs = Vec::with_capacity(chunks);
-    let mut pieces = Vec::new();
-    let mut unpack = |k: usize, seqs: &[u64], out: &mut [u8]| -> Result<()> {
-        crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
-        let start = k as u64 * chunk;
-        let n = (len - start).min(chunk) as usize;
-        pieces.clear();
-        let dst = out[start as usize..][..n].as_mut_ptr();
-        Piece::push_split(&mut pieces, Piece { dst, src: ring[k % ring_len].as_ptr(), len: n });
-        // SAFETY: the chunk's DMA completed (waited above); the ring lease and `out`
-        // are disjoint and hold n bytes at these places.
-        unsafe { Piece::copy_out_all(&core.packers, &pieces) };
-        Ok(())
-    };
-    for k in 0..chunks {
-        if k >= ring_len {
-            unpack(k - ring_len, &seqs, out)?;
-        }
-        let lease = &ring[k % ring_len];
-        let start = k as u64 * chunk;
-        let n = (len - start).min(chunk) as usize;
-        let dst = lease.as_ptr();
-        seqs.push(exec.submit(vec![Arc::clone(lease)], |q| {
-            // SAFETY: a range of a live, marked buffer into a pinned lease of >= n bytes
-            // that this submission keeps alive.
-            unsafe { q.dtoh(dst, src + start, n) }
-        })?);
-    }
-    let ended = exec.end();
-    for k in chunks.saturating_sub(ring_len)..chunks {
-        unpack(k, &seqs, out)?;
-    }
-    ended.record();
-    Ok(())
 }

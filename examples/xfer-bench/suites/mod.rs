@@ -13,6 +13,7 @@ mod paging;
 mod peer;
 mod scattered;
 mod sweep;
+mod weights;
 
 use std::sync::Arc;
 
@@ -48,6 +49,8 @@ pub(crate) struct SuitePlan {
     paging: bool,
     /// The peer suite's many-small cases, `(count, size)`, when it runs.
     peer: Option<Vec<(usize, usize)>>,
+    /// Whether the weights suite's cases run.
+    weights: bool,
 }
 
 impl SuitePlan {
@@ -55,7 +58,7 @@ impl SuitePlan {
         use Suite::*;
         let s = args.suite;
         let counts = match (&args.counts, s) {
-            (_, Sweep | Latency | Alloc | Paging) => Vec::new(),
+            (_, Sweep | Latency | Alloc | Paging | Weights) => Vec::new(),
             (Some(counts), _) => counts.clone(),
             (None, Default | Peer) => vec![DEFAULT_COUNT],
             (None, _) => GRID_COUNTS.to_vec(),
@@ -104,6 +107,7 @@ impl SuitePlan {
             alloc: matches!(s, Alloc | All),
             paging: args.runs_paging(),
             peer,
+            weights: s == Weights,
         }
     }
 
@@ -117,7 +121,8 @@ impl SuitePlan {
             + sweep
             + usize::from(self.alloc)
             + if self.paging { paging::steps(args) } else { 0 }
-            + self.peer.as_deref().map_or(0, peer::steps)) as u64
+            + self.peer.as_deref().map_or(0, peer::steps)
+            + if self.weights { weights::STEPS } else { 0 }) as u64
     }
 }
 
@@ -207,6 +212,9 @@ fn run_cases(
     if let Some(cases) = &plan.peer {
         peer::run(d, baseline, args, gpus, cases, rows, progress)?;
     }
+    if plan.weights {
+        weights::run(d, baseline, args, rows, progress)?;
+    }
     Ok(())
 }
 
@@ -260,5 +268,9 @@ mod tests {
         assert!(paging.paging && paging.many_small.is_empty() && paging.skipped.is_empty());
         assert!(!paging.large && paging.latency.is_none() && !paging.sweep && !paging.alloc);
         assert!(paging.peer.is_none() && !grid.paging);
+
+        let weights = SuitePlan::new(&parse(&["--suite", "weights"]).unwrap());
+        assert!(weights.weights && weights.many_small.is_empty() && weights.latency.is_none());
+        assert!(!weights.large && !weights.paging && !all.weights && !default.weights);
     }
 }

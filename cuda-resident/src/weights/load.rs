@@ -1,0 +1,193 @@
+//! [`Device::load_safetensors`]: map, check, allocate (all or nothing), then upload the
+//! checkpoint as a few large batches, each the engine pipelines through the pinned pool.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::Path;
+
+use memmap2::{Advice, Mmap};
+
+use super::error::WeightsError;
+use super::header::{self, Entry};
+use super::{Checkpoint, LoadOptions, Tensor};
+use crate::alloc::ResidentBuffer;
+use crate::device::Device;
+use crate::error::Result;
+use crate::owned::OwnedBuffer;
+use crate::stream::Fence;
+
+/// Alignment of tensors in an arena: a buffer's own.
+const ARENA_ALIGN: u64 = 256;
+/// The smallest batch a load or save is cut into.
+pub(super) const MIN_BATCH: u64 = 1 << 20;
+
+/// A read-only map of the whole file at `path`.
+pub(super) fn map(path: &Path) -> Result<Mmap, WeightsError> {
+    let file = File::open(path).map_err(|e| WeightsError::io("opening", path, &e))?;
+    // SAFETY: the map is read only, and only for the call that made it. Another process
+    // that truncates or rewrites the file meanwhile could change or remove its pages under
+    // the map, as with every reader of a mapped checkpoint (safetensors' own included): the
+    // bytes moved would be wrong (or the process killed by SIGBUS), no memory of ours is
+    // written through it.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| WeightsError::io("mapping", path, &e))?;
+    // The engine reads the file front to back (several threads, each a stretch of a chunk).
+    let _ = map.advise(Advice::Sequential);
+    Ok(map)
+}
+
+/// The work of [`Device::load_safetensors_with`].
+pub(super) fn load(device: &Device, path: &Path, mut options: LoadOptions<'_>) -> Result<Checkpoint> {
+    let file = map(path)?;
+    let header = header::parse(path, &file)?;
+    let places = places(&header.entries, options.arena);
+    let total = header.data_bytes;
+    check_budget(device, path, &header.entries, options.arena.then(|| arena_len(&places, &header.entries)))?;
+    let (owners, arena) = allocate(device, path, &header.entries, &places, options.arena)?;
+    let buffers: Vec<ResidentBuffer> = match &arena {
+        Some(arena) => vec![**arena; header.entries.len()],
+        None => owners.iter().map(|o| **o).collect(),
+    };
+    upload(device, &file, &header.entries, (&buffers, &places), &mut options)?;
+    let mut index = HashMap::with_capacity(header.entries.len());
+    let mut owners = owners.into_iter();
+    let tensors = header
+        .entries
+        .into_iter()
+        .zip(buffers.iter().zip(&places))
+        .enumerate()
+        .map(|(i, (e, (&buffer, &offset)))| {
+            index.insert(e.name.clone(), i);
+            let owned = if arena.is_some() { None } else { owners.next() };
+            Tensor { name: e.name, dtype: e.dtype, shape: e.shape, buffer, offset, len: e.len, owned }
+        })
+        .collect();
+    Ok(Checkpoint { tensors, index, arena, metadata: header.metadata, bytes: total })
+}
+
+/// Where each tensor goes in its buffer: 0 each, or its place in the arena.
+fn places(entries: &[Entry], arena: bool) -> Vec<u64> {
+    let mut at = 0u64;
+    entries
+        .iter()
+        .map(|e| match arena {
+            false => 0,
+            true => {
+                let here = at;
+                // Cannot overflow: each len is at most the file's length, and the file's
+                // length plus 256 per tensor is far from u64::MAX.
+                at = (at + e.len).next_multiple_of(ARENA_ALIGN);
+                here
+            }
+        })
+        .collect()
+}
+
+/// The arena's length for tensors at `places` (at least 1 byte).
+fn arena_len(places: &[u64], entries: &[Entry]) -> u64 {
+    places.last().zip(entries.last()).map_or(0, |(p, e)| p + e.len).max(1)
+}
+
+/// Fails, before anything is allocated, when a tensor or the whole checkpoint (or its arena)
+/// needs more than the budget could ever give: `budget_fraction` of the device's memory.
+fn check_budget(device: &Device, path: &Path, entries: &[Entry], arena: Option<u64>) -> Result<()> {
+    let total = device.info().total_memory;
+    let fraction = device.config().budget_fraction;
+    let limit = (total as f64 * fraction) as u64;
+    let over = |what: String, bytes: u64| WeightsError::OverBudget {
+        path: path.to_owned(),
+        what,
+        bytes,
+        limit,
+        fraction,
+        total,
+    };
+    if let Some(e) = entries.iter().find(|e| e.len > limit) {
+        return Err(over(format!("tensor {:?}", e.name), e.len).into());
+    }
+    let need = arena.unwrap_or_else(|| entries.iter().map(|e| e.len.max(1)).sum());
+    if need > limit {
+        return Err(over("the checkpoint".to_owned(), need).into());
+    }
+    Ok(())
+}
+
+/// A buffer per tensor, or the arena. On any refusal, every buffer allocated so far is
+/// freed (the owners drop) and the error names the tensor.
+fn allocate(
+    device: &Device,
+    path: &Path,
+    entries: &[Entry],
+    places: &[u64],
+    arena: bool,
+) -> Result<(Vec<OwnedBuffer>, Option<OwnedBuffer>)> {
+    let total: u64 = entries.iter().map(|e| e.len).sum();
+    let refused = |tensor: String, bytes: u64, done: u64, cause: crate::Error| WeightsError::Allocation {
+        path: path.to_owned(),
+        tensor,
+        bytes,
+        done,
+        total,
+        cause: Box::new(cause),
+    };
+    if arena {
+        let len = arena_len(places, entries);
+        let arena = device.allocate_owned(len).map_err(|e| refused("(the arena)".to_owned(), len, 0, e))?;
+        return Ok((Vec::new(), Some(arena)));
+    }
+    let mut owners = Vec::with_capacity(entries.len());
+    let mut done = 0;
+    for e in entries {
+        // An empty tensor gets a buffer of a byte: buffers are never empty.
+        let owner = device
+            .allocate_owned(e.len.max(1))
+            .map_err(|err| refused(format!("{:?}", e.name), e.len, done, err))?;
+        owners.push(owner);
+        done += e.len;
+    }
+    Ok((owners, None))
+}
+
+/// Uploads every tensor's bytes from `file` to `buffers` at `places`, in batches of about
+/// `batch_bytes` (a tensor may be split between two), reporting progress after each
+/// submit; returns once every batch has landed.
+fn upload(
+    device: &Device,
+    file: &[u8],
+    entries: &[Entry],
+    (buffers, places): (&[ResidentBuffer], &[u64]),
+    options: &mut LoadOptions<'_>,
+) -> Result<()> {
+    let total: u64 = entries.iter().map(|e| e.len).sum();
+    let step = options.pacing.batch_bytes.max(MIN_BATCH);
+    let mut fences: Vec<Fence> = Vec::new();
+    let mut done = 0u64;
+    let mut batch = device.uploads();
+    let mut in_batch = 0u64;
+    for ((e, &buffer), &place) in entries.iter().zip(buffers).zip(places) {
+        let mut at = 0u64;
+        while at < e.len {
+            let n = (e.len - at).min(step - in_batch);
+            // In the file: checked by `header::spans` against its length.
+            let from = (e.start + at) as usize;
+            batch.write(buffer, place + at, &file[from..from + n as usize])?;
+            at += n;
+            in_batch += n;
+            if in_batch == step {
+                fences.push(std::mem::replace(&mut batch, device.uploads()).submit()?);
+                done += in_batch;
+                in_batch = 0;
+                options.pacing.report(done, total);
+            }
+        }
+    }
+    if !batch.is_empty() {
+        fences.push(batch.submit()?);
+    } else {
+        drop(batch);
+    }
+    for fence in fences {
+        fence.wait()?;
+    }
+    options.pacing.report(total, total);
+    Ok(())
+}
