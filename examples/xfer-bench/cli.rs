@@ -118,6 +118,14 @@ pub(crate) struct Args {
     /// Where the weights suite writes its checkpoint [default: weights.safetensors in --out].
     #[arg(long)]
     pub(crate) weights_file: Option<PathBuf>,
+    /// Bytes of each batch of cuda-resident's weights loads and saves, a size
+    /// (LoadOptions::batch_bytes; default: the library's).
+    #[arg(long, value_parser = size::positive)]
+    pub(crate) weights_batch: Option<usize>,
+    /// The weights suite's loads from the page cache only (no arena, registered, cold or
+    /// save rows).
+    #[arg(long)]
+    pub(crate) weights_loads_only: bool,
     /// cuda-resident's staging chunk, a size (Config::chunk_bytes; default: the library's).
     #[arg(long, value_parser = size::parse, conflicts_with = "chunk_kib")]
     pub(crate) chunk: Option<u64>,

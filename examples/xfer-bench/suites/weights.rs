@@ -67,12 +67,21 @@ pub(crate) fn run(
         .map(|b| d.device_ptr(**b))
         .collect::<cuda_resident::Result<Vec<u64>>>()
         .map_err(error)?;
-    let loads = Loads { d, baseline, path: &path, ranges: &ranges, buffers: &buffers, ptrs: &ptrs };
+    let batch_bytes = args.weights_batch.map_or(cuda_resident::weights::DEFAULT_BATCH_BYTES, |b| b as u64);
+    let loads =
+        Loads { d, baseline, path: &path, ranges: &ranges, buffers: &buffers, ptrs: &ptrs, batch_bytes };
 
     progress.set_message("weights: load, page cache");
     let _ = warm(&map(&path)?);
     let (raw, batch, ours) = loads.time(args.reps, &|| Ok(()), false)?;
     rows.push(Row::gbps(format!("load {what}, page cache"), bytes, Some(raw), batch, ours).noted(&threads));
+    if args.breakdown {
+        breakdown(d, &ranges, args.reps)?;
+    }
+    if args.weights_loads_only {
+        progress.inc(3);
+        return Ok(());
+    }
     let arena = loads.timed(args.reps, &|| Ok(()), Method::Ours, true)?;
     rows.push(Row::gbps(format!("load {what}, page cache, one arena"), bytes, None, None, arena));
     // Whether registering the mapping (read only) pays: registration and unregistration
@@ -115,14 +124,39 @@ pub(crate) fn run(
         true => Some(loads.time_save(args.reps, &out, Method::Batch, &|| Ok(()))?),
         false => None,
     };
-    let ours = loads
-        .time_save(args.reps, &out, Method::Ours, &|| d.save_safetensors(&out, &tensors).map_err(error))?;
+    let ours = loads.time_save(args.reps, &out, Method::Ours, &|| {
+        let options = cuda_resident::weights::SaveOptions::new().batch_bytes(batch_bytes);
+        d.save_safetensors_with(&out, &tensors, options).map_err(error)
+    })?;
     rows.push(
         Row::gbps(format!("save {what}, into the page cache"), bytes, Some(raw), batch, ours).noted(&threads),
     );
     let _ = std::fs::remove_file(&out);
     progress.inc(1);
     println!("weights: the checkpoint stays at {} (benches/weights_torch.py reads it)", path.display());
+    Ok(())
+}
+
+/// Where a load's time goes (`--breakdown`), on stderr: allocating one buffer per tensor
+/// as a load does (medians of `reps`), the part of a load that moves no byte.
+fn breakdown(d: &Device, ranges: &Ranges, reps: usize) -> BenchResult<()> {
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        let owned = ranges
+            .iter()
+            .map(|r| d.allocate_owned(r.2.max(1) as u64))
+            .collect::<cuda_resident::Result<Vec<OwnedBuffer>>>()
+            .map_err(error)?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        drop(owned);
+    }
+    times.sort_by(f64::total_cmp);
+    eprintln!(
+        "breakdown weights: allocating {} buffers {:.2} ms (median of {reps})",
+        ranges.len(),
+        times[reps / 2]
+    );
     Ok(())
 }
 
@@ -141,6 +175,8 @@ struct Loads<'a> {
     ranges: &'a Ranges,
     buffers: &'a [OwnedBuffer],
     ptrs: &'a [u64],
+    /// cuda-resident's batch size (`LoadOptions::batch_bytes`).
+    batch_bytes: u64,
 }
 
 impl Loads<'_> {
@@ -173,9 +209,13 @@ impl Loads<'_> {
             before()?;
             let t = Instant::now();
             let ckpt = match method {
-                Method::Ours => {
-                    Some(d.load_safetensors_with(self.path, LoadOptions::new().arena(arena)).map_err(error)?)
-                }
+                Method::Ours => Some(
+                    d.load_safetensors_with(
+                        self.path,
+                        LoadOptions::new().arena(arena).batch_bytes(self.batch_bytes),
+                    )
+                    .map_err(error)?,
+                ),
                 Method::Raw | Method::Batch => {
                     self.baseline_load(method)?;
                     None
