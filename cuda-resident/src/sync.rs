@@ -44,3 +44,19 @@ pub(crate) mod shim {
         mutex.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// Spawns `f` on a thread of `scope`. In the crate's tests the thread works on the spawning
+/// thread's model GPU (the model is per thread), so that its driver calls reach the same
+/// device.
+pub(crate) fn spawn_in<'s, T: Send + 's>(
+    scope: &'s std::thread::Scope<'s, '_>,
+    f: impl FnOnce() -> T + Send + 's,
+) -> std::thread::ScopedJoinHandle<'s, T> {
+    #[cfg(test)]
+    let gpu = crate::testing::model::shared();
+    scope.spawn(move || {
+        #[cfg(test)]
+        crate::testing::model::join(gpu);
+        f()
+    })
+}

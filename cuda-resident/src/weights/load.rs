@@ -1,5 +1,8 @@
-//! [`Device::load_safetensors`]: map, check, allocate (all or nothing), then upload the
-//! checkpoint as a few large batches, each the engine pipelines through the pinned pool.
+//! [`Device::load_safetensors`]: map, check, allocate (all or nothing) and upload the
+//! checkpoint as a few large batches, each the engine pipelines through the pinned pool. A
+//! buffer per tensor is allocated on a thread of its own, in the order the upload takes
+//! them, so that allocating (a driver allocation for each tensor past the allocator's slab)
+//! overlaps moving the tensors before it.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -42,12 +45,42 @@ pub(super) fn load(device: &Device, path: &Path, mut options: LoadOptions<'_>) -
     let places = places(&header.entries, options.arena);
     let total = header.data_bytes;
     check_budget(device, path, &header.entries, options.arena.then(|| arena_len(&places, &header.entries)))?;
-    let (owners, arena) = allocate(device, path, &header.entries, &places, options.arena)?;
+    let entries = &header.entries;
+    let (owners, arena) = if options.arena {
+        let arena = allocate_arena(device, path, entries, &places)?;
+        upload(device, &file, entries, &places, |_| Ok(*arena), &mut options)?;
+        (Vec::new(), Some(arena))
+    } else {
+        let mut owners = Vec::with_capacity(entries.len());
+        std::thread::scope(|s| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            crate::sync::spawn_in(s, move || {
+                allocate_each(device, path, entries, |owner| tx.send(owner).is_ok())
+            });
+            let uploaded = upload(
+                device,
+                &file,
+                entries,
+                &places,
+                |_| {
+                    let owner = rx.recv().expect("the allocating thread sends a buffer or its error")?;
+                    let buffer = *owner;
+                    owners.push(owner);
+                    Ok(buffer)
+                },
+                &mut options,
+            );
+            // The allocating thread stops at its next buffer (freed unsent) once nothing
+            // takes them.
+            drop(rx);
+            uploaded
+        })?;
+        (owners, None)
+    };
     let buffers: Vec<ResidentBuffer> = match &arena {
-        Some(arena) => vec![**arena; header.entries.len()],
+        Some(arena) => vec![**arena; entries.len()],
         None => owners.iter().map(|o| **o).collect(),
     };
-    upload(device, &file, &header.entries, (&buffers, &places), &mut options)?;
     let mut index = HashMap::with_capacity(header.entries.len());
     let mut owners = owners.into_iter();
     let tensors = header
@@ -111,50 +144,59 @@ fn check_budget(device: &Device, path: &Path, entries: &[Entry], arena: Option<u
     Ok(())
 }
 
-/// A buffer per tensor, or the arena. On any refusal, every buffer allocated so far is
-/// freed (the owners drop) and the error names the tensor.
-fn allocate(
+/// The error of a refused allocation for `tensor` (`bytes`, `done` bytes of the checkpoint's
+/// `total` allocated before it).
+fn refused(
+    path: &Path,
+    (tensor, bytes): (String, u64),
+    (done, total): (u64, u64),
+    cause: crate::Error,
+) -> WeightsError {
+    WeightsError::Allocation { path: path.to_owned(), tensor, bytes, done, total, cause: Box::new(cause) }
+}
+
+/// The arena of every tensor.
+fn allocate_arena(device: &Device, path: &Path, entries: &[Entry], places: &[u64]) -> Result<OwnedBuffer> {
+    let (len, total) = (arena_len(places, entries), entries.iter().map(|e| e.len).sum());
+    Ok(device
+        .allocate_owned(len)
+        .map_err(|e| refused(path, ("(the arena)".to_owned(), len), (0, total), e))?)
+}
+
+/// A buffer per tensor, in order, each handed to `send` (which says whether it was taken:
+/// one not taken is freed, and no more are made), then a refusal's error if one came: the
+/// buffers sent before it are the caller's to free.
+fn allocate_each(
     device: &Device,
     path: &Path,
     entries: &[Entry],
-    places: &[u64],
-    arena: bool,
-) -> Result<(Vec<OwnedBuffer>, Option<OwnedBuffer>)> {
-    let total: u64 = entries.iter().map(|e| e.len).sum();
-    let refused = |tensor: String, bytes: u64, done: u64, cause: crate::Error| WeightsError::Allocation {
-        path: path.to_owned(),
-        tensor,
-        bytes,
-        done,
-        total,
-        cause: Box::new(cause),
-    };
-    if arena {
-        let len = arena_len(places, entries);
-        let arena = device.allocate_owned(len).map_err(|e| refused("(the arena)".to_owned(), len, 0, e))?;
-        return Ok((Vec::new(), Some(arena)));
-    }
-    let mut owners = Vec::with_capacity(entries.len());
+    mut send: impl FnMut(Result<OwnedBuffer>) -> bool,
+) {
+    let total = entries.iter().map(|e| e.len).sum();
     let mut done = 0;
     for e in entries {
         // An empty tensor gets a buffer of a byte: buffers are never empty.
         let owner = device
             .allocate_owned(e.len.max(1))
-            .map_err(|err| refused(format!("{:?}", e.name), e.len, done, err))?;
-        owners.push(owner);
+            .map_err(|err| refused(path, (format!("{:?}", e.name), e.len), (done, total), err).into());
+        let failed = owner.is_err();
+        if !send(owner) || failed {
+            return;
+        }
         done += e.len;
     }
-    Ok((owners, None))
 }
 
-/// Uploads every tensor's bytes from `file` to `buffers` at `places`, in batches of about
+/// Uploads every tensor's bytes from `file` to its buffer (`buffer_of`, asked once a tensor,
+/// in order) at its place (`places`), in batches of about
 /// `batch_bytes` (a tensor may be split between two), reporting progress after each
 /// submit; returns once every batch has landed.
 fn upload(
     device: &Device,
     file: &[u8],
     entries: &[Entry],
-    (buffers, places): (&[ResidentBuffer], &[u64]),
+    places: &[u64],
+    mut buffer_of: impl FnMut(usize) -> Result<ResidentBuffer>,
     options: &mut LoadOptions<'_>,
 ) -> Result<()> {
     let total: u64 = entries.iter().map(|e| e.len).sum();
@@ -163,7 +205,8 @@ fn upload(
     let mut done = 0u64;
     let mut batch = device.uploads();
     let mut in_batch = 0u64;
-    for ((e, &buffer), &place) in entries.iter().zip(buffers).zip(places) {
+    for (i, (e, &place)) in entries.iter().zip(places).enumerate() {
+        let buffer = buffer_of(i)?;
         let mut at = 0u64;
         while at < e.len {
             let n = (e.len - at).min(step - in_batch);
