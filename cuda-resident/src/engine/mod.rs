@@ -21,13 +21,15 @@
 //! works on.
 //!
 //! Inside the engine, each module uses only those listed before it: [`pipeline`] (the
-//! packing threads), [`host`], [`order`] (ordering by byte range), [`table`], [`staging`]
+//! packing threads), [`host`], [`fills`] (the fills of `UploadBatch::write_with_par`, kept
+//! and run), [`order`] (ordering by byte range), [`table`], [`staging`]
 //! and [`spares`], then [`core`], then the executor here. The leaves take the parts of the
 //! core they need (the packing threads, the allocator, a source of pinned staging), not the
 //! core. [`ahead`] (chunks of an upload batch staged while it is built) runs on the executor.
 
 pub(crate) mod ahead;
 pub(crate) mod core;
+pub(crate) mod fills;
 pub(crate) mod host;
 pub(crate) mod order;
 pub(crate) mod pipeline;
