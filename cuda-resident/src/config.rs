@@ -92,8 +92,8 @@ pub struct Config {
     /// staging that [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par) fills
     /// at submit moves: over the bus, each lease holding such fills by one launch that reads
     /// it in place (the kernel reads lines the fills just wrote faster than a DMA does), the
-    /// leases that call opens holding 4 MiB (or `chunk_bytes`, if less); else by a DMA and a
-    /// scatter each, in leases of `chunk_bytes`.
+    /// leases that call opens holding 256 KiB, then twice as much each, up to 4 MiB (or
+    /// `chunk_bytes`, if less); else by a DMA and a scatter each, in leases of `chunk_bytes`.
     ///
     /// [`Device::moves_small_copies_over_bus`]: crate::Device::moves_small_copies_over_bus
     pub small_copies_over_bus: bool,
