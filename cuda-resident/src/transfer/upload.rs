@@ -11,11 +11,11 @@ use crate::alloc::ResidentBuffer;
 use crate::engine::Exec;
 use crate::engine::ahead::{Ahead, Pending};
 use crate::engine::core::Core;
-use crate::engine::fills::{Fills, ParFills};
+use crate::engine::fills::{FILL_COST, Fills, ParFills};
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
 use crate::engine::order::Ranges;
-use crate::engine::pipeline::{self, Groups, Step};
+use crate::engine::pipeline::{self, Groups, PARALLEL_MIN, Step};
 use crate::engine::spares::UploadParts;
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
@@ -73,6 +73,9 @@ pub struct UploadBatch<'a> {
     /// The fills of [`UploadBatch::write_with_par`], in the order of their writes, run at
     /// submit.
     par: ParFills,
+    /// Their work so far ([`FILL_COST`] a fill and its bytes): once it passes
+    /// [`PARALLEL_MIN`], the packing threads are woken for the submit to come.
+    par_work: usize,
     error: Option<Error>,
     spare: Spare,
     /// The chunks staged ahead ([`Config::stage_ahead_bytes`](crate::Config::stage_ahead_bytes)),
@@ -125,6 +128,7 @@ pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
         arena_descriptors: parts.arena_descriptors,
         slice_writes: 0,
         par: parts.par,
+        par_work: 0,
         error: None,
         spare: Spare { core: Arc::clone(core), parts: UploadParts::default() },
         ahead: None,
@@ -377,6 +381,13 @@ impl<'a> UploadBatch<'a> {
         let (lease, at) = self.stage(buffer, offset, len, true)?;
         self.par.push(self.writes.len() - 1, fill);
         self.sources.push(Source::Arena { lease, offset: at });
+        let before = self.par_work;
+        self.par_work = before.saturating_add(len + FILL_COST);
+        if before < PARALLEL_MIN && self.par_work >= PARALLEL_MIN {
+            // Enough fills to run them on the packing threads: they are woken now (and
+            // linger), so that submit finds them awake, not asleep since the last batch.
+            pipeline::linger(&self.core.packers);
+        }
         Ok(self)
     }
 
