@@ -1,4 +1,4 @@
-//! The fills of [`UploadBatch::write_with_par`](super::UploadBatch::write_with_par): each
+//! The fills of [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par): each
 //! closure kept in the batch as plain bytes ([`ParFills`]: a record and the closure's own
 //! bytes, in two vectors that the device lends from batch to batch, so that adding one costs
 //! no allocation), and run at submit ([`Fills`]) in groups of about equal work, lease by
@@ -340,7 +340,7 @@ mod tests {
         for (i, &b) in staging.iter().enumerate().filter(|(i, _)| i % 112 < 100) {
             let fill = i / 112;
             // Fills 0 to 4 and 10 to 19 ran; 5 panicked first thing; 6 to 9 never ran.
-            let want = if fill < 5 || fill >= 10 { fill as u8 + 1 } else { 0 };
+            let want = if (5..10).contains(&fill) { 0 } else { fill as u8 + 1 };
             assert_eq!(b, want, "byte {i} of fill {fill}");
         }
     }

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::testing::{Model, device, random_vec, small_chunks};
-use crate::{Config, Error};
+use crate::{Config, Device, Error};
 
 /// Random disjoint ranges of `m`, in order and apart or shuffled, some large.
 fn ranges(m: &Model, rng: &mut fastrand::Rng, large: bool) -> Vec<(usize, usize, usize)> {
@@ -191,17 +191,22 @@ fn a_fill_that_panics_fails_submit_naming_it_and_moves_no_undefined_byte() {
                 let gap = k * (size + 24) + size..(k + 1) * (size + 24);
                 assert_eq!(got[gap.clone()], before[gap], "gap after write {k}");
             }
-            m.expect[0] = got;
-            assert_eq!(d.telemetry().pinned.lent_bytes, 0, "staging back");
-            // The next batch works.
-            let bytes = random_vec(&mut rng, 5000);
-            let mut batch = d.uploads();
-            batch.write_with_par(m.buffers[0], 17, bytes.len(), |dst| dst.copy_from_slice(&bytes)).unwrap();
-            batch.submit().unwrap().wait().unwrap();
-            m.expect[0][17..5017].copy_from_slice(&bytes);
-            m.check(&d, "after a panicked fill");
+            the_device_goes_on(&d, &mut m, &mut rng, got);
         }
     }
+}
+
+/// After a batch whose fill panicked, buffer 0 of `m` holding `got`: the staging is back,
+/// and the next batch lands.
+fn the_device_goes_on(d: &Device, m: &mut Model, rng: &mut fastrand::Rng, got: Vec<u8>) {
+    m.expect[0] = got;
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0, "staging back");
+    let bytes = random_vec(rng, 5000);
+    let mut batch = d.uploads();
+    batch.write_with_par(m.buffers[0], 17, bytes.len(), |dst| dst.copy_from_slice(&bytes)).unwrap();
+    batch.submit().unwrap().wait().unwrap();
+    m.expect[0][17..5017].copy_from_slice(&bytes);
+    m.check(d, "after a panicked fill");
 }
 
 /// Threads submitting parallel fills at once, each on a device of its own (the model
@@ -382,13 +387,6 @@ fn a_panic_in_a_middle_group_fails_submit_and_moves_nothing_from_its_lease_on() 
             let gap = at + size..at + stride;
             assert_eq!(got[gap.clone()], before[gap], "gap after write {k}");
         }
-        m.expect[0] = got;
-        assert_eq!(d.telemetry().pinned.lent_bytes, 0, "staging back");
-        let bytes = random_vec(&mut rng, 5000);
-        let mut batch = d.uploads();
-        batch.write_with_par(m.buffers[0], 17, bytes.len(), |dst| dst.copy_from_slice(&bytes)).unwrap();
-        batch.submit().unwrap().wait().unwrap();
-        m.expect[0][17..5017].copy_from_slice(&bytes);
-        m.check(&d, "after a panicked fill");
+        the_device_goes_on(&d, &mut m, &mut rng, got);
     }
 }
