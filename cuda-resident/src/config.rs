@@ -74,7 +74,9 @@ pub struct Config {
     /// Microseconds the packing threads stay awake (spinning, yielding now and then; all
     /// but one of them) after a batch's packing, so that the next batch's packing starts at
     /// once instead of after the threads wake (which takes tens of microseconds, as long as
-    /// moving a batch of thousands of small copies). They stop as soon as new packing starts.
+    /// moving a batch of thousands of small copies); and from when an upload batch holds
+    /// about a megabyte of [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par)
+    /// fills, which its submit will run on them. They stop as soon as new packing starts.
     /// 0 lets them sleep at once, for processes that need those cores between batches or run
     /// under a CPU quota (spinning threads use it up). At most 10 000; default 300, which
     /// speeds up prepared uploads of small rows; downloads gain nothing.
@@ -92,8 +94,8 @@ pub struct Config {
     /// staging that [`UploadBatch::write_with_par`](crate::UploadBatch::write_with_par) fills
     /// at submit moves: over the bus, each lease holding such fills by one launch that reads
     /// it in place (the kernel reads lines the fills just wrote faster than a DMA does), the
-    /// leases that call opens holding 4 MiB (or `chunk_bytes`, if less); else by a DMA and a
-    /// scatter each, in leases of `chunk_bytes`.
+    /// leases that call opens holding 256 KiB, then twice as much each, up to 4 MiB (or
+    /// `chunk_bytes`, if less); else by a DMA and a scatter each, in leases of `chunk_bytes`.
     ///
     /// [`Device::moves_small_copies_over_bus`]: crate::Device::moves_small_copies_over_bus
     pub small_copies_over_bus: bool,

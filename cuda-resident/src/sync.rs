@@ -48,6 +48,7 @@ pub(crate) mod shim {
 /// Spawns `f` on a thread of `scope`. In the crate's tests the thread works on the spawning
 /// thread's model GPU (the model is per thread), so that its driver calls reach the same
 /// device.
+#[cfg(feature = "safetensors")]
 pub(crate) fn spawn_in<'s, T: Send + 's>(
     scope: &'s std::thread::Scope<'s, '_>,
     f: impl FnOnce() -> T + Send + 's,

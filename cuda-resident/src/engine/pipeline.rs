@@ -107,8 +107,8 @@ impl Groups {
     }
 
     /// Cuts each chunk's items into groups with `split(items, push)`, which passes each
-    /// group of `items` to `push` in order.
-    fn cut(
+    /// group of `items` to `push` in order (none empty).
+    pub(crate) fn cut(
         chunks: usize,
         spans: impl Iterator<Item = (usize, Range<usize>)>,
         mut split: impl FnMut(Range<usize>, &mut dyn FnMut(Range<usize>)),
@@ -121,6 +121,12 @@ impl Groups {
             per_chunk[chunk] = groups.len() - before;
         }
         Groups { groups, per_chunk }
+    }
+
+    /// Each group's items and chunk, in order.
+    #[cfg(test)]
+    pub(crate) fn all(&self) -> &[(Range<usize>, usize)] {
+        &self.groups
     }
 
     /// The group size that spreads a chunk of `chunk_bytes` over `threads` packing threads:

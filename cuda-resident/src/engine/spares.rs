@@ -6,6 +6,7 @@ use crate::plan::{ReadRequest, ReadView, WriteRequest};
 use crate::recycle::{Recycler, Reusable};
 use crate::sync::Mutex;
 
+use super::fills::ParFills;
 use super::host::{PinnedDescriptors, Source};
 use super::table::BufferTable;
 
@@ -33,6 +34,7 @@ pub(crate) struct UploadParts {
     pub(crate) sources: Vec<Source<'static>>,
     pub(crate) arena_used: Vec<usize>,
     pub(crate) arena_descriptors: Vec<u64>,
+    pub(crate) par: ParFills,
 }
 
 impl Reusable for UploadParts {
@@ -42,6 +44,7 @@ impl Reusable for UploadParts {
         self.sources.clear();
         self.arena_used.clear();
         self.arena_descriptors.clear();
+        self.par.clear();
     }
 }
 

@@ -1,11 +1,12 @@
-//! `UploadBatch::write_with_par` on the model driver: fills run at submit on the packing
-//! threads, lease by lease; every byte lands, every fill runs once, and a fill that panics
-//! fails `submit` without moving undefined bytes.
+//! `UploadBatch::write_with_par` on the model driver: fills run at submit in groups, lease
+//! by lease, on the packing threads (on the calling thread alone for a small batch); every
+//! byte lands, every fill runs once, and a fill that panics fails `submit` without moving
+//! undefined bytes.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::testing::{Model, device, random_vec, small_chunks};
-use crate::{Config, Error};
+use crate::{Config, Device, Error};
 
 /// Random disjoint ranges of `m`, in order and apart or shuffled, some large.
 fn ranges(m: &Model, rng: &mut fastrand::Rng, large: bool) -> Vec<(usize, usize, usize)> {
@@ -132,9 +133,14 @@ fn a_fill_larger_than_a_chunk_lands_whole() {
 #[test]
 fn a_fill_that_panics_fails_submit_naming_it_and_moves_no_undefined_byte() {
     let by_dma = Config::default().with_small_copies_over_bus(false);
-    for (config, count) in
-        [(Config::default(), 8192usize), (by_dma, 8192), (small_chunks(), 600), (small_chunks(), 5)]
-    {
+    let threads = Config::default().with_pack_threads(4);
+    for (config, count) in [
+        (Config::default(), 8192usize),
+        (by_dma, 8192),
+        (threads, 8192),
+        (small_chunks(), 600),
+        (small_chunks(), 5),
+    ] {
         let over_bus = config.small_copies_over_bus;
         let d = device(config);
         let mut rng = fastrand::Rng::with_seed(3004);
@@ -175,8 +181,9 @@ fn a_fill_that_panics_fails_submit_naming_it_and_moves_no_undefined_byte() {
             }
             assert!(landed <= bad);
             if count == 8192 && bad == count - 1 && over_bus {
-                // Leases over the bus hold 4 MiB: the first, about 4000 of these writes,
-                // moves before the last lease's panic is known.
+                // Leases over the bus hold 256 KiB, then twice as much each, up to 4 MiB:
+                // those before the last, over 7000 of these writes, move before the last
+                // lease's panic is known.
                 assert!(landed >= 4000, "the first lease moved: {landed} writes landed");
             }
             // Between the writes nothing changed.
@@ -184,17 +191,22 @@ fn a_fill_that_panics_fails_submit_naming_it_and_moves_no_undefined_byte() {
                 let gap = k * (size + 24) + size..(k + 1) * (size + 24);
                 assert_eq!(got[gap.clone()], before[gap], "gap after write {k}");
             }
-            m.expect[0] = got;
-            assert_eq!(d.telemetry().pinned.lent_bytes, 0, "staging back");
-            // The next batch works.
-            let bytes = random_vec(&mut rng, 5000);
-            let mut batch = d.uploads();
-            batch.write_with_par(m.buffers[0], 17, bytes.len(), |dst| dst.copy_from_slice(&bytes)).unwrap();
-            batch.submit().unwrap().wait().unwrap();
-            m.expect[0][17..5017].copy_from_slice(&bytes);
-            m.check(&d, "after a panicked fill");
+            the_device_goes_on(&d, &mut m, &mut rng, got);
         }
     }
+}
+
+/// After a batch whose fill panicked, buffer 0 of `m` holding `got`: the staging is back,
+/// and the next batch lands.
+fn the_device_goes_on(d: &Device, m: &mut Model, rng: &mut fastrand::Rng, got: Vec<u8>) {
+    m.expect[0] = got;
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0, "staging back");
+    let bytes = random_vec(rng, 5000);
+    let mut batch = d.uploads();
+    batch.write_with_par(m.buffers[0], 17, bytes.len(), |dst| dst.copy_from_slice(&bytes)).unwrap();
+    batch.submit().unwrap().wait().unwrap();
+    m.expect[0][17..5017].copy_from_slice(&bytes);
+    m.check(d, "after a panicked fill");
 }
 
 /// Threads submitting parallel fills at once, each on a device of its own (the model
@@ -227,4 +239,154 @@ fn many_threads_submit_parallel_fills_at_once() {
             });
         }
     });
+}
+
+/// The parallel runs this thread made so far.
+fn parallel_runs() -> usize {
+    crate::engine::pipeline::PARALLEL_RUNS.with(|n| n.get())
+}
+
+/// Four packing threads, whatever the host (this one may have two cores: the default would
+/// be one thread, and every fill would run on the calling thread).
+fn four_threads() -> Config {
+    Config::default().with_pack_threads(4)
+}
+
+#[test]
+fn a_small_batch_fills_on_the_calling_thread_and_a_large_one_in_one_parallel_run() {
+    for config in [four_threads(), four_threads().with_small_copies_over_bus(false)] {
+        let d = device(config);
+        let mut rng = fastrand::Rng::with_seed(3006);
+        let mut m = Model::new(&d, &mut rng, &[4 << 20]);
+        let me = std::thread::current().id();
+        // 2000 fills of 16 bytes: far less work than waking the threads costs.
+        let (elsewhere, calls) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let data = random_vec(&mut rng, 2000 * 16);
+        let before = parallel_runs();
+        let mut batch = d.uploads();
+        for (k, bytes) in data.chunks(16).enumerate() {
+            let (elsewhere, calls) = (&elsewhere, &calls);
+            batch
+                .write_with_par(m.buffers[0], k as u64 * 32, 16, move |dst| {
+                    if std::thread::current().id() != me {
+                        elsewhere.fetch_add(1, Ordering::Relaxed);
+                    }
+                    calls.fetch_add(1, Ordering::Relaxed);
+                    dst.copy_from_slice(bytes);
+                })
+                .unwrap();
+            m.expect[0][k * 32..k * 32 + 16].copy_from_slice(bytes);
+        }
+        batch.submit().unwrap().wait().unwrap();
+        assert_eq!(parallel_runs(), before, "a small batch wakes no thread");
+        assert_eq!((calls.load(Ordering::Relaxed), elsewhere.load(Ordering::Relaxed)), (2000, 0));
+        m.check(&d, "after the small batch");
+        // 60 000 fills of 8 bytes: little data but many calls, spread over several leases
+        // (over the bus) and the threads, in one parallel run for the whole batch, not one
+        // a lease or a fill.
+        let data = random_vec(&mut rng, 60_000 * 8);
+        calls.store(0, Ordering::Relaxed);
+        let before = parallel_runs();
+        let mut batch = d.uploads();
+        for (k, bytes) in data.chunks(8).enumerate() {
+            let calls = &calls;
+            batch
+                .write_with_par(m.buffers[0], k as u64 * 40 + 3, 8, move |dst| {
+                    calls.fetch_add(1, Ordering::Relaxed);
+                    dst.copy_from_slice(bytes);
+                })
+                .unwrap();
+            m.expect[0][k * 40 + 3..k * 40 + 11].copy_from_slice(bytes);
+        }
+        batch.submit().unwrap().wait().unwrap();
+        assert_eq!(parallel_runs(), before + 1, "one parallel run");
+        assert_eq!(calls.load(Ordering::Relaxed), 60_000, "each fill once");
+        m.check(&d, "after the batch of many tiny fills");
+        assert_eq!(d.telemetry().pinned.lent_bytes, 0, "staging back");
+    }
+}
+
+#[test]
+fn fills_of_varied_sizes_land_byte_exact_on_the_packing_threads() {
+    let small = Config { pinned_cap_bytes: 64 << 20, ..small_chunks() }.with_pack_threads(4);
+    for config in [four_threads(), four_threads().with_small_copies_over_bus(false), small] {
+        let d = device(config);
+        let mut rng = fastrand::Rng::with_seed(3007);
+        let mut m = Model::new(&d, &mut rng, &[9 << 20, 3 << 20, 100_000]);
+        for round in 0..6 {
+            // From one byte to hundreds of KiB (some past the direct threshold: a lease of
+            // their own), in order or shuffled, all made at submit.
+            let mut ranges = ranges(&m, &mut rng, round % 2 == 0);
+            if round % 3 == 2 {
+                rng.shuffle(&mut ranges);
+            }
+            let data: Vec<Vec<u8>> = ranges.iter().map(|&(_, _, len)| random_vec(&mut rng, len)).collect();
+            let calls = AtomicUsize::new(0);
+            let mut batch = d.uploads();
+            for (&(i, at, _), bytes) in ranges.iter().zip(&data) {
+                let calls = &calls;
+                batch
+                    .write_with_par(m.buffers[i], at as u64, bytes.len(), move |dst| {
+                        calls.fetch_add(1, Ordering::Relaxed);
+                        dst.copy_from_slice(bytes);
+                    })
+                    .unwrap();
+                m.expect[i][at..at + bytes.len()].copy_from_slice(bytes);
+            }
+            batch.submit().unwrap().wait().unwrap();
+            assert_eq!(calls.load(Ordering::Relaxed), ranges.len(), "round {round}: each fill once");
+            m.check(&d, &format!("round {round}"));
+        }
+        assert_eq!(d.telemetry().pinned.lent_bytes, 0, "staging back");
+    }
+}
+
+/// A panic in a group in the middle of a batch filled on the packing threads (a second one
+/// later): `submit` names the first, nothing from its lease on moves, earlier leases land
+/// whole or not at all, and the device goes on.
+#[test]
+fn a_panic_in_a_middle_group_fails_submit_and_moves_nothing_from_its_lease_on() {
+    for config in [four_threads(), four_threads().with_small_copies_over_bus(false)] {
+        let d = device(config);
+        let mut rng = fastrand::Rng::with_seed(3008);
+        let mut m = Model::new(&d, &mut rng, &[12 << 20]);
+        let (count, size, stride) = (20_000, 300, 600);
+        let (bad, later) = (count / 2 + 7, count - 100);
+        let data: Vec<Vec<u8>> = (0..count).map(|_| random_vec(&mut rng, size)).collect();
+        let before = m.expect[0].clone();
+        let calls = AtomicUsize::new(0);
+        let mut batch = d.uploads();
+        for (k, bytes) in data.iter().enumerate() {
+            let calls = &calls;
+            batch
+                .write_with_par(m.buffers[0], (k * stride) as u64, size, move |dst| {
+                    calls.fetch_add(1, Ordering::Relaxed);
+                    dst[..size / 2].copy_from_slice(&bytes[..size / 2]);
+                    assert!(k != bad && k != later, "fill {k} fails");
+                    dst.copy_from_slice(bytes);
+                })
+                .unwrap();
+        }
+        let runs = parallel_runs();
+        let e = batch.submit().unwrap_err();
+        assert_eq!(parallel_runs(), runs + 1, "filled on the packing threads");
+        let Error::FillPanicked { write, offset, len, cause, .. } = &e else { panic!("{e}") };
+        assert_eq!((*write, *offset, *len), (bad, (bad * stride) as u64, size as u64), "{e}");
+        assert!(cause.contains(&format!("fill {bad} fails")), "{e}");
+        assert!(calls.load(Ordering::Relaxed) <= count, "no fill twice");
+        d.synchronize().unwrap();
+        let got = d.download(m.buffers[0]).unwrap();
+        for (k, bytes) in data.iter().enumerate() {
+            let at = k * stride;
+            let now = &got[at..at + size];
+            if now == &bytes[..] {
+                assert!(k < bad, "write {k}, after the panicking {bad}, did not move");
+            } else {
+                assert_eq!(now, &before[at..at + size], "write {k}: old bytes or new, whole");
+            }
+            let gap = at + size..at + stride;
+            assert_eq!(got[gap.clone()], before[gap], "gap after write {k}");
+        }
+        the_device_goes_on(&d, &mut m, &mut rng, got);
+    }
 }

@@ -3,19 +3,18 @@
 //! the chunk over the bus) or one DMA each (large ones).
 
 use std::fmt;
-use std::mem::MaybeUninit;
-use std::sync::{Arc, Mutex};
-
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::BufferTable;
 use crate::alloc::ResidentBuffer;
 use crate::engine::Exec;
 use crate::engine::core::Core;
+use crate::engine::fills::{FILL_COST, Fills, ParFills};
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
 use crate::engine::order::Ranges;
-use crate::engine::pipeline::{self, Groups, Step};
+use crate::engine::pipeline::{self, Groups, PARALLEL_MIN, Step};
 use crate::engine::spares::UploadParts;
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
@@ -35,10 +34,20 @@ const KERNEL_MIN_COPIES: usize = 3;
 /// `arena_used` of a lease that holds one large write and takes no more.
 const CLOSED: usize = usize::MAX;
 
-/// The size of an arena lease opened by [`UploadBatch::write_with_par`] where leases with
-/// fills move over the bus (or `chunk_bytes`, if less): the link starts once the first
-/// lease is filled, and a lease costs one launch.
+/// The most bytes an arena lease opened by [`UploadBatch::write_with_par`] holds where leases
+/// with fills move over the bus (or `chunk_bytes`, if less; the first leases of a batch hold
+/// less, [`par_lease`]): each lease moves once its fills are done, and costs one launch.
 const PAR_LEASE: usize = 4 << 20;
+
+/// The bytes for packed writes of arena lease `k` of a batch, opened for fills at submit
+/// where leases with fills move over the bus: [`FIRST_CHUNK`], doubling with each lease, up
+/// to [`PAR_LEASE`] (or `chunk_bytes`, if less). The first launch waits only for the first
+/// lease's fills: the link starts soon after submit, and the later, larger leases cost
+/// fewer launches.
+fn par_lease(k: usize, chunk_bytes: usize) -> usize {
+    let growing = (FIRST_CHUNK as usize).saturating_mul(1 << k.min(16));
+    growing.min(PAR_LEASE).min(chunk_bytes)
+}
 
 /// A batch of host-to-device writes ([`Device::uploads`](crate::Device::uploads)). Writes apply in order: where
 /// two overlap, the later one wins. Nothing moves until [`UploadBatch::submit`].
@@ -61,9 +70,10 @@ pub struct UploadBatch<'a> {
     slice_writes: usize,
     /// The fills of [`UploadBatch::write_with_par`], in the order of their writes, run at
     /// submit.
-    par: Vec<ParFill>,
-    /// Their closures' bytes ([`ParFill::code`]).
-    closures: Vec<MaybeUninit<u8>>,
+    par: ParFills,
+    /// Their work so far ([`FILL_COST`] a fill and its bytes): once it passes
+    /// [`PARALLEL_MIN`], the packing threads are woken for the submit to come.
+    par_work: usize,
     error: Option<Error>,
     spare: Spare,
 }
@@ -108,8 +118,8 @@ pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
         arena_used: parts.arena_used,
         arena_descriptors: parts.arena_descriptors,
         slice_writes: 0,
-        par: Vec::new(),
-        closures: Vec::new(),
+        par: parts.par,
+        par_work: 0,
         error: None,
         spare: Spare { core: Arc::clone(core), parts: UploadParts::default() },
     }
@@ -211,7 +221,6 @@ impl<'a> UploadBatch<'a> {
         self.arena_used.clear();
         self.arena_descriptors.clear();
         self.par.clear();
-        self.closures.clear();
         self.table.apart.broken = true;
     }
 
@@ -252,11 +261,17 @@ impl<'a> UploadBatch<'a> {
 
     /// Adds a write of `len` bytes to `buffer` at `offset` whose bytes `fill` produces in
     /// place, in pinned memory, as [`write_with`](UploadBatch::write_with) does, but later:
-    /// at [`submit`](UploadBatch::submit), on the packing threads, many fills at once, lease
-    /// by lease of staging, each lease moving as soon as its fills are done while later
-    /// leases are still being filled. Where the copy kernel may read them over the bus
+    /// at [`submit`](UploadBatch::submit), many fills at once, lease by lease of staging,
+    /// each lease moving as soon as its fills are done while later leases are still being
+    /// filled. Fills run in groups of about equal work (a fill's bytes and the cost of a
+    /// call), a few per lease and thread, never a task per fill, on the packing threads
+    /// and the calling thread; a batch of less than about a megabyte of work runs them on
+    /// the calling thread alone, as `write_with` would. Adding one keeps the closure's bytes
+    /// and a small record in vectors the device reuses: no allocation per call. Where the
+    /// copy kernel may read them over the bus
     /// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), the leases
-    /// this call opens hold 4 MiB (or `chunk_bytes`, if less) and the kernel reads them in
+    /// this call opens hold 256 KiB, then twice as much each, up to 4 MiB (or `chunk_bytes`,
+    /// if less), so that the link starts soon after submit, and the kernel reads them in
     /// place; else they hold `chunk_bytes` and move by a DMA each. (A batch whose writes
     /// overlap or touch, or that mixes in [`write`](UploadBatch::write)s, runs every fill
     /// first and then moves the batch as a whole.) For fills that cost as much as the move
@@ -307,15 +322,15 @@ impl<'a> UploadBatch<'a> {
         F: FnOnce(&mut [u8]) + Send + Copy + 'a,
     {
         let (lease, at) = self.stage(buffer, offset, len, true)?;
-        let code = self.closures.len();
-        let size = size_of::<F>();
-        self.closures.resize(code + size, MaybeUninit::uninit());
-        // SAFETY: `size` bytes at `code` were just made room for; the write is unaligned,
-        // as each read (in `call_fill`).
-        unsafe { self.closures.as_mut_ptr().add(code).cast::<F>().write_unaligned(fill) };
-        let write = self.writes.len() - 1;
-        self.par.push(ParFill { write, lease, at, len, code, call: call_fill::<F> });
+        self.par.push(self.writes.len() - 1, fill);
         self.sources.push(Source::Arena { lease, offset: at });
+        let before = self.par_work;
+        self.par_work = before.saturating_add(len + FILL_COST);
+        if before < PARALLEL_MIN && self.par_work >= PARALLEL_MIN {
+            // Enough fills to run them on the packing threads: they are woken now (and
+            // linger), so that submit finds them awake, not asleep since the last batch.
+            pipeline::linger(&self.core.packers);
+        }
         Ok(self)
     }
 
@@ -345,10 +360,12 @@ impl<'a> UploadBatch<'a> {
         let reuse = !own && last.is_some_and(open);
         if !reuse {
             // A lease opened for fills at submit is smaller when it moves over the bus: the
-            // first launch waits for its fills only.
+            // first launch waits for its fills only. The first leases are smaller still,
+            // doubling from `FIRST_CHUNK`, so that the link starts soon after submit.
+            let chunk = self.core.config.chunk_bytes as usize;
             let packed = match par && self.core.moves_small_copies_over_bus() {
-                true => PAR_LEASE.min(self.core.config.chunk_bytes as usize),
-                false => self.core.config.chunk_bytes as usize,
+                true => par_lease(self.arena.len(), chunk),
+                false => chunk,
             };
             // A sixteenth more for the table: room for the whole table of writes of 384
             // bytes or more (24 bytes of descriptor each), so that they fill the lease's
@@ -390,20 +407,20 @@ impl<'a> UploadBatch<'a> {
         Ok((lease_index as u32, at))
     }
 
-    /// Runs every fill of [`write_with_par`](UploadBatch::write_with_par) on the packing
-    /// threads, before a route that reads the arena as a whole.
+    /// Runs every fill of [`write_with_par`](UploadBatch::write_with_par), before a route
+    /// that reads the arena as a whole: in groups as [`execute_in_place`] runs them, on the
+    /// packing threads and the calling thread, or on the calling thread alone for a small
+    /// batch.
     fn run_fills(&self) -> Result<()> {
         if self.par.is_empty() {
             return Ok(());
         }
         let bases: Vec<usize> = self.arena.iter().map(|l| l.as_ptr() as usize).collect();
-        let fills =
-            Fills { par: &self.par, closures: &self.closures, bases: &bases, panics: Panics::default() };
-        let threads = self.core.packers().current_num_threads();
-        let target = Groups::target(self.core.config.chunk_bytes, threads);
-        let groups = Groups::new(1, std::iter::once((0, 0..self.par.len())), |i| self.par[i].len, target);
-        let total = self.par.iter().map(|f| f.len).sum();
-        pipeline::run(&self.core.packers, &groups, total, 1, |_| Ok(true), |_, items| fills.run(items))?;
+        let fills = Fills::new(&self.par, &self.writes, &self.sources, &bases);
+        let spans = self.par.spans(&self.sources, bases.len());
+        let (groups, work) = fills.groups(&spans, self.core.packers().current_num_threads());
+        let all = bases.len();
+        pipeline::run(&self.core.packers, &groups, work, all, |_| Ok(true), |_, items| fills.run(items))?;
         match fills.panics.first(usize::MAX) {
             Some(error) => Err(self.fill_panicked(error)),
             None => Ok(()),
@@ -412,10 +429,10 @@ impl<'a> UploadBatch<'a> {
 
     /// The error of fill `i` (of `par`), which panicked with `cause`.
     fn fill_panicked(&self, (i, cause): (usize, String)) -> Error {
-        let fill = &self.par[i];
-        let w = &self.writes[fill.write];
+        let write = self.par.write_of(i);
+        let w = &self.writes[write];
         let buffer = self.table.entries[w.buffer as usize].buffer;
-        Error::FillPanicked { write: fill.write, buffer, offset: w.offset, len: w.len, cause }
+        Error::FillPanicked { write, buffer, offset: w.offset, len: w.len, cause }
     }
 
     /// Number of writes added.
@@ -442,6 +459,7 @@ impl<'a> UploadBatch<'a> {
             sources: crate::recycle::relabel(take(&mut self.sources)),
             arena_used: take(&mut self.arena_used),
             arena_descriptors: take(&mut self.arena_descriptors),
+            par: take(&mut self.par),
         };
         submitted
     }
@@ -498,102 +516,6 @@ impl Source<'_> {
             Source::Arena { lease, offset: at } => unsafe {
                 arena[lease as usize].as_ptr().add(at + offset as usize)
             },
-        }
-    }
-}
-
-/// A fill of [`UploadBatch::write_with_par`]: its closure (`size_of` its type bytes at
-/// `code` in the batch's closure store, unaligned) fills `len` bytes at `at` of arena lease
-/// `lease`, for write `write`.
-#[derive(Clone, Copy)]
-struct ParFill {
-    write: usize,
-    lease: u32,
-    at: usize,
-    len: usize,
-    code: usize,
-    /// [`call_fill`] for the closure's type.
-    call: unsafe fn(*const MaybeUninit<u8>, *mut u8, usize),
-}
-
-/// Calls the closure of type `F` whose bytes are at `code` on the `len` bytes at `dst`.
-///
-/// # Safety
-/// `code` holds an `F` written there (unaligned) by `write_with_par`, alive for the
-/// closure's lifetime; `dst` is writable for `len` bytes, and no one else touches them.
-/// `F: Copy`: reading it leaves nothing to drop.
-unsafe fn call_fill<F: FnOnce(&mut [u8]) + Copy>(code: *const MaybeUninit<u8>, dst: *mut u8, len: usize) {
-    // SAFETY: as the caller promises.
-    let (fill, dst) =
-        unsafe { (code.cast::<F>().read_unaligned(), std::slice::from_raw_parts_mut(dst, len)) };
-    fill(dst);
-}
-
-/// The first fill (lowest index) that panicked, and its message.
-struct Panics {
-    /// The lowest index that panicked (`usize::MAX`: none): read before each fill and once a
-    /// chunk.
-    lowest: AtomicUsize,
-    /// That fill and its panic's message, written only when a fill panics.
-    first: Mutex<Option<(usize, String)>>,
-}
-
-impl Default for Panics {
-    fn default() -> Panics {
-        Panics { lowest: AtomicUsize::new(usize::MAX), first: Mutex::new(None) }
-    }
-}
-
-impl Panics {
-    fn record(&self, i: usize, panic: &(dyn std::any::Any + Send)) {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".to_owned());
-        let mut first = lock(&self.first);
-        if first.as_ref().is_none_or(|&(j, _)| i < j) {
-            *first = Some((i, message));
-            self.lowest.store(i, Ordering::Release);
-        }
-    }
-
-    /// The first fill below `end` that panicked, with its message.
-    fn first(&self, end: usize) -> Option<(usize, String)> {
-        if self.lowest.load(Ordering::Acquire) >= end {
-            return None;
-        }
-        lock(&self.first).clone().filter(|&(i, _)| i < end)
-    }
-}
-
-/// What the packing threads need to run fills: shared, read only but for the staging each
-/// fill writes (its own).
-struct Fills<'f> {
-    par: &'f [ParFill],
-    closures: &'f [MaybeUninit<u8>],
-    /// Each arena lease's address.
-    bases: &'f [usize],
-    panics: Panics,
-}
-
-impl Fills<'_> {
-    /// Runs the fills `items` (indices of `par`), each under `catch_unwind`.
-    fn run(&self, items: std::ops::Range<usize>) {
-        for i in items {
-            // After a fill panicked, no later one runs: their leases never move.
-            if self.panics.lowest.load(Ordering::Acquire) < i {
-                return;
-            }
-            let f = self.par[i];
-            let dst = (self.bases[f.lease as usize] + f.at) as *mut u8;
-            // SAFETY: the closure's bytes were written by `write_with_par` and the batch (its
-            // lifetime) is alive; each fill has its own staging range in its lease, which no
-            // copy uses before the lease moves, after this chunk's fills (each run once).
-            let call = || unsafe { (f.call)(self.closures.as_ptr().add(f.code), dst, f.len) };
-            if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
-                self.panics.record(i, &*panic);
-            }
         }
     }
 }
@@ -684,15 +606,12 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         Source::Slice(_) => unreachable!("only arena writes take this path"),
     };
     // Each lease's writes, and its fills of `write_with_par` (indices of `par`).
+    let fill_spans = batch.par.spans(&batch.sources, leases.len());
     let mut runs = Vec::with_capacity(leases.len());
-    let (mut first, mut first_fill) = (0, 0);
-    for i in 0..leases.len() {
+    let mut first = 0;
+    for (i, fills) in fill_spans.iter().enumerate() {
         let end = first + batch.sources[first..].partition_point(|s| lease_of(s) <= i);
-        let fills_end = first_fill + batch.par[first_fill..].partition_point(|f| f.lease as usize <= i);
-        runs.push((
-            std::mem::replace(&mut first, end)..end,
-            std::mem::replace(&mut first_fill, fills_end)..fills_end,
-        ));
+        runs.push((std::mem::replace(&mut first, end)..end, fills.clone()));
     }
     // Device staging for a packed lease: its bytes, then its table.
     let table_at = |i: usize| (batch.arena_used[i] as u64).next_multiple_of(256);
@@ -717,8 +636,7 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
     let dev = if packed_need > 0 { exec.region(&mut scratch.region, regions * region_stride)? } else { 0 };
     let kernels = if packed_need > 0 || (0..leases.len()).any(bus) { Some(exec.kernels()?) } else { None };
     let bases: Vec<usize> = leases.iter().map(|l| l.as_ptr() as usize).collect();
-    let fills =
-        Fills { par: &batch.par, closures: &batch.closures, bases: &bases, panics: Panics::default() };
+    let fills = Fills::new(&batch.par, &batch.writes, &batch.sources, &bases);
     // Packed leases enqueued so far.
     let mut j = 0;
     // Moves lease `i` (its fills done).
@@ -799,18 +717,15 @@ fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
         }
         Ok(())
     };
-    // The fills of `write_with_par` run on the packing threads, lease by lease; each lease
-    // moves once its fills are done, while the next ones are filled. A lease with a fill
-    // that panicked, and every later one, does not move.
-    let threads = core.packers().current_num_threads();
-    let target = Groups::target(core.config.chunk_bytes, threads);
-    let spans = runs.iter().enumerate().filter(|(_, r)| !r.1.is_empty()).map(|(i, r)| (i, r.1.clone()));
-    let groups = Groups::new(leases.len(), spans, |f| batch.par[f].len, target);
-    let fill_bytes = batch.par.iter().map(|f| f.len).sum();
+    // The fills of `write_with_par` run in groups, lease by lease, on the packing threads
+    // and this one (on this one alone for a small batch); each lease moves once its fills
+    // are done, while the next ones are filled. A lease with a fill that panicked, and every
+    // later one, does not move.
+    let (groups, work) = fills.groups(&fill_spans, core.packers().current_num_threads());
     pipeline::run(
         &core.packers,
         &groups,
-        fill_bytes,
+        work,
         leases.len(),
         |step| match step {
             Step::Open(_) => Ok(true),
