@@ -31,7 +31,7 @@ impl fmt::Debug for ResidentBuffer {
             "ResidentBuffer(allocator {}, shard {}, slot {}, generation {})",
             self.owner,
             self.shard(),
-            self.index >> SHARD_BITS,
+            self.slot(),
             self.generation
         )
     }
@@ -44,10 +44,11 @@ impl ResidentBuffer {
         self.index as usize % SHARDS
     }
 
-    /// A well-mixed hash of the handle, for per-batch lookup tables.
-    pub(crate) fn mix(self) -> u64 {
-        let raw = (u64::from(self.owner) << 32 | u64::from(self.index)) ^ (u64::from(self.generation) << 48);
-        raw.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    /// The handle's slot in its shard: slots of a shard are numbered densely from 0, so
+    /// per-batch tables index by shard and slot.
+    #[inline]
+    pub(crate) fn slot(self) -> usize {
+        (self.index >> SHARD_BITS) as usize
     }
 
     #[cfg(test)]

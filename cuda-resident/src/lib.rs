@@ -81,9 +81,9 @@
 //!   into resident buffers and saved from them through the engine
 //!   (`Device::load_safetensors`, `Device::save_safetensors`).
 //! - `internals` and `fuzzing`: for this repository's benches and fuzz target only.
-//!   `internals` exposes the copy planner and the budget rule; `fuzzing` also exposes the
-//!   planner's test byte model. Both are unstable, hidden from these docs, not part of the
-//!   API and exempt from semver: do not enable them.
+//!   `internals` exposes the copy planner, the budget rule and devices on a model driver
+//!   (no GPU); `fuzzing` also exposes the planner's test byte model. Both are unstable,
+//!   hidden from these docs, not part of the API and exempt from semver: do not enable them.
 
 // docs.rs (`--cfg docsrs`, nightly) marks each feature-gated item with its feature.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -127,7 +127,7 @@ mod recycle;
 mod stream;
 mod sync;
 mod telemetry;
-#[cfg(test)]
+#[cfg(any(test, feature = "internals"))]
 mod testing;
 mod transfer;
 #[cfg(feature = "safetensors")]
@@ -160,8 +160,9 @@ mod readme_doctests {}
 
 /// The copy planner and the budget rule, for the benches (`benches/plan.rs`) and the fuzz
 /// target (`fuzz/`), behind the `internals` feature (and the planner's test byte model,
-/// `plan::check`, behind `fuzzing`). Not part of the API: unstable, exempt from semver,
-/// hidden from the docs.
+/// `plan::check`, behind `fuzzing`), and devices on the tests' model driver, for the benches
+/// of the calls' own cost (`benches/calls.rs`). Not part of the API: unstable, exempt from
+/// semver, hidden from the docs.
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod internals {
@@ -169,4 +170,12 @@ pub mod internals {
     #[cfg(feature = "safetensors")]
     pub use crate::weights::header as weights_header;
     pub use crate::{budget, plan};
+
+    /// A device opened with `config` on a fresh model driver (the tests' driver, written in
+    /// Rust, over host memory: no GPU): for measuring what the calls cost on the CPU.
+    /// The model's state is per thread: use the device from the thread that opened it.
+    /// Unstable, for this repository's benches only.
+    pub fn model_device(config: crate::Config) -> crate::Device {
+        crate::Device::open_with(crate::testing::model::driver(), 0, config).expect("the model driver opens")
+    }
 }

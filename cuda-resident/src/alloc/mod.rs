@@ -426,7 +426,7 @@ impl<M: DeviceMemory> Allocator<M> {
         if buffer.owner != self.id {
             return Err(self.foreign(buffer));
         }
-        Ok((buffer.shard(), (buffer.index >> SHARD_BITS) as usize))
+        Ok((buffer.shard(), buffer.slot()))
     }
 
     fn foreign(&self, buffer: ResidentBuffer) -> Error {

@@ -11,6 +11,11 @@ use crate::plan::route::Apart;
 
 /// The buffers a batch names, each resolved once: key (index) -> handle, address, length.
 ///
+/// A handle is found by its shard and slot (dense numbers, [`ResidentBuffer::slot`]) in
+/// [`BufferTable::index`], with no hash: a request to a buffer this batch named before costs
+/// two loads from the index, a comparison of the handle (generation and allocator included)
+/// with its entry's, and no cache line of the allocator's.
+///
 /// A table is reused by the device's next batches and keeps its entries: the next batch
 /// takes a handle's address and length from its entry, without the allocator's lock, as
 /// long as the allocator has freed nothing in that handle's shard since the entry was
@@ -25,11 +30,13 @@ pub(crate) struct BufferTable {
     /// Every buffer the table has resolved, this batch or an earlier one; this batch's have
     /// `batch` equal to the table's.
     pub(crate) entries: Vec<Resolved>,
-    /// Open addressing over `entries`: `index + 1`, 0 for empty. Length a power of two, at
-    /// most a quarter full, so that a lookup almost always finds its buffer in the first
-    /// slot it probes: whether it does varies from buffer to buffer, a branch no predictor
-    /// follows, taken wrongly on most writes of a batch when the table is half full.
-    slots: Vec<u32>,
+    /// Per shard, per slot: `key + 1` of the entry made last for a handle of that shard and
+    /// slot, 0 for none; the entries made before it for the same shard and slot (an earlier
+    /// generation's handle, another allocator's) follow from it through [`Resolved::same`].
+    /// Empty until the first entry, then [`SHARDS`] vectors, each as long as the highest slot
+    /// of an entry made in its shard: an entry is made only for a handle its allocator
+    /// resolved, so the index grows with the allocator's slots, never with a made-up handle.
+    index: Vec<Vec<u32>>,
     /// This batch's keys, in the order first named.
     used: Vec<u32>,
     /// This batch's number among the table's batches (never wraps).
@@ -93,18 +100,21 @@ pub(crate) struct Resolved {
     batch: u64,
     /// The count of frees in the buffer's shard read before it was resolved ([`Frees`]).
     frees: u64,
+    /// `key + 1` of the entry made before this one for a handle of the same shard and slot,
+    /// 0 for none ([`BufferTable::index`]).
+    same: u32,
 }
 
 impl crate::recycle::Reusable for BufferTable {
     fn clear(&mut self) {
         if self.entries.len() > KEEP_MOST.max(4 * self.used.len()) {
             // A table grown by a batch of very many buffers is not kept for small ones.
-            if self.slots.len() > 1 << 16 {
+            if self.index.iter().map(Vec::len).sum::<usize>() > 1 << 16 {
                 *self = BufferTable::default();
                 return;
             }
             self.entries.clear();
-            self.slots.fill(0);
+            self.index.iter_mut().for_each(|slots| slots.fill(0));
         }
         self.batch += 1;
         self.used.clear();
@@ -121,26 +131,19 @@ thread_local! {
     pub(crate) static KEPT_HITS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// The key of `buffer` in a table's `entries` and `slots`, or the empty slot where it would
-/// go. `slots` must have an empty slot.
-#[inline]
-fn probe_in(entries: &[Resolved], slots: &[u32], buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
-    let mask = slots.len() - 1;
-    let mut at = (buffer.mix() >> 32) as usize & mask;
-    loop {
-        match slots[at] {
-            0 => return Err(at),
-            k if entries[k as usize - 1].buffer == buffer => return Ok(k - 1),
-            _ => at = (at + 1) & mask,
-        }
-    }
-}
-
 /// Whether `[offset, offset + len)` lies in a buffer of `buffer_len` bytes (a range whose
 /// end overflows does not).
 #[inline]
 fn in_range(offset: u64, len: u64, buffer_len: u64) -> bool {
     offset.checked_add(len).is_some_and(|end| end <= buffer_len)
+}
+
+/// Notes a request of `len` bytes at `offset` of `entry`'s buffer, a range that lies in it,
+/// in the batch's layout (`apart`) and in the entry's span.
+#[inline(always)]
+fn note(apart: &mut Apart, entry: &mut Resolved, offset: u64, len: u64) {
+    apart.note(&mut entry.next, entry.ptr, offset, len);
+    entry.first = entry.first.min(offset);
 }
 
 impl BufferTable {
@@ -150,11 +153,8 @@ impl BufferTable {
         alloc: &Allocator<Arc<Context>>,
         buffer: ResidentBuffer,
     ) -> Result<(u32, Resolved)> {
-        if self.entries.len() * 4 >= self.slots.len() {
-            self.grow();
-        }
-        let found = self.probe(buffer);
-        if let Ok(key) = found
+        let found = self.find(buffer);
+        if let Some(key) = found
             && (self.entries[key as usize].batch == self.batch || self.revive(alloc, key))
         {
             return Ok((key, self.entries[key as usize]));
@@ -164,17 +164,15 @@ impl BufferTable {
         let now =
             if buffer.owner == alloc.id() { self.frees_now(alloc, buffer.shard()) } else { Frees::UNREAD };
         let (ptr, len) = alloc.resolve(buffer)?;
-        let resolved = Resolved { buffer, ptr, len, next: 0, first: u64::MAX, batch: self.batch, frees: now };
+        let resolved =
+            Resolved { buffer, ptr, len, next: 0, first: u64::MAX, batch: self.batch, frees: now, same: 0 };
         let key = match found {
-            Ok(key) => {
-                self.entries[key as usize] = resolved;
+            Some(key) => {
+                let entry = &mut self.entries[key as usize];
+                *entry = Resolved { same: entry.same, ..resolved };
                 key
             }
-            Err(at) => {
-                self.entries.push(resolved);
-                self.slots[at] = self.entries.len() as u32;
-                self.entries.len() as u32 - 1
-            }
+            None => self.insert(resolved),
         };
         self.used.push(key);
         Ok((key, self.entries[key as usize]))
@@ -216,17 +214,39 @@ impl BufferTable {
         *count
     }
 
-    /// The key of `buffer` if the table has it, else the empty slot where it would go. The
-    /// table must have a slot.
-    #[inline]
-    fn probe(&self, buffer: ResidentBuffer) -> std::result::Result<u32, usize> {
-        probe_in(&self.entries, &self.slots, buffer)
+    /// `key + 1` of the entry made last for `buffer`'s shard and slot, 0 for none.
+    #[inline(always)]
+    fn head(&self, buffer: ResidentBuffer) -> u32 {
+        self.index.get(buffer.shard()).and_then(|slots| slots.get(buffer.slot())).copied().unwrap_or(0)
     }
 
-    /// The key of `buffer` if the table has it: the hot path of [`BufferTable::check`].
-    #[inline]
+    /// The key of `buffer` if the table has it.
     fn find(&self, buffer: ResidentBuffer) -> Option<u32> {
-        if self.slots.is_empty() { None } else { self.probe(buffer).ok() }
+        let mut next = self.head(buffer);
+        // `next - 1` wraps for 0 (none) to a key past every entry.
+        while let Some(entry) = self.entries.get(next.wrapping_sub(1) as usize) {
+            if entry.buffer == buffer {
+                return Some(next - 1);
+            }
+            next = entry.same;
+        }
+        None
+    }
+
+    /// Adds `resolved`, an entry for a handle the table has none for, and returns its key.
+    fn insert(&mut self, mut resolved: Resolved) -> u32 {
+        let key = self.entries.len() as u32;
+        if self.index.is_empty() {
+            self.index.resize_with(SHARDS, Vec::new);
+        }
+        let (slots, slot) = (&mut self.index[resolved.buffer.shard()], resolved.buffer.slot());
+        if slots.len() <= slot {
+            slots.resize(slot + 1, 0);
+        }
+        resolved.same = slots[slot];
+        slots[slot] = key + 1;
+        self.entries.push(resolved);
+        key
     }
 
     /// The key and length of `buffer`, after checking that `[offset, offset + len)` lies in
@@ -241,64 +261,56 @@ impl BufferTable {
         len: u64,
         first_error: &mut Option<Error>,
     ) -> Result<(u32, u64)> {
-        // A buffer this batch named before (or an earlier one, still true) and a range inside
-        // it: no error value is built or moved.
+        match self.hit(buffer, offset, len) {
+            Some(found) => Ok(found),
+            None => self.check_cold(alloc, buffer, offset, len, first_error),
+        }
+    }
+
+    /// The hot path of [`BufferTable::check`]: the key and length of `buffer` when this batch
+    /// named it before and it is the last handle of its shard and slot that the table
+    /// resolved, and `[offset, offset + len)` lies in it; `None` (nothing noted) otherwise,
+    /// for `check`'s cold path to decide. No error value is built or moved.
+    #[inline(always)]
+    pub(crate) fn hit(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Option<(u32, u64)> {
+        // `head - 1` wraps for 0 (none) to a key past every entry.
+        let key = self.head(buffer).wrapping_sub(1);
+        let entry = self.entries.get_mut(key as usize)?;
+        if entry.buffer == buffer && entry.batch == self.batch && in_range(offset, len, entry.len) {
+            note(&mut self.apart, entry, offset, len);
+            return Some((key, entry.len));
+        }
+        None
+    }
+
+    /// [`BufferTable::check`] where [`BufferTable::hit`] found nothing: a buffer first named
+    /// in this batch (or named after another handle of its shard and slot), or a bad range.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn check_cold(
+        &mut self,
+        alloc: &Allocator<Arc<Context>>,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: u64,
+        first_error: &mut Option<Error>,
+    ) -> Result<(u32, u64)> {
+        // Resolved by an earlier batch and still true, or by this one: no error value.
         if let Some(key) = self.find(buffer)
             && (self.entries[key as usize].batch == self.batch || self.revive(alloc, key))
         {
             let entry = &mut self.entries[key as usize];
             if in_range(offset, len, entry.len) {
-                self.apart.note(&mut entry.next, entry.ptr, offset, len);
-                entry.first = entry.first.min(offset);
+                note(&mut self.apart, entry, offset, len);
                 return Ok((key, entry.len));
             }
         }
         let (key, buffer_len) = self.check_slow(alloc, buffer, offset, len, first_error)?;
-        let entry = &mut self.entries[key as usize];
-        self.apart.note(&mut entry.next, entry.ptr, offset, len);
-        entry.first = entry.first.min(offset);
+        note(&mut self.apart, &mut self.entries[key as usize], offset, len);
         Ok((key, buffer_len))
     }
 
-    /// [`BufferTable::check`] of a range of the buffer with key `key` (one the table has),
-    /// without looking the buffer up: its length, or `None` (nothing noted) when the range
-    /// does not lie in it. For bulk calls, whose items come in runs on one buffer.
-    #[inline]
-    pub(crate) fn check_key(&mut self, key: u32, offset: u64, len: u64) -> Option<u64> {
-        let entry = &mut self.entries[key as usize];
-        debug_assert_eq!(entry.batch, self.batch, "a key this batch named");
-        if !in_range(offset, len, entry.len) {
-            return None;
-        }
-        self.apart.note(&mut entry.next, entry.ptr, offset, len);
-        entry.first = entry.first.min(offset);
-        Some(entry.len)
-    }
-
-    /// [`BufferTable::check`] for bulk calls, whose items come in runs on one buffer: `last`
-    /// holds the previous item's buffer and key, and an item on the same buffer skips the
-    /// lookup ([`BufferTable::check_key`]). Updates `last`.
-    #[inline]
-    pub(crate) fn check_next(
-        &mut self,
-        alloc: &Allocator<Arc<Context>>,
-        last: &mut Option<(ResidentBuffer, u32)>,
-        (buffer, offset, len): (ResidentBuffer, u64, u64),
-        first_error: &mut Option<Error>,
-    ) -> Result<(u32, u64)> {
-        if let Some((b, key)) = *last
-            && b == buffer
-            && let Some(buffer_len) = self.check_key(key, offset, len)
-        {
-            return Ok((key, buffer_len));
-        }
-        let found = self.check(alloc, buffer, offset, len, first_error)?;
-        *last = Some((buffer, found.0));
-        Ok(found)
-    }
-
-    /// [`BufferTable::check`] for a buffer seen first or a bad range.
-    #[cold]
+    /// [`BufferTable::check`] for a buffer new to the batch or a bad range.
     fn check_slow(
         &mut self,
         alloc: &Allocator<Arc<Context>>,
@@ -320,19 +332,6 @@ impl BufferTable {
             *first_error = Some(e.clone());
         }
         checked
-    }
-
-    fn grow(&mut self) {
-        let size = (self.slots.len() * 2).max(64);
-        self.slots = vec![0; size];
-        let mask = size - 1;
-        for (i, e) in self.entries.iter().enumerate() {
-            let mut at = (e.buffer.mix() >> 32) as usize & mask;
-            while self.slots[at] != 0 {
-                at = (at + 1) & mask;
-            }
-            self.slots[at] = i as u32 + 1;
-        }
     }
 
     /// The buffers this batch names, in the order first named.
@@ -427,6 +426,30 @@ mod tests {
         round(&d, &[reused, x]);
         assert_eq!(d.download(x).unwrap()[..16], [1; 16]);
         assert_eq!(d.download(reused).unwrap()[..16], [0; 16]);
+    }
+
+    #[test]
+    fn handles_of_one_slot_each_keep_their_own_entry() {
+        let d = device(Config::default());
+        use_shard(5);
+        let old = d.allocate(4096).unwrap();
+        let mut batch = d.uploads();
+        batch.write(old, 0, &[1; 16]).unwrap();
+        d.free(old).unwrap();
+        let new = d.allocate(4096).unwrap();
+        assert_eq!((new.shard(), new.slot()), (old.shard(), old.slot()), "the slot is handed out again");
+        assert_ne!(new, old);
+        batch.write(new, 0, &[2; 16]).unwrap();
+        // The freed handle, named before its free, is still found (behind the new handle of
+        // its slot): taken here, refused at submit, where every buffer is checked again.
+        batch.write(old, 16, &[3; 16]).unwrap();
+        let err = batch.submit().unwrap_err();
+        assert!(matches!(err, Error::FreedBuffer { buffer } if buffer == old), "{err}");
+        // The next batch reaches the new handle's buffer through it.
+        let mut batch = d.uploads();
+        batch.write(new, 0, &[9; 16]).unwrap();
+        batch.submit().unwrap().wait().unwrap();
+        assert_eq!(d.download(new).unwrap()[..16], [9; 16]);
     }
 
     #[test]

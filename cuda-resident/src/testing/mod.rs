@@ -1,17 +1,26 @@
 //! What the crate's tests share: the model driver ([`model`]), the fault matrix on it
 //! ([`faults`]), and the helpers of the tests that run the engine on the model.
+//!
+//! Only the model driver is also built outside tests, with the `internals` feature: the
+//! benches open devices on it (`internals::model_device`). The rest is the tests' own.
 
+#[cfg(test)]
 mod faults;
+// Outside tests the benches use only the device it opens.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod model;
 
+#[cfg(test)]
 use crate::{Config, Device, DownloadBatch, ResidentBuffer, Slot};
 
 /// A device opened on a fresh model driver.
+#[cfg(test)]
 pub(crate) fn device(config: Config) -> Device {
     Device::open_with(model::driver(), 0, config).expect("the model opens")
 }
 
 /// Small chunks and a low threshold: batches split into chunks and mix packed and direct.
+#[cfg(test)]
 pub(crate) fn small_chunks() -> Config {
     Config {
         chunk_bytes: 64 << 10,
@@ -21,6 +30,7 @@ pub(crate) fn small_chunks() -> Config {
     }
 }
 
+#[cfg(test)]
 pub(crate) fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     rng.fill(&mut v);
@@ -28,11 +38,13 @@ pub(crate) fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
 }
 
 /// Buffers of one device and what they must hold (also for the peer tests).
+#[cfg(test)]
 pub(crate) struct Model {
     pub(crate) buffers: Vec<ResidentBuffer>,
     pub(crate) expect: Vec<Vec<u8>>,
 }
 
+#[cfg(test)]
 impl Model {
     pub(crate) fn new(d: &Device, rng: &mut fastrand::Rng, sizes: &[usize]) -> Model {
         let buffers: Vec<_> = sizes.iter().map(|&n| d.allocate(n as u64).unwrap()).collect();

@@ -296,31 +296,50 @@ impl DownloadBatch<'_> {
     /// [`Error::FreedBuffer`], [`Error::ForeignBuffer`], or [`Error::OutOfRange`] (the range
     /// past the buffer's end, or `offset + len` overflowing); the batch is poisoned then:
     /// [`DownloadBatch::submit`] fails with the same error and moves nothing.
+    #[inline]
     pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
-        self.add(buffer, offset, len, &mut None).inspect_err(|e| {
+        // The hot path, inlined into the caller's loop: room for the read, a buffer the batch
+        // named before, a range inside it. Everything else goes the cold way.
+        let index = self.reads.len();
+        if index < MAX_READS
+            && let Some((key, buffer_len)) = self.table.hit(buffer, offset, len)
+        {
+            return Ok(self.push(index, ReadRequest { buffer: u64::from(key), buffer_len, offset, len }));
+        }
+        self.read_cold(buffer, offset, len)
+    }
+
+    /// [`DownloadBatch::read`] where [`BufferTable::hit`] found nothing.
+    #[cold]
+    #[inline(never)]
+    fn read_cold(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
+        self.add(buffer, offset, len).inspect_err(|e| {
             self.error.get_or_insert_with(|| e.clone());
         })
     }
 
+    /// Records checked read `read`, the batch's `index`th (below [`MAX_READS`]), and returns
+    /// its slot.
+    #[inline(always)]
+    fn push(&mut self, index: usize, read: ReadRequest) -> Slot {
+        self.reads.push(read);
+        Slot::nth(self.id, index)
+    }
+
     /// Checks a read and records it, without poisoning the batch on error (the caller
-    /// does). `last` is the buffer and key of the caller's previous read, if any: a read of
-    /// the same buffer skips the lookup; it is set to this read's.
-    #[inline]
-    fn add(
-        &mut self,
-        buffer: ResidentBuffer,
-        offset: u64,
-        len: u64,
-        last: &mut Option<(ResidentBuffer, u32)>,
-    ) -> Result<Slot> {
-        if self.reads.len() >= MAX_READS {
+    /// does).
+    #[inline(always)]
+    fn add(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
+        let index = self.reads.len();
+        if index >= MAX_READS {
             return Err(Error::TooManyReads { most: MAX_READS });
         }
-        let (key, buffer_len) =
-            self.table.check_next(&self.core.alloc, last, (buffer, offset, len), &mut None)?;
-        let slot = Slot::nth(self.id, self.reads.len());
-        self.reads.push(ReadRequest { buffer: u64::from(key), buffer_len, offset, len });
-        Ok(slot)
+        // `check`, with only the cold path's result matched.
+        let (key, buffer_len) = match self.table.hit(buffer, offset, len) {
+            Some(found) => found,
+            None => self.table.check_cold(&self.core.alloc, buffer, offset, len, &mut None)?,
+        };
+        Ok(self.push(index, ReadRequest { buffer: u64::from(key), buffer_len, offset, len }))
     }
 
     /// Adds a read of the whole buffer.
@@ -347,9 +366,8 @@ impl DownloadBatch<'_> {
     pub fn read_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
         let mut slots = Vec::with_capacity(buffers.len());
         self.reads.reserve(buffers.len());
-        let mut last = None;
         for (index, &buffer) in buffers.iter().enumerate() {
-            let added = self.core.buffer_len(buffer).and_then(|len| self.add(buffer, 0, len, &mut last));
+            let added = self.core.buffer_len(buffer).and_then(|len| self.add(buffer, 0, len));
             match added {
                 Ok(slot) => slots.push(slot),
                 Err(e) => return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_many", index, e)),
@@ -359,9 +377,9 @@ impl DownloadBatch<'_> {
     }
 
     /// Adds a read for each `(buffer, offset, len)` item, in order, as that many
-    /// [`read`](DownloadBatch::read)s would, with less work per item: a run of items on one
-    /// buffer looks the buffer up once. Returns the items' slots, in order (consecutive
-    /// slots of this batch).
+    /// [`read`](DownloadBatch::read)s would, with less work per item: room reserved up
+    /// front, no result per item. Returns the items' slots, in order (consecutive slots of
+    /// this batch).
     ///
     /// # Errors
     /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
@@ -386,9 +404,8 @@ impl DownloadBatch<'_> {
             self,
             |batch| &mut batch.error,
             |batch, at| {
-                let mut last = None;
                 for (buffer, offset, len) in items {
-                    slots.push(batch.add(buffer, offset, len, &mut last)?);
+                    slots.push(batch.add(buffer, offset, len)?);
                     *at += 1;
                 }
                 Ok(())

@@ -671,10 +671,8 @@ fn add_many<T>(
         error,
         |error| error,
         |_, at| {
-            let mut last = None;
             for (buffer, offset, host) in items {
-                let range = (buffer, offset, len(&host) as u64);
-                let (key, _) = table.check_next(&core.alloc, &mut last, range, &mut None)?;
+                let (key, _) = table.check(&core.alloc, buffer, offset, len(&host) as u64, &mut None)?;
                 to.push((key, offset, host));
                 *at += 1;
             }
@@ -718,8 +716,8 @@ impl<'scope> ScopedUploads<'scope> {
     }
 
     /// Adds a write for each `(buffer, offset, data)` item, in order, as that many
-    /// [`write`](ScopedUploads::write)s would, with less work per item: a run of items on one
-    /// buffer (the blocks of one pool) looks the buffer up once.
+    /// [`write`](ScopedUploads::write)s would, with less work per item: room reserved up
+    /// front, no result per item.
     ///
     /// # Errors
     /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
@@ -1036,8 +1034,8 @@ impl<'scope> ScopedDownloads<'scope> {
     }
 
     /// Adds a read for each `(buffer, offset, out)` item, in order, as that many
-    /// [`read_into`](ScopedDownloads::read_into)s would, with less work per item: a run of
-    /// items on one buffer (the blocks of one pool) looks the buffer up once.
+    /// [`read_into`](ScopedDownloads::read_into)s would, with less work per item: room
+    /// reserved up front, no result per item.
     ///
     /// # Errors
     /// For the first bad item, [`Error::BadItem`] naming its index and holding the error

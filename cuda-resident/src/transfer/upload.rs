@@ -133,13 +133,27 @@ impl<'a> UploadBatch<'a> {
 
     /// Checks a write and records it; on error, poisons the batch. A batch poisoned by a
     /// write that failed part-way ([`Error::BatchPoisoned`]) takes no more writes.
+    #[inline(always)]
     fn add(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<()> {
         if let Some(e @ Error::BatchPoisoned { .. }) = &self.error {
             return Err(e.clone());
         }
         let (key, buffer_len) = self.table.check(&self.core.alloc, buffer, offset, len, &mut self.error)?;
-        self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
+        self.push_write(key, buffer_len, offset, len);
         Ok(())
+    }
+
+    /// Records a checked write of `len` bytes at `offset` of the buffer with key `key`.
+    #[inline(always)]
+    fn push_write(&mut self, key: u32, buffer_len: u64, offset: u64, len: u64) {
+        self.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
+    }
+
+    /// Records the source of the write just recorded, a caller's slice.
+    #[inline(always)]
+    fn push_slice(&mut self, data: &'a [u8]) {
+        self.sources.push(Source::Slice(data));
+        self.slice_writes += 1;
     }
 
     /// Adds a write of `data` to `buffer` at `offset`. The slice is read at submit time.
@@ -147,16 +161,33 @@ impl<'a> UploadBatch<'a> {
     /// # Errors
     /// A bad range (returned here and again by `submit`); [`Error::BatchPoisoned`] once a
     /// [`write_with`](UploadBatch::write_with) of the batch failed part-way.
+    #[inline]
     pub fn write(&mut self, buffer: ResidentBuffer, offset: u64, data: &'a [u8]) -> Result<&mut Self> {
+        // The hot path, inlined into the caller's loop: a batch not poisoned, a buffer it
+        // named before, a range inside it. Everything else goes the cold way.
+        let len = data.len() as u64;
+        if !matches!(self.error, Some(Error::BatchPoisoned { .. }))
+            && let Some((key, buffer_len)) = self.table.hit(buffer, offset, len)
+        {
+            self.push_write(key, buffer_len, offset, len);
+            self.push_slice(data);
+            return Ok(self);
+        }
+        self.write_cold(buffer, offset, data)
+    }
+
+    /// [`UploadBatch::write`] where [`BufferTable::hit`] found nothing.
+    #[cold]
+    #[inline(never)]
+    fn write_cold(&mut self, buffer: ResidentBuffer, offset: u64, data: &'a [u8]) -> Result<&mut Self> {
         self.add(buffer, offset, data.len() as u64)?;
-        self.sources.push(Source::Slice(data));
-        self.slice_writes += 1;
+        self.push_slice(data);
         Ok(self)
     }
 
     /// Adds a write for each `(buffer, offset, data)` item, in order, as that many
     /// [`write`](UploadBatch::write)s would (each slice is read at submit time), with less
-    /// work per item: a run of items on one buffer looks the buffer up once.
+    /// work per item: room reserved up front, no result per item.
     ///
     /// # Errors
     /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
@@ -187,21 +218,16 @@ impl<'a> UploadBatch<'a> {
             self,
             |batch| &mut batch.error,
             |batch, at| {
-                // The last item's buffer and key: the items of a run on one buffer skip the
-                // lookup.
-                let mut last = None;
                 for (buffer, offset, data) in items {
                     let len = data.len() as u64;
-                    let (key, buffer_len) = batch.table.check_next(
-                        &batch.core.alloc,
-                        &mut last,
-                        (buffer, offset, len),
-                        &mut None,
-                    )?;
-                    batch.writes.push(WriteRequest { buffer: u64::from(key), buffer_len, offset, len });
-                    batch.sources.push(Source::Slice(data));
-                    batch.slice_writes += 1;
+                    // `check`, with only the cold path's result matched.
+                    let (key, buffer_len) = match batch.table.hit(buffer, offset, len) {
+                        Some(found) => found,
+                        None => batch.table.check_cold(&batch.core.alloc, buffer, offset, len, &mut None)?,
+                    };
+                    batch.push_write(key, buffer_len, offset, len);
                     *at += 1;
+                    batch.push_slice(data);
                 }
                 Ok(())
             },

@@ -1,0 +1,96 @@
+//! CPU cost of a request: what `UploadBatch::write`, `UploadBatch::write_many` and
+//! `DownloadBatch::read` cost per call, beyond the bytes a submit later moves. No GPU: the
+//! device is opened on the tests' model driver (`cuda_resident::internals::model_device`),
+//! and only building a batch is timed (taking it from the device, then the calls: checking
+//! the handle and the range, recording the request and its layout), not its submit.
+//!
+//! Each case is the `xfer-bench` shape: 8192 requests of 256 B over 64 buffers, request `i`
+//! to buffer `i % 64` at offset `(i / 64) * (256 + 64)` (in order and apart). One iteration
+//! builds one whole batch, then (untimed) submits an upload batch and waits for it, or drops
+//! a download batch, so that the next batch reuses its vectors as in a steady stream of
+//! batches. Criterion reports the time per batch and requests per second: the cost per
+//! request is the time divided by 8192.
+//!
+//! Run with `cargo bench -p cuda-resident-benches --bench calls -- --warm-up-time 1
+//! --measurement-time 2`.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use cuda_resident::internals::model_device;
+use cuda_resident::{Config, Device, ResidentBuffer, UploadBatch};
+
+const COUNT: usize = 8192;
+const SIZE: usize = 256;
+const BUFFERS: usize = 64;
+
+/// Builds `iters` upload batches with `build`, each submitted and waited for untimed (a
+/// batch dropped unsubmitted does not hand its vectors back to the device, so the next would
+/// build fresh ones, as no steady stream of batches does), and returns the time spent
+/// building.
+fn upload<'a>(device: &'a Device, iters: u64, build: impl Fn(&mut UploadBatch<'a>)) -> Duration {
+    let mut spent = Duration::ZERO;
+    for _ in 0..iters {
+        let start = Instant::now();
+        let mut batch = device.uploads();
+        build(&mut batch);
+        spent += start.elapsed();
+        batch.submit().unwrap().wait().unwrap();
+    }
+    spent
+}
+
+fn calls(c: &mut Criterion) {
+    let device = model_device(Config::default());
+    let per_buffer = COUNT.div_ceil(BUFFERS) * (SIZE + 64);
+    let buffers: Vec<ResidentBuffer> =
+        (0..BUFFERS).map(|_| device.allocate(per_buffer as u64).unwrap()).collect();
+    let places: Vec<(ResidentBuffer, u64)> =
+        (0..COUNT).map(|i| (buffers[i % BUFFERS], (i / BUFFERS * (SIZE + 64)) as u64)).collect();
+    let bytes: Vec<u8> = (0..COUNT * SIZE).map(|i| i as u8).collect();
+    let data: Vec<&[u8]> = bytes.chunks_exact(SIZE).collect();
+
+    let mut group = c.benchmark_group("calls 8192 x 256 B");
+    group.throughput(Throughput::Elements(COUNT as u64));
+    group.bench_function("write", |b| {
+        b.iter_custom(|iters| {
+            upload(&device, iters, |batch| {
+                for (&(buffer, offset), &d) in places.iter().zip(&data) {
+                    batch.write(black_box(buffer), black_box(offset), d).unwrap();
+                }
+            })
+        })
+    });
+    group.bench_function("write_many", |b| {
+        b.iter_custom(|iters| {
+            upload(&device, iters, |batch| {
+                let items = places.iter().zip(&data).map(|(&(buffer, offset), &d)| (buffer, offset, d));
+                batch.write_many(black_box(items)).unwrap();
+            })
+        })
+    });
+    // A download batch hands its vectors back when dropped (untimed).
+    group.bench_function("read", |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters {
+                let start = Instant::now();
+                let mut batch = device.downloads();
+                for &(buffer, offset) in &places {
+                    black_box(batch.read(black_box(buffer), black_box(offset), SIZE as u64).unwrap());
+                }
+                spent += start.elapsed();
+                drop(batch);
+            }
+            spent
+        })
+    });
+    group.finish();
+    for b in buffers {
+        device.free(b).unwrap();
+    }
+}
+
+criterion_group!(benches, calls);
+criterion_main!(benches);
