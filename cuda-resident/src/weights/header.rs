@@ -109,7 +109,7 @@ pub(crate) fn byte_len(shape: &[usize], dtype: Dtype) -> Option<u64> {
     (bits % 8 == 0).then_some(bits / 8)
 }
 
-/// For the fuzz target (`internals`): [`parse`] of `file`, as `(start, len)` of each tensor,
+/// For the fuzz target (`internals`): `parse` of `file`, as `(start, len)` of each tensor,
 /// after checking what every success promises (each range inside the file, after the
 /// header, in order and apart, as long as its shape says); a broken promise panics.
 #[cfg(feature = "internals")]
@@ -127,7 +127,7 @@ pub fn check_parse(file: &[u8]) -> Result<Vec<(u64, u64)>, String> {
     Ok(header.entries.iter().map(|e| (e.start, e.len)).collect())
 }
 
-/// For the fuzz target (`internals`): [`spans`] of any numbers, `(begin, end)` offsets and
+/// For the fuzz target (`internals`): `spans` of any numbers, `(begin, end)` offsets and
 /// a shape of bf16 each; on success, the promises of [`check_parse`] are checked.
 #[cfg(feature = "internals")]
 pub fn check_spans(
