@@ -1,0 +1,277 @@
+//! Downloads: a batch of reads, fused, gathered by the kernel (small ranges: into device
+//! staging and moved by one DMA, or, many small reads in order, straight into pinned memory
+//! over the bus) or copied directly (large ones), into one pinned region that the caller
+//! reads as `&[u8]` views. A batch larger than the pinned pool can lend streams through a
+//! ring of pinned chunks into one ordinary host allocation instead
+//! ([`execute_streamed`](streamed::execute_streamed)).
+
+mod execute;
+mod planned;
+mod results;
+mod streamed;
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+pub use results::{Downloaded, PendingDownload};
+
+use super::BufferTable;
+use crate::alloc::ResidentBuffer;
+use crate::engine::core::Core;
+use crate::engine::order::Ranges;
+use crate::error::{Error, Result};
+use crate::plan::route::{self, PIPELINE_DEPTH, Route, pipeline_chunk};
+use crate::plan::{PlanConfig, ReadRequest};
+
+/// Names one read of a [`DownloadBatch`] (or one range of a
+/// [`PreparedDownloads`](crate::PreparedDownloads)); redeem it with [`Downloaded::get`] or
+/// the copying methods of the [`Downloaded`] that batch's submit produced.
+///
+/// A slot carries the identity of its batch next to the read's index, so that a slot of
+/// another batch is caught (an error, or a panic where the method returns no `Result`)
+/// instead of naming another read's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Slot {
+    /// The batch (or prepared set) the slot came from ([`next_batch_id`]).
+    pub(super) batch: u64,
+    pub(super) index: u32,
+}
+
+/// The most reads a batch or prepared set holds: a slot's index is 32 bits, so that no index
+/// wraps around to name another read.
+pub(crate) const MAX_READS: usize = u32::MAX as usize;
+
+impl Slot {
+    /// The slot of the `index`th read of batch `batch` (`index < MAX_READS`: checked where
+    /// reads are added).
+    pub(crate) fn nth(batch: u64, index: usize) -> Slot {
+        let index = u32::try_from(index).expect("reads are counted below MAX_READS where they are added");
+        Slot { batch, index }
+    }
+}
+
+/// A new batch identity, never handed out before in this process (a `u64` counter does not
+/// wrap in practice): what ties a [`Slot`] to its batch.
+pub(crate) fn next_batch_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A batch of device-to-host reads ([`Device::downloads`](crate::Device::downloads)). Reads of one buffer that overlap
+/// or touch are fused and move once.
+///
+/// Every read is checked when it is added ([`DownloadBatch::read`], [`DownloadBatch::read_all`],
+/// [`DownloadBatch::read_many`], [`DownloadBatch::read_ranges`]): a bad one (a freed or foreign handle, a range out of its
+/// buffer) returns its error and poisons the batch: [`DownloadBatch::submit`] fails with the
+/// first such error and nothing moves, the good reads included.
+///
+/// A batch of any size works, whatever [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes):
+/// one whose staging the pool cannot lend at once (more than the cap, more than is free of
+/// what callers hold, or more held staging than the pool's reserve for transfers leaves)
+/// streams through a ring of pinned chunks into one ordinary host allocation owned by its
+/// [`Downloaded`] (see there): same API and same bytes, one more host copy, and its `submit`
+/// returns only once every byte has landed. [`DownloadBatch::submit_into`] streams such a
+/// batch straight into the caller's vectors instead.
+#[must_use = "a download batch moves nothing until it is submitted"]
+pub struct DownloadBatch<'a> {
+    pub(super) core: &'a Arc<Core>,
+    pub(super) table: BufferTable,
+    pub(super) reads: Vec<ReadRequest>,
+    pub(super) error: Option<Error>,
+    /// This batch's identity, carried by its slots and its download.
+    pub(super) id: u64,
+}
+
+impl fmt::Debug for DownloadBatch<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DownloadBatch").field("reads", &self.reads.len()).finish_non_exhaustive()
+    }
+}
+
+impl Drop for DownloadBatch<'_> {
+    fn drop(&mut self) {
+        use std::mem::take;
+        self.core.spares.readback.give((take(&mut self.table), take(&mut self.reads)));
+    }
+}
+
+/// The work of [`Device::downloads`](crate::Device::downloads).
+pub(crate) fn downloads(core: &Arc<Core>) -> DownloadBatch<'_> {
+    downloads_as(core, next_batch_id())
+}
+
+/// A batch whose slots and download carry the identity `id` (a prepared set's, so that
+/// the set's slots redeem the downloads it moves as batches).
+pub(crate) fn downloads_as(core: &Arc<Core>, id: u64) -> DownloadBatch<'_> {
+    let (table, reads) = core.spares.readback.take();
+    DownloadBatch { core, table, reads, error: None, id }
+}
+
+impl DownloadBatch<'_> {
+    /// The device ranges of the batch's reads, for `Exec::claim_ranges`.
+    pub(super) fn ranges(&self) -> impl FnOnce(&mut Ranges) + '_ {
+        |ranges| self.table.push_ranges(ranges, self.reads.iter().map(|r| (r.buffer, r.offset, r.len)))
+    }
+
+    /// The bytes the batch moves and the planner's settings for it: chunks sized to the
+    /// batch ([`pipeline_chunk`]), the direct threshold at most a chunk.
+    pub(super) fn sizing(&self) -> (u64, PlanConfig) {
+        let config = &self.core.config;
+        let apart = &self.table.apart;
+        let in_order = self.reads.len() >= route::IN_ORDER_MIN && !apart.broken;
+        let total: u64 = if in_order { apart.requested } else { self.reads.iter().map(|r| r.len).sum() };
+        let chunk_bytes = pipeline_chunk(config.chunk_bytes, total, PIPELINE_DEPTH);
+        (
+            total,
+            PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 },
+        )
+    }
+
+    /// The route [`route::download_route`] gives the batch's reads under `plan_config`.
+    pub(super) fn route_with(&self, plan_config: &PlanConfig) -> Route {
+        route::download_route(self.reads.len(), &self.table.apart, plan_config.direct_threshold)
+    }
+
+    /// The route the batch takes as its reads stand, when the pinned pool can lend it at
+    /// submit ([`route::download_route`]); a batch it cannot lend streams instead
+    /// ([`Route::Streamed`]).
+    #[cfg(test)]
+    pub(crate) fn route(&self) -> Route {
+        self.route_with(&self.sizing().1)
+    }
+
+    /// Adds a read of `len` bytes of `buffer` at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::FreedBuffer`], [`Error::ForeignBuffer`], or [`Error::OutOfRange`] (the range
+    /// past the buffer's end, or `offset + len` overflowing); the batch is poisoned then:
+    /// [`DownloadBatch::submit`] fails with the same error and moves nothing.
+    #[inline]
+    pub fn read(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
+        // The hot path, inlined into the caller's loop: room for the read, a buffer the batch
+        // named before, a range inside it. Everything else goes the cold way.
+        let index = self.reads.len();
+        if index < MAX_READS
+            && let Some((key, buffer_len)) = self.table.hit(buffer, offset, len)
+        {
+            return Ok(self.push(index, ReadRequest { buffer: u64::from(key), buffer_len, offset, len }));
+        }
+        self.read_cold(buffer, offset, len)
+    }
+
+    /// [`DownloadBatch::read`] where [`BufferTable::hit`] found nothing.
+    #[cold]
+    #[inline(never)]
+    fn read_cold(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
+        self.add(buffer, offset, len).inspect_err(|e| {
+            self.error.get_or_insert_with(|| e.clone());
+        })
+    }
+
+    /// Records checked read `read`, the batch's `index`th (below [`MAX_READS`]), and returns
+    /// its slot.
+    #[inline(always)]
+    fn push(&mut self, index: usize, read: ReadRequest) -> Slot {
+        self.reads.push(read);
+        Slot::nth(self.id, index)
+    }
+
+    /// Checks a read and records it, without poisoning the batch on error (the caller
+    /// does).
+    #[inline(always)]
+    fn add(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
+        let index = self.reads.len();
+        if index >= MAX_READS {
+            return Err(Error::TooManyReads { most: MAX_READS });
+        }
+        // `check`, with only the cold path's result matched.
+        let (key, buffer_len) = match self.table.hit(buffer, offset, len) {
+            Some(found) => found,
+            None => self.table.check_cold(&self.core.alloc, buffer, offset, len, &mut None)?,
+        };
+        Ok(self.push(index, ReadRequest { buffer: u64::from(key), buffer_len, offset, len }))
+    }
+
+    /// Adds a read of the whole buffer.
+    ///
+    /// # Errors
+    /// As [`DownloadBatch::read`]: a freed or foreign handle poisons the batch.
+    pub fn read_all(&mut self, buffer: ResidentBuffer) -> Result<Slot> {
+        let len = match self.core.buffer_len(buffer) {
+            Ok(len) => len,
+            Err(e) => {
+                self.error.get_or_insert_with(|| e.clone());
+                return Err(e);
+            }
+        };
+        self.read(buffer, 0, len)
+    }
+
+    /// Adds a read of each whole buffer, in order.
+    ///
+    /// # Errors
+    /// For the first bad buffer, [`Error::BadItem`] naming its index and holding the error
+    /// [`DownloadBatch::read_all`] returns for it; the reads before it stay added, but the
+    /// batch is poisoned: `submit` fails with that error.
+    pub fn read_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
+        let mut slots = Vec::with_capacity(buffers.len());
+        self.reads.reserve(buffers.len());
+        for (index, &buffer) in buffers.iter().enumerate() {
+            let added = self.core.buffer_len(buffer).and_then(|len| self.add(buffer, 0, len));
+            match added {
+                Ok(slot) => slots.push(slot),
+                Err(e) => return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_many", index, e)),
+            }
+        }
+        Ok(slots)
+    }
+
+    /// Adds a read for each `(buffer, offset, len)` item, in order, as that many
+    /// [`read`](DownloadBatch::read)s would, with less work per item: room reserved up
+    /// front, no result per item. Returns the items' slots, in order (consecutive slots of
+    /// this batch).
+    ///
+    /// # Errors
+    /// For the first bad item, [`Error::BadItem`] naming its index and holding the error
+    /// `read` returns for it; the reads before it stay added, but the batch is poisoned:
+    /// `submit` fails with that error and moves nothing. The items after it are not added.
+    ///
+    /// # Panics
+    /// Where the iterator panics, the panic goes on to the caller, and the batch keeps
+    /// [`Error::ItemsPanicked`]: a caller that catches the panic finds `submit` failing with
+    /// it, moving nothing.
+    pub fn read_ranges<I>(&mut self, items: I) -> Result<Vec<Slot>>
+    where
+        I: IntoIterator<Item = (ResidentBuffer, u64, u64)>,
+    {
+        let items = items.into_iter();
+        // As `UploadBatch::write_many`: the iterator's hint is trusted only so far.
+        let lower = items.size_hint().0.min(super::upload::RESERVE_MOST);
+        let mut slots = Vec::with_capacity(lower);
+        self.reads.reserve(lower);
+        Error::add_items(
+            "DownloadBatch::read_ranges",
+            self,
+            |batch| &mut batch.error,
+            |batch, at| {
+                for (buffer, offset, len) in items {
+                    slots.push(batch.add(buffer, offset, len)?);
+                    *at += 1;
+                }
+                Ok(())
+            },
+        )?;
+        Ok(slots)
+    }
+
+    /// Number of reads added.
+    pub fn len(&self) -> usize {
+        self.reads.len()
+    }
+
+    /// Whether no read was added.
+    pub fn is_empty(&self) -> bool {
+        self.reads.is_empty()
+    }
+}
