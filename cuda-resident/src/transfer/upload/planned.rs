@@ -1,0 +1,178 @@
+//! The general route and the single write: [`execute`] (the planner's route, and the
+//! in-order route handed on to [`execute_in_order`]) and [`execute_one`].
+
+use std::sync::Arc;
+
+use super::UploadBatch;
+use super::in_order::execute_in_order;
+use crate::engine::Exec;
+use crate::engine::core::Core;
+use crate::engine::host::Piece;
+use crate::engine::host::Source;
+use crate::error::Result;
+use crate::host_pool::HostLease;
+use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
+use crate::plan::route::{RING, Route};
+use crate::plan::{PlanConfig, WriteRequest};
+use crate::stream::{Fence, LaneKind};
+use crate::sync::lock;
+use crate::transfer::BufferTable;
+
+/// A chunk with at most this many packed copies moves them by one DMA each, without the
+/// kernel: for a handful of copies, DMAs cost less than a launch.
+const KERNEL_MIN_COPIES: usize = 3;
+
+impl Source<'_> {
+    /// The address of byte `offset` of the write's data.
+    fn at(&self, arena: &[HostLease], offset: u64) -> *const u8 {
+        match *self {
+            Source::Slice(s) => s[offset as usize..].as_ptr(),
+            // SAFETY: offset lies within the write, which lies within its lease.
+            Source::Arena { lease, offset: at } => unsafe {
+                arena[lease as usize].as_ptr().add(at + offset as usize)
+            },
+        }
+    }
+}
+
+/// One small write (below the direct threshold), the latency path: staged by one memcpy on
+/// this thread and moved by one DMA, no planning. Larger single writes take the general
+/// path, which packs on the packing threads and pipelines chunks.
+pub(super) fn execute_one(
+    core: &Arc<Core>,
+    table: &BufferTable,
+    write: &WriteRequest,
+    data: &[u8],
+) -> Result<Fence> {
+    let target = table.entries[write.buffer as usize];
+    // The lane first, then the staging (as every transfer takes them): a transfer that
+    // waits for staging holds its lane, and waits only for staging that comes back.
+    let mut exec = Exec::begin(core, LaneKind::Upload);
+    let mut lease = exec.lease(data.len())?;
+    // SAFETY: the lease is fresh (no copy uses it) and holds data.len() bytes.
+    unsafe { lease.as_mut_slice() }.copy_from_slice(data);
+    let lease = Arc::new(lease);
+    let src = lease.as_ptr();
+    exec.claim_ranges(std::iter::once(target.buffer), 1, |r| r.push(target.ptr + write.offset, write.len))?;
+    exec.requested(write.len);
+    exec.submit(vec![lease], |q| {
+        // SAFETY: pinned staging kept alive by this submission, into a live, marked buffer
+        // range checked when the write was added.
+        unsafe { q.htod(target.ptr + write.offset, src, data.len()) }
+    })?;
+    Ok(exec.finish())
+}
+
+/// The routes [`Route::InOrder`] and [`Route::Planned`].
+pub(super) fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
+    let core = batch.core;
+    let config = &core.config;
+    // Uploads keep the configured chunk: cutting mid-size batches finer (as readbacks do)
+    // measured no better.
+    let plan_config =
+        PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
+    let mut exec = Exec::begin(core, LaneKind::Upload);
+    let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
+    let scratch = &mut *scratch;
+    if route == Route::InOrder {
+        return execute_in_order(batch, exec, scratch);
+    }
+    scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
+    let plan = &scratch.upload_plan;
+    if plan.is_empty() {
+        return Ok(Fence::completed());
+    }
+    // Every buffer is checked (and marked as used by this batch) before anything moves.
+    exec.claim_ranges(batch.table.buffers(), plan.chunks.len() as u64, batch.ranges())?;
+    exec.requested(plan.requested_bytes);
+
+    let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
+    let kernels =
+        if plan.chunks.iter().any(|c| uses_kernel(c.packed.len())) { Some(exec.kernels()?) } else { None };
+    // Each chunk's descriptor table (0 without a kernel), counted once.
+    let areas: Vec<u64> = plan
+        .chunks
+        .iter()
+        .map(
+            |c| if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 },
+        )
+        .collect();
+    let device_need = plan
+        .chunks
+        .iter()
+        .zip(&areas)
+        .filter(|(c, _)| uses_kernel(c.packed.len()))
+        .map(|(c, area)| area + c.packed_len)
+        .max()
+        .unwrap_or(0);
+    let dev = if device_need > 0 { exec.region(&mut scratch.region, device_need)? } else { 0 };
+    // The first chunk's lease is as large as the largest any chunk takes: where the pool
+    // cannot lend that much (in-place writes of the batch hold the rest of it), the batch
+    // fails here, before anything moves, rather than at a later chunk; each later lease
+    // finds that room again once the chunks before it complete.
+    let largest = plan.chunks.iter().zip(&areas).map(|(c, area)| area + c.staging_len).max().unwrap_or(0);
+
+    let ptr_of = |key: u64| batch.table.entries[key as usize].ptr;
+    let mut seqs = Vec::with_capacity(plan.chunks.len());
+    for (k, chunk) in plan.chunks.iter().enumerate() {
+        if k >= RING {
+            exec.wait(seqs[k - RING])?;
+        }
+        let kernel = uses_kernel(chunk.packed.len());
+        let area = areas[k];
+        let len = if k == 0 { largest } else { area + chunk.staging_len };
+        let lease = Arc::new(exec.lease(len as usize)?);
+        let base = lease.as_ptr();
+        // SAFETY: the lease holds area + staging_len bytes; offsets below stay inside.
+        let staged = |flat: u64| unsafe { base.add((area + chunk.local_offset(flat)) as usize) };
+
+        scratch.descriptors.clear();
+        if kernel {
+            for c in &chunk.packed {
+                let src = dev + area + (c.stage_offset - chunk.packed_offset);
+                push_descriptors(&mut scratch.descriptors, src, ptr_of(c.buffer) + c.buffer_offset, c.len);
+            }
+            let bytes = scratch.descriptors.len() * std::mem::size_of::<CopyDescriptor>();
+            // SAFETY: the descriptor area holds at least `bytes` bytes; the lease is fresh.
+            unsafe { std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), base, bytes) };
+        }
+        scratch.pieces.clear();
+        for f in plan.fills_of(k as u32) {
+            let src = batch.sources[f.write as usize].at(&batch.arena, f.src_offset);
+            Piece::push_split(
+                &mut scratch.pieces,
+                Piece { dst: staged(f.stage_offset), src, len: f.len as usize },
+            );
+        }
+        // SAFETY: fills cover disjoint staging ranges inside the lease, sources are live
+        // slices or the batch's arena.
+        unsafe { Piece::copy_all(&core.packers, &scratch.pieces) };
+
+        let descriptor_count = scratch.descriptors.len() as u64;
+        let seq = exec.submit(vec![lease], |q| {
+            if kernel {
+                // SAFETY: descriptors and packed bytes are contiguous at the lease's start,
+                // and device staging holds device_need >= area + packed_len bytes.
+                unsafe { q.htod(dev, base, (area + chunk.packed_len) as usize) }?;
+                let kernels = kernels.expect("loaded when a chunk uses it");
+                // SAFETY: the table is in device staging by stream order; destinations are
+                // disjoint fused intervals of live, marked buffers.
+                unsafe { q.launch(kernels, dev, descriptor_count, 0) }?;
+            } else {
+                for c in &chunk.packed {
+                    let src = staged(c.stage_offset);
+                    // SAFETY: staged bytes of a live, marked buffer's interval.
+                    unsafe { q.htod(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize) }?;
+                }
+            }
+            for c in &chunk.direct {
+                let src = staged(c.stage_offset);
+                // SAFETY: as above.
+                unsafe { q.htod(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize) }?;
+            }
+            Ok(())
+        })?;
+        seqs.push(seq);
+    }
+    Ok(exec.finish())
+}
