@@ -33,7 +33,9 @@
 //! of circulation until the work completes.
 
 pub mod classes;
+mod driver;
 pub mod ranges;
+mod stats;
 
 use std::cell::Cell;
 use std::fmt;
@@ -43,7 +45,6 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use classes::{CLASS_COUNT, class_bytes, class_of, round_to_granule};
 use ranges::{Ranges, SlabId};
 
-use crate::budget;
 use crate::context::Context;
 use crate::counter::take;
 use crate::error::{Error, Result};
@@ -51,6 +52,7 @@ use crate::sync::{Mutex, lock};
 
 pub use crate::handle::ResidentBuffer;
 use crate::handle::{SHARD_BITS, SHARDS};
+pub use stats::AllocatorStats;
 
 /// For each lane, the sequence number of the last submission that used a buffer (0: none).
 pub(crate) type LastUse = [u64; 2];
@@ -159,56 +161,6 @@ struct Unreleased {
     bytes: u64,
     /// A dedicated block (counted in `Global::dedicated` until freed), not a slab.
     dedicated: bool,
-}
-
-/// Statistics of the resident store.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-#[non_exhaustive]
-pub struct AllocatorStats {
-    /// Callers' live buffers.
-    pub buffers: u64,
-    /// Bytes callers asked for, over their live buffers ([`Device::allocated_bytes`](crate::Device::allocated_bytes)).
-    pub allocated_bytes: u64,
-    /// Bytes of the library's own live buffers: device staging of the two lanes, prepared
-    /// sets' descriptor tables. Not in `allocated_bytes`; held under the same budget.
-    pub library_bytes: u64,
-    /// The library's own live buffers.
-    pub library_buffers: u64,
-    /// Bytes the live buffers occupy (size classes round up).
-    pub footprint_bytes: u64,
-    /// Bytes held from the driver (slabs and dedicated allocations).
-    pub reserved_bytes: u64,
-    /// The most bytes ever held from the driver at once.
-    pub peak_reserved_bytes: u64,
-    /// Number of slabs held.
-    pub slabs: u64,
-    /// Bytes in dedicated allocations.
-    pub dedicated_bytes: u64,
-    /// Bytes in free size-class caches.
-    pub cached_bytes: u64,
-    /// Free bytes inside slabs.
-    pub slab_free_bytes: u64,
-    /// The largest free range inside a slab.
-    pub largest_free_range: u64,
-    /// Bytes freed by the caller but still in use by copies in flight.
-    pub deferred_bytes: u64,
-    /// The share of reserved memory that holds no requested byte:
-    /// `1 - (allocated + library) / reserved` (0 when nothing is reserved).
-    pub fragmentation: f64,
-    /// Allocations served (all paths).
-    pub allocations: u64,
-    /// Frees.
-    pub frees: u64,
-    /// Frees deferred because a copy still used the buffer.
-    pub deferred_frees: u64,
-    /// `cuMemAlloc` calls (slabs and dedicated).
-    pub driver_allocations: u64,
-    /// `cuMemFree` calls.
-    pub driver_frees: u64,
-    /// Times cached memory was released (on pressure or by `Device::trim`).
-    pub trims: u64,
-    /// Allocations refused by the budget.
-    pub budget_refusals: u64,
 }
 
 /// What the allocator needs to know about the device.
@@ -553,266 +505,6 @@ impl<M: DeviceMemory> Allocator<M> {
         self.release(&mut global, block)
     }
 
-    /// Returns a block that no buffer uses to the slabs or the driver. Class blocks go to
-    /// the slabs too: this is used by trim and deferred frees.
-    fn release(&self, global: &mut Global, block: Block) -> Result<()> {
-        match block.origin {
-            Origin::Class(_) | Origin::Range => {
-                let slab = global.slabs[block.slab as usize].as_ref().expect("a block's slab is live");
-                global.ranges.free(block.slab, block.ptr - slab.ptr, block.bytes);
-                Ok(())
-            }
-            Origin::Dedicated => {
-                self.driver_free(global, Unreleased { ptr: block.ptr, bytes: block.bytes, dedicated: true })
-            }
-        }
-    }
-
-    /// Returns one driver allocation. On failure the memory is still held: it stays counted
-    /// in `reserved` and is retried by the next trim (a driver that refused once may not
-    /// refuse again; one whose context is lost refuses everything, and then nothing leaks
-    /// twice).
-    fn driver_free(&self, global: &mut Global, memory: Unreleased) -> Result<()> {
-        match self.memory.mem_free(memory.ptr) {
-            Ok(()) => {
-                take(&mut global.reserved, memory.bytes, "reserved bytes");
-                if memory.dedicated {
-                    take(&mut global.dedicated, memory.bytes, "dedicated bytes");
-                }
-                global.driver_frees += 1;
-                Ok(())
-            }
-            Err(e) => {
-                global.unreleased.push(memory);
-                Err(e)
-            }
-        }
-    }
-
-    /// Retries the driver frees that failed before.
-    fn retry_unreleased(&self, global: &mut Global) -> Result<()> {
-        let mut result = Ok(());
-        for memory in std::mem::take(&mut global.unreleased) {
-            result = result.and(self.driver_free(global, memory));
-        }
-        result
-    }
-
-    /// Moves deferred frees whose copies have completed back into circulation.
-    fn reclaim_deferred(&self, global: &mut Global, is_idle: &dyn Fn(LastUse) -> bool) -> Result<()> {
-        let mut result = Ok(());
-        let mut i = 0;
-        while i < global.deferred.len() {
-            if is_idle(global.deferred[i].1) {
-                let (block, _) = global.deferred.swap_remove(i);
-                result = result.and(self.release(global, block));
-            } else {
-                i += 1;
-            }
-        }
-        result
-    }
-
-    /// Finds `bytes` of memory for a buffer of `len` requested bytes: from the slabs, or by
-    /// growing within the budget, trimming and retrying once when refused.
-    fn carve(
-        &self,
-        len: u64,
-        bytes: u64,
-        origin: Origin,
-        is_idle: &dyn Fn(LastUse) -> bool,
-    ) -> Result<Block> {
-        let mut global = lock(&self.global.0);
-        // A failed driver free here is not this allocation's failure: the memory stays
-        // listed for the next trim, which reports it.
-        let _ = self.reclaim_deferred(&mut global, is_idle);
-        let mut trimmed = false;
-        loop {
-            let attempt = if origin == Origin::Dedicated {
-                self.grow_dedicated(&mut global, len, bytes)
-            } else {
-                self.carve_from_slabs(&mut global, len, bytes, origin)
-            };
-            match attempt {
-                Err(refusal) if !trimmed && is_refusal(&refusal) => {
-                    // As above: what the trim fails to free is retried later.
-                    let _ = self.trim_locked(&mut global);
-                    trimmed = true;
-                }
-                Err(refusal) if is_refusal(&refusal) => {
-                    global.budget_refusals += 1;
-                    return Err(refusal);
-                }
-                other => return other,
-            }
-        }
-    }
-
-    fn carve_from_slabs(&self, global: &mut Global, len: u64, bytes: u64, origin: Origin) -> Result<Block> {
-        if global.ranges.largest() < bytes {
-            self.grow_slab(global, len, bytes)?;
-        }
-        let (slab, offset) = global.ranges.allocate(bytes).expect("a range that fits exists");
-        let base = global.slabs[slab as usize].as_ref().expect("ranges name live slabs").ptr;
-        Ok(Block { ptr: base + offset, bytes, slab, origin })
-    }
-
-    /// Room under the budget for `bytes` more, reading live free memory now.
-    fn headroom(&self, global: &Global) -> Result<u64> {
-        let (live_free, _) = self.memory.mem_get_info()?;
-        let limit =
-            budget::limit(global.reserved, self.config.total_memory, live_free, self.config.budget_fraction);
-        Ok(limit - global.reserved)
-    }
-
-    fn grow_slab(&self, global: &mut Global, len: u64, bytes: u64) -> Result<()> {
-        let headroom = self.headroom(global)?;
-        // A full slab when the budget allows it, else a smaller one that still serves.
-        let room = headroom / classes::GRANULE * classes::GRANULE;
-        let slab_bytes = self.config.slab_bytes.min(room).max(bytes);
-        if slab_bytes > headroom {
-            return Err(self.over_budget(global, len, bytes, headroom, false));
-        }
-        let ptr = self.driver_alloc(global, len, slab_bytes, headroom)?;
-        let id = match global.slabs.iter().position(Option::is_none) {
-            Some(free) => free,
-            None => {
-                global.slabs.push(None);
-                global.slabs.len() - 1
-            }
-        };
-        global.slabs[id] = Some(Slab { ptr, bytes: slab_bytes });
-        global.ranges.add_slab(id as SlabId, slab_bytes);
-        Ok(())
-    }
-
-    fn grow_dedicated(&self, global: &mut Global, len: u64, bytes: u64) -> Result<Block> {
-        let headroom = self.headroom(global)?;
-        if bytes > headroom {
-            return Err(self.over_budget(global, len, bytes, headroom, false));
-        }
-        let ptr = self.driver_alloc(global, len, bytes, headroom)?;
-        global.dedicated += bytes;
-        Ok(Block { ptr, bytes, slab: SlabId::MAX, origin: Origin::Dedicated })
-    }
-
-    fn driver_alloc(&self, global: &mut Global, len: u64, bytes: u64, headroom: u64) -> Result<u64> {
-        match self.memory.mem_alloc(bytes) {
-            Ok(ptr) => {
-                global.driver_allocations += 1;
-                global.reserved += bytes;
-                global.peak_reserved = global.peak_reserved.max(global.reserved);
-                Ok(ptr)
-            }
-            Err(e) if e.cuda_code() == Some(cuda_sys::CUDA_ERROR_OUT_OF_MEMORY) => {
-                Err(self.over_budget(global, len, bytes, headroom, true))
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// A refusal of `len` bytes that needed `needed` more from the driver, with `headroom`
-    /// left under the budget.
-    fn over_budget(
-        &self,
-        global: &Global,
-        len: u64,
-        needed: u64,
-        headroom: u64,
-        driver_out_of_memory: bool,
-    ) -> Error {
-        self.refused(len, needed, global.reserved + headroom, global.reserved, driver_out_of_memory)
-    }
-
-    fn refused(&self, len: u64, needed: u64, limit: u64, held: u64, driver_out_of_memory: bool) -> Error {
-        let library = self.shards.iter().map(|c| c.library.load(Ordering::Relaxed)).sum();
-        Error::OverBudget {
-            requested: len,
-            needed,
-            held,
-            in_use: self.allocated_bytes(),
-            library,
-            limit,
-            total: self.config.total_memory,
-            fraction: self.config.budget_fraction,
-            driver_out_of_memory,
-        }
-    }
-
-    /// Releases cached blocks and empty slabs to the driver. Returns the bytes released.
-    pub(crate) fn trim(&self, is_idle: &dyn Fn(LastUse) -> bool) -> Result<u64> {
-        let mut global = lock(&self.global.0);
-        let reclaimed = self.reclaim_deferred(&mut global, is_idle);
-        let trimmed = self.trim_locked(&mut global);
-        reclaimed.and(trimmed)
-    }
-
-    /// Every step runs even when a driver free fails (the first failure is returned), so a
-    /// failing free never strands the rest of the cache.
-    fn trim_locked(&self, global: &mut Global) -> Result<u64> {
-        global.trims += 1;
-        let before = global.reserved;
-        let mut result = self.retry_unreleased(global);
-        for cell in self.shards.iter() {
-            let blocks: Vec<Block> = {
-                let mut shard = lock(&cell.state);
-                shard.cached = 0;
-                shard.cache.iter_mut().flat_map(std::mem::take).collect()
-            };
-            for block in blocks {
-                result = result.and(self.release(global, block));
-            }
-        }
-        for id in 0..global.slabs.len() {
-            let Some(slab) = &global.slabs[id] else { continue };
-            let (ptr, bytes) = (slab.ptr, slab.bytes);
-            if global.ranges.remove_slab_if_free(id as SlabId, bytes) {
-                global.slabs[id] = None;
-                result = result.and(self.driver_free(global, Unreleased { ptr, bytes, dedicated: false }));
-            }
-        }
-        result.map(|()| before - global.reserved)
-    }
-
-    /// Bytes requested by live buffers. Lock-free.
-    pub(crate) fn allocated_bytes(&self) -> u64 {
-        self.shards.iter().map(|c| c.allocated.load(Ordering::Relaxed)).sum()
-    }
-
-    pub(crate) fn stats(&self) -> AllocatorStats {
-        let mut stats = AllocatorStats::default();
-        for cell in self.shards.iter() {
-            let shard = lock(&cell.state);
-            stats.buffers += shard.slots.iter().filter(|s| s.live && !s.library).count() as u64;
-            stats.library_buffers += shard.slots.iter().filter(|s| s.live && s.library).count() as u64;
-            stats.allocated_bytes += shard.allocated;
-            stats.library_bytes += shard.library;
-            stats.footprint_bytes += shard.footprint;
-            stats.cached_bytes += shard.cached;
-            stats.allocations += shard.allocations;
-            stats.frees += shard.frees;
-        }
-        let global = lock(&self.global.0);
-        stats.reserved_bytes = global.reserved;
-        stats.peak_reserved_bytes = global.peak_reserved;
-        stats.slabs = global.slabs.iter().flatten().count() as u64;
-        stats.dedicated_bytes = global.dedicated;
-        stats.slab_free_bytes = global.ranges.free_bytes();
-        stats.largest_free_range = global.ranges.largest();
-        stats.deferred_bytes = global.deferred.iter().map(|(b, _)| b.bytes).sum();
-        stats.deferred_frees = global.deferred_frees;
-        stats.driver_allocations = global.driver_allocations;
-        stats.driver_frees = global.driver_frees;
-        stats.trims = global.trims;
-        stats.budget_refusals = global.budget_refusals;
-        stats.fragmentation = if global.reserved == 0 {
-            0.0
-        } else {
-            1.0 - (stats.allocated_bytes + stats.library_bytes) as f64 / global.reserved as f64
-        };
-        stats
-    }
-
     /// Frees every driver allocation. Called when the device goes away, after all copies.
     pub(crate) fn release_all(&mut self) -> Result<()> {
         let mut ptrs: Vec<u64> = Vec::new();
@@ -837,10 +529,6 @@ impl<M: DeviceMemory> Allocator<M> {
         }
         result
     }
-}
-
-fn is_refusal(e: &Error) -> bool {
-    matches!(e, Error::OverBudget { .. })
 }
 
 #[cfg(test)]
