@@ -176,6 +176,7 @@ pub mod internals {
     /// The model's state is per thread: use the device from the thread that opened it.
     /// Unstable, for this repository's benches only.
     pub fn model_device(config: crate::Config) -> crate::Device {
-        crate::Device::open_with(crate::testing::model::driver(), 0, config).expect("the model driver opens")
+        crate::Device::open_on_driver(crate::testing::model::driver(), 0, config)
+            .expect("the model driver opens")
     }
 }
