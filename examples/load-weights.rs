@@ -90,7 +90,7 @@ fn run(args: &Args) -> Result<(), String> {
         progress.set_length(total);
         progress.set_position(done);
     });
-    let ckpt = device.load_safetensors_with(&path, options).map_err(|e| e.to_string())?;
+    let ckpt = device.load_safetensors_configured(&path, options).map_err(|e| e.to_string())?;
     let secs = started.elapsed().as_secs_f64();
     progress.finish();
     println!(
@@ -109,7 +109,7 @@ fn run(args: &Args) -> Result<(), String> {
     let tensors: Vec<_> =
         ckpt.tensors().iter().map(|t| (t.name(), t.dtype(), t.shape(), t.buffer())).collect();
     let options = SaveOptions::new().progress(|done, _| progress.set_position(done));
-    device.save_safetensors_with(&out, &tensors, options).map_err(|e| e.to_string())?;
+    device.save_safetensors_configured(&out, &tensors, options).map_err(|e| e.to_string())?;
     let secs = started.elapsed().as_secs_f64();
     progress.finish();
     println!("saved {} in {:.3} s: {:.1} GB/s", out.display(), secs, ckpt.total_bytes() as f64 / 1e9 / secs);

@@ -27,8 +27,9 @@
 //! anywhere. [`FenceEvent`] is `Send + Sync`.
 //!
 //! Which calls block the calling thread:
-//! - [`Fence::wait`], [`PendingDownload::wait`], [`Device::synchronize`] and
-//!   [`Device::synchronize_uploads`]: until the GPU has done the work.
+//! - [`Fence::wait`], [`PendingDownload::wait`], [`Device::synchronize`],
+//!   [`Device::synchronize_uploads`] and [`Device::synchronize_downloads`]: until the GPU
+//!   has done the work.
 //! - The conveniences ([`Device::upload`], [`Device::download`] and their `_many`, `_at`,
 //!   `_range`, `_into` and `_to_slice` forms, [`PreparedDownloads::download_into`]): each
 //!   submits one batch and waits for it.
@@ -131,6 +132,7 @@
 //! [`Device::wait_for_event`]: crate::Device::wait_for_event
 //! [`Device::synchronize`]: crate::Device::synchronize
 //! [`Device::synchronize_uploads`]: crate::Device::synchronize_uploads
+//! [`Device::synchronize_downloads`]: crate::Device::synchronize_downloads
 //! [`Device::upload`]: crate::Device::upload
 //! [`Device::download`]: crate::Device::download
 //! [`Device::upload_async_at`]: crate::Device::upload_async_at

@@ -27,7 +27,8 @@
 //!   fused into one kernel launch on the destination, and fan-out of one host buffer to
 //!   every GPU.
 //!
-//! Every error says what happened and ends with `Fix: …`.
+//! Every error says what happened and ends with `Fix: …`. New here? The table
+//! [below](#which-api-for-which-job) says which API fits which job.
 //!
 //! Beside your own kernels, streams, cudarc or PyTorch: [`interop`], "Using cuda-resident
 //! from your own runtime" (the shared context, threads, ordering both ways, awaiting a
@@ -69,6 +70,28 @@
 //! device.free(a)?;
 //! # Ok::<(), cuda_resident::Error>(())
 //! ```
+//!
+//! # Which API for which job
+//!
+//! | job | use | when your memory may be reused or read | what `submit` returns |
+//! |---|---|---|---|
+//! | a one-off copy | [`Device::upload_at`], [`Device::download_range`], [`Device::download_to_slice`] | free to reuse, or holding the bytes, once the call returns | no submit: each call waits until its bytes have landed |
+//! | many small copies | [`UploadBatch`] ([`Device::uploads`]), [`DownloadBatch`] ([`Device::downloads`]) | uploads: copied into pinned staging by `submit`, free to reuse once it returns; downloads: views into pinned memory while the [`Downloaded`] lives, or copied into your `Vec`s | a [`Fence`]; a [`PendingDownload`], whose `wait` gives the [`Downloaded`] |
+//! | the same ranges every step | [`PreparedUploads`], [`PreparedDownloads`] ([`Device::prepare_uploads`], [`Device::prepare_downloads`]): checked and laid out once | as for batches: rows are copied in before [`PreparedUploads::upload`] returns; downloads as views, or into your `Vec`s ([`PreparedDownloads::download_into`]) | `upload`: a [`Fence`]; `submit`: a [`PendingDownload`] |
+//! | your own pinned memory, moved with no copy | [`Device::scope`]: the [`Scope`]'s batches take your slices | borrowed until `scope` returns: the GPU reads and writes it in place after `submit`; read or reuse it once `scope` returns | nothing you must wait on: `scope` waits for every transfer before it returns |
+//! | paging a KV cache | [`Device::scope`] over a host cache from [`Device::pinned`]: blocks out by a download batch, in by an upload batch, both directions at once | as for a scope: the cache's slots once `scope` returns | as for a scope |
+//! | model weights (feature `safetensors`) | [`Device::load_safetensors`][load], [`Device::save_safetensors`][save] | the file is mapped during the call; nothing of yours is borrowed after it | no submit: each call returns once every byte has moved |
+//!
+#![cfg_attr(feature = "safetensors", doc = "[load]: Device::load_safetensors")]
+#![cfg_attr(feature = "safetensors", doc = "[save]: Device::save_safetensors")]
+#![cfg_attr(
+    not(feature = "safetensors"),
+    doc = "[load]: https://docs.rs/cuda-resident/latest/cuda_resident/struct.Device.html#method.load_safetensors"
+)]
+#![cfg_attr(
+    not(feature = "safetensors"),
+    doc = "[save]: https://docs.rs/cuda-resident/latest/cuda_resident/struct.Device.html#method.save_safetensors"
+)]
 //!
 //! # Features
 //!
@@ -176,6 +199,7 @@ pub mod internals {
     /// The model's state is per thread: use the device from the thread that opened it.
     /// Unstable, for this repository's benches only.
     pub fn model_device(config: crate::Config) -> crate::Device {
-        crate::Device::open_with(crate::testing::model::driver(), 0, config).expect("the model driver opens")
+        crate::Device::open_on_driver(crate::testing::model::driver(), 0, config)
+            .expect("the model driver opens")
     }
 }

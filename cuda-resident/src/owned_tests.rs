@@ -166,7 +166,7 @@ fn a_handle_freed_by_hand_makes_the_drop_a_no_op() {
 #[test]
 fn a_driver_free_refused_on_drop_keeps_the_memory_counted_and_the_next_trim_retries_it() {
     let driver = model::driver();
-    let d = Device::open_with(Arc::clone(&driver), 0, small_chunks()).expect("the model opens");
+    let d = Device::open_on_driver(Arc::clone(&driver), 0, small_chunks()).expect("the model opens");
     let big = 100u64 << 20; // past the slab size: a cuMemAlloc of its own, freed by cuMemFree
     let (bytes, buffers, _) = held(&d);
     let refuse = || {

@@ -24,8 +24,8 @@ fn every_public_item_is_named() {
     // Opening and identity.
     let _: fn() -> Result<usize> = Device::count;
     let _: fn(usize) -> Result<Device> = Device::open;
-    let _: fn(Arc<cuda_sys::Driver>, usize, Config) -> Result<Device> = Device::open_with;
-    let _: fn(usize, Config) -> Result<Device> = Device::open_with_config;
+    let _: fn(Arc<cuda_sys::Driver>, usize, Config) -> Result<Device> = Device::open_on_driver;
+    let _: fn(usize, Config) -> Result<Device> = Device::open_configured;
     let _: fn(&Device) -> &DeviceInfo = Device::info;
     let _: fn(&Device) -> &Config = Device::config;
     let _: fn(&Device) -> bool = Device::moves_small_copies_over_bus;
@@ -57,6 +57,7 @@ fn every_public_item_is_named() {
     let _: unsafe fn(&Device, *mut u8) -> Result<()> = Device::unpin_host;
     let _: fn(&Device) -> Result<()> = Device::synchronize;
     let _: fn(&Device) -> Result<()> = Device::synchronize_uploads;
+    let _: fn(&Device) -> Result<()> = Device::synchronize_downloads;
     let _: unsafe fn(&Device, ResidentBuffer, u64, *const u8, usize) -> Result<Fence> =
         Device::upload_async_at;
     let _: unsafe fn(&Device, ResidentBuffer, u64, *mut u8, usize) -> Result<Fence> =
@@ -124,7 +125,7 @@ fn every_public_item_is_named() {
 
     // Several GPUs.
     let _: fn() -> Result<DeviceSet> = DeviceSet::open_all;
-    let _: fn(Config) -> Result<DeviceSet> = DeviceSet::open_all_with;
+    let _: fn(Config) -> Result<DeviceSet> = DeviceSet::open_all_configured;
     let _: fn(Vec<Device>) -> DeviceSet = DeviceSet::from_devices;
     let _: fn(&DeviceSet) -> usize = DeviceSet::len;
     let _: fn(&DeviceSet) -> bool = DeviceSet::is_empty;
@@ -133,7 +134,7 @@ fn every_public_item_is_named() {
     let _: fn(&DeviceSet) -> Result<usize> = DeviceSet::enable_all_peers;
     let _: fn(&DeviceSet, &[u8], &[(usize, ResidentBuffer)], u64) -> Result<Vec<Fence>> = DeviceSet::fan_out;
     let _: fn(&DeviceSet, FanOutPath, &[u8], &[(usize, ResidentBuffer)], u64) -> Result<Vec<Fence>> =
-        DeviceSet::fan_out_with;
+        DeviceSet::fan_out_via;
     let _ = [FanOutPath::EachLink, FanOutPath::FirstThenPeers];
     let _: fn(&Device, &Device) -> Result<bool> = Device::can_access_peer;
     let _: fn(&Device, &Device) -> Result<()> = Device::enable_peer;
@@ -479,10 +480,10 @@ fn the_weights_items_are_named() {
     // `impl AsRef<Path>` arguments take no turbofish: named through closures of the types.
     let _: fn(&Device, &Path) -> Result<Checkpoint> = |d, p| d.load_safetensors(p);
     let _: fn(&Device, &Path, LoadOptions<'_>) -> Result<Checkpoint> =
-        |d, p, o| d.load_safetensors_with(p, o);
+        |d, p, o| d.load_safetensors_configured(p, o);
     let _: fn(&Device, &Path, Named<'_>) -> Result<()> = |d, p, t| d.save_safetensors(p, t);
     let _: fn(&Device, &Path, Named<'_>, SaveOptions<'_>) -> Result<()> =
-        |d, p, t, o| d.save_safetensors_with(p, t, o);
+        |d, p, t, o| d.save_safetensors_configured(p, t, o);
     let _: fn(&Checkpoint) -> &[Tensor] = Checkpoint::tensors;
     let _: for<'c> fn(&'c Checkpoint, &str) -> Option<&'c Tensor> = Checkpoint::get;
     let _: fn(&Checkpoint) -> usize = Checkpoint::len;

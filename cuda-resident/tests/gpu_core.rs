@@ -95,7 +95,7 @@ fn allocations_hold_their_bytes() {
 #[ignore = "needs an NVIDIA GPU"]
 fn the_budget_is_enforced_with_a_small_fraction() {
     let config = Config::default().with_budget_fraction(0.01);
-    let d = Device::open_with_config(0, config.clone()).unwrap();
+    let d = Device::open_configured(0, config.clone()).unwrap();
     assert_eq!(d.config().budget_fraction, config.budget_fraction, "opened with the config given");
     let total = d.info().total_memory;
     let mut held = Vec::new();
@@ -273,7 +273,7 @@ fn many_threads_allocating_at_once_keep_the_accounting_exact() {
 #[ignore = "needs an NVIDIA GPU"]
 fn pinned_staging_is_reused_and_capped() {
     let config = Config::default().with_pinned_cap_bytes(32 << 20).with_chunk_bytes(1 << 20);
-    let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
+    let d = Device::open_on_driver(Arc::clone(device().driver()), 0, config).unwrap();
     let first = d.pinned(1 << 20).unwrap();
     let ptr = first.as_ptr();
     drop(first);

@@ -115,7 +115,7 @@ fn adversarial_mixes_leave_every_counter_at_its_baseline() {
     // is refused (PinnedExhausted, by design) rather than waited for.
     let small = Config::default().with_pinned_cap_bytes(4 << 20).with_chunk_bytes(1 << 20);
     for (config, threads) in [(Config::default(), 8u64), (small, 0)] {
-        let d = Device::open_with_config(0, config).unwrap_or_else(|e| panic!("{e}"));
+        let d = Device::open_configured(0, config).unwrap_or_else(|e| panic!("{e}"));
         let keep = d.allocate(12_345).unwrap();
         let base = caller(&d);
         mixes(&d, &mut fastrand::Rng::with_seed(38));

@@ -40,7 +40,7 @@ fn leak_checked(body: impl FnOnce(Device)) {
     let driver = Arc::new(Driver::load().unwrap());
     driver.faults().record();
     let config = Config::default().with_chunk_bytes(1 << 20).with_direct_threshold(64 << 10);
-    body(Device::open_with(Arc::clone(&driver), 0, config).unwrap());
+    body(Device::open_on_driver(Arc::clone(&driver), 0, config).unwrap());
     common::balanced(&driver.faults().counts()).unwrap();
     common::free_memory_kept(before, anchor.driver_free_bytes().unwrap()).unwrap();
 }

@@ -80,7 +80,7 @@ fn every_driver_call_can_fail_without_panics_leaks_or_corruption() {
     let driver = load_driver();
     driver.faults().record();
     let (reference, recorded, teardown) = {
-        let d = Device::open_with(Arc::clone(&driver), 0, config()).unwrap();
+        let d = Device::open_on_driver(Arc::clone(&driver), 0, config()).unwrap();
         run_sequence(&d, seed).unwrap_or_else(|f| panic!("the sequence fails without faults: {f:?}"));
         let reference = settled(&d).unwrap();
         let recorded = driver.faults().counts();
@@ -190,7 +190,7 @@ fn teardown_case(driver: &Arc<Driver>, fault: Fault, base: &Baseline) -> Result<
     let (seed, reference) = (base.seed, base.reference);
     let faults = driver.faults();
     faults.record();
-    let d = Device::open_with(Arc::clone(driver), 0, config()).map_err(|e| e.to_string())?;
+    let d = Device::open_on_driver(Arc::clone(driver), 0, config()).map_err(|e| e.to_string())?;
     let (ops, bytes) = run_sequence(&d, seed).map_err(|f| format!("the sequence failed: {f:?}"))?;
     let state = settled(&d).map_err(|e| e.to_string())?;
     if state != reference {
@@ -229,7 +229,7 @@ fn run_case(driver: &Arc<Driver>, fault: Fault, base: &Baseline) -> Result<CaseR
     let (mut ops, mut bytes) = (0, 0);
 
     // The faulty run: opening the device may be what fails.
-    let first = Device::open_with(Arc::clone(driver), 0, config());
+    let first = Device::open_on_driver(Arc::clone(driver), 0, config());
     let (device, first_result) = match first {
         Ok(d) => {
             let r = run_sequence(&d, seed);
@@ -265,7 +265,9 @@ fn run_case(driver: &Arc<Driver>, fault: Fault, base: &Baseline) -> Result<CaseR
     // The same device (or a new one, if opening failed) runs everything again.
     let device = match device {
         Some(d) => d,
-        None => Device::open_with(Arc::clone(driver), 0, config()).map_err(|e| format!("reopen: {e}"))?,
+        None => {
+            Device::open_on_driver(Arc::clone(driver), 0, config()).map_err(|e| format!("reopen: {e}"))?
+        }
     };
     let (o, b) =
         run_sequence(&device, seed ^ k).map_err(|f| format!("the run after the fault failed: {f:?}"))?;

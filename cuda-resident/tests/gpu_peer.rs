@@ -416,10 +416,10 @@ fn two_gpus_a_device_set_opens_every_gpu_and_names_each_by_index() {
 
     // One config for every device; a bad one is refused before anything opens.
     let config = Config::default().with_budget_fraction(0.5).with_chunk_bytes(4 * MIB);
-    let configured = DeviceSet::open_all_with(config.clone()).unwrap();
+    let configured = DeviceSet::open_all_configured(config.clone()).unwrap();
     assert!(configured.devices().iter().all(|d| d.config() == &config));
     let bad = Config::default().with_budget_fraction(1.5);
-    assert_error!(DeviceSet::open_all_with(bad), Error::InvalidConfig { .. }, "budget_fraction 1.5");
+    assert_error!(DeviceSet::open_all_configured(bad), Error::InvalidConfig { .. }, "budget_fraction 1.5");
 
     // An empty peer batch submits to a fence that is already done.
     let (d0, d1) = pair(&set);
@@ -814,7 +814,7 @@ fn two_gpus_freeing_buffers_right_after_submit_keeps_the_bytes_right() {
 fn two_gpus_each_device_has_its_own_budget() {
     let _ = two_gpus(); // the GPU count and the staged check
     let fraction = 0.02;
-    let set = DeviceSet::open_all_with(Config::default().with_budget_fraction(fraction)).unwrap();
+    let set = DeviceSet::open_all_configured(Config::default().with_budget_fraction(fraction)).unwrap();
     let (d0, d1) = pair(&set);
     const CHUNK: u64 = 256 * MIB;
 
@@ -1024,7 +1024,7 @@ fn two_gpus_fan_out_reaches_every_device_by_both_paths() {
             };
             let list: Vec<(usize, ResidentBuffer)> = targets.iter().map(|&i| (i, buffers[i])).collect();
             let fences = match path {
-                Some(p) => set.fan_out_with(p, &data, &list, OFFSET),
+                Some(p) => set.fan_out_via(p, &data, &list, OFFSET),
                 None => set.fan_out(&data, &list, OFFSET),
             }
             .unwrap_or_else(|e| panic!("fan-out of {len} bytes by {path:?} to {targets:?}: {e}"));
@@ -1058,22 +1058,22 @@ fn two_gpus_fan_out_reaches_every_device_by_both_paths() {
         let what = format!("{path:?}");
         let past = set.len();
         assert_error!(
-            set.fan_out_with(path, &data, &[(0, b0), (1, b1), (past, b1)], 0),
+            set.fan_out_via(path, &data, &[(0, b0), (1, b1), (past, b1)], 0),
             Error::NotInSet { .. },
             format!("{what}: a target index past the set")
         );
         assert_error!(
-            set.fan_out_with(path, &data, &[(0, b0), (1, b0)], 0),
+            set.fan_out_via(path, &data, &[(0, b0), (1, b0)], 0),
             Error::ForeignBuffer { .. },
             format!("{what}: GPU 0's buffer given for GPU 1")
         );
         assert_error!(
-            set.fan_out_with(path, &data, &[(0, b0), (1, b1)], 3097),
+            set.fan_out_via(path, &data, &[(0, b0), (1, b1)], 3097),
             Error::OutOfRange { .. },
             format!("{what}: an offset that runs past the buffers")
         );
         assert_error!(
-            set.fan_out_with(path, &data, &[(0, b0), (1, b1)], u64::MAX),
+            set.fan_out_via(path, &data, &[(0, b0), (1, b1)], u64::MAX),
             Error::OutOfRange { .. },
             format!("{what}: offset u64::MAX")
         );

@@ -265,7 +265,7 @@ fn sixteen_threads_of_random_work_corrupt_nothing_and_account_exactly() {
             default_hook(info);
         }
     }));
-    let d = Device::open_with(Arc::clone(base.driver()), 0, config).unwrap();
+    let d = Device::open_on_driver(Arc::clone(base.driver()), 0, config).unwrap();
     let totals = Arc::new(Totals::default());
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let (done_tx, done_rx) = mpsc::channel();

@@ -13,7 +13,7 @@ fn device() -> Device {
 /// chunks and mix packed and direct copies.
 fn small_chunk_device() -> Device {
     let config = Config::default().with_chunk_bytes(1 << 20).with_direct_threshold(64 << 10);
-    Device::open_with(Arc::clone(device().driver()), 0, config).unwrap()
+    Device::open_on_driver(Arc::clone(device().driver()), 0, config).unwrap()
 }
 
 fn random_vec(rng: &mut fastrand::Rng, len: usize) -> Vec<u8> {
@@ -187,7 +187,7 @@ fn thousands_of_small_copies_cost_a_few_launches_over_the_bus_or_through_device_
     );
     assert_eq!(thousands_in_order(&over_bus, 4), [(0, 3), (0, 1)]);
     let config = Config::default().with_small_copies_over_bus(false);
-    let staged = Device::open_with(Arc::clone(over_bus.driver()), 0, config).unwrap();
+    let staged = Device::open_on_driver(Arc::clone(over_bus.driver()), 0, config).unwrap();
     assert!(!staged.moves_small_copies_over_bus());
     assert_eq!(thousands_in_order(&staged, 5), [(1, 1), (2, 1)]);
 }
@@ -407,7 +407,7 @@ fn a_thread_that_never_bound_the_context_submits_batches_back_to_back() {
         .with_chunk_bytes(64 << 10)
         .with_direct_threshold(16 << 10)
         .with_pinned_prewarm_bytes(2 << 20);
-    let d = Device::open_with(Arc::clone(base.driver()), 0, config).unwrap();
+    let d = Device::open_on_driver(Arc::clone(base.driver()), 0, config).unwrap();
     let mut rng = fastrand::Rng::with_seed(0xc0de);
     let b = d.allocate(1 << 20).unwrap();
     let warm: Vec<Vec<u8>> = (0..8).map(|_| random_vec(&mut rng, 100)).collect();
@@ -458,7 +458,7 @@ fn prepared_sets_move_new_bytes_every_round_and_read_them_back() {
     let devices = [
         base.clone(),
         small_chunk_device(),
-        Device::open_with(Arc::clone(base.driver()), 0, over_staging).unwrap(),
+        Device::open_on_driver(Arc::clone(base.driver()), 0, over_staging).unwrap(),
     ];
     for (n, d) in devices.iter().enumerate() {
         let mut rng = fastrand::Rng::with_seed(90 + n as u64);
@@ -507,7 +507,7 @@ fn readback_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_
     // touch (fused by the planner into one interval); views, vectors, the download helpers
     // and a prepared set, outputs pre-filled with garbage; every byte compared.
     let config = Config::default().with_chunk_bytes(16 << 20).with_pinned_cap_bytes(64 << 20);
-    let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
+    let d = Device::open_on_driver(Arc::clone(device().driver()), 0, config).unwrap();
     let mut rng = fastrand::Rng::with_seed(91);
     let m = Model::new(&d, &mut rng, &[300 << 20]);
     let b = m.buffers[0];
@@ -631,7 +631,7 @@ fn tiny_items_move_in_place_in_launches_whose_tables_fit_what_the_pool_keeps() {
         .with_chunk_bytes(256 << 10)
         .with_direct_threshold(16 << 10)
         .with_pinned_cap_bytes(24 << 20);
-    let d = Device::open_with(Arc::clone(device().driver()), 0, config).unwrap();
+    let d = Device::open_on_driver(Arc::clone(device().driver()), 0, config).unwrap();
     let mut rng = fastrand::Rng::with_seed(41);
     let pool = d.allocate(16 << 20).unwrap();
     let mut expect = random_vec(&mut rng, 16 << 20);
@@ -679,7 +679,7 @@ fn tiny_items_move_in_place_in_launches_whose_tables_fit_what_the_pool_keeps() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cache() {
-    let d = Device::open_with_config(0, Config::default().with_pinned_cap_bytes(2 << 30)).unwrap();
+    let d = Device::open_configured(0, Config::default().with_pinned_cap_bytes(2 << 30)).unwrap();
     let mut rng = fastrand::Rng::with_seed(34);
     for block in [4 << 10, 16 << 10, 256 << 10, 2 << 20] {
         let blocks = (512 << 20) / block;

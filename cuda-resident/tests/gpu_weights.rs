@@ -14,7 +14,7 @@ use safetensors::tensor::TensorView;
 
 fn device_with(config: Config) -> Device {
     let d = Device::open(0).unwrap_or_else(|e| panic!("{e}"));
-    Device::open_with(Arc::clone(d.driver()), 0, config).unwrap()
+    Device::open_on_driver(Arc::clone(d.driver()), 0, config).unwrap()
 }
 
 /// A file in the temporary folder, removed when dropped.
@@ -97,7 +97,7 @@ fn a_decoder_checkpoint_loads_and_saves_every_byte_in_either_layout() {
     for arena in [false, true] {
         let mut last = (0, 0);
         let options = LoadOptions::new().arena(arena).progress(|done, total| last = (done, total));
-        let ckpt = d.load_safetensors_with(&file.0, options).unwrap();
+        let ckpt = d.load_safetensors_configured(&file.0, options).unwrap();
         assert_eq!(last.0, last.1);
         assert_eq!(last.1, ckpt.total_bytes());
         check(&d, &ckpt, &data);

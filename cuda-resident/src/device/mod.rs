@@ -75,7 +75,7 @@ impl Device {
 
     /// Opens device `ordinal` with the default [`Config`], loading the driver on first use.
     pub fn open(ordinal: usize) -> Result<Device> {
-        Device::open_with_config(ordinal, Config::default())
+        Device::open_configured(ordinal, Config::default())
     }
 
     /// Opens device `ordinal` with `config`, loading the driver on first use: a larger
@@ -84,16 +84,16 @@ impl Device {
     /// ```no_run
     /// use cuda_resident::{Config, Device};
     ///
-    /// let device = Device::open_with_config(0, Config::default().with_pinned_cap_bytes(4 << 30))?;
+    /// let device = Device::open_configured(0, Config::default().with_pinned_cap_bytes(4 << 30))?;
     /// # Ok::<(), cuda_resident::Error>(())
     /// ```
-    pub fn open_with_config(ordinal: usize, config: Config) -> Result<Device> {
-        Device::open_with(shared_driver()?, ordinal, config)
+    pub fn open_configured(ordinal: usize, config: Config) -> Result<Device> {
+        Device::open_on_driver(shared_driver()?, ordinal, config)
     }
 
     /// Opens device `ordinal` through `driver` (for a driver loaded from a particular path,
     /// or one whose table was altered for testing) with `config`.
-    pub fn open_with(driver: Arc<Driver>, ordinal: usize, config: Config) -> Result<Device> {
+    pub fn open_on_driver(driver: Arc<Driver>, ordinal: usize, config: Config) -> Result<Device> {
         Core::open(driver, ordinal, config).map(|core| Device { core: Arc::new(core) })
     }
 
@@ -415,7 +415,8 @@ impl Device {
     }
 
     /// Starts copying `len` bytes of `buffer` at `offset` into host memory at `dst`, on the
-    /// download lane, and returns at once; the bytes are there once the fence completes.
+    /// download lane, and returns at once; the bytes are there once the fence completes (or
+    /// [`Device::synchronize_downloads`] returns).
     /// A copy of 0 bytes (whose range is still checked) calls no driver entry point and
     /// returns a fence that is already complete.
     ///
@@ -448,9 +449,23 @@ impl Device {
         crate::transfer::single::download_to_slice(&self.core, buffer, offset, out)
     }
 
-    /// Blocks until every upload submitted so far has completed.
+    /// Blocks until every upload submitted so far on this device, from any thread, has
+    /// completed: batches, prepared sets, a scope's uploads, [`Device::upload_async_at`] and
+    /// peer copies into this device (they run on its upload lane). Downloads are not waited
+    /// for ([`Device::synchronize_downloads`]; both: [`Device::synchronize`]).
     pub fn synchronize_uploads(&self) -> Result<()> {
         crate::transfer::single::synchronize_uploads(&self.core)
+    }
+
+    /// Blocks until every download submitted so far on this device, from any thread, has
+    /// completed: batches, prepared sets, a scope's downloads and
+    /// [`Device::download_async_at`] (whose bytes are then in the caller's memory). Uploads
+    /// are not waited for ([`Device::synchronize_uploads`]; both: [`Device::synchronize`]).
+    ///
+    /// A batch's bytes still come through its [`PendingDownload`](crate::PendingDownload),
+    /// whose wait then finds the device's part done.
+    pub fn synchronize_downloads(&self) -> Result<()> {
+        crate::transfer::single::synchronize_downloads(&self.core)
     }
 
     /// Page-locks `[ptr, ptr + len)` of host memory for fast, asynchronous copies
@@ -507,7 +522,7 @@ impl Device {
     /// ```no_run
     /// use cuda_resident::{Config, Device};
     ///
-    /// let device = Device::open_with_config(0, Config::default().with_pinned_cap_bytes(1 << 30))?;
+    /// let device = Device::open_configured(0, Config::default().with_pinned_cap_bytes(1 << 30))?;
     /// let pool = device.allocate(64 << 20)?;
     /// let mut cache = device.pinned(8 << 20)?; // the host cache, pinned
     /// let block = 256 << 10;
@@ -655,7 +670,7 @@ mod tests {
         // SAFETY: libc's initialisers are sound (it is already loaded) and it exports no
         // driver entry point.
         let driver = Arc::new(unsafe { Driver::load_from("libc.so.6") }.unwrap());
-        let err = Device::open_with(driver, 0, Config::default()).unwrap_err();
+        let err = Device::open_on_driver(driver, 0, Config::default()).unwrap_err();
         assert!(matches!(&err, Error::MissingSymbol(m) if m.entry() == "cuInit"), "{err}");
     }
 
@@ -665,7 +680,7 @@ mod tests {
         // driver entry point.
         let driver = Arc::new(unsafe { Driver::load_from("libc.so.6") }.unwrap());
         let config = Config { budget_fraction: 2.0, ..Config::default() };
-        let err = Device::open_with(driver, 0, config).unwrap_err();
+        let err = Device::open_on_driver(driver, 0, config).unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { field: "budget_fraction", .. }), "{err}");
     }
 }

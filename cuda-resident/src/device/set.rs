@@ -21,15 +21,15 @@ pub struct DeviceSet {
 impl DeviceSet {
     /// Opens every device the driver sees, each with the default [`Config`].
     pub fn open_all() -> Result<DeviceSet> {
-        DeviceSet::open_all_with(Config::default())
+        DeviceSet::open_all_configured(Config::default())
     }
 
     /// Opens every device the driver sees, each with `config` (each gets its own budget:
     /// `budget_fraction` applies per device).
-    pub fn open_all_with(config: Config) -> Result<DeviceSet> {
+    pub fn open_all_configured(config: Config) -> Result<DeviceSet> {
         let count = Device::count()?;
         let driver = shared_driver()?;
-        let devices = (0..count).map(|i| Device::open_with(Arc::clone(&driver), i, config.clone()));
+        let devices = (0..count).map(|i| Device::open_on_driver(Arc::clone(&driver), i, config.clone()));
         Ok(DeviceSet { devices: devices.collect::<Result<_>>()? })
     }
 
@@ -77,7 +77,7 @@ impl DeviceSet {
 
     /// Writes `data` at `offset` into every target (a device index of this set and a buffer
     /// of that device), by [`FanOutPath::EachLink`], the faster path where measured
-    /// (docs/multi-gpu.md; [`DeviceSet::fan_out_with`] picks the other).
+    /// (docs/multi-gpu.md; [`DeviceSet::fan_out_via`] picks the other).
     /// Returns one fence per target, in target order.
     pub fn fan_out(
         &self,
@@ -85,7 +85,7 @@ impl DeviceSet {
         targets: &[(usize, ResidentBuffer)],
         offset: u64,
     ) -> Result<Vec<Fence>> {
-        self.fan_out_with(FanOutPath::EachLink, data, targets, offset)
+        self.fan_out_via(FanOutPath::EachLink, data, targets, offset)
     }
 
     /// [`DeviceSet::fan_out`] by the path given.
@@ -96,7 +96,7 @@ impl DeviceSet {
     /// of resources or of the driver (device staging past a device's budget for
     /// [`FanOutPath::FirstThenPeers`]' peer copies, pinned staging, a driver error), can
     /// leave the targets copied before it written: the chunks already moved to them stay.
-    pub fn fan_out_with(
+    pub fn fan_out_via(
         &self,
         path: FanOutPath,
         data: &[u8],

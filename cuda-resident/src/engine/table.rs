@@ -455,8 +455,8 @@ mod tests {
     #[test]
     fn entries_are_checked_against_their_own_allocator() {
         let driver = model::driver();
-        let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
-        let d1 = Device::open_with(driver, 1, Config::default()).unwrap();
+        let d0 = Device::open_on_driver(Arc::clone(&driver), 0, Config::default()).unwrap();
+        let d1 = Device::open_on_driver(driver, 1, Config::default()).unwrap();
         let (a, b) = (d0.allocate(4096).unwrap(), d1.allocate(4096).unwrap());
         let (alloc0, alloc1) = (&d0.core().alloc, &d1.core().alloc);
         let mut table = BufferTable::default();

@@ -28,7 +28,7 @@ use crate::plan::route::RING;
 use crate::stream::{Fence, LaneKind};
 use crate::sync::lock;
 
-/// How [`DeviceSet::fan_out_with`](crate::DeviceSet::fan_out_with) reaches its devices.
+/// How [`DeviceSet::fan_out_via`](crate::DeviceSet::fan_out_via) reaches its devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FanOutPath {
     /// Pack the bytes once into portable pinned memory, chunk by chunk, and copy each
@@ -39,7 +39,7 @@ pub enum FanOutPath {
     FirstThenPeers,
 }
 
-/// The work of [`DeviceSet::fan_out_with`](crate::DeviceSet::fan_out_with), once every
+/// The work of [`DeviceSet::fan_out_via`](crate::DeviceSet::fan_out_via), once every
 /// target was checked: `places` holds each target's device, buffer and address at `offset`.
 pub(crate) fn fan_out(
     path: FanOutPath,

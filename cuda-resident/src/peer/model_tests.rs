@@ -22,8 +22,8 @@ fn config() -> Config {
 /// Devices 0 and 1 of one model driver.
 fn pair() -> (Device, Device) {
     let driver = model::driver();
-    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
-    let d1 = Device::open_with(driver, 1, config()).unwrap();
+    let d0 = Device::open_on_driver(std::sync::Arc::clone(&driver), 0, config()).unwrap();
+    let d1 = Device::open_on_driver(driver, 1, config()).unwrap();
     (d0, d1)
 }
 
@@ -82,8 +82,8 @@ fn ragged_peer_batches_match_the_byte_model_with_peer_access() {
 fn without_unified_addressing_the_descriptor_table_is_uploaded_before_the_kernel() {
     let driver = model::driver();
     with(|g| g.no_unified_addressing = true);
-    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
-    let d1 = Device::open_with(driver, 1, config()).unwrap();
+    let d0 = Device::open_on_driver(std::sync::Arc::clone(&driver), 0, config()).unwrap();
+    let d1 = Device::open_on_driver(driver, 1, config()).unwrap();
     assert!(!d1.info().unified_addressing);
     d0.enable_peer(&d1).unwrap();
     let mut rng = fastrand::Rng::with_seed(8);
@@ -266,7 +266,7 @@ fn fan_out_writes_every_target_by_either_path() {
             for &(i, b) in &targets {
                 set.get(i).unwrap().upload(b, &vec![0xA5; n as usize]).unwrap();
             }
-            let fences = set.fan_out_with(path, &data, &targets, 7).unwrap();
+            let fences = set.fan_out_via(path, &data, &targets, 7).unwrap();
             assert_eq!(fences.len(), 3);
             for f in &fences {
                 f.wait().unwrap();
@@ -293,7 +293,7 @@ fn fan_out_first_then_peers_writes_a_target_named_again_through_another_handle_o
     let mut rng = fastrand::Rng::with_seed(15);
     let data = random_vec(&mut rng, 1000);
     let before = d0.telemetry();
-    let fences = set.fan_out_with(FanOutPath::FirstThenPeers, &data, &[(0, b), (1, b)], 5).unwrap();
+    let fences = set.fan_out_via(FanOutPath::FirstThenPeers, &data, &[(0, b), (1, b)], 5).unwrap();
     assert_eq!(fences.len(), 2);
     for f in &fences {
         f.wait().unwrap();
@@ -383,8 +383,8 @@ fn small_pinned_pools_still_serve_fan_out_and_staged_copies() {
     let driver = model::driver();
     // The smallest pool the config allows: two chunks.
     let small = Config { chunk_bytes: 64 << 10, pinned_cap_bytes: 128 << 10, ..config() };
-    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, small).unwrap();
-    let d1 = Device::open_with(driver, 1, config()).unwrap();
+    let d0 = Device::open_on_driver(std::sync::Arc::clone(&driver), 0, small).unwrap();
+    let d1 = Device::open_on_driver(driver, 1, config()).unwrap();
     let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
     let mut rng = fastrand::Rng::with_seed(16);
     let data = random_vec(&mut rng, 4 * (64 << 10) + 5);
@@ -499,8 +499,8 @@ fn telemetry_counts_what_landed_and_empty_batches_still_check_their_buffers() {
 fn descriptor_tables_live_in_pinned_staging_or_on_the_heap_only_while_a_batch_needs_them() {
     let driver = model::driver();
     let small = Config { chunk_bytes: 64 << 10, pinned_cap_bytes: 1 << 20, ..config() };
-    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, small.clone()).unwrap();
-    let d1 = Device::open_with(driver, 1, small).unwrap();
+    let d0 = Device::open_on_driver(std::sync::Arc::clone(&driver), 0, small.clone()).unwrap();
+    let d1 = Device::open_on_driver(driver, 1, small).unwrap();
     d0.enable_peer(&d1).unwrap();
     let mut rng = fastrand::Rng::with_seed(21);
     let a = Model::new(&d0, &mut rng, &[1 << 20]);
@@ -576,8 +576,8 @@ fn descriptor_tables_live_in_pinned_staging_or_on_the_heap_only_while_a_batch_ne
 fn a_peer_enable_refused_one_way_is_taken_back_the_other() {
     use cuda_sys::{CUDA_ERROR_INVALID_VALUE, Fault};
     let driver = model::driver();
-    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
-    let d1 = Device::open_with(std::sync::Arc::clone(&driver), 1, config()).unwrap();
+    let d0 = Device::open_on_driver(std::sync::Arc::clone(&driver), 0, config()).unwrap();
+    let d1 = Device::open_on_driver(std::sync::Arc::clone(&driver), 1, config()).unwrap();
     driver.faults().inject(Fault::new("cuCtxEnablePeerAccess", 2, CUDA_ERROR_INVALID_VALUE)).unwrap();
     let e = d0.enable_peer(&d1).unwrap_err();
     driver.faults().clear();
@@ -596,8 +596,8 @@ fn a_peer_enable_refused_one_way_is_taken_back_the_other() {
 fn a_fan_out_failing_part_way_keeps_its_staging_until_its_queued_copies_ran() {
     use cuda_sys::{CUDA_ERROR_INVALID_VALUE, Fault};
     let driver = model::driver();
-    let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, config()).unwrap();
-    let d1 = Device::open_with(std::sync::Arc::clone(&driver), 1, config()).unwrap();
+    let d0 = Device::open_on_driver(std::sync::Arc::clone(&driver), 0, config()).unwrap();
+    let d1 = Device::open_on_driver(std::sync::Arc::clone(&driver), 1, config()).unwrap();
     let set = DeviceSet::from_devices(vec![d0.clone(), d1.clone()]);
     let n = 64 << 10; // one chunk
     let a = d0.allocate(n as u64).unwrap();
@@ -609,7 +609,7 @@ fn a_fan_out_failing_part_way_keeps_its_staging_until_its_queued_copies_ran() {
         (std::sync::Arc::as_ptr(d0.core()) as usize) < (std::sync::Arc::as_ptr(d1.core()) as usize);
     let nth = if d0_first { 3 } else { 2 };
     driver.faults().inject(Fault::new("cuMemcpyHtoDAsync_v2", nth, CUDA_ERROR_INVALID_VALUE)).unwrap();
-    let e = set.fan_out_with(FanOutPath::EachLink, &data, &[(0, a), (1, b1), (1, b2)], 0).unwrap_err();
+    let e = set.fan_out_via(FanOutPath::EachLink, &data, &[(0, a), (1, b1), (1, b2)], 0).unwrap_err();
     driver.faults().clear();
     assert!(e.to_string().contains("cuMemcpyHtoDAsync") && e.to_string().contains("Fix: "), "{e}");
     d0.upload_at(other, 0, &vec![0xEEu8; n]).unwrap();
@@ -632,8 +632,8 @@ fn a_peer_table_too_large_for_the_pinned_pool_is_uploaded_from_the_heap() {
         let small = Config { pinned_cap_bytes: 8 << 20, ..config() };
         let driver = model::driver();
         with(|g| g.no_unified_addressing = !unified);
-        let d0 = Device::open_with(std::sync::Arc::clone(&driver), 0, small.clone()).unwrap();
-        let d1 = Device::open_with(driver, 1, small).unwrap();
+        let d0 = Device::open_on_driver(std::sync::Arc::clone(&driver), 0, small.clone()).unwrap();
+        let d1 = Device::open_on_driver(driver, 1, small).unwrap();
         let src_dev = if between { &d1 } else { &d0 };
         if between {
             d0.enable_peer(src_dev).unwrap();

@@ -61,7 +61,7 @@ fn case(driver: &Arc<Driver>, fault: Fault, reference: [u64; 5]) -> Result<bool,
     faults.record();
     let entry = fault.entry;
     faults.inject(fault).map_err(|e| e.to_string())?;
-    let (device, first) = match Device::open_with(Arc::clone(driver), 0, config()) {
+    let (device, first) = match Device::open_on_driver(Arc::clone(driver), 0, config()) {
         Ok(d) => {
             let r = run(&d, 7);
             (Some(d), r)
@@ -78,7 +78,9 @@ fn case(driver: &Arc<Driver>, fault: Fault, reference: [u64; 5]) -> Result<bool,
     }
     let device = match device {
         Some(d) => d,
-        None => Device::open_with(Arc::clone(driver), 0, config()).map_err(|e| format!("reopen: {e}"))?,
+        None => {
+            Device::open_on_driver(Arc::clone(driver), 0, config()).map_err(|e| format!("reopen: {e}"))?
+        }
     };
     run(&device, 8).map_err(|e| format!("the run after the fault: {e}"))?;
     let state = settled(&device).map_err(|e| format!("settling: {e}"))?;
@@ -95,7 +97,7 @@ fn every_call_of_the_sequence_can_fail_on_the_model_without_panics_leaks_or_corr
     let driver = model::driver();
     driver.faults().record();
     let (reference, recorded) = {
-        let d = Device::open_with(Arc::clone(&driver), 0, config()).unwrap();
+        let d = Device::open_on_driver(Arc::clone(&driver), 0, config()).unwrap();
         run(&d, 7).unwrap();
         // The calls a case's faulty run makes: opening and one sequence.
         let recorded = driver.faults().counts();

@@ -16,7 +16,7 @@ use crate::{Config, Device, DownloadBatch, ResidentBuffer, Slot};
 /// A device opened on a fresh model driver.
 #[cfg(test)]
 pub(crate) fn device(config: Config) -> Device {
-    Device::open_with(model::driver(), 0, config).expect("the model opens")
+    Device::open_on_driver(model::driver(), 0, config).expect("the model opens")
 }
 
 /// Small chunks and a low threshold: batches split into chunks and mix packed and direct.

@@ -501,7 +501,7 @@ fn drop_orders_and_views_after_device_and_trim() {
         for order in 0..6 {
             let driver = model::driver();
             driver.faults().record();
-            let d = Device::open_with(driver.clone(), 0, config.clone()).unwrap();
+            let d = Device::open_on_driver(driver.clone(), 0, config.clone()).unwrap();
             let mut rng = fastrand::Rng::with_seed(16 + order);
             let m = Model::new(&d, &mut rng, &[300_000, 4096]);
             let ranges: Vec<R> =
@@ -1336,7 +1336,7 @@ fn download_many_duplicates_and_bad_items() {
 #[test]
 fn staging_stranded_by_a_lost_context_is_not_waited_for() {
     let driver = model::driver();
-    let d = Device::open_with(Arc::clone(&driver), 0, tiny()).unwrap();
+    let d = Device::open_on_driver(Arc::clone(&driver), 0, tiny()).unwrap();
     let buf = d.allocate(1 << 20).unwrap();
     let lost = cuda_sys::CUDA_ERROR_LAUNCH_FAILED;
     for entry in ["cuEventRecord", "cuStreamSynchronize"] {

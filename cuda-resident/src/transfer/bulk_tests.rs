@@ -147,7 +147,7 @@ fn empty_lists_and_zero_length_items_add_what_they_name() {
 #[test]
 fn a_bad_item_is_named_by_index_keeps_the_items_before_it_and_fails_submit() {
     let driver = model::driver();
-    let d = Device::open_with(driver.clone(), 0, small_chunks()).expect("the model opens");
+    let d = Device::open_on_driver(driver.clone(), 0, small_chunks()).expect("the model opens");
     let other = device(small_chunks());
     let mut rng = fastrand::Rng::with_seed(2004);
     let m = Model::new(&d, &mut rng, &[300_000, 4096]);

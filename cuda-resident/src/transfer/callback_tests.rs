@@ -15,7 +15,7 @@ use crate::{Config, Device, Error, ResidentBuffer};
 /// A device on a fresh model driver, and the driver (for faults and call counts).
 fn device(config: Config) -> (Arc<cuda_sys::Driver>, Device) {
     let driver = model::driver();
-    let d = Device::open_with(Arc::clone(&driver), 0, config).expect("the model opens");
+    let d = Device::open_on_driver(Arc::clone(&driver), 0, config).expect("the model opens");
     (driver, d)
 }
 

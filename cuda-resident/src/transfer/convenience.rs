@@ -78,12 +78,12 @@ pub(crate) fn download_range(
 /// The work of [`Device::download_many`](crate::Device::download_many).
 pub(crate) fn download_many(core: &Arc<Core>, buffers: &[ResidentBuffer]) -> Result<Vec<Vec<u8>>> {
     let mut out = vec![Vec::new(); buffers.len()];
-    read_many_into(core, buffers, &mut out)?;
+    download_many_into(core, buffers, &mut out)?;
     Ok(out)
 }
 
 /// `Device::download_many` into `out` (one vector a buffer); the route the batch took.
-pub(crate) fn read_many_into(
+pub(crate) fn download_many_into(
     core: &Arc<Core>,
     buffers: &[ResidentBuffer],
     out: &mut [Vec<u8>],
@@ -99,7 +99,7 @@ pub(crate) fn download_ranges(
     ranges: &[(ResidentBuffer, u64, u64)],
 ) -> Result<Vec<Vec<u8>>> {
     let mut out = vec![Vec::new(); ranges.len()];
-    read_ranges_into(core, ranges, &mut out, false)?;
+    download_ranges_into(core, ranges, &mut out, false)?;
     Ok(out)
 }
 
@@ -116,12 +116,12 @@ pub(crate) fn download_into(
             right: out.len(),
         });
     }
-    read_ranges_into(core, ranges, out, true).map(drop)
+    download_ranges_into(core, ranges, out, true).map(drop)
 }
 
 /// The ranges read into `out` as one batch ([`DownloadBatch::submit_into`](crate::DownloadBatch::submit_into), `pipelined`
 /// or not); the route the batch took.
-pub(crate) fn read_ranges_into(
+pub(crate) fn download_ranges_into(
     core: &Arc<Core>,
     ranges: &[(ResidentBuffer, u64, u64)],
     out: &mut [Vec<u8>],

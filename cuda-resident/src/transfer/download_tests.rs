@@ -53,7 +53,7 @@ fn a_download_range_past_the_buffer_is_out_of_range_before_any_host_memory_is_re
 #[test]
 fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
     let driver = model::driver();
-    let d = Device::open_with(driver.clone(), 0, small_chunks()).expect("the model opens");
+    let d = Device::open_on_driver(driver.clone(), 0, small_chunks()).expect("the model opens");
     let other = device(small_chunks());
     let mut rng = fastrand::Rng::with_seed(62);
     let m = Model::new(&d, &mut rng, &[300_000, 4096]);
@@ -251,7 +251,7 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     // which return the route they took.
     for pipelined in [false, true] {
         let mut out = poisoned();
-        let route = super::convenience::read_ranges_into(d.core(), &bufs, &mut out, pipelined).unwrap();
+        let route = super::convenience::download_ranges_into(d.core(), &bufs, &mut out, pipelined).unwrap();
         assert_eq!(route, Route::StreamedInto, "{what}: the helpers streamed straight into the vectors");
         same(&out, "the helpers' batch");
     }
@@ -311,7 +311,7 @@ fn readback_batches_many_times_the_pinned_cap_stream_through_it_with_every_byte_
     let all = d.download_many(&m.buffers).unwrap();
     assert!(all == m.expect, "download_many");
     let mut all = vec![Vec::new(); m.buffers.len()];
-    let route = super::convenience::read_many_into(d.core(), &m.buffers, &mut all).unwrap();
+    let route = super::convenience::download_many_into(d.core(), &m.buffers, &mut all).unwrap();
     assert!(matches!(route, Route::Streamed | Route::StreamedInto), "download_many streamed");
     assert!(all == m.expect, "download_many's batch");
     d.synchronize().unwrap();
@@ -336,7 +336,7 @@ fn a_readback_the_pool_cannot_lend_while_the_caller_holds_staging_streams_instea
 fn a_fault_in_the_middle_of_a_streamed_readback_fails_it_and_the_next_one_works() {
     use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Fault};
     let driver = model::driver();
-    let d = Device::open_with(driver.clone(), 0, tiny_pool()).expect("the model opens");
+    let d = Device::open_on_driver(driver.clone(), 0, tiny_pool()).expect("the model opens");
     let mut rng = fastrand::Rng::with_seed(66);
     let m = Model::new(&d, &mut rng, &[2 << 20]);
     let ranges: Vec<_> = (0..3000).map(|k| (0, k * 600 + 3, 500)).collect();

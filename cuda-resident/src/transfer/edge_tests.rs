@@ -9,7 +9,7 @@ use crate::{Config, Device, Error, Fence};
 
 fn device(config: Config) -> (Arc<cuda_sys::Driver>, Device) {
     let driver = model::driver();
-    let d = Device::open_with(Arc::clone(&driver), 0, config).expect("the model opens");
+    let d = Device::open_on_driver(Arc::clone(&driver), 0, config).expect("the model opens");
     (driver, d)
 }
 
@@ -164,8 +164,8 @@ fn a_range_over_two_pinned_regions_with_a_pageable_gap_is_refused_naming_the_gap
 #[test]
 fn a_pinned_buffer_of_another_device_dropped_during_its_copy_is_not_lent_again() {
     let driver = model::driver();
-    let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
-    let d1 = Device::open_with(driver, 1, Config::default()).unwrap();
+    let d0 = Device::open_on_driver(Arc::clone(&driver), 0, Config::default()).unwrap();
+    let d1 = Device::open_on_driver(driver, 1, Config::default()).unwrap();
     let len = 1 << 20;
     let b = d1.allocate(len as u64).unwrap();
     let data = crate::testing::random_vec(&mut fastrand::Rng::with_seed(83), len);

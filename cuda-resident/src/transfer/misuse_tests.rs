@@ -14,7 +14,7 @@ use crate::{Config, Device, Error};
 
 fn device(config: Config) -> (Arc<cuda_sys::Driver>, Device) {
     let driver = model::driver();
-    let d = Device::open_with(Arc::clone(&driver), 0, config).expect("the model opens");
+    let d = Device::open_on_driver(Arc::clone(&driver), 0, config).expect("the model opens");
     (driver, d)
 }
 
@@ -119,8 +119,8 @@ fn small_path_at_and_around_16_kib_from_pageable_and_pinned_memory() {
 #[test]
 fn stale_foreign_and_double_freed_handles_are_refused() {
     let driver = model::driver();
-    let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
-    let d1 = Device::open_with(driver, 1, Config::default()).unwrap();
+    let d0 = Device::open_on_driver(Arc::clone(&driver), 0, Config::default()).unwrap();
+    let d1 = Device::open_on_driver(driver, 1, Config::default()).unwrap();
     let a = d0.allocate(4096).unwrap();
     let foreign = d1.allocate(4096).unwrap();
     d0.free(a).unwrap();
@@ -278,7 +278,7 @@ fn a_device_whose_final_wait_fails_frees_nothing_a_queued_copy_still_uses() {
 }
 
 /// Caps and chunks past what any host holds are refused by `Config::validate` (and so by
-/// `Device::open_with`) with a fix, not by a panic in their arithmetic; the largest cap
+/// `Device::open_on_driver`) with a fix, not by a panic in their arithmetic; the largest cap
 /// allowed opens, and a request for `usize::MAX` bytes under it is an error.
 #[test]
 fn huge_caps_and_chunks_are_refused_with_a_fix_not_a_panic() {
@@ -291,7 +291,7 @@ fn huge_caps_and_chunks_are_refused_with_a_fix_not_a_panic() {
     ] {
         let e = config.validate().unwrap_err();
         assert!(matches!(e, Error::InvalidConfig { .. }) && has_fix(&e), "{e}");
-        let opened = Device::open_with(model::driver(), 0, config);
+        let opened = Device::open_on_driver(model::driver(), 0, config);
         assert!(matches!(opened, Err(Error::InvalidConfig { .. })), "{:?}", opened.map(drop));
     }
     let (_driver, d) = device(Config::default().with_pinned_cap_bytes(1 << 48));
@@ -356,8 +356,8 @@ fn a_refused_download_into_vectors_leaves_them_as_they_were_on_every_route() {
 #[test]
 fn a_viewed_buffer_is_not_freed_until_its_views_dropped_and_their_work_was_waited_for() {
     let driver = model::driver();
-    let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
-    let d1 = Device::open_with(Arc::clone(&driver), 1, Config::default()).unwrap();
+    let d0 = Device::open_on_driver(Arc::clone(&driver), 0, Config::default()).unwrap();
+    let d1 = Device::open_on_driver(Arc::clone(&driver), 1, Config::default()).unwrap();
     d0.enable_peer(&d1).unwrap();
     let b = d0.allocate(4096).unwrap();
     let other = d0.allocate(4096).unwrap();

@@ -13,7 +13,7 @@ use crate::{Config, Device, Error, ResidentBuffer};
 
 fn device(config: Config) -> (Arc<cuda_sys::Driver>, Device) {
     let driver = model::driver();
-    let d = Device::open_with(Arc::clone(&driver), 0, config).expect("the model opens");
+    let d = Device::open_on_driver(Arc::clone(&driver), 0, config).expect("the model opens");
     (driver, d)
 }
 
@@ -83,8 +83,8 @@ fn bad_ranges_are_refused_with_a_fix_and_move_nothing() {
 #[test]
 fn another_devices_buffer_is_refused_and_its_pinned_memory_moves_in_place() {
     let driver = model::driver();
-    let d0 = Device::open_with(Arc::clone(&driver), 0, Config::default()).unwrap();
-    let d1 = Device::open_with(driver, 1, Config::default()).unwrap();
+    let d0 = Device::open_on_driver(Arc::clone(&driver), 0, Config::default()).unwrap();
+    let d1 = Device::open_on_driver(driver, 1, Config::default()).unwrap();
     let mut rng = fastrand::Rng::with_seed(2);
     let (b0, e0) = pool(&d0, &mut rng, 4 << 20);
     let b1 = d1.allocate(4096).unwrap();

@@ -100,12 +100,17 @@ pub(crate) fn download_to_slice(
     out: &mut [u8],
 ) -> Result<()> {
     let mut reads = [super::slices::SliceRead { buffer, offset, out }];
-    super::slices::download_into_slices(core, &mut reads)
+    super::slices::download_to_slices(core, &mut reads)
 }
 
 /// The work of [`Device::synchronize_uploads`](crate::Device::synchronize_uploads).
 pub(crate) fn synchronize_uploads(core: &Arc<Core>) -> Result<()> {
     core.lane(LaneKind::Upload).synchronize().map(|_| ())
+}
+
+/// The work of [`Device::synchronize_downloads`](crate::Device::synchronize_downloads).
+pub(crate) fn synchronize_downloads(core: &Arc<Core>) -> Result<()> {
+    core.lane(LaneKind::Readback).synchronize().map(|_| ())
 }
 
 /// The work of [`Device::pin_host`](crate::Device::pin_host).

@@ -54,7 +54,7 @@ fn spans_of(starts: &[u64], lens: &[u64], (start, end): (u64, u64), cursor: &mut
 /// Reads every `reads` item into its slice. Checks every range first (nothing moves on a
 /// bad one). A driver error part way returns with the chunks before it copied out, the rest
 /// of the slices as they were.
-pub(crate) fn download_into_slices(core: &Arc<Core>, reads: &mut [SliceRead<'_>]) -> Result<()> {
+pub(crate) fn download_to_slices(core: &Arc<Core>, reads: &mut [SliceRead<'_>]) -> Result<()> {
     let srcs = reads
         .iter()
         .map(|r| core.checked_range(r.buffer, r.offset, r.out.len() as u64))

@@ -38,7 +38,7 @@ pub(super) fn map(path: &Path) -> Result<Mmap, WeightsError> {
     Ok(map)
 }
 
-/// The work of [`Device::load_safetensors_with`].
+/// The work of [`Device::load_safetensors_configured`].
 pub(super) fn load(device: &Device, path: &Path, mut options: LoadOptions<'_>) -> Result<Checkpoint> {
     let file = map(path)?;
     let header = header::parse(path, &file)?;

@@ -21,7 +21,7 @@
 //! use cuda_resident::weights::{Dtype, LoadOptions};
 //!
 //! let device = Device::open(0)?;
-//! let ckpt = device.load_safetensors_with(
+//! let ckpt = device.load_safetensors_configured(
 //!     "model.safetensors",
 //!     LoadOptions::new().progress(|done, total| eprintln!("{done}/{total} bytes")),
 //! )?;
@@ -250,7 +250,7 @@ impl Pacing<'_> {
     }
 }
 
-/// How [`Device::load_safetensors_with`] loads.
+/// How [`Device::load_safetensors_configured`] loads.
 #[must_use]
 #[derive(Debug, Default)]
 pub struct LoadOptions<'p> {
@@ -285,7 +285,7 @@ impl<'p> LoadOptions<'p> {
     }
 }
 
-/// How [`Device::save_safetensors_with`] saves.
+/// How [`Device::save_safetensors_configured`] saves.
 #[must_use]
 #[derive(Debug, Default)]
 pub struct SaveOptions<'p> {
@@ -331,14 +331,14 @@ impl Device {
     /// error while moving. Whatever the error, nothing allocated for the checkpoint stays
     /// allocated.
     pub fn load_safetensors(&self, path: impl AsRef<Path>) -> Result<Checkpoint> {
-        self.load_safetensors_with(path, LoadOptions::new())
+        self.load_safetensors_configured(path, LoadOptions::new())
     }
 
     /// [`Device::load_safetensors`] with options: an arena, a progress callback.
     ///
     /// # Errors
     /// As [`Device::load_safetensors`].
-    pub fn load_safetensors_with(
+    pub fn load_safetensors_configured(
         &self,
         path: impl AsRef<Path>,
         options: LoadOptions<'_>,
@@ -368,14 +368,14 @@ impl Device {
         N: AsRef<str>,
         S: AsRef<[usize]>,
     {
-        self.save_safetensors_with(path, tensors, SaveOptions::new())
+        self.save_safetensors_configured(path, tensors, SaveOptions::new())
     }
 
     /// [`Device::save_safetensors`] with options: `__metadata__`, a progress callback.
     ///
     /// # Errors
     /// As [`Device::save_safetensors`].
-    pub fn save_safetensors_with<N, S>(
+    pub fn save_safetensors_configured<N, S>(
         &self,
         path: impl AsRef<Path>,
         tensors: &[(N, Dtype, S, ResidentBuffer)],

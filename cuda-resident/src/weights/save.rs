@@ -16,7 +16,7 @@ use super::load::MIN_BATCH;
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::Result;
-use crate::transfer::slices::{SliceRead, download_into_slices};
+use crate::transfer::slices::{SliceRead, download_to_slices};
 
 /// One tensor to save: `shape x dtype` bytes of `buffer` at `offset`.
 pub(super) struct Item<'a> {
@@ -65,7 +65,7 @@ impl Drop for Partial {
     }
 }
 
-/// The work of [`Device::save_safetensors_with`].
+/// The work of [`Device::save_safetensors_configured`].
 pub(super) fn save(
     device: &Device,
     path: &Path,
@@ -196,7 +196,7 @@ fn download(
             }
         }
         let pending = if smalls.is_empty() { None } else { Some(reads.submit()?) };
-        download_into_slices(device.core(), &mut large)?;
+        download_to_slices(device.core(), &mut large)?;
         if let Some(pending) = pending {
             let landed = pending.wait()?;
             for (slot, out) in smalls {

@@ -92,7 +92,7 @@ fn a_checkpoint_loads_every_byte_in_either_layout_and_saves_back() {
         let mut seen = Vec::new();
         let options =
             LoadOptions::new().arena(arena).batch_bytes(1).progress(|done, total| seen.push((done, total)));
-        let ckpt = d.load_safetensors_with(&file.0, options).unwrap();
+        let ckpt = d.load_safetensors_configured(&file.0, options).unwrap();
         check_loaded(&d, &ckpt, &data);
         assert_eq!(ckpt.arena().is_some(), arena);
         assert_eq!(ckpt.metadata().unwrap()["format"], "pt");
@@ -142,7 +142,7 @@ fn save_writes_what_the_buffers_hold_and_load_reads_it_back() {
     let meta = HashMap::from([("source".to_owned(), "test".to_owned())]);
     let options =
         SaveOptions::new().metadata(meta).batch_bytes(1 << 20).progress(|done, total| last = (done, total));
-    d.save_safetensors_with(&file.0, &tensors, options).unwrap();
+    d.save_safetensors_configured(&file.0, &tensors, options).unwrap();
     assert_eq!(last.0, last.1);
     let bytes = std::fs::read(&file.0).unwrap();
     let back = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -248,7 +248,9 @@ fn checkpoints_past_the_budget_are_refused_with_nothing_allocated() {
     let shapes: Vec<_> = (0..5).map(|i| (format!("t{i}"), vec![128, 1024])).collect();
     write_with_crate(&many.0, &shapes, 6);
     for arena in [false, true] {
-        let e = weights_error(d.load_safetensors_with(&many.0, LoadOptions::new().arena(arena)).unwrap_err());
+        let e = weights_error(
+            d.load_safetensors_configured(&many.0, LoadOptions::new().arena(arena)).unwrap_err(),
+        );
         assert!(matches!(&e, WeightsError::OverBudget { what, .. } if what == "the checkpoint"), "{e}");
     }
     // Within the ceiling, but not with what the device holds already: refused part way,

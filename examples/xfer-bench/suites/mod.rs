@@ -135,7 +135,7 @@ pub(crate) fn run(
     config: cuda_resident::Config,
 ) -> BenchResult<(Vec<Row>, serde_json::Value, serde_json::Value)> {
     let driver = Driver::load().map(Arc::new).map_err(|e| no_gpu(e.to_string()))?;
-    let d = Device::open_with(driver, args.device, config).map_err(|e| no_gpu(error(e)))?;
+    let d = Device::open_on_driver(driver, args.device, config).map_err(|e| no_gpu(error(e)))?;
     d.make_current().map_err(|e| no_gpu(error(e)))?;
     let baseline = DriverBaseline::new(&d)?;
     let gpus = count_peers(args, plan)?;

@@ -63,7 +63,7 @@ pub(super) fn run(
     progress: &ProgressBar,
 ) -> BenchResult<()> {
     let ordinal = (d.info().ordinal + 1) % gpus;
-    let other = Device::open_with(Arc::clone(d.driver()), ordinal, d.config().clone()).map_err(error)?;
+    let other = Device::open_on_driver(Arc::clone(d.driver()), ordinal, d.config().clone()).map_err(error)?;
     let set = DeviceSet::from_devices(vec![d.clone(), other]);
     let (src, dst) = (set.get(0).map_err(error)?, set.get(1).map_err(error)?);
     dst.make_current().map_err(error)?;
@@ -412,7 +412,7 @@ fn fan_out(
             poison(d, stream, buffer, 0, n)?;
         }
         let ours = median_secs(args.reps, || {
-            let fences = set.fan_out_with(path, data, &targets, 0).map_err(error)?;
+            let fences = set.fan_out_via(path, data, &targets, 0).map_err(error)?;
             fences.iter().try_for_each(Fence::wait).map_err(error)
         })?;
         let case = format!("fan-out {}, 2 GPUs, {path:?}", human(n));

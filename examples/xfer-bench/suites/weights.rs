@@ -126,7 +126,7 @@ pub(crate) fn run(
     };
     let ours = loads.time_save(args.reps, &out, Method::Ours, &|| {
         let options = cuda_resident::weights::SaveOptions::new().batch_bytes(batch_bytes);
-        d.save_safetensors_with(&out, &tensors, options).map_err(error)
+        d.save_safetensors_configured(&out, &tensors, options).map_err(error)
     })?;
     rows.push(
         Row::gbps(format!("save {what}, into the page cache"), bytes, Some(raw), batch, ours).noted(&threads),
@@ -210,7 +210,7 @@ impl Loads<'_> {
             let t = Instant::now();
             let ckpt = match method {
                 Method::Ours => Some(
-                    d.load_safetensors_with(
+                    d.load_safetensors_configured(
                         self.path,
                         LoadOptions::new().arena(arena).batch_bytes(self.batch_bytes),
                     )
