@@ -7,6 +7,17 @@ use clap::Parser;
 
 use crate::{BenchResult, error, size};
 
+/// How the single-copy cases (`--large`, `sweep`) order their timed repetitions.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SingleOrder {
+    /// Each repetition runs every method in turn (the raw driver, the batch API,
+    /// cuda-resident): the methods meet the same noise, and each starts after the others ran.
+    Turns,
+    /// All of one method's repetitions back to back, then the next method's: each run starts
+    /// warm from the same method's run before it.
+    Blocks,
+}
+
 /// Which cases to run.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Suite {
@@ -145,6 +156,9 @@ pub(crate) struct Args {
     /// (Config::pack_linger_us).
     #[arg(long)]
     pub(crate) pack_linger_us: Option<u64>,
+    /// How the single-copy cases order their timed repetitions.
+    #[arg(long, value_enum, default_value_t = SingleOrder::Turns)]
+    pub(crate) single_order: SingleOrder,
     /// Move batches of small copies in order through device staging (a DMA and a scatter or
     /// gather) instead of by the kernel over the bus (Config::small_copies_over_bus = false).
     #[arg(long)]

@@ -177,7 +177,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "paging_blocks": a.paging_blocks.iter().map(|&b| human(b)).collect::<Vec<_>>(),
         "paging_batches": a.paging_batches, "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
         "direct_kib": a.direct_kib, "pack_threads": a.pack_threads,
-        "pack_linger_us": a.pack_linger_us, "staged_small_copies": a.staged_small_copies,
+        "pack_linger_us": a.pack_linger_us, "single_order": lower(&a.single_order), "staged_small_copies": a.staged_small_copies,
         "breakdown": a.breakdown, "format": lower(&a.format), "out": a.out.display().to_string(),
     })
 }

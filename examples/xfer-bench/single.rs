@@ -8,6 +8,7 @@ use cuda_resident::cuda_sys::{CUdeviceptr, CUstream, call};
 use cuda_resident::{Device, ResidentBuffer};
 
 use crate::baselines::{DriverBaseline, check, memcpy_batch, sync};
+use crate::cli::SingleOrder;
 use crate::report::{Figure, human};
 use crate::timing::{Spread, secs_together};
 use crate::{BenchResult, error};
@@ -204,13 +205,14 @@ impl<'a> Single<'a> {
 
     /// The methods take turns: `warm_ups` runs of `step` by each, then `rounds` rounds in
     /// which each method runs `step` once, timed, so that a burst of noise on the link or the
-    /// host falls on all of them alike rather than on one method's block of runs. Each
+    /// host falls on all of them alike rather than on one method's block of runs
+    /// ([`SingleOrder::Blocks`]: each method's `rounds` runs back to back instead). Each
     /// method's seconds a run, in [`Single::methods`] order. cuda-resident's destination is
     /// scrambled before one more run of its `step` and verified after it.
     fn take_turns(
         &mut self,
         warm_ups: usize,
-        rounds: usize,
+        (rounds, order): (usize, SingleOrder),
         step: impl Fn(&mut Self, Method) -> BenchResult<()>,
     ) -> BenchResult<Vec<Vec<f64>>> {
         let methods = self.methods();
@@ -218,11 +220,24 @@ impl<'a> Single<'a> {
             (0..warm_ups).try_for_each(|_| step(self, method))?;
         }
         let mut secs = vec![Vec::with_capacity(rounds); methods.len()];
-        for _ in 0..rounds {
-            for (&method, secs) in methods.iter().zip(&mut secs) {
-                let t = Instant::now();
-                step(self, method)?;
-                secs.push(t.elapsed().as_secs_f64());
+        let timed = |copy: &mut Self, method, secs: &mut Vec<f64>| {
+            let t = Instant::now();
+            step(copy, method)?;
+            secs.push(t.elapsed().as_secs_f64());
+            BenchResult::Ok(())
+        };
+        match order {
+            SingleOrder::Turns => {
+                for _ in 0..rounds {
+                    for (&method, secs) in methods.iter().zip(&mut secs) {
+                        timed(self, method, secs)?;
+                    }
+                }
+            }
+            SingleOrder::Blocks => {
+                for (&method, secs) in methods.iter().zip(&mut secs) {
+                    (0..rounds).try_for_each(|_| timed(self, method, secs))?;
+                }
             }
         }
         self.scramble()?;
@@ -233,9 +248,15 @@ impl<'a> Single<'a> {
 
     /// The spread of the seconds of `iters` back-to-back copies by each method: one warm-up
     /// each, then the methods take turns rep by rep ([`Single::take_turns`]).
-    pub(crate) fn times(&mut self, reps: usize, iters: usize) -> BenchResult<ByMethod<Spread>> {
-        let secs =
-            self.take_turns(1, reps.max(1), |copy, method| (0..iters).try_for_each(|_| copy.once(method)))?;
+    pub(crate) fn times(
+        &mut self,
+        reps: usize,
+        order: SingleOrder,
+        iters: usize,
+    ) -> BenchResult<ByMethod<Spread>> {
+        let secs = self.take_turns(1, (reps.max(1), order), |copy, method| {
+            (0..iters).try_for_each(|_| copy.once(method))
+        })?;
         Ok(self.by_method(secs.into_iter().map(|mut v| Spread::of(&mut v).expect("at least one repetition"))))
     }
 
@@ -244,7 +265,9 @@ impl<'a> Single<'a> {
     /// timed one by one, the methods taking turns copy by copy ([`Single::take_turns`]).
     pub(crate) fn latencies(&mut self, reps: usize) -> BenchResult<ByMethod<[Figure; 2]>> {
         let secs =
-            self.take_turns(LATENCY_COPIES, reps * LATENCY_COPIES, |copy, method| copy.once(method))?;
+            self.take_turns(LATENCY_COPIES, (reps * LATENCY_COPIES, SingleOrder::Turns), |copy, method| {
+                copy.once(method)
+            })?;
         Ok(self.by_method(secs.into_iter().map(|secs| {
             let mut us: Vec<f64> = secs.into_iter().map(|s| s * 1e6).collect();
             let spread = Spread::of(&mut us).expect("reps * LATENCY_COPIES copies timed");
@@ -295,14 +318,15 @@ pub(crate) fn with_pinned<R>(
 pub(crate) fn up_down(
     d: &Device,
     baseline: &DriverBaseline,
-    reps: usize,
+    (reps, order): (usize, SingleOrder),
     b: ResidentBuffer,
     (src, dst): (&[u8], &mut [u8]),
     pinned: bool,
     iters: usize,
 ) -> BenchResult<(ByMethod<Spread>, ByMethod<Spread>)> {
-    let up = Single::new(d, baseline.stream, b, Host::Src(src), pinned, false)?.times(reps, iters)?;
-    let down = Single::new(d, baseline.stream, b, Host::Dst(dst), pinned, false)?.times(reps, iters)?;
+    let up = Single::new(d, baseline.stream, b, Host::Src(src), pinned, false)?.times(reps, order, iters)?;
+    let down =
+        Single::new(d, baseline.stream, b, Host::Dst(dst), pinned, false)?.times(reps, order, iters)?;
     Ok((up, down))
 }
 

@@ -22,11 +22,11 @@ pub(crate) fn run(
     let (mut src, mut dst) = host_pair(77, n);
     // Owned: an error part way frees it on its way out.
     let b = d.allocate_owned(n as u64).map_err(error)?;
-    let (up, down) = up_down(d, baseline, args.reps, *b, (&src, &mut dst), false, 1)?;
+    let (up, down) = up_down(d, baseline, (args.reps, args.single_order), *b, (&src, &mut dst), false, 1)?;
     rows.push(Row::from_times(format!("H2D {} from pageable", human(n)), n, &up));
     rows.push(Row::from_times(format!("D2H {} into pageable", human(n)), n, &down));
     with_pinned(d, &mut src, &mut dst, |src, dst| {
-        let (up, down) = up_down(d, baseline, args.reps, *b, (src, dst), true, 1)?;
+        let (up, down) = up_down(d, baseline, (args.reps, args.single_order), *b, (src, dst), true, 1)?;
         rows.push(Row::from_times(format!("H2D {} pinned", human(n)), n, &up));
         rows.push(Row::from_times(format!("D2H {} pinned", human(n)), n, &down));
         let half = (n / 2).max(1);

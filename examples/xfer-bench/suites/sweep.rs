@@ -43,7 +43,8 @@ pub(crate) fn run(
                 progress.set_message(format!("sweep: {} {memory}", human(size)));
                 let iters = (16usize << 20).div_ceil(size);
                 let host = (&src[..size], &mut dst[..size]);
-                let (up, down) = up_down(d, baseline, args.reps, *b, host, pinned, iters)?;
+                let (up, down) =
+                    up_down(d, baseline, (args.reps, args.single_order), *b, host, pinned, iters)?;
                 let host = (&src[..size], &mut dst[..size]);
                 let both = both_ways(d, baseline, args.reps, (*b, *other), host, pinned, iters)?;
                 let bytes = size * iters;
