@@ -7,6 +7,10 @@
 
 use std::collections::HashMap;
 
+mod runs;
+
+pub use runs::{RunItem, check_parts, execute_runs};
+
 use super::{BufferKey, Chunk, PlanConfig, ReadRequest, ReadbackPlan, UploadPlan, WriteRequest};
 
 /// A stand-in for device memory: each buffer's bytes, from offset 0.

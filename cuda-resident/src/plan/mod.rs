@@ -79,6 +79,7 @@ mod layout;
 mod readback;
 mod request;
 pub(crate) mod route;
+pub(crate) mod runs;
 mod sort;
 mod upload;
 
@@ -89,6 +90,8 @@ mod upload;
 pub mod check;
 #[cfg(test)]
 mod proptests;
+#[cfg(test)]
+mod runs_tests;
 #[cfg(test)]
 mod tests;
 

@@ -26,9 +26,6 @@
 //! `downloads`).
 
 mod downloads;
-mod layout;
-#[cfg(test)]
-mod layout_tests;
 mod pinned;
 mod places;
 mod uploads;

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::Submitted;
-use super::layout::{Direct, Layout};
 use crate::alloc::ResidentBuffer;
 use crate::engine::Exec;
 use crate::engine::core::Core;
@@ -13,6 +12,7 @@ use crate::engine::order::Ranges;
 use crate::error::Result;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, table_bytes};
+use crate::plan::runs::{Direct, Layout};
 use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 
