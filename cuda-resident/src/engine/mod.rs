@@ -6,7 +6,7 @@
 //! and [`Exec::lease`] give device and pinned memory; [`Exec::submit`] enqueues one
 //! submission through an [`Enqueue`], which counts the DMAs, launches and bytes it enqueues;
 //! [`Exec::finish`] records what the batch moved (one telemetry record) and returns its
-//! [`Fence`] (made by [`fence`], the one place a transfer's fence is made). A path differs
+//! [`Fence`] (made by `Fence::new`, in `crate::fence`, the one place a fence is made). A path differs
 //! from another only in its plan (`crate::plan`, which also decides the route a batch takes,
 //! `plan::route::Route`) and in how it packs; the executor decides nothing.
 //!
@@ -44,17 +44,12 @@ use self::core::Core;
 use self::order::{Held, Ranges, Seen};
 use crate::alloc::ResidentBuffer;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::Kernels;
 use crate::raw::Raw;
-use crate::stream::{Fence, KeepAlive, LaneBatch, LaneKind};
+use crate::stream::{KeepAlive, LaneBatch, LaneKind};
 use crate::telemetry::{Moves, Telemetry};
-
-/// The fence of submission `seq` on `kind`'s lane of `core`: every fence of a transfer is
-/// made here.
-pub(crate) fn fence(core: &Arc<Core>, kind: LaneKind, seq: u64) -> Fence {
-    Fence::new(Arc::clone(&core.lanes), kind, seq)
-}
 
 /// Waits on the host for submission `seq` of `kind`'s lane, counting a wait that blocked.
 pub(crate) fn wait(core: &Core, kind: LaneKind, seq: u64) -> Result<()> {
@@ -360,7 +355,7 @@ impl Ended<'_> {
     pub(crate) fn fence(self) -> Fence {
         let (core, kind, seq) = (self.core, self.kind, self.final_seq);
         self.record();
-        fence(core, kind, seq)
+        Fence::new(&core.lanes, kind, seq)
     }
 }
 

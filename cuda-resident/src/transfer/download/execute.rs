@@ -9,11 +9,12 @@ use super::{DownloadBatch, Slot};
 use crate::engine::Exec;
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::route::{PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, in_order_chunk};
 use crate::plan::{ReadRequest, ReadView};
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::sync::lock;
 
 impl DownloadBatch<'_> {

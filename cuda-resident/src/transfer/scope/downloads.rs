@@ -10,8 +10,9 @@ use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::plan::runs::{Direct, Place, first_part, parts};
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::transfer::BufferTable;
 
 /// A batch of reads into the caller's memory ([`Scope::downloads`](super::Scope::downloads)).

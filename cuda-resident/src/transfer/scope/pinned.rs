@@ -10,10 +10,11 @@ use crate::engine::Exec;
 use crate::engine::core::Core;
 use crate::engine::order::Ranges;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, table_bytes};
 use crate::plan::runs::{Direct, Layout};
-use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
+use crate::stream::{LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 
 /// Moves `items` on `kind`'s lane with no host staging ([`Layout`]): runs contiguous in host

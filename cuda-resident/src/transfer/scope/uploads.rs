@@ -9,8 +9,9 @@ use super::{Submitted, add_many, note};
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::plan::runs::{Direct, Place, first_part, parts};
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::transfer::BufferTable;
 
 /// A batch of writes from the caller's memory ([`Scope::uploads`](super::Scope::uploads)).

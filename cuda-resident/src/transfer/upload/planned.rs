@@ -10,11 +10,12 @@ use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
 use crate::plan::route::{RING, Route};
 use crate::plan::{PlanConfig, WriteRequest};
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::sync::lock;
 use crate::transfer::BufferTable;
 

@@ -6,8 +6,8 @@ use super::planned::{execute, execute_one};
 use crate::engine::host::Source;
 use crate::engine::spares::UploadParts;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::plan::route::{self, Route, UploadShape};
-use crate::stream::Fence;
 
 impl UploadBatch<'_> {
     /// Moves the batch to the device and returns at once; the fence completes when every
