@@ -88,7 +88,7 @@ pub enum Fused {
 impl Fused {
     /// How the planner fuses `requests`: by the same rule it uses to choose its path.
     fn of<R: super::request::Request>(requests: &[R]) -> Fused {
-        if super::in_order(requests, &mut Vec::new()) { Fused::Consecutive } else { Fused::All }
+        if super::planner::in_order(requests, &mut Vec::new()) { Fused::Consecutive } else { Fused::All }
     }
 }
 
