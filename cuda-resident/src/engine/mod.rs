@@ -23,15 +23,16 @@
 //! Inside the engine, each module uses only those listed before it: [`pipeline`] (the
 //! packing threads), [`host`], [`fills`] (the fills of `UploadBatch::write_with_par`, kept
 //! and run), [`order`] (ordering by byte range), [`table`], [`staging`]
-//! and [`spares`], then [`core`], then the executor here. The leaves take the parts of the
-//! core they need (the packing threads, the allocator, a source of pinned staging), not the
-//! core.
+//! and [`spares`], then [`core`], then the executor here, then [`routes`] (one file a
+//! route, each running an [`Exec`]). The leaves take the parts of the core they need (the
+//! packing threads, the allocator, a source of pinned staging), not the core.
 
 pub(crate) mod core;
 pub(crate) mod fills;
 pub(crate) mod host;
 pub(crate) mod order;
 pub(crate) mod pipeline;
+pub(crate) mod routes;
 pub(crate) mod spares;
 pub(crate) mod staging;
 pub(crate) mod table;

@@ -2,11 +2,11 @@
 
 use std::sync::Arc;
 
-use super::planned::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
 use super::results::{Downloaded, PendingDownload, Views};
 use super::streamed::execute_streamed;
 use super::{DownloadBatch, Slot};
 use crate::engine::Exec;
+use crate::engine::routes::download_chunk::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
 use crate::fence::Fence;

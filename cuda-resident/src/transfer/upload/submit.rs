@@ -2,8 +2,9 @@
 
 use super::UploadBatch;
 use super::in_place::execute_in_place;
-use super::planned::{execute, execute_one};
+use super::planned::execute;
 use crate::engine::host::Source;
+use crate::engine::routes::one::execute_one;
 use crate::engine::spares::UploadParts;
 use crate::error::Result;
 use crate::fence::Fence;
