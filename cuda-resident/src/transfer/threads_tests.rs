@@ -450,3 +450,45 @@ fn upload_with_pinned_buffer_at_the_held_limit(config: Config) {
     let (runs, errors) = beside_a_reader(&d, ranges, || uploads_for(&d, dst, &data, 2));
     assert!(errors.is_empty(), "{config:?}: {} of {runs} uploads failed; first: {}", errors.len(), errors[0]);
 }
+
+/// Batches plan before they take their lane, so two threads' batches may plan at once: their
+/// bytes still land in the order the lane took them. Round after round, two threads submit
+/// planned uploads (overlapping writes, which the planner fuses) to the same bytes of one
+/// buffer at the same moment; the buffer then holds the bytes of the upload whose
+/// submission the lane numbered last.
+#[test]
+fn planned_batches_from_two_threads_apply_in_lane_order() {
+    const LEN: usize = 64 << 10;
+    let d = device(small_chunks());
+    let gpu = model::shared();
+    let buffer = d.allocate(LEN as u64).unwrap();
+    for round in 0..24u8 {
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let threads: Vec<_> = (0..2u8)
+            .map(|t| {
+                let (d, barrier) = (d.clone(), Arc::clone(&barrier));
+                spawn_joined(&gpu, move || {
+                    let fill = round.wrapping_mul(2).wrapping_add(t + 1);
+                    let bytes = vec![fill; LEN];
+                    let mut writes = d.uploads();
+                    writes.write(buffer, 0, &bytes[..40 << 10]).unwrap();
+                    writes.write(buffer, 16 << 10, &bytes[16 << 10..]).unwrap();
+                    assert_eq!(writes.route(), crate::plan::route::Route::Planned);
+                    barrier.wait();
+                    let fence = writes.submit().unwrap();
+                    let seq = fence.target().expect("a fence of the lane").2;
+                    fence.wait().unwrap();
+                    (seq, fill)
+                })
+            })
+            .collect();
+        let mut done: Vec<(u64, u8)> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+        done.sort();
+        assert!(done[0].0 < done[1].0, "round {round}: two submissions of the lane");
+        let last = done[1].1;
+        assert!(
+            d.download(buffer).unwrap().iter().all(|&b| b == last),
+            "round {round}: the lane's last upload"
+        );
+    }
+}

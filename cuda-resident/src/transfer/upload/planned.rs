@@ -8,6 +8,7 @@ use super::in_order::execute_in_order;
 use crate::engine::Exec;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
+use crate::engine::spares::Planning;
 use crate::error::Result;
 use crate::fence::Fence;
 use crate::host_pool::HostLease;
@@ -42,14 +43,19 @@ pub(super) fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
     // measured no better.
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
+    // Planned before the lane is taken: other batches submit on the lane meanwhile.
+    let mut planning = core.spares.planning.lend();
+    if route != Route::InOrder {
+        let Planning { planner, upload_plan, .. } = &mut *planning;
+        planner.plan_upload_into(&batch.writes, &plan_config, upload_plan)?;
+    }
     let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
     if route == Route::InOrder {
         return execute_in_order(batch, exec, scratch);
     }
-    scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
-    let plan = &scratch.upload_plan;
+    let plan = &planning.upload_plan;
     if plan.is_empty() {
         return Ok(Fence::completed());
     }
