@@ -62,7 +62,7 @@ use ::cudarc::driver::{
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::stream::Fence;
+use crate::fence::Fence;
 
 /// cudarc's driver API (safe and raw), the version this crate is built against.
 pub use ::cudarc::driver;

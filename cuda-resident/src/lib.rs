@@ -120,7 +120,6 @@ mod alloc;
 pub mod budget;
 #[cfg(not(feature = "internals"))]
 mod budget;
-mod completion;
 mod config;
 mod context;
 mod counter;
@@ -130,6 +129,7 @@ pub mod cudarc;
 mod device;
 mod engine;
 mod error;
+mod fence;
 mod handle;
 mod host_pool;
 mod hostcopy;
@@ -159,14 +159,13 @@ pub mod weights;
 
 pub use alloc::classes::{GRANULE, MAX_CLASS_BYTES};
 pub use alloc::{AllocatorStats, ResidentBuffer};
-pub use completion::{FenceEvent, FenceFuture};
 pub use config::{Config, DeviceInfo};
 pub use device::{Device, DeviceSet};
 pub use error::{Error, PlanError, Result};
+pub use fence::{Fence, FenceEvent, FenceFuture};
 pub use host_pool::{PinnedBuffer, PinnedStats};
 pub use owned::OwnedBuffer;
 pub use peer::{FanOutPath, PeerBatch};
-pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;
 pub use transfer::{
     DownloadBatch, Downloaded, PendingDownload, PreparedDownloads, PreparedUploads, Scope, ScopedDownloads,

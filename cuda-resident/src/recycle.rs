@@ -28,12 +28,45 @@ impl<T: Reusable> Recycler<T> {
         lock(&self.spare).pop().unwrap_or_default()
     }
 
+    /// A `T` as [`take`](Recycler::take) gives it, given back when the loan is dropped.
+    pub(crate) fn lend(&self) -> Lent<'_, T> {
+        Lent { from: self, item: Some(self.take()) }
+    }
+
     /// Empties `item` and keeps it for a later batch (or drops it if enough are kept).
     pub(crate) fn give(&self, mut item: T) {
         item.clear();
         let mut spare = lock(&self.spare);
         if spare.len() < KEEP {
             spare.push(item);
+        }
+    }
+}
+
+/// A `T` lent by a [`Recycler`], given back to it when dropped (on every path out of the
+/// code that holds it, errors included).
+pub(crate) struct Lent<'a, T: Reusable> {
+    from: &'a Recycler<T>,
+    item: Option<T>,
+}
+
+impl<T: Reusable> std::ops::Deref for Lent<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.item.as_ref().expect("lent until dropped")
+    }
+}
+
+impl<T: Reusable> std::ops::DerefMut for Lent<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.item.as_mut().expect("lent until dropped")
+    }
+}
+
+impl<T: Reusable> Drop for Lent<'_, T> {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            self.from.give(item);
         }
     }
 }

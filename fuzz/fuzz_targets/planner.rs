@@ -25,6 +25,12 @@
 //! - the same batch moved to other buffer offsets (up to `u64::MAX`, which takes the
 //!   planner's wide-key and tuple paths) plans the same, shifted, with the planner and the
 //!   plan reused; and the one-shot functions agree with a reused `Planner`.
+//!
+//! An optional runs part is a scoped batch's items in pinned host memory (runs of items
+//! that follow each other, gaps, regions mapped or only registered): its layout into chunks,
+//! over-the-bus launches and DMAs, carried out on the model, moves every byte of every item
+//! exactly once (`check::execute_runs`), and its parts cut where their rule says
+//! (`check::check_parts`).
 
 #![no_main]
 
@@ -32,7 +38,8 @@ use std::collections::HashMap;
 
 use arbitrary::Arbitrary;
 use cuda_resident::internals::plan::check::{
-    Buffers, apply_in_order, execute_in_order, execute_readback, execute_upload, initial_buffers,
+    Buffers, RunItem, apply_in_order, check_parts, execute_in_order, execute_readback, execute_runs,
+    execute_upload, initial_buffers,
 };
 use cuda_resident::internals::plan::{
     self, BufferKey, Chunk, PlanConfig, PlanError, Planner, ReadRequest, ReadbackPlan, UploadPlan,
@@ -55,6 +62,58 @@ struct Input {
     writes: Vec<Request>,
     reads: Vec<Request>,
     bulk: Option<Bulk>,
+    runs: Option<Runs>,
+}
+
+/// A scoped batch's items in pinned memory, and how they are laid out.
+#[derive(Arbitrary, Debug)]
+struct Runs {
+    items: Vec<Run>,
+    /// Multiplies every item's length, so that runs reach the 1 MiB they need.
+    scale: u8,
+    chunk: u32,
+    threshold: u32,
+    unified: bool,
+    bus: bool,
+    upload: bool,
+    moved: u8,
+}
+
+/// One item: its length, the host gap before it, whether it opens a region, and whether that
+/// region is mapped for the device.
+#[derive(Arbitrary, Debug)]
+struct Run {
+    len: u16,
+    gap: u8,
+    new_region: bool,
+    mapped: bool,
+}
+
+/// Most items of a runs part, and most model bytes (its items' lengths) it carries out.
+const MAX_RUN_ITEMS: usize = 4096;
+const MAX_RUN_BYTES: u64 = 32 << 20;
+
+impl Runs {
+    fn check(&self) {
+        let scale = u64::from(self.scale % 64) + 1;
+        let items: Vec<RunItem> = self
+            .items
+            .iter()
+            .take(MAX_RUN_ITEMS)
+            .map(|r| RunItem {
+                len: u64::from(r.len) * scale,
+                gap: u64::from(r.gap) * 64,
+                new_region: r.new_region,
+                mapped: r.mapped,
+            })
+            .collect();
+        let chunk = u64::from(self.chunk % (8 << 20)) + 1;
+        check_parts(&items, chunk, usize::from(self.moved % 3));
+        if items.iter().map(|r| r.len + r.gap).sum::<u64>() <= MAX_RUN_BYTES {
+            let threshold = u64::from(self.threshold % (2 << 20));
+            execute_runs(&items, chunk, threshold, self.unified, self.bus, self.upload);
+        }
+    }
 }
 
 #[derive(Arbitrary, Debug)]
@@ -454,4 +513,7 @@ fuzz_target!(|input: Input| {
     let after = check_upload(&mut planner, &cfg, &writes, &lens, &shifts);
     let source = after.unwrap_or_else(|| initial_buffers(&lens));
     check_readback(&mut planner, &cfg, &reads, &source, &shifts);
+    if let Some(runs) = &input.runs {
+        runs.check();
+    }
 });

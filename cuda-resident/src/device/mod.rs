@@ -15,11 +15,11 @@ use crate::engine::core::{Core, shared_driver};
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::host_pool::PinnedBuffer;
 use crate::owned::OwnedBuffer;
 use crate::peer::PeerBatch;
 use crate::raw::{Raw, release_retrying};
-use crate::stream::Fence;
 use crate::sync::lock;
 use crate::telemetry::TelemetrySnapshot;
 use crate::transfer::{DownloadBatch, PreparedDownloads, PreparedUploads, Scope, UploadBatch};

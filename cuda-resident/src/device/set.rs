@@ -6,8 +6,8 @@ use crate::alloc::ResidentBuffer;
 use crate::config::Config;
 use crate::engine::core::shared_driver;
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::peer::FanOutPath;
-use crate::stream::Fence;
 
 use super::Device;
 

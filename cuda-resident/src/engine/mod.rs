@@ -6,7 +6,7 @@
 //! and [`Exec::lease`] give device and pinned memory; [`Exec::submit`] enqueues one
 //! submission through an [`Enqueue`], which counts the DMAs, launches and bytes it enqueues;
 //! [`Exec::finish`] records what the batch moved (one telemetry record) and returns its
-//! [`Fence`] (made by [`fence`], the one place a transfer's fence is made). A path differs
+//! [`Fence`] (made by `Fence::new`, in `crate::fence`, the one place a fence is made). A path differs
 //! from another only in its plan (`crate::plan`, which also decides the route a batch takes,
 //! `plan::route::Route`) and in how it packs; the executor decides nothing.
 //!
@@ -23,15 +23,16 @@
 //! Inside the engine, each module uses only those listed before it: [`pipeline`] (the
 //! packing threads), [`host`], [`fills`] (the fills of `UploadBatch::write_with_par`, kept
 //! and run), [`order`] (ordering by byte range), [`table`], [`staging`]
-//! and [`spares`], then [`core`], then the executor here. The leaves take the parts of the
-//! core they need (the packing threads, the allocator, a source of pinned staging), not the
-//! core.
+//! and [`spares`], then [`core`], then the executor here, then [`routes`] (one file a
+//! route, each running an [`Exec`]). The leaves take the parts of the core they need (the
+//! packing threads, the allocator, a source of pinned staging), not the core.
 
 pub(crate) mod core;
 pub(crate) mod fills;
 pub(crate) mod host;
 pub(crate) mod order;
 pub(crate) mod pipeline;
+pub(crate) mod routes;
 pub(crate) mod spares;
 pub(crate) mod staging;
 pub(crate) mod table;
@@ -44,17 +45,12 @@ use self::core::Core;
 use self::order::{Held, Ranges, Seen};
 use crate::alloc::ResidentBuffer;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::Kernels;
 use crate::raw::Raw;
-use crate::stream::{Fence, KeepAlive, LaneBatch, LaneKind};
+use crate::stream::{KeepAlive, LaneBatch, LaneKind};
 use crate::telemetry::{Moves, Telemetry};
-
-/// The fence of submission `seq` on `kind`'s lane of `core`: every fence of a transfer is
-/// made here.
-pub(crate) fn fence(core: &Arc<Core>, kind: LaneKind, seq: u64) -> Fence {
-    Fence::new(Arc::clone(&core.lanes), kind, seq)
-}
 
 /// Waits on the host for submission `seq` of `kind`'s lane, counting a wait that blocked.
 pub(crate) fn wait(core: &Core, kind: LaneKind, seq: u64) -> Result<()> {
@@ -360,7 +356,7 @@ impl Ended<'_> {
     pub(crate) fn fence(self) -> Fence {
         let (core, kind, seq) = (self.core, self.kind, self.final_seq);
         self.record();
-        fence(core, kind, seq)
+        Fence::new(&core.lanes, kind, seq)
     }
 }
 

@@ -2,7 +2,7 @@
 //! kind's parts, emptied, and the host memory of the last streamed download.
 
 use crate::kernels::CopyDescriptor;
-use crate::plan::{ReadRequest, ReadView, WriteRequest};
+use crate::plan::{Planner, ReadRequest, ReadView, ReadbackPlan, UploadPlan, WriteRequest};
 use crate::recycle::{Recycler, Reusable};
 use crate::sync::Mutex;
 
@@ -20,6 +20,8 @@ pub(crate) struct Spares {
     pub(crate) views: Recycler<Vec<ReadView>>,
     /// Peer batches' vectors.
     pub(crate) peer: Recycler<PeerParts>,
+    /// Planners and their plans, lent to batches that plan before they take their lane.
+    pub(crate) planning: Recycler<Planning>,
     /// The host memory of the last streamed download with views that was dropped (its
     /// length is its size; its bytes are initialised), for the next one: fresh memory of
     /// gigabytes costs its page faults on every download. Released by `Device::trim`.
@@ -46,6 +48,21 @@ impl Reusable for UploadParts {
         self.arena_descriptors.clear();
         self.par.clear();
     }
+}
+
+/// A planner and the plans it fills, reused by the next batches that plan. A batch plans
+/// with one of these before it takes its lane's batch lock, so that a batch being planned
+/// does not hold up the lane's other submitters.
+#[derive(Default)]
+pub(crate) struct Planning {
+    pub(crate) planner: Planner,
+    pub(crate) upload_plan: UploadPlan,
+    pub(crate) readback_plan: ReadbackPlan,
+}
+
+impl Reusable for Planning {
+    /// Nothing to empty: planning into a plan replaces what it held, keeping its vectors.
+    fn clear(&mut self) {}
 }
 
 /// A peer batch's vectors, reused by the destination device's next batches.

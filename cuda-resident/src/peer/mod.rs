@@ -24,8 +24,9 @@ use crate::engine::Exec;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::plan::route::RING;
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::sync::lock;
 
 /// How [`DeviceSet::fan_out_via`](crate::DeviceSet::fan_out_via) reaches its devices.
@@ -169,7 +170,7 @@ fn fan_out_each_link(data: &[u8], places: &[(&Arc<Core>, ResidentBuffer, u64)]) 
         .iter()
         .map(|p| {
             let i = devices.iter().position(|d| same(d, p.0)).expect("listed above");
-            crate::engine::fence(p.0, LaneKind::Upload, finals[i])
+            Fence::new(&p.0.lanes, LaneKind::Upload, finals[i])
         })
         .collect())
 }

@@ -7,6 +7,10 @@
 
 use std::collections::HashMap;
 
+mod runs;
+
+pub use runs::{RunItem, check_parts, execute_runs};
+
 use super::{BufferKey, Chunk, PlanConfig, ReadRequest, ReadbackPlan, UploadPlan, WriteRequest};
 
 /// A stand-in for device memory: each buffer's bytes, from offset 0.
@@ -84,7 +88,7 @@ pub enum Fused {
 impl Fused {
     /// How the planner fuses `requests`: by the same rule it uses to choose its path.
     fn of<R: super::request::Request>(requests: &[R]) -> Fused {
-        if super::in_order(requests, &mut Vec::new()) { Fused::Consecutive } else { Fused::All }
+        if super::planner::in_order(requests, &mut Vec::new()) { Fused::Consecutive } else { Fused::All }
     }
 }
 

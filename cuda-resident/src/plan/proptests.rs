@@ -4,7 +4,10 @@
 
 use proptest::prelude::*;
 
-use super::check::{apply_in_order, execute_in_order, execute_readback, execute_upload, initial_buffers};
+use super::check::{
+    RunItem, apply_in_order, check_parts, execute_in_order, execute_readback, execute_runs, execute_upload,
+    initial_buffers,
+};
 use super::*;
 
 /// Buffer keys spread over `u64`, so that ordering by key is exercised at the extremes.
@@ -252,5 +255,68 @@ proptest! {
         prop_assert_eq!(upload_route(&shape), expected);
         let read = if writes >= route::IN_ORDER_MIN && !broken && longest < threshold { Route::InOrder } else { Route::Planned };
         prop_assert_eq!(download_route(writes, &apart, threshold), read);
+    }
+}
+
+/// Items of a scoped batch in pinned memory: a length class and raw length, whether a gap
+/// of host memory comes before the item, whether it opens a new region and whether that is
+/// mapped for the device.
+type RunRaw = (u8, u64, bool, bool, bool);
+
+fn run_items(raw: &[RunRaw], scale: u8) -> Vec<RunItem> {
+    raw.iter()
+        .map(|&(class, x, gap, new_region, mapped)| {
+            let len = match (class, scale) {
+                (0, _) => 0,
+                (1..=3, _) => 1 + x % 64,
+                (_, 0) => 1 + x % 4096,
+                (_, 1) => 1 + x % (64 << 10),
+                _ => {
+                    [runs::RUN_MIN / 2, runs::RUN_MIN - 1, runs::RUN_MIN, 1 + x % (300 << 10)][x as usize % 4]
+                }
+            };
+            RunItem { len, gap: if gap { 1 + x % 4096 } else { 0 }, new_region, mapped }
+        })
+        .collect()
+}
+
+/// A run item: mostly no gap and no new region, so that runs form.
+fn run_raw() -> impl Strategy<Value = RunRaw> {
+    (0u8..10, any::<u64>(), prop::bool::weighted(0.1), prop::bool::weighted(0.05), prop::bool::weighted(0.8))
+}
+
+const RUN_CHUNKS: [u64; 6] = [64 << 10, 1 << 20, 7777, 300 << 10, 4 << 20, 1];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// The runs layout of scoped batches (`runs::Layout`) carried out on the byte model
+    /// (`check::execute_runs`): every byte of every item moved exactly once to its place,
+    /// nothing else written, chunks and launches within their limits, whatever the items,
+    /// chunk size, threshold and GPU.
+    #[test]
+    fn runs_layouts_move_every_byte_of_every_item_once(
+        raw in prop::collection::vec(run_raw(), 0..=32),
+        scale in 0u8..3,
+        chunk in 0usize..RUN_CHUNKS.len(),
+        threshold in prop_oneof![1u64..1024, 1u64..(2 << 20)],
+        unified in prop::bool::weighted(0.8),
+        bus in any::<bool>(),
+        upload in any::<bool>(),
+    ) {
+        execute_runs(&run_items(&raw, scale), RUN_CHUNKS[chunk], threshold, unified, bus, upload);
+    }
+
+    /// The parts of a scoped batch (`runs::parts`, `runs::first_part`) against their rule
+    /// (`check::check_parts`): in order, covering every item, each cut the first its rule
+    /// allows and never leaving a piece of a run shorter than a run.
+    #[test]
+    fn parts_cover_the_items_in_order_and_cut_where_the_rule_allows(
+        raw in prop::collection::vec(run_raw(), 0..=3000),
+        scale in 0u8..3,
+        chunk in 0usize..RUN_CHUNKS.len(),
+        moved in 0usize..3,
+    ) {
+        check_parts(&run_items(&raw, scale), RUN_CHUNKS[chunk], moved);
     }
 }

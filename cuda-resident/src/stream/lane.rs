@@ -487,7 +487,7 @@ pub(crate) struct Lanes {
     pub(super) ctx: Arc<Context>,
     /// Fences waited on by the host that were not already complete (shared with the
     /// device's telemetry).
-    pub(super) host_waits: Arc<std::sync::atomic::AtomicU64>,
+    pub(crate) host_waits: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl fmt::Debug for Lanes {

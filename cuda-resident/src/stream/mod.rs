@@ -1,4 +1,5 @@
-//! Lanes (one non-blocking stream per direction, each with a timeline of events) and fences.
+//! Lanes (one non-blocking stream per direction, each with a timeline of events); the
+//! fences of their submissions are `crate::fence`.
 //!
 //! Every submission on a lane gets the next sequence number and an event recorded after its
 //! work. The lane keeps the events of work in flight, in order, together with what that work
@@ -16,7 +17,6 @@
 //! before it is done", side work included.
 
 mod batch;
-mod fence;
 mod lane;
 #[cfg(all(test, loom))]
 mod loom;
@@ -24,7 +24,6 @@ mod loom;
 mod tests;
 
 pub(crate) use batch::LaneBatch;
-pub use fence::Fence;
 pub(crate) use lane::{Lane, Lanes};
 
 use crate::host_pool::HostLease;

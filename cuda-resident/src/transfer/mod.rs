@@ -32,6 +32,10 @@ mod download_tests;
 #[cfg(test)]
 mod edge_tests;
 #[cfg(test)]
+mod lifetime_tests;
+#[cfg(test)]
+mod memory_tests;
+#[cfg(test)]
 mod misuse_tests;
 #[cfg(test)]
 pub(crate) mod model_tests;
@@ -40,6 +44,14 @@ mod order_tests;
 #[cfg(test)]
 mod par_tests;
 #[cfg(test)]
+mod pipeline_tests;
+#[cfg(test)]
+mod prepared_tests;
+#[cfg(test)]
 mod scope_misuse_tests;
 #[cfg(test)]
+mod scope_parts_tests;
+#[cfg(test)]
 mod scope_tests;
+#[cfg(test)]
+mod threads_tests;

@@ -23,13 +23,14 @@ use crate::engine::core::Core;
 use crate::engine::order::Ranges;
 use crate::engine::pipeline::{self, Groups, Step};
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::CopyDescriptor;
 use crate::plan::ReadView;
 use crate::plan::route::{
     FIRST_CHUNK, IN_ORDER_MIN, PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, growing, in_order_chunk,
 };
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::transfer::{PendingDownload, Slot};
 
 /// A set of upload ranges checked and laid out once ([`Device::prepare_uploads`](crate::Device::prepare_uploads)), uploaded

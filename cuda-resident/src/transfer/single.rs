@@ -12,7 +12,8 @@ use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::engine::{Enqueue, Exec};
 use crate::error::{Error, Result};
-use crate::stream::{Fence, LaneKind};
+use crate::fence::Fence;
+use crate::stream::LaneKind;
 
 /// The work of [`Device::upload_async_at`](crate::Device::upload_async_at).
 ///

@@ -16,8 +16,8 @@ use super::{Checkpoint, LoadOptions, Tensor};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::owned::OwnedBuffer;
-use crate::stream::Fence;
 
 /// Alignment of tensors in an arena: a buffer's own.
 const ARENA_ALIGN: u64 = 256;

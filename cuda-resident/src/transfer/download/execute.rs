@@ -2,18 +2,20 @@
 
 use std::sync::Arc;
 
-use super::planned::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
 use super::results::{Downloaded, PendingDownload, Views};
 use super::streamed::execute_streamed;
 use super::{DownloadBatch, Slot};
 use crate::engine::Exec;
+use crate::engine::routes::download_chunk::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
+use crate::engine::spares::Planning;
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors, table_bytes};
 use crate::plan::route::{PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, in_order_chunk};
 use crate::plan::{ReadRequest, ReadView};
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::sync::lock;
 
 impl DownloadBatch<'_> {
@@ -87,10 +89,17 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     let config = &core.config;
     let apart = &batch.table.apart;
     let (total, plan_config) = batch.sizing();
+    let in_order = batch.route_with(&plan_config) == Route::InOrder;
+    // Planned before the lane is taken: other batches submit on the lane meanwhile.
+    let mut planning = core.spares.planning.lend();
+    if !in_order {
+        let Planning { planner, readback_plan, .. } = &mut *planning;
+        planner.plan_readback_into(&batch.reads, &plan_config, readback_plan)?;
+    }
     let mut exec = Exec::begin(core, LaneKind::Readback);
     let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
     let scratch = &mut *scratch;
-    if batch.route_with(&plan_config) == Route::InOrder {
+    if in_order {
         let chunk = in_order_chunk(
             config.chunk_bytes,
             total,
@@ -107,8 +116,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             Err(e) => Err(e),
         };
     }
-    scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
-    let plan = &scratch.readback_plan;
+    let plan = &planning.readback_plan;
     if plan.is_empty() {
         let views = plan.views.clone();
         return Ok(PendingDownload {

@@ -6,7 +6,6 @@
 //! ([`execute_streamed`](streamed::execute_streamed)).
 
 mod execute;
-mod planned;
 mod results;
 mod streamed;
 

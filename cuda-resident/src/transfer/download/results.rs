@@ -9,10 +9,11 @@ use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::pipeline::{self, Groups, Step};
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::plan::ReadView;
 use crate::plan::route::Route;
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::sync::lock;
 
 /// A submitted download: the bytes are in flight.

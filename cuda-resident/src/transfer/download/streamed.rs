@@ -3,11 +3,11 @@
 use std::sync::Arc;
 
 use super::DownloadBatch;
-use super::planned::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
 use super::results::{Downloaded, PendingDownload, Views};
 use crate::engine::Exec;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
+use crate::engine::routes::download_chunk::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};

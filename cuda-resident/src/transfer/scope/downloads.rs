@@ -3,7 +3,6 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use super::layout::{Direct, Place, first_part, parts};
 use super::pinned::{move_pinned, ranges_of};
 use super::places::{Lent, places};
 use super::{Submitted, add_many, note};
@@ -11,7 +10,9 @@ use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::error::{Error, Result};
-use crate::stream::{Fence, LaneKind};
+use crate::fence::Fence;
+use crate::plan::runs::{Direct, Place, first_part, parts};
+use crate::stream::LaneKind;
 use crate::transfer::BufferTable;
 
 /// A batch of reads into the caller's memory ([`Scope::downloads`](super::Scope::downloads)).

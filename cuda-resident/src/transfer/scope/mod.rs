@@ -26,9 +26,6 @@
 //! `downloads`).
 
 mod downloads;
-mod layout;
-#[cfg(test)]
-mod layout_tests;
 mod pinned;
 mod places;
 mod uploads;
@@ -46,7 +43,8 @@ use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::engine::wait;
 use crate::error::{Error, Result};
-use crate::stream::{Fence, LaneKind};
+use crate::fence::Fence;
+use crate::stream::LaneKind;
 
 /// A scope of transfers that may use the caller's memory ([`Device::scope`](crate::Device::scope)).
 ///

@@ -2,10 +2,10 @@
 //! registry of lent buffers), in memory pinned by `Device::pin_host` (asked of the driver,
 //! for runs only), or elsewhere (staged).
 
-use super::layout::{Direct, Place, RUN_MIN, Seen};
 use crate::engine::core::Core;
 use crate::error::Result;
 use crate::host_pool::lent_extent;
+use crate::plan::runs::{Direct, Place, RUN_MIN, Seen};
 
 /// The [`Place`] of each of `hosts` (address and length, in the batch's order; an empty one
 /// is staged, which moves nothing). Pinned memory of this crate is found in the registry of
@@ -80,7 +80,7 @@ pub(super) struct Lent {
 }
 
 impl Lent {
-    /// What [`first_part`](super::layout::first_part) sees of an item of `len` bytes at host
+    /// What [`first_part`](crate::plan::runs::first_part) sees of an item of `len` bytes at host
     /// `host`, to or from device address `dev`.
     pub(super) fn seen(&mut self, host: usize, len: usize, dev: u64) -> Seen {
         if len == 0 {

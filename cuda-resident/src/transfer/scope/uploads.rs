@@ -3,14 +3,15 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use super::layout::{Direct, Place, first_part, parts};
 use super::pinned::{move_pinned, ranges_of};
 use super::places::{Lent, places};
 use super::{Submitted, add_many, note};
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::error::{Error, Result};
-use crate::stream::{Fence, LaneKind};
+use crate::fence::Fence;
+use crate::plan::runs::{Direct, Place, first_part, parts};
+use crate::stream::LaneKind;
 use crate::transfer::BufferTable;
 
 /// A batch of writes from the caller's memory ([`Scope::uploads`](super::Scope::uploads)).

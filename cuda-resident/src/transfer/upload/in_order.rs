@@ -9,11 +9,11 @@ use crate::engine::host::Source;
 use crate::engine::pipeline::{self, Groups, Step};
 use crate::engine::staging::DeviceStaging;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, table_bytes};
 use crate::plan::WriteRequest;
 use crate::plan::route::{FIRST_CHUNK, PIPELINE_DEPTH, RING, Span, cut_apart, growing, in_order_chunk};
-use crate::stream::Fence;
 
 /// [`Route::InOrder`](crate::plan::route::Route::InOrder): writes in order and apart (each past the end of the earlier writes into its buffer, with
 /// a gap: none overlap and none touch, so the planner would fuse none), all from slices and

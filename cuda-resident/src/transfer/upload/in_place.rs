@@ -8,10 +8,11 @@ use crate::engine::fills::Fills;
 use crate::engine::host::Source;
 use crate::engine::pipeline::{self, Step};
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, push_descriptors, table_bytes};
 use crate::plan::PlanConfig;
-use crate::stream::{Fence, LaneKind, SIDE_SLOTS};
+use crate::stream::{LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 
 /// The in-place fast path: every write was made with `write_with` or `write_with_par` and

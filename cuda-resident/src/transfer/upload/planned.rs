@@ -1,22 +1,22 @@
-//! The general route and the single write: [`execute`] (the planner's route, and the
-//! in-order route handed on to [`execute_in_order`]) and [`execute_one`].
+//! The general route: [`execute`] (the planner's route, and the in-order route handed on to
+//! [`execute_in_order`]).
 
 use std::sync::Arc;
 
 use super::UploadBatch;
 use super::in_order::execute_in_order;
 use crate::engine::Exec;
-use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
+use crate::engine::spares::Planning;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
+use crate::plan::PlanConfig;
 use crate::plan::route::{RING, Route};
-use crate::plan::{PlanConfig, WriteRequest};
-use crate::stream::{Fence, LaneKind};
+use crate::stream::LaneKind;
 use crate::sync::lock;
-use crate::transfer::BufferTable;
 
 /// A chunk with at most this many packed copies moves them by one DMA each, without the
 /// kernel: for a handful of copies, DMAs cost less than a launch.
@@ -35,34 +35,6 @@ impl Source<'_> {
     }
 }
 
-/// One small write (below the direct threshold), the latency path: staged by one memcpy on
-/// this thread and moved by one DMA, no planning. Larger single writes take the general
-/// path, which packs on the packing threads and pipelines chunks.
-pub(super) fn execute_one(
-    core: &Arc<Core>,
-    table: &BufferTable,
-    write: &WriteRequest,
-    data: &[u8],
-) -> Result<Fence> {
-    let target = table.entries[write.buffer as usize];
-    // The lane first, then the staging (as every transfer takes them): a transfer that
-    // waits for staging holds its lane, and waits only for staging that comes back.
-    let mut exec = Exec::begin(core, LaneKind::Upload);
-    let mut lease = exec.lease(data.len())?;
-    // SAFETY: the lease is fresh (no copy uses it) and holds data.len() bytes.
-    unsafe { lease.as_mut_slice() }.copy_from_slice(data);
-    let lease = Arc::new(lease);
-    let src = lease.as_ptr();
-    exec.claim_ranges(std::iter::once(target.buffer), 1, |r| r.push(target.ptr + write.offset, write.len))?;
-    exec.requested(write.len);
-    exec.submit(vec![lease], |q| {
-        // SAFETY: pinned staging kept alive by this submission, into a live, marked buffer
-        // range checked when the write was added.
-        unsafe { q.htod(target.ptr + write.offset, src, data.len()) }
-    })?;
-    Ok(exec.finish())
-}
-
 /// The routes [`Route::InOrder`] and [`Route::Planned`].
 pub(super) fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
     let core = batch.core;
@@ -71,14 +43,19 @@ pub(super) fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
     // measured no better.
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
+    // Planned before the lane is taken: other batches submit on the lane meanwhile.
+    let mut planning = core.spares.planning.lend();
+    if route != Route::InOrder {
+        let Planning { planner, upload_plan, .. } = &mut *planning;
+        planner.plan_upload_into(&batch.writes, &plan_config, upload_plan)?;
+    }
     let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
     if route == Route::InOrder {
         return execute_in_order(batch, exec, scratch);
     }
-    scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
-    let plan = &scratch.upload_plan;
+    let plan = &planning.upload_plan;
     if plan.is_empty() {
         return Ok(Fence::completed());
     }

@@ -2,12 +2,13 @@
 
 use super::UploadBatch;
 use super::in_place::execute_in_place;
-use super::planned::{execute, execute_one};
+use super::planned::execute;
 use crate::engine::host::Source;
+use crate::engine::routes::one::execute_one;
 use crate::engine::spares::UploadParts;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::plan::route::{self, Route, UploadShape};
-use crate::stream::Fence;
 
 impl UploadBatch<'_> {
     /// Moves the batch to the device and returns at once; the fence completes when every

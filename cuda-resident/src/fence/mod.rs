@@ -1,4 +1,11 @@
-//! [`Fence`]: completion of submitted work.
+//! [`Fence`]: completion of submitted work, in one place: what a fence is and the one way
+//! to make one ([`Fence::new`]: every transfer's fence), waiting for it on the host or on a
+//! stream of the caller's, and handing its completion to other code (`completion`: awaited
+//! as a [`FenceFuture`], or as a recorded event, [`FenceEvent`]).
+
+mod completion;
+
+pub use completion::{FenceEvent, FenceFuture};
 
 use std::fmt;
 use std::sync::Arc;
@@ -6,9 +13,8 @@ use std::sync::atomic::Ordering;
 
 use cuda_sys::CUstream;
 
-use super::LaneKind;
-use super::lane::Lanes;
 use crate::error::Result;
+use crate::stream::{LaneKind, Lanes};
 
 /// Completion of submitted work: an event on one lane, and the lanes and context that keep
 /// it valid.
@@ -37,8 +43,10 @@ impl fmt::Debug for Fence {
 }
 
 impl Fence {
-    pub(crate) fn new(lanes: Arc<Lanes>, lane: LaneKind, seq: u64) -> Fence {
-        Fence { lanes: Some(lanes), lane, seq }
+    /// The fence of submission `seq` on the `lane` of `lanes`: every fence of a transfer is
+    /// made here.
+    pub(crate) fn new(lanes: &Arc<Lanes>, lane: LaneKind, seq: u64) -> Fence {
+        Fence { lanes: Some(Arc::clone(lanes)), lane, seq }
     }
 
     /// The lanes, lane and submission this fence waits for; `None` for a fence with
@@ -81,7 +89,7 @@ impl Fence {
         match &self.lanes {
             None => Ok(()),
             Some(lanes) => {
-                lanes.ctx.bind()?;
+                lanes.ctx().bind()?;
                 lanes.lane(self.lane).make_stream_wait(self.seq, stream).map(drop)
             }
         }

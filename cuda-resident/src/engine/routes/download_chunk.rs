@@ -1,23 +1,24 @@
-//! One planned download chunk's work on a lane: [`enqueue_planned`].
+//! One planned download chunk's work on a lane ([`enqueue_planned`]), for the planned and
+//! streamed download routes.
 
 use crate::engine::Enqueue;
 use crate::error::Result;
 use crate::kernels::CopyDescriptor;
 
 /// A chunk with fewer packed ranges than this reads them by one DMA each.
-pub(super) const KERNEL_MIN_COPIES: usize = 3;
+pub(crate) const KERNEL_MIN_COPIES: usize = 3;
 
 /// Where a planned download chunk's work reads and writes: its descriptor table (`area`
 /// bytes of `count` descriptors) in pinned memory, device staging at `dev`, and `staged`,
 /// the pinned address of a flat staging offset of the chunk; `mapped`: the GPU reaches
 /// pinned memory (unified addressing).
-pub(super) struct ChunkPlaces<'a> {
-    pub(super) table: *const u8,
-    pub(super) area: u64,
-    pub(super) count: u64,
-    pub(super) dev: u64,
-    pub(super) staged: &'a dyn Fn(u64) -> *mut u8,
-    pub(super) mapped: bool,
+pub(crate) struct ChunkPlaces<'a> {
+    pub(crate) table: *const u8,
+    pub(crate) area: u64,
+    pub(crate) count: u64,
+    pub(crate) dev: u64,
+    pub(crate) staged: &'a dyn Fn(u64) -> *mut u8,
+    pub(crate) mapped: bool,
 }
 
 /// Enqueues a planned download chunk on `stream`: with a table (`area > 0`), one gather
@@ -31,7 +32,7 @@ pub(super) struct ChunkPlaces<'a> {
 /// The table and every staged address stay alive and untouched by the host until the work
 /// completes; device staging at `dev` holds `area + packed_len` bytes; `ptr_of` gives live
 /// buffers (marked for this work) whose ranges the chunk reads.
-pub(super) unsafe fn enqueue_planned(
+pub(crate) unsafe fn enqueue_planned(
     q: &mut Enqueue<'_>,
     chunk: &crate::plan::ReadbackChunk,
     at: &ChunkPlaces<'_>,

@@ -1,6 +1,6 @@
-//! The layout of scoped batches ([`super::layout`]): parts, chunks, launches.
+//! The layout of scoped batches ([`super::runs`]): parts, chunks, launches.
 
-use super::layout::{Direct, Layout, PART_ITEMS, Place, RUN_MIN, Seen, first_part, parts};
+use super::runs::{Direct, Layout, PART_ITEMS, Place, RUN_MIN, Seen, first_part, parts};
 use crate::stream::LaneKind;
 
 /// A part ends inside a host-contiguous run only where both pieces are runs themselves
@@ -26,19 +26,19 @@ fn parts_do_not_cut_a_run_into_pieces_shorter_than_a_run() {
         assert_eq!(p.iter().map(|r| r.len()).sum::<usize>(), items.len());
         for w in p.windows(2) {
             let (part, cut) = (w[0].start, w[1].start);
-            if !super::layout::continues(&items, cut - 1) {
+            if !super::runs::continues(&items, cut - 1) {
                 continue;
             }
             // The run's piece in the part before the cut, and the rest of the run.
             let mut before = 0;
             let mut j = cut;
-            while j > part && (j == cut || super::layout::continues(&items, j - 1)) {
+            while j > part && (j == cut || super::runs::continues(&items, j - 1)) {
                 j -= 1;
                 before += items[j].len;
             }
             let mut after = items[cut].len;
             let mut k = cut;
-            while k + 1 < items.len() && super::layout::continues(&items, k) {
+            while k + 1 < items.len() && super::runs::continues(&items, k) {
                 k += 1;
                 after += items[k].len;
             }

@@ -16,10 +16,10 @@ use std::task::{Context as TaskContext, Poll, Waker};
 
 use cuda_sys::{CUevent, CUresult, CUstream};
 
+use super::Fence;
 use crate::context::Context;
 use crate::error::Result;
 use crate::raw::release_retrying;
-use crate::stream::Fence;
 
 /// What the driver's callback and the future share.
 #[derive(Default)]

@@ -2,16 +2,17 @@
 //! [`Place`]), the chunks of host-contiguous runs and the over-the-bus launches
 //! ([`Layout`]), and the parts a batch is submitted in ([`first_part`], [`parts`]).
 //!
-//! It belongs in `crate::plan` (issue #37): the planner, not the executor, decides how a
-//! batch moves. It lives here until that move.
+//! The planner, not the executor, decides how a batch moves: the executor
+//! (`engine::routes::pinned`) carries a [`Layout`] out as it is. Property-tested against a
+//! byte model (`check::execute_runs`, `check::check_parts`).
 
+use super::chunk_descriptors_most;
 use crate::kernels::{CopyDescriptor, SEGMENT, push_descriptors};
-use crate::plan::chunk_descriptors_most;
 use crate::stream::LaneKind;
 
 /// Where a scoped batch's item moves from or to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Place {
+pub(crate) enum Place {
     /// In place, in pinned memory of this crate (mapped for the device): the arena's start.
     Mapped(usize),
     /// In place by DMAs, in other pinned memory (`Device::pin_host`): the registration's
@@ -26,19 +27,19 @@ pub(super) enum Place {
 
 /// One copy between caller memory mapped for the device and a device range.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Direct {
-    pub(super) host: usize,
-    pub(super) dev: u64,
-    pub(super) len: u64,
+pub(crate) struct Direct {
+    pub(crate) host: usize,
+    pub(crate) dev: u64,
+    pub(crate) len: u64,
     /// Where the host side lies ([`Place::Mapped`] or [`Place::Pinned`], with its region's
     /// start): a run never crosses into another region (a DMA must stay inside one), and
     /// only mapped memory is read or written by a kernel.
-    pub(super) place: Place,
+    pub(crate) place: Place,
 }
 
 impl Direct {
     /// The item of `len` bytes between host `host` and device `dev`, placed at `place`.
-    pub(super) fn new(host: usize, dev: u64, len: usize, place: Place) -> Direct {
+    pub(crate) fn new(host: usize, dev: u64, len: usize, place: Place) -> Direct {
         debug_assert!(place != Place::Staged, "staged items do not move in place");
         Direct { host, dev, len: len as u64, place }
     }
@@ -50,7 +51,7 @@ impl Direct {
     }
 
     /// Whether the host side is mapped for the device.
-    pub(super) fn mapped(&self) -> bool {
+    pub(crate) fn mapped(&self) -> bool {
         matches!(self.place, Place::Mapped(_))
     }
 }
@@ -58,19 +59,19 @@ impl Direct {
 /// Runs of items contiguous in host memory at least this long move through device staging
 /// (one DMA a chunk plus a scatter or gather launch inside the device) rather than one DMA
 /// or one over-the-bus copy an item.
-pub(super) const RUN_MIN: u64 = 1 << 20;
+pub(crate) const RUN_MIN: u64 = 1 << 20;
 
 /// One chunk of a run: its host bytes, moved by one DMA into or out of a device staging
 /// slot; the items it covers (from `first`, whose first `skip` bytes an earlier chunk
 /// moves); and its descriptors, numbered in the batch's order (chunks first, then the
 /// over-the-bus launches from `bus_from`).
 #[derive(Clone, Debug)]
-pub(super) struct Chunk {
-    pub(super) host: usize,
-    pub(super) len: u64,
+pub(crate) struct Chunk {
+    pub(crate) host: usize,
+    pub(crate) len: u64,
     first: usize,
     skip: u64,
-    pub(super) descriptors: std::ops::Range<usize>,
+    pub(crate) descriptors: std::ops::Range<usize>,
 }
 
 /// How a batch of [`Direct`] items moves: the chunks of host-contiguous runs, the items
@@ -79,21 +80,21 @@ pub(super) struct Chunk {
 /// launches are enqueued ([`Layout::chunk_descriptors`], [`Layout::bus_descriptors`]), so
 /// that the first chunk moves while later ones are still being described.
 #[derive(Debug, Default)]
-pub(super) struct Layout {
-    pub(super) chunks: Vec<Chunk>,
+pub(crate) struct Layout {
+    pub(crate) chunks: Vec<Chunk>,
     /// Descriptors in all.
-    pub(super) count: usize,
-    pub(super) bus_from: usize,
+    pub(crate) count: usize,
+    pub(crate) bus_from: usize,
     bus: Vec<Direct>,
     /// The over-the-bus items in launches of at most [`Layout::most`] descriptors each: a
     /// range of `bus` a launch.
-    pub(super) bus_groups: Vec<std::ops::Range<usize>>,
-    pub(super) dmas: Vec<Direct>,
+    pub(crate) bus_groups: Vec<std::ops::Range<usize>>,
+    pub(crate) dmas: Vec<Direct>,
     /// The most descriptors of one launch (a chunk's or a group of bus items'), as the
     /// planner bounds a chunk's ([`chunk_descriptors_most`]): its table, leased from the
     /// pinned pool, stays within half a chunk, which the pool keeps for transfers
     /// (`Config::pinned_reserve`) however small the items.
-    pub(super) most: usize,
+    pub(crate) most: usize,
 }
 
 impl Layout {
@@ -103,7 +104,7 @@ impl Layout {
     /// pinned memory); other items of at least `threshold` bytes by DMA, the rest over the
     /// bus where `bus` (the configuration lets small copies move over the bus:
     /// `Core::moves_small_copies_over_bus`), else by DMA too.
-    pub(super) fn new(items: &[Direct], chunk: u64, threshold: u64, unified: bool, bus: bool) -> Layout {
+    pub(crate) fn new(items: &[Direct], chunk: u64, threshold: u64, unified: bool, bus: bool) -> Layout {
         let mut layout = Layout { most: chunk_descriptors_most(chunk) as usize, ..Layout::default() };
         let mut i = 0;
         while i < items.len() {
@@ -178,7 +179,7 @@ impl Layout {
 
     /// Chunk `k`'s descriptors into `out` (cleared first): between the staging slot at
     /// `slot` (plus each piece's offset in the chunk) and the items' device ranges.
-    pub(super) fn chunk_descriptors(
+    pub(crate) fn chunk_descriptors(
         &self,
         items: &[Direct],
         k: usize,
@@ -203,7 +204,7 @@ impl Layout {
     }
 
     /// Over-the-bus launch `g`'s descriptors into `out` (cleared first), and its bytes.
-    pub(super) fn bus_descriptors(&self, g: usize, kind: LaneKind, out: &mut Vec<CopyDescriptor>) -> u64 {
+    pub(crate) fn bus_descriptors(&self, g: usize, kind: LaneKind, out: &mut Vec<CopyDescriptor>) -> u64 {
         out.clear();
         let mut bytes = 0;
         for d in &self.bus[self.bus_groups[g].clone()] {
@@ -218,7 +219,7 @@ impl Layout {
 
     /// Submissions on the lane: one a chunk and one to close the chunks (their side work
     /// joined), one per over-the-bus launch, one for the DMAs.
-    pub(super) fn submissions(&self) -> u64 {
+    pub(crate) fn submissions(&self) -> u64 {
         let chunks = if self.chunks.is_empty() { 0 } else { self.chunks.len() + 1 };
         (chunks + self.bus_groups.len() + usize::from(!self.dmas.is_empty())) as u64
     }
@@ -226,23 +227,23 @@ impl Layout {
 
 /// Items of at most this many (and at most a chunk of bytes) make the first part of a
 /// scoped batch; see [`parts`].
-pub(super) const PART_ITEMS: usize = 1024;
+pub(crate) const PART_ITEMS: usize = 1024;
 
 /// Whether item `i + 1` goes on item `i`'s run: it starts in host memory where `i` ends, in
 /// the same region (a run never crosses into another: [`Layout::new`], [`parts`]).
-pub(super) fn continues(items: &[Direct], i: usize) -> bool {
+pub(crate) fn continues(items: &[Direct], i: usize) -> bool {
     items[i].followed_by(&items[i + 1])
 }
 
 /// What [`first_part`] sees of an item of a scoped batch.
 #[derive(Clone, Copy, Debug)]
-pub(super) enum Seen {
+pub(crate) enum Seen {
     /// Moves nothing (no bytes).
     Empty,
     /// In pinned memory of this crate.
     Mapped(Direct),
     /// Anywhere else: only the whole batch's classification
-    /// ([`places`](super::places::places)) says how it moves.
+    /// (`transfer::scope::places`) says how it moves.
     Elsewhere,
 }
 
@@ -254,7 +255,7 @@ pub(super) enum Seen {
 /// crate, empty ones left out) and the number of the batch's items it spans; `None` where
 /// an item of it lies elsewhere, or where it would take the whole batch (or more than twice
 /// [`PART_ITEMS`] items), which the caller then moves as before.
-pub(super) fn first_part(
+pub(crate) fn first_part(
     n: usize,
     chunk: u64,
     mut seen: impl FnMut(usize) -> Seen,
@@ -315,7 +316,7 @@ pub(super) fn first_part(
 /// Three parts at most: each is a batch of its own on the lane, entered in the ledger.
 /// `moved` parts were cut off the batch's front before `items` ([`first_part`]): the parts
 /// returned go on from there.
-pub(super) fn parts(items: &[Direct], chunk: u64, moved: usize) -> Vec<std::ops::Range<usize>> {
+pub(crate) fn parts(items: &[Direct], chunk: u64, moved: usize) -> Vec<std::ops::Range<usize>> {
     let mut parts = Vec::with_capacity(3);
     if items.is_empty() {
         return parts;
