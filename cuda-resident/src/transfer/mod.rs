@@ -54,4 +54,6 @@ mod scope_parts_tests;
 #[cfg(test)]
 mod scope_tests;
 #[cfg(test)]
+mod synchronize_tests;
+#[cfg(test)]
 mod threads_tests;
