@@ -146,8 +146,7 @@ pub use peer::{FanOutPath, PeerBatch};
 pub use stream::Fence;
 pub use telemetry::TelemetrySnapshot;
 pub use transfer::{
-    DownloadBatch, Downloaded, PendingDownload, PreparedDownloads, PreparedUploads, Scope, ScopedDownloads,
-    ScopedUploads, Slot, UploadBatch,
+    DownloadBatch, Downloaded, PendingDownload, PreparedDownloads, PreparedUploads, Scope, Slot, UploadBatch,
 };
 
 /// The raw driver crate, re-exported for callers that make their own driver calls.

@@ -75,7 +75,7 @@ fn mixes(d: &Device, rng: &mut fastrand::Rng) {
     let mut back = vec![0u8; 100_000];
     d.scope(|s| {
         let mut down = s.downloads();
-        down.read_into(b, 7, &mut back)?;
+        down.read_to_slice(b, 7, &mut back)?;
         down.submit()?;
         Ok(())
     })

@@ -516,7 +516,7 @@ impl Device {
     ///     // Swap blocks 0..16 out into the first half, and the second half in as blocks 16..32.
     ///     let mut out = s.downloads();
     ///     for (i, dst) in out_half.chunks_mut(block).enumerate() {
-    ///         out.read_into(pool, (i * block) as u64, dst)?;
+    ///         out.read_to_slice(pool, (i * block) as u64, dst)?;
     ///     }
     ///     let mut into = s.uploads();
     ///     for (i, src) in in_half.chunks(block).enumerate() {

@@ -92,7 +92,7 @@ fn every_api(d: &Device, m: &Model, ranges: &[R], rng: &mut fastrand::Rng, what:
     }
     // wait_into, slots shuffled, one twice, one left out.
     let mut b = d.downloads();
-    let slots = b.read_ranges(abs.iter().copied()).unwrap();
+    let slots = b.read_many(abs.iter().copied()).unwrap();
     let mut perm: Vec<usize> = (0..n).collect();
     rng.shuffle(&mut perm);
     if n > 1 {
@@ -111,7 +111,7 @@ fn every_api(d: &Device, m: &Model, ranges: &[R], rng: &mut fastrand::Rng, what:
     drop(done);
     // wait_into, slots in order.
     let mut b = d.downloads();
-    let slots = b.read_ranges(abs.iter().copied()).unwrap();
+    let slots = b.read_many(abs.iter().copied()).unwrap();
     let mut out = dirty(rng, n);
     drop(b.submit().unwrap().wait_into(&slots, &mut out).unwrap());
     for i in 0..n {
@@ -151,13 +151,13 @@ fn every_api(d: &Device, m: &Model, ranges: &[R], rng: &mut fastrand::Rng, what:
     d.scope(|s| {
         let mut r = s.downloads();
         for (dst, &(x, o, _)) in out.iter_mut().zip(&abs) {
-            r.read_into(x, o, dst)?;
+            r.read_to_slice(x, o, dst)?;
         }
         r.submit()
     })
     .unwrap();
     for i in 0..n {
-        same(&format!("{what}: scope read_into {i}"), &out[i], &want[i]);
+        same(&format!("{what}: scope read_to_slice {i}"), &out[i], &want[i]);
     }
     d.synchronize().unwrap();
     let after = d.telemetry().pinned;
@@ -293,7 +293,7 @@ fn in_order_batches_and_out_of_order_slots() {
             every_api(&d, &m, &ranges, &mut rng, &format!("{name} in order round {round} ({route:?})"));
             // wait_into with slots reversed and a subset.
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
+            let slots = b.read_many(abs(&m, &ranges)).unwrap();
             let w = want(&m, &ranges);
             let rev: Vec<Slot> = slots.iter().rev().copied().collect();
             let mut out = dirty(&mut rng, rev.len());
@@ -302,7 +302,7 @@ fn in_order_batches_and_out_of_order_slots() {
                 same(&format!("{name}: reversed {k}"), o, &w[w.len() - 1 - k]);
             }
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
+            let slots = b.read_many(abs(&m, &ranges)).unwrap();
             let sub: Vec<Slot> = slots.iter().step_by(3).copied().collect();
             let mut out = dirty(&mut rng, sub.len());
             drop(b.submit().unwrap().wait_into(&sub, &mut out).unwrap());
@@ -311,7 +311,7 @@ fn in_order_batches_and_out_of_order_slots() {
             }
             // Many slots (more than reads): every slot 3 times.
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
+            let slots = b.read_many(abs(&m, &ranges)).unwrap();
             let many: Vec<Slot> = slots.iter().flat_map(|&s| [s, s, s]).collect();
             let mut out = dirty(&mut rng, many.len());
             drop(b.submit().unwrap().wait_into(&many, &mut out).unwrap());
@@ -374,7 +374,7 @@ fn panicking_iterators() {
             let mut b = d.downloads();
             b.read(b0, 0, 10).unwrap();
             let r = catch_unwind(AssertUnwindSafe(|| {
-                b.read_ranges((0..100u64).map(|k| {
+                b.read_many((0..100u64).map(|k| {
                     if k as usize == at {
                         panic!("iterator panics at {at}");
                     }
@@ -386,7 +386,7 @@ fn panicking_iterators() {
             assert!(matches!(e, Error::ItemsPanicked { .. }), "{e}");
             let mut b = d.downloads();
             let _ = catch_unwind(AssertUnwindSafe(|| {
-                b.read_ranges((0..100u64).map(|k| {
+                b.read_many((0..100u64).map(|k| {
                     if k as usize == at {
                         panic!("iterator panics at {at}");
                     }
@@ -407,7 +407,7 @@ fn panicking_iterators() {
                         (b0, k as u64 * 100, c)
                     });
                     let rr = &mut r;
-                    let _ = catch_unwind(AssertUnwindSafe(move || rr.read_into_many(items).map(drop)));
+                    let _ = catch_unwind(AssertUnwindSafe(move || rr.read_to_slice_many(items).map(drop)));
                     r.submit()
                 })
             }));
@@ -433,7 +433,7 @@ fn submit_then_free(
     junk: u8,
 ) -> (Vec<Slot>, crate::PendingDownload, Vec<ResidentBuffer>) {
     let mut b = d.downloads();
-    let slots = b.read_ranges(abs(m, ranges)).unwrap();
+    let slots = b.read_many(abs(m, ranges)).unwrap();
     let pending = b.submit().unwrap();
     for &x in &m.buffers {
         d.free(x).unwrap();
@@ -508,9 +508,9 @@ fn drop_orders_and_views_after_device_and_trim() {
                 (0..100).map(|k| (0, k * 2000 + 1, 1000)).chain([(0, 0, 300_000), (1, 0, 4096)]).collect();
             let w = want(&m, &ranges);
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
+            let slots = b.read_many(abs(&m, &ranges)).unwrap();
             let mut b2 = d.downloads();
-            let slots2 = b2.read_ranges(abs(&m, &ranges[..100])).unwrap();
+            let slots2 = b2.read_many(abs(&m, &ranges[..100])).unwrap();
             let p2 = b2.submit().unwrap();
             let mut set = d.prepare_downloads(&abs(&m, &ranges[..100])).unwrap();
             let pslots: Vec<Slot> = set.slots().to_vec();
@@ -755,7 +755,7 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                 let mut out = dirty(&mut rng, r.len());
                 retry(&what, || {
                     let mut b = d.downloads();
-                    let slots = b.read_ranges(abs(&m, &r))?;
+                    let slots = b.read_many(abs(&m, &r))?;
                     b.submit()?.wait_into(&slots, &mut out).map(drop)
                 });
                 for i in 0..r.len() {
@@ -795,12 +795,12 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                 let w = want(shared, &r);
                 let (first, slots) = retry(&what, || {
                     let mut b = d.downloads();
-                    let slots = b.read_ranges(abs(shared, &r))?;
+                    let slots = b.read_many(abs(shared, &r))?;
                     Ok((b.submit()?, slots))
                 });
                 let (second, slots2) = retry(&what, || {
                     let mut b = d.downloads();
-                    let slots = b.read_ranges(abs(shared, &r))?;
+                    let slots = b.read_many(abs(shared, &r))?;
                     Ok((b.submit()?.wait()?, slots))
                 });
                 let first = first.wait().unwrap();
@@ -849,13 +849,13 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                 retry(&what, || {
                     d.scope(|s| {
                         let mut r = s.downloads();
-                        r.read_into(buf.1, at2 as u64, &mut dst2)?;
+                        r.read_to_slice(buf.1, at2 as u64, &mut dst2)?;
                         r.submit()?;
                         let mut w = s.uploads();
                         w.write(buf.0, at as u64, &bytes)?;
                         w.submit()?;
                         let mut r = s.downloads();
-                        r.read_into(buf.0, at as u64, &mut dst)?;
+                        r.read_to_slice(buf.0, at as u64, &mut dst)?;
                         r.submit()
                     })
                 });
@@ -872,7 +872,7 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                 retry(&what, || d.download_into(&abs(&m, &r), &mut out));
                 let (done, slots) = retry(&what, || {
                     let mut b = d.downloads();
-                    let slots = b.read_ranges(abs(&m, &r))?;
+                    let slots = b.read_many(abs(&m, &r))?;
                     Ok((b.submit()?.wait()?, slots))
                 });
                 for i in 0..2 {
@@ -956,22 +956,22 @@ fn zero_and_end_reads() {
     fix("download_range u64::MAX, 0", d.download_range(b, u64::MAX, 0));
     let mut one = [0u8; 1];
     fix(
-        "scope read_into at u64::MAX",
+        "scope read_to_slice at u64::MAX",
         d.scope(|s| {
             let mut r = s.downloads();
-            r.read_into(b, u64::MAX, &mut one)?;
+            r.read_to_slice(b, u64::MAX, &mut one)?;
             r.submit()
         }),
     );
     let mut none: [u8; 0] = [];
     d.scope(|s| {
         let mut r = s.downloads();
-        r.read_into(b, 4096, &mut none)?;
+        r.read_to_slice(b, 4096, &mut none)?;
         r.submit()
     })
     .unwrap();
     let mut r = d.downloads();
-    fix("read_ranges with u64::MAX", r.read_ranges([(b, 0, 1), (b, u64::MAX - 1, 2)]));
+    fix("read_many with u64::MAX", r.read_many([(b, 0, 1), (b, u64::MAX - 1, 2)]));
     fix("submit of it", r.submit().map(drop));
     // 64+ reads in order with one zero-length in the middle.
     let mut ranges: Vec<R> = (0..100).map(|k| (0, k * 40, 20)).collect();
@@ -1131,7 +1131,7 @@ fn write_after_read_in_flight() {
             let what = format!("{name} case {c}");
             let old = want(&m, ranges);
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, ranges)).unwrap();
+            let slots = b.read_many(abs(&m, ranges)).unwrap();
             let route = b.route();
             let pending = b.submit().unwrap();
             // Overwrite everything read, by a batch and by the in-place route.
@@ -1185,7 +1185,7 @@ fn write_after_read_in_flight() {
                 let mut rest: &mut [u8] = &mut into;
                 for &(i, o, l) in ranges {
                     let (head, tail) = rest.split_at_mut(l as usize);
-                    r.read_into(m.buffers[i], o, head)?;
+                    r.read_to_slice(m.buffers[i], o, head)?;
                     rest = tail;
                 }
                 r.submit()?;
@@ -1228,8 +1228,8 @@ fn scope_panic_after_submit() {
     let r = catch_unwind(AssertUnwindSafe(|| {
         d.scope(|s| {
             let mut r = s.downloads();
-            r.read_into(m.buffers[0], 0, &mut into)?;
-            r.read_into(m.buffers[0], 5, &mut small)?;
+            r.read_to_slice(m.buffers[0], 0, &mut into)?;
+            r.read_to_slice(m.buffers[0], 5, &mut small)?;
             r.submit()?;
             panic!("after submit");
             #[allow(unreachable_code)]
@@ -1312,7 +1312,7 @@ fn download_many_duplicates_and_bad_items() {
             same(&format!("download_many duplicate {k}"), &got[k], &m.expect[i]);
         }
         let mut r = d.downloads();
-        let slots = r.read_many(&list).unwrap();
+        let slots = r.read_buffer_many(&list).unwrap();
         let done = r.submit().unwrap().wait().unwrap();
         for (k, &b) in list.iter().enumerate() {
             let i = m.buffers.iter().position(|&x| x == b).unwrap();
@@ -1323,9 +1323,9 @@ fn download_many_duplicates_and_bad_items() {
         d.free(freed).unwrap();
         fix("download_many with a freed buffer", d.download_many(&[m.buffers[0], freed]));
         let mut r = d.downloads();
-        fix("read_many with a freed buffer", r.read_many(&[m.buffers[0], freed]));
+        fix("read_many with a freed buffer", r.read_buffer_many(&[m.buffers[0], freed]));
         fix("submit after it", r.submit().map(drop));
-        fix("read_all of a freed buffer", d.downloads().read_all(freed));
+        fix("read_buffer of a freed buffer", d.downloads().read_buffer(freed));
         lent_zero(&d, "download_many");
     }
 }

@@ -220,8 +220,8 @@ fn scoped_transfers_and_a_panicking_parallel_fill_leave_every_counter_at_its_bas
                 up.write_many((0..64u64).map(|i| (m.buffers[1], i * 1000, &pageable[i as usize..][..500])))?;
                 up.submit()?;
                 let mut down = s.downloads();
-                down.read_into(m.buffers[0], 500_000, &mut back)?;
-                down.read_into(m.buffers[0], 600_000, &mut back_pinned[..])?;
+                down.read_to_slice(m.buffers[0], 500_000, &mut back)?;
+                down.read_to_slice(m.buffers[0], 600_000, &mut back_pinned[..])?;
                 down.submit()?;
                 Ok(())
             })

@@ -154,7 +154,7 @@ fn a_device_dropped_with_work_in_flight_carries_it_out_first() {
         drop(batch.submit().unwrap());
         d.downloads()
     };
-    let slot = reads.read_all(b).unwrap();
+    let slot = reads.read_buffer(b).unwrap();
     let pending = reads.submit().unwrap();
     drop(d);
     let got = pending.wait().unwrap();
@@ -768,7 +768,7 @@ fn a_large_download_takes_the_staging_left_when_the_caller_holds_some() {
     let mut rng = fastrand::Rng::with_seed(40);
     let m = Model::new(&d, &mut rng, &[8 << 20, 100]);
     let mut reads = d.downloads();
-    let slot = reads.read_all(m.buffers[1]).unwrap();
+    let slot = reads.read_buffer(m.buffers[1]).unwrap();
     let held = reads.submit().unwrap().wait().unwrap();
     assert!(d.download(m.buffers[0]).unwrap() == m.expect[0], "the download's bytes");
     assert_eq!(held.get(slot), &m.expect[1][..]);
@@ -1140,7 +1140,7 @@ fn held_staging_leaves_the_reserve_to_transfers() {
     // A readback with views finds no held staging left: it streams into memory of its own,
     // with the same views.
     let mut reads = d.downloads();
-    let slots: Vec<_> = (0..3).map(|i| reads.read_all(m.buffers[i]).unwrap()).collect();
+    let slots: Vec<_> = (0..3).map(|i| reads.read_buffer(m.buffers[i]).unwrap()).collect();
     let done = reads.submit().unwrap().wait().unwrap();
     for (i, &slot) in slots.iter().enumerate() {
         assert!(done.get(slot) == &m.expect[i][..], "view {i}");
@@ -1165,7 +1165,7 @@ fn unreleased_readbacks_leave_the_reserve_to_transfers() {
     let mut kept = Vec::new();
     for _ in 0..200 {
         let mut reads = d.downloads();
-        let a = reads.read_all(m.buffers[0]).unwrap();
+        let a = reads.read_buffer(m.buffers[0]).unwrap();
         let b = reads.read(m.buffers[1], 1000, 40_000).unwrap();
         let done = reads.submit().unwrap().wait().unwrap();
         assert!(done.get(a) == &m.expect[0][..] && done.get(b) == &m.expect[1][1000..41_000]);

@@ -21,7 +21,7 @@ fn swap(d: &Device, pool: ResidentBuffer, cache: &mut [u8], block: usize, out: &
     d.scope(|s| {
         let mut reads = s.downloads();
         for (&b, dst) in out.iter().zip(out_half.chunks_mut(block)) {
-            reads.read_into(pool, (b * block) as u64, dst)?;
+            reads.read_to_slice(pool, (b * block) as u64, dst)?;
         }
         let mut writes = s.uploads();
         for (&b, src) in into.iter().zip(in_half.chunks(block)) {
@@ -152,11 +152,11 @@ fn pinned_and_pageable_ranges_mix_in_one_batch_and_overlapping_writes_apply_in_o
     let (v1, v2) = rest[10_000..].split_at_mut(1);
     d.scope(|s| {
         let mut batch = s.downloads();
-        batch.read_into(buffer, 3, p0)?;
-        batch.read_into(buffer, 70_000, v0)?;
-        batch.read_into(buffer, 100_000, p1)?;
-        batch.read_into(buffer, 9, v1)?;
-        batch.read_into(buffer, 9, &mut v2[..0])?;
+        batch.read_to_slice(buffer, 3, p0)?;
+        batch.read_to_slice(buffer, 70_000, v0)?;
+        batch.read_to_slice(buffer, 100_000, p1)?;
+        batch.read_to_slice(buffer, 9, v1)?;
+        batch.read_to_slice(buffer, 9, &mut v2[..0])?;
         batch.submit()
     })
     .unwrap();
@@ -180,10 +180,10 @@ fn a_scope_waits_for_its_transfers_when_its_closure_fails_or_panics() {
     let err = d
         .scope(|s| -> crate::Result<()> {
             let mut reads = s.downloads();
-            reads.read_into(buffer, 0, &mut cache[..4096])?;
+            reads.read_to_slice(buffer, 0, &mut cache[..4096])?;
             reads.submit()?;
             let mut bad = s.downloads();
-            bad.read_into(buffer, 64 << 10, &mut [0u8; 0][..])?;
+            bad.read_to_slice(buffer, 64 << 10, &mut [0u8; 0][..])?;
             Err(Error::LengthMismatch { what: "test", left: 1, right: 2 })
         })
         .unwrap_err();
@@ -193,7 +193,7 @@ fn a_scope_waits_for_its_transfers_when_its_closure_fails_or_panics() {
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = d.scope(|s| -> crate::Result<()> {
             let mut reads = s.downloads();
-            reads.read_into(buffer, 4096, &mut cache[4096..8192])?;
+            reads.read_to_slice(buffer, 4096, &mut cache[4096..8192])?;
             reads.submit()?;
             panic!("the caller's closure panics");
         });
@@ -224,7 +224,7 @@ fn bad_ranges_fail_the_batch_and_move_nothing() {
     let mut out = vec![0u8; 16];
     let result = d.scope(|s| {
         let mut batch = s.downloads();
-        batch.read_into(freed, 0, &mut out)?;
+        batch.read_to_slice(freed, 0, &mut out)?;
         batch.submit()
     });
     assert!(matches!(result, Err(Error::FreedBuffer { .. })), "{result:?}");
@@ -303,7 +303,7 @@ fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
     d.scope(|s| {
         let mut batch = s.downloads();
         for (out, at) in outs.iter_mut() {
-            batch.read_into(buffer, *at as u64, out)?;
+            batch.read_to_slice(buffer, *at as u64, out)?;
         }
         batch.submit()
     })
@@ -349,7 +349,7 @@ fn among_many_shuffled_blocks_an_overlap_is_found_and_applied_in_order() {
         d.scope(|s| {
             let mut batch = s.downloads();
             for (slot, &b) in back.chunks_mut(block).zip(&order[8192..]) {
-                batch.read_into(buffer, (b * block) as u64, slot)?;
+                batch.read_to_slice(buffer, (b * block) as u64, slot)?;
             }
             batch.submit()
         })
@@ -441,7 +441,7 @@ fn a_run_over_two_registrations_or_a_pageable_hole_never_moves_by_one_dma() {
         host.fill(0xA5);
         d.scope(|s| {
             let mut batch = s.downloads();
-            batch.read_into(buffer, 0, &mut host)?;
+            batch.read_to_slice(buffer, 0, &mut host)?;
             batch.submit()
         })
         .unwrap();
@@ -516,7 +516,7 @@ fn a_large_scoped_batch_moves_in_parts_and_later_writes_win() {
     d.scope(|s| {
         let mut reads = s.downloads();
         for (&t, dst) in targets.iter().zip(out.chunks_mut(block)) {
-            reads.read_into(buffer, (t * block) as u64, dst)?;
+            reads.read_to_slice(buffer, (t * block) as u64, dst)?;
         }
         reads.submit()
     })
@@ -576,10 +576,10 @@ fn a_first_part_moved_early_stays_before_the_staged_writes_after_it() {
     d.scope(|s| {
         let mut reads = s.downloads();
         for (&t, dst) in order[..1500].iter().zip(out.chunks_mut(block)) {
-            reads.read_into(buffer, (t * block) as u64, dst)?;
+            reads.read_to_slice(buffer, (t * block) as u64, dst)?;
         }
         for (&t, dst) in order[1500..1800].iter().zip(tail.chunks_mut(block)) {
-            reads.read_into(buffer, (t * block) as u64, dst)?;
+            reads.read_to_slice(buffer, (t * block) as u64, dst)?;
         }
         reads.submit()
     })
@@ -615,7 +615,7 @@ fn parts_keep_a_registered_run_of_small_blocks_whole_enough_to_move_as_runs() {
     assert!(model::with(|g| g.errors.is_empty()));
 }
 
-/// `write_many` and `read_into_many` move what as many `write`s and `read_into`s would, from
+/// `write_many` and `read_to_slice_many` move what as many `write`s and `read_to_slice`s would, from
 /// and into pinned and pageable memory, with runs on one pool and items that alternate
 /// between two.
 #[test]
@@ -655,7 +655,7 @@ fn scoped_bulk_calls_move_what_single_calls_move() {
                 .iter()
                 .zip(out_half.chunks_mut(block))
                 .map(|(&(p, k), dst)| (p, (k * block) as u64, dst));
-            reads.read_into_many(items)?;
+            reads.read_to_slice_many(items)?;
             assert_eq!(reads.len(), 24);
             let mut writes = s.uploads();
             let items =
@@ -703,15 +703,15 @@ fn a_bad_item_of_a_scoped_bulk_call_is_named_and_nothing_moves() {
             (p, offset, &src[i * block..(i + 1) * block])
         });
         let e = writes.write_many(items).unwrap_err();
-        let Error::BadItem { call: "ScopedUploads::write_many", index: 5, error } = &e else { panic!("{e}") };
+        let Error::BadItem { call: "UploadBatch::write_many", index: 5, error } = &e else { panic!("{e}") };
         assert!(matches!(**error, Error::OutOfRange { offset, len: 256, .. } if offset == (15 * block + 1) as u64), "{e}");
         assert!(e.to_string().contains("Fix:"), "{e}");
         assert_eq!(writes.len(), 5, "the items before the bad one are kept");
         assert!(matches!(writes.submit(), Err(Error::BadItem { index: 5, .. })));
         let mut reads = s.downloads();
         let items = out.chunks_mut(block).enumerate().map(|(i, dst)| (if i == 3 { freed } else { p }, (i * block) as u64, dst));
-        let e = reads.read_into_many(items).unwrap_err();
-        let Error::BadItem { call: "ScopedDownloads::read_into_many", index: 3, error } = &e else { panic!("{e}") };
+        let e = reads.read_to_slice_many(items).unwrap_err();
+        let Error::BadItem { call: "DownloadBatch::read_to_slice_many", index: 3, error } = &e else { panic!("{e}") };
         assert!(matches!(**error, Error::FreedBuffer { buffer } if buffer == freed), "{e}");
         assert_eq!(reads.len(), 3);
         assert!(matches!(reads.submit(), Err(Error::BadItem { index: 3, .. })));
@@ -804,7 +804,7 @@ fn random_scoped_batches_of_mixed_memory_apply_in_order() {
         d.scope(|s| {
             let mut batch = s.downloads();
             for (dev, dst) in reads.iter_mut() {
-                batch.read_into(buffer, *dev as u64, dst)?;
+                batch.read_to_slice(buffer, *dev as u64, dst)?;
             }
             batch.submit()
         })

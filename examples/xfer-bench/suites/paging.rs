@@ -13,7 +13,7 @@
 //! `cuMemcpy*Async` per block on a stream per direction (from and into pageable memory too,
 //! as a naive server does), then a synchronize; `cuMemcpyBatchAsync`, one call per
 //! direction; cuda-resident, one scope ([`Device::scope`]) with a batch per direction: one
-//! `write` per block from its slot (in), one `read_into` per block into its slot (out),
+//! `write` per block from its slot (in), one `read_to_slice` per block into its slot (out),
 //! in place for the pinned cache, staged for the pageable one; with `--paging-batches N`,
 //! each direction's blocks are split evenly into N such batches submitted one after the
 //! other (the first moving while the next is built). For "both", the baselines run
@@ -399,7 +399,7 @@ impl Lane<&mut [u8]> {
 }
 
 /// cuda-resident's swap, `out` and / or `in`, in one scope ([`Device::scope`]): one
-/// `read_into` per block into its slot, one `write` per block from its slot, in swap order;
+/// `read_to_slice` per block into its slot, one `write` per block from its slot, in swap order;
 /// its seconds, until the scope has waited for both. From and into the pinned cache the
 /// blocks move in place; the pageable cache is staged. Both at once, each direction is built
 /// and submitted on a thread of its own, as the baselines' directions run on a thread each:
@@ -494,7 +494,7 @@ fn ours_marked(
                 }
                 if slots.peek().is_none() {
                     let (built, faulted) = mark();
-                    return submit(0, (built, faults_at, faulted), writes.submit_fenced());
+                    return submit(0, (built, faults_at, faulted), writes.submit());
                 }
                 writes.submit()?;
             }
@@ -507,11 +507,11 @@ fn ours_marked(
             loop {
                 let mut reads = s.downloads();
                 for (slot, &offset) in slots.by_ref().take(per) {
-                    reads.read_into(pool, offset, slot)?;
+                    reads.read_to_slice(pool, offset, slot)?;
                 }
                 if slots.peek().is_none() {
                     let (built, faulted) = mark();
-                    return submit(1, (built, faults_at, faulted), reads.submit_fenced());
+                    return submit(1, (built, faults_at, faulted), reads.submit());
                 }
                 reads.submit()?;
             }
