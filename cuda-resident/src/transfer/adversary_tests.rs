@@ -153,7 +153,7 @@ fn every_api(d: &Device, m: &Model, ranges: &[R], rng: &mut fastrand::Rng, what:
         for (dst, &(x, o, _)) in out.iter_mut().zip(&abs) {
             r.read_to_slice(x, o, dst)?;
         }
-        r.submit()
+        r.submit().map(drop)
     })
     .unwrap();
     for i in 0..n {
@@ -850,13 +850,13 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                     d.scope(|s| {
                         let mut r = s.downloads();
                         r.read_to_slice(buf.1, at2 as u64, &mut dst2)?;
-                        r.submit()?;
+                        let _ = r.submit()?;
                         let mut w = s.uploads();
                         w.write(buf.0, at as u64, &bytes)?;
-                        w.submit()?;
+                        let _ = w.submit()?;
                         let mut r = s.downloads();
                         r.read_to_slice(buf.0, at as u64, &mut dst)?;
-                        r.submit()
+                        r.submit().map(drop)
                     })
                 });
                 same(&format!("{what}: scoped read after write"), &dst, &bytes);
@@ -967,7 +967,7 @@ fn zero_and_end_reads() {
     d.scope(|s| {
         let mut r = s.downloads();
         r.read_to_slice(b, 4096, &mut none)?;
-        r.submit()
+        r.submit().map(drop)
     })
     .unwrap();
     let mut r = d.downloads();
@@ -1188,7 +1188,7 @@ fn write_after_read_in_flight() {
                     r.read_to_slice(m.buffers[i], o, head)?;
                     rest = tail;
                 }
-                r.submit()?;
+                let _ = r.submit()?;
                 let mut w = s.uploads();
                 let mut rest: &[u8] = &from;
                 for &(i, o, l) in ranges {
@@ -1196,7 +1196,7 @@ fn write_after_read_in_flight() {
                     w.write(m.buffers[i], o, head)?;
                     rest = tail;
                 }
-                w.submit()
+                w.submit().map(drop)
             })
             .unwrap();
             let mut at = 0;
@@ -1230,7 +1230,7 @@ fn scope_panic_after_submit() {
             let mut r = s.downloads();
             r.read_to_slice(m.buffers[0], 0, &mut into)?;
             r.read_to_slice(m.buffers[0], 5, &mut small)?;
-            r.submit()?;
+            let _ = r.submit()?;
             panic!("after submit");
             #[allow(unreachable_code)]
             Ok(())

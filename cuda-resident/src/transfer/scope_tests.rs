@@ -27,8 +27,8 @@ fn swap(d: &Device, pool: ResidentBuffer, cache: &mut [u8], block: usize, out: &
         for (&b, src) in into.iter().zip(in_half.chunks(block)) {
             writes.write(pool, (b * block) as u64, src)?;
         }
-        reads.submit()?;
-        writes.submit()?;
+        let _ = reads.submit()?;
+        let _ = writes.submit()?;
         Ok(())
     })
     .unwrap();
@@ -132,7 +132,7 @@ fn pinned_and_pageable_ranges_mix_in_one_batch_and_overlapping_writes_apply_in_o
                 let src = if is_pinned { &pinned[from..from + len] } else { &pageable[from..from + len] };
                 batch.write(buffer, at as u64, src)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for &(at, is_pinned, from, len) in writes {
@@ -157,7 +157,7 @@ fn pinned_and_pageable_ranges_mix_in_one_batch_and_overlapping_writes_apply_in_o
         batch.read_to_slice(buffer, 100_000, p1)?;
         batch.read_to_slice(buffer, 9, v1)?;
         batch.read_to_slice(buffer, 9, &mut v2[..0])?;
-        batch.submit()
+        batch.submit().map(drop)
     })
     .unwrap();
     assert_eq!(out_pinned[..100], expect[3..103]);
@@ -181,7 +181,7 @@ fn a_scope_waits_for_its_transfers_when_its_closure_fails_or_panics() {
         .scope(|s| -> crate::Result<()> {
             let mut reads = s.downloads();
             reads.read_to_slice(buffer, 0, &mut cache[..4096])?;
-            reads.submit()?;
+            let _ = reads.submit()?;
             let mut bad = s.downloads();
             bad.read_to_slice(buffer, 64 << 10, &mut [0u8; 0][..])?;
             Err(Error::LengthMismatch { what: "test", left: 1, right: 2 })
@@ -194,7 +194,7 @@ fn a_scope_waits_for_its_transfers_when_its_closure_fails_or_panics() {
         let _ = d.scope(|s| -> crate::Result<()> {
             let mut reads = s.downloads();
             reads.read_to_slice(buffer, 4096, &mut cache[4096..8192])?;
-            reads.submit()?;
+            let _ = reads.submit()?;
             panic!("the caller's closure panics");
         });
     }));
@@ -233,11 +233,11 @@ fn bad_ranges_fail_the_batch_and_move_nothing() {
     assert!(d.download(buffer).unwrap() == expect);
     // Empty batches and empty slices move nothing and succeed.
     d.scope(|s| {
-        s.uploads().submit()?;
+        let _ = s.uploads().submit()?;
         let mut batch = s.uploads();
         batch.write(buffer, 4096, &[])?;
-        batch.submit()?;
-        s.downloads().submit()
+        let _ = batch.submit()?;
+        s.downloads().submit().map(drop)
     })
     .unwrap();
 }
@@ -278,7 +278,7 @@ fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
         for &(from, at, len) in &writes {
             batch.write(buffer, at as u64, &cache[from..from + len])?;
         }
-        batch.submit()
+        batch.submit().map(drop)
     })
     .unwrap();
     for &(from, at, len) in &writes {
@@ -305,7 +305,7 @@ fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
         for (out, at) in outs.iter_mut() {
             batch.read_to_slice(buffer, *at as u64, out)?;
         }
-        batch.submit()
+        batch.submit().map(drop)
     })
     .unwrap();
     for ((out, at), want) in outs.iter().zip(&expected) {
@@ -337,7 +337,7 @@ fn among_many_shuffled_blocks_an_overlap_is_found_and_applied_in_order() {
             for (slot, &b) in cache.chunks(block).zip(&targets) {
                 batch.write(buffer, (b * block) as u64, slot)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for (slot, &b) in cache.chunks(block).zip(&targets) {
@@ -351,7 +351,7 @@ fn among_many_shuffled_blocks_an_overlap_is_found_and_applied_in_order() {
             for (slot, &b) in back.chunks_mut(block).zip(&order[8192..]) {
                 batch.read_to_slice(buffer, (b * block) as u64, slot)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for (slot, &b) in back.chunks(block).zip(&order[8192..]) {
@@ -383,7 +383,7 @@ fn memory_pinned_by_pin_host_moves_in_place_in_runs_and_is_staged_in_pieces() {
         for &(from, at) in &pieces {
             batch.write(buffer, at as u64, &cache[from..from + 1000])?;
         }
-        batch.submit()
+        batch.submit().map(drop)
     })
     .unwrap();
     assert!(
@@ -420,7 +420,7 @@ fn a_run_over_two_registrations_or_a_pageable_hole_never_moves_by_one_dma() {
         d.scope(|s| {
             let mut batch = s.uploads();
             batch.write(buffer, 0, &host)?;
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         expect.copy_from_slice(&host);
@@ -431,7 +431,7 @@ fn a_run_over_two_registrations_or_a_pageable_hole_never_moves_by_one_dma() {
             for (i, piece) in host.chunks(64 << 10).enumerate() {
                 batch.write(buffer, ((47 - i) * (64 << 10)) as u64, piece)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for (i, piece) in host.chunks(64 << 10).enumerate() {
@@ -442,7 +442,7 @@ fn a_run_over_two_registrations_or_a_pageable_hole_never_moves_by_one_dma() {
         d.scope(|s| {
             let mut batch = s.downloads();
             batch.read_to_slice(buffer, 0, &mut host)?;
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         assert!(host == expect, "hole {hole}: one read");
@@ -481,7 +481,7 @@ fn write_blocks(
         for (&t, bytes) in targets.iter().zip(src.chunks(block)) {
             writes.write(buffer, (t * block) as u64, bytes)?;
         }
-        writes.submit()
+        writes.submit().map(drop)
     })
     .unwrap();
     for (&t, bytes) in targets.iter().zip(src.chunks(block)) {
@@ -518,7 +518,7 @@ fn a_large_scoped_batch_moves_in_parts_and_later_writes_win() {
         for (&t, dst) in targets.iter().zip(out.chunks_mut(block)) {
             reads.read_to_slice(buffer, (t * block) as u64, dst)?;
         }
-        reads.submit()
+        reads.submit().map(drop)
     })
     .unwrap();
     for (&t, got) in targets.iter().zip(out.chunks(block)) {
@@ -556,7 +556,7 @@ fn a_first_part_moved_early_stays_before_the_staged_writes_after_it() {
         for (&t, bytes) in later.iter().zip(pageable.chunks(block)) {
             writes.write(buffer, (t * block) as u64, bytes)?;
         }
-        writes.submit()
+        writes.submit().map(drop)
     })
     .unwrap();
     let after = d.telemetry();
@@ -581,7 +581,7 @@ fn a_first_part_moved_early_stays_before_the_staged_writes_after_it() {
         for (&t, dst) in order[1500..1800].iter().zip(tail.chunks_mut(block)) {
             reads.read_to_slice(buffer, (t * block) as u64, dst)?;
         }
-        reads.submit()
+        reads.submit().map(drop)
     })
     .unwrap();
     for (&t, got) in order[..1800].iter().zip(out.chunks(block).chain(tail.chunks(block))) {
@@ -662,8 +662,8 @@ fn scoped_bulk_calls_move_what_single_calls_move() {
                 ins.iter().zip(in_half.chunks(block)).map(|(&(p, k), src)| (p, (k * block) as u64, src));
             writes.write_many(items)?;
             assert_eq!(writes.len(), 24);
-            reads.submit()?;
-            writes.submit()
+            let _ = reads.submit()?;
+            writes.submit().map(drop)
         })
         .unwrap();
         for (i, &(p, k)) in outs.iter().enumerate() {
@@ -779,7 +779,7 @@ fn random_scoped_batches_of_mixed_memory_apply_in_order() {
             for &item in &items {
                 writes.write(buffer, item.2 as u64, bytes(item))?;
             }
-            writes.submit()
+            writes.submit().map(drop)
         })
         .unwrap();
         for &item in &items {
@@ -806,7 +806,7 @@ fn random_scoped_batches_of_mixed_memory_apply_in_order() {
             for (dev, dst) in reads.iter_mut() {
                 batch.read_to_slice(buffer, *dev as u64, dst)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for (dev, dst) in &reads {
