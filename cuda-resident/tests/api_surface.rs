@@ -14,7 +14,7 @@ use cuda_resident::{
     AllocatorStats, Config, Device, DeviceInfo, DeviceSet, DownloadBatch, Downloaded, Error, FanOutPath,
     Fence, FenceEvent, FenceFuture, GRANULE, MAX_CLASS_BYTES, OwnedBuffer, PeerBatch, PendingDownload,
     PinnedBuffer, PinnedStats, PlanError, PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Scope,
-    DownloadBatch, UploadBatch, Slot, TelemetrySnapshot, UploadBatch, cuda_sys,
+    Slot, TelemetrySnapshot, UploadBatch, cuda_sys,
 };
 
 type Ranges<'r> = &'r [(ResidentBuffer, u64, u64)];
@@ -192,7 +192,8 @@ fn batch_items<'a>(_device: PhantomData<&'a Device>) {
     let _: fn(&UploadBatch<'a>) -> bool = UploadBatch::is_empty;
     let _: fn(&mut DownloadBatch<'a>, ResidentBuffer, u64, u64) -> Result<Slot> = DownloadBatch::read;
     let _: fn(&mut DownloadBatch<'a>, ResidentBuffer) -> Result<Slot> = DownloadBatch::read_buffer;
-    let _: fn(&mut DownloadBatch<'a>, &[ResidentBuffer]) -> Result<Vec<Slot>> = DownloadBatch::read_buffer_many;
+    let _: fn(&mut DownloadBatch<'a>, &[ResidentBuffer]) -> Result<Vec<Slot>> =
+        DownloadBatch::read_buffer_many;
     let _: fn(&mut DownloadBatch<'a>, Vec<(ResidentBuffer, u64, u64)>) -> Result<Vec<Slot>> =
         DownloadBatch::read_many;
     let _: for<'b> fn(

@@ -76,7 +76,7 @@ fn mixes(d: &Device, rng: &mut fastrand::Rng) {
     d.scope(|s| {
         let mut down = s.downloads();
         down.read_to_slice(b, 7, &mut back)?;
-        down.submit()?;
+        let _ = down.submit()?;
         Ok(())
     })
     .unwrap();

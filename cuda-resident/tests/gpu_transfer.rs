@@ -657,8 +657,8 @@ fn tiny_items_move_in_place_in_launches_whose_tables_fit_what_the_pool_keeps() {
         for (i, src) in in_half.chunks(64).take(scattered).enumerate() {
             writes.write(pool, at_in + (16 * i) as u64, &src[..8])?;
         }
-        writes.submit()?;
-        reads.submit()
+        let _ = writes.submit()?;
+        reads.submit().map(drop)
     })
     .unwrap();
     for i in 0..runs {
@@ -718,8 +718,8 @@ fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cach
                 for (&b, src) in into.iter().zip(in_half.chunks(block)) {
                     writes.write(pool, (b * block) as u64, src)?;
                 }
-                writes.submit()?;
-                reads.submit()
+                let _ = writes.submit()?;
+                reads.submit().map(drop)
             })
             .unwrap();
             assert_eq!(d.telemetry().lane_waits, moves.lane_waits, "{block} B: the directions waited");
@@ -766,14 +766,14 @@ fn a_scope_is_shared_by_threads_each_building_a_direction() {
                 for (i, src) in in_half.chunks(block).enumerate() {
                     writes.write(buffer, ((32 + i) * block) as u64, src)?;
                 }
-                writes.submit()
+                writes.submit().map(drop)
             });
             let down = threads.spawn(|| {
                 let mut reads = s.downloads();
                 for (i, dst) in out_half.chunks_mut(block).enumerate() {
                     reads.read_to_slice(buffer, (i * block) as u64, dst)?;
                 }
-                reads.submit()
+                reads.submit().map(drop)
             });
             up.join().expect("no panic")?;
             down.join().expect("no panic")

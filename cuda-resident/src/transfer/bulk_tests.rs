@@ -219,7 +219,9 @@ fn a_bad_item_is_named_by_index_keeps_the_items_before_it_and_fails_submit() {
         let single = d.downloads().read_buffer(bad).unwrap_err();
         let mut reads = d.downloads();
         let e = reads.read_buffer_many(&[good, m.buffers[1], bad, good]).unwrap_err();
-        let Error::BadItem { call: "DownloadBatch::read_buffer_many", index: 2, error } = &e else { panic!("{e}") };
+        let Error::BadItem { call: "DownloadBatch::read_buffer_many", index: 2, error } = &e else {
+            panic!("{e}")
+        };
         assert_eq!(error.to_string(), single.to_string());
         assert_eq!(reads.len(), 2);
         assert_eq!(reads.submit().map(drop).unwrap_err().to_string(), e.to_string());

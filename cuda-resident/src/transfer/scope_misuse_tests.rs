@@ -500,7 +500,9 @@ fn random_scoped_batches_match_a_byte_model() {
                 d.scope(|s| {
                     let mut batch = s.downloads();
                     if iter % 3 == 1 {
-                        batch.read_to_slice_many(pieces.iter_mut().map(|(_, o, p)| (b, *o as u64, &mut **p)))?;
+                        batch.read_to_slice_many(
+                            pieces.iter_mut().map(|(_, o, p)| (b, *o as u64, &mut **p)),
+                        )?;
                     } else {
                         for (_, o, p) in pieces.iter_mut() {
                             batch.read_to_slice(b, *o as u64, p)?;

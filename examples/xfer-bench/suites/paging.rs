@@ -496,7 +496,7 @@ fn ours_marked(
                     let (built, faulted) = mark();
                     return submit(0, (built, faults_at, faulted), writes.submit());
                 }
-                writes.submit()?;
+                let _ = writes.submit()?;
             }
         };
         let swap_out = move || {
@@ -511,9 +511,10 @@ fn ours_marked(
                 }
                 if slots.peek().is_none() {
                     let (built, faulted) = mark();
-                    return submit(1, (built, faults_at, faulted), reads.submit());
+                    // Reads into slices only: the download's fence is their last submission's.
+                    return submit(1, (built, faults_at, faulted), reads.submit().map(|p| p.fence().clone()));
                 }
-                reads.submit()?;
+                let _ = reads.submit()?;
             }
         };
         if !both {

@@ -323,7 +323,9 @@ impl DownloadBatch<'_> {
             let added = self.core.buffer_len(buffer).and_then(|len| self.add(buffer, 0, len));
             match added {
                 Ok(slot) => slots.push(slot),
-                Err(e) => return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_buffer_many", index, e)),
+                Err(e) => {
+                    return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_buffer_many", index, e));
+                }
             }
         }
         Ok(slots)

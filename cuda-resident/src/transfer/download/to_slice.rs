@@ -24,7 +24,12 @@ impl<'a> DownloadBatch<'a> {
     ///
     /// # Errors
     /// A bad range (returned here and again by `submit`, which then moves nothing).
-    pub fn read_to_slice(&mut self, buffer: ResidentBuffer, offset: u64, out: &'a mut [u8]) -> Result<&mut Self> {
+    pub fn read_to_slice(
+        &mut self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        out: &'a mut [u8],
+    ) -> Result<&mut Self> {
         let table = &mut self.slices.table;
         let (key, _) = table.check(&self.core.alloc, buffer, offset, out.len() as u64, &mut self.error)?;
         self.slices.items.push((key, offset, out));
@@ -59,7 +64,8 @@ impl<'a> DownloadBatch<'a> {
             |batch, at| {
                 let (core, slices) = (batch.core, &mut batch.slices);
                 for (buffer, offset, out) in items {
-                    let (key, _) = slices.table.check(&core.alloc, buffer, offset, out.len() as u64, &mut None)?;
+                    let (key, _) =
+                        slices.table.check(&core.alloc, buffer, offset, out.len() as u64, &mut None)?;
                     slices.items.push((key, offset, out));
                     *at += 1;
                 }
@@ -109,7 +115,8 @@ pub(in crate::transfer) fn read_staged(
         return Ok(());
     }
     let mut batch = super::downloads(core);
-    let slots = batch.read_many(staged.iter().map(|(buffer, offset, out)| (*buffer, *offset, out.len() as u64)))?;
+    let slots =
+        batch.read_many(staged.iter().map(|(buffer, offset, out)| (*buffer, *offset, out.len() as u64)))?;
     let pending = batch.submit()?;
     if let Some(seen) = seen {
         note(seen, pending.fence());
@@ -118,7 +125,10 @@ pub(in crate::transfer) fn read_staged(
     let mut pieces = Vec::with_capacity(staged.len());
     for ((_, _, out), slot) in staged.iter_mut().zip(slots) {
         let bytes = done.get(slot);
-        Piece::push_split(&mut pieces, Piece { dst: out.as_mut_ptr(), src: bytes.as_ptr(), len: bytes.len() });
+        Piece::push_split(
+            &mut pieces,
+            Piece { dst: out.as_mut_ptr(), src: bytes.as_ptr(), len: bytes.len() },
+        );
     }
     // SAFETY: each piece copies a landed view into its own caller slice (distinct `&mut`
     // borrows, of the view's length).
