@@ -22,6 +22,8 @@ pub use upload::UploadBatch;
 #[cfg(test)]
 mod adversary_tests;
 #[cfg(test)]
+mod batch_kind_tests;
+#[cfg(test)]
 mod bulk_tests;
 #[cfg(test)]
 mod callback_tests;

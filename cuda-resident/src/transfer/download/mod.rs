@@ -324,7 +324,12 @@ impl DownloadBatch<'_> {
             match added {
                 Ok(slot) => slots.push(slot),
                 Err(e) => {
-                    return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_buffer_many", index, e));
+                    return Err(Error::bad_item(
+                        &mut self.error,
+                        "DownloadBatch::read_buffer_many",
+                        index,
+                        e,
+                    ));
                 }
             }
         }
