@@ -4,15 +4,9 @@
 //! are one type with the same methods; what differs is what `submit` does with the caller's
 //! memory. Also the two kinds of read of a download batch in one batch.
 
-use crate::testing::{device, model, random_vec};
+use super::scope_tests::pool;
+use crate::testing::{device, model};
 use crate::{Config, Device, Error, ResidentBuffer, TelemetrySnapshot, UploadBatch};
-
-fn pool(d: &Device, rng: &mut fastrand::Rng, len: usize) -> (ResidentBuffer, Vec<u8>) {
-    let buffer = d.allocate(len as u64).unwrap();
-    let bytes = random_vec(rng, len);
-    d.upload(buffer, &bytes).unwrap();
-    (buffer, bytes)
-}
 
 /// What a batch enqueued, between two snapshots: DMAs, launches, bytes over the bus.
 fn moves(before: &TelemetrySnapshot, after: &TelemetrySnapshot) -> (u64, u64, u64) {

@@ -44,4 +44,6 @@ mod par_tests;
 #[cfg(test)]
 mod scope_misuse_tests;
 #[cfg(test)]
+mod scope_parts_tests;
+#[cfg(test)]
 mod scope_tests;
