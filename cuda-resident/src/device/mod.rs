@@ -479,7 +479,9 @@ impl Device {
         unsafe { crate::transfer::single::unpin_host(&self.core, ptr) }
     }
 
-    /// Starts a batch of uploads.
+    /// Starts a batch of uploads: an ordinary [`UploadBatch`], which copies the caller's
+    /// slices into pinned staging at `submit` (a [`Scope`]'s batch of the same type moves
+    /// pinned memory in place instead: [`Device::scope`]).
     pub fn uploads(&self) -> UploadBatch<'_> {
         crate::transfer::upload::uploads(&self.core)
     }
@@ -542,7 +544,9 @@ impl Device {
         crate::transfer::scope::scope(&self.core, f)
     }
 
-    /// Starts a batch of downloads.
+    /// Starts a batch of downloads: an ordinary [`DownloadBatch`], whose reads into the
+    /// caller's slices land there before `submit` returns (a [`Scope`]'s batch of the same
+    /// type lands them in pinned memory in place: [`Device::scope`]).
     pub fn downloads(&self) -> DownloadBatch<'_> {
         crate::transfer::download::downloads(&self.core)
     }
