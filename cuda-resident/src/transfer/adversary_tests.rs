@@ -1323,7 +1323,7 @@ fn download_many_duplicates_and_bad_items() {
         d.free(freed).unwrap();
         fix("download_many with a freed buffer", d.download_many(&[m.buffers[0], freed]));
         let mut r = d.downloads();
-        fix("read_many with a freed buffer", r.read_buffer_many(&[m.buffers[0], freed]));
+        fix("read_buffer_many with a freed buffer", r.read_buffer_many(&[m.buffers[0], freed]));
         fix("submit after it", r.submit().map(drop));
         fix("read_buffer of a freed buffer", d.downloads().read_buffer(freed));
         lent_zero(&d, "download_many");

@@ -1,5 +1,5 @@
 //! The bulk calls on the model driver: `UploadBatch::write_many`, `DownloadBatch::read_many`
-//! and `read_many`, each against what the same items added one by one do.
+//! and `read_buffer_many`, each against what the same items added one by one do.
 
 use crate::testing::{Model, device, model, random_vec, small_chunks};
 use crate::{Config, Device, Error, ResidentBuffer};
@@ -97,7 +97,7 @@ fn read_many_and_read_buffer_many_read_every_byte() {
                 assert_eq!(got.get(slot), &m.expect[i][at..at + len], "round {round}");
             }
             for (i, &slot) in whole.iter().enumerate() {
-                assert_eq!(got.get(slot), &m.expect[i][..], "round {round}: read_many");
+                assert_eq!(got.get(slot), &m.expect[i][..], "round {round}: read_buffer_many");
             }
         }
     }

@@ -64,7 +64,7 @@ fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
     let cases: [(&str, Bad); 7] = [
         ("read_buffer of a freed handle", |r, [freed, _, _]| r.read_buffer(freed).map(drop)),
         ("read of a freed handle", |r, [freed, _, _]| r.read(freed, 0, 10).map(drop)),
-        ("read_many with a freed handle", |r, [freed, _, _]| r.read_buffer_many(&[freed]).map(drop)),
+        ("read_buffer_many with a freed handle", |r, [freed, _, _]| r.read_buffer_many(&[freed]).map(drop)),
         ("read_buffer of a foreign handle", |r, [_, foreign, _]| r.read_buffer(foreign).map(drop)),
         ("read of a foreign handle", |r, [_, foreign, _]| r.read(foreign, 0, 10).map(drop)),
         ("a read past the end", |r, [_, _, good]| r.read(good, 4000, 200).map(drop)),
