@@ -31,8 +31,9 @@ impl DownloadBatch<'_> {
     /// enqueued then, the good reads included. A batch too large for the pinned pool is not
     /// an error: it streams (see [`DownloadBatch`]), and this returns once it has landed;
     /// [`Error::PinnedExhausted`] only when the caller holds so much staging that not even
-    /// one chunk of the ring is left. In a scoped batch, an error part way (from the
-    /// driver, or a buffer another thread frees meanwhile) leaves the parts before it moved.
+    /// one chunk of the ring is left. An error part way (from the driver, or a buffer
+    /// another thread frees meanwhile) leaves the parts before it moved: a scoped batch's
+    /// earlier parts, and the reads into slices, which move before the reads into views.
     pub fn submit(mut self) -> Result<PendingDownload> {
         let submitted = self.submit_inner();
         self.give_back();
