@@ -16,9 +16,10 @@
 //!   over the bus when the copies come in order ([`Config::small_copies_over_bus`]), or a
 //!   DMA and one scatter or gather launch; large copies from ordinary memory are pipelined
 //!   through pinned memory by several threads;
-//! - **scoped transfers** ([`Device::scope`]): batches whose other end is the caller's own
-//!   memory, borrowed until the scope has waited for them, so that pinned memory (a host
-//!   cache of KV blocks, say) moves in place, with no staging copy, both directions at once;
+//! - **scoped transfers** ([`Device::scope`]): the same [`UploadBatch`] and [`DownloadBatch`]
+//!   with the caller's own memory as the other end, borrowed until the scope has waited for
+//!   them, so that pinned memory (a host cache of KV blocks, say) moves in place, with no
+//!   staging copy, both directions at once;
 //! - **prepared sets** ([`Device::prepare_uploads`], [`Device::prepare_downloads`]): the same
 //!   ranges moved every step are checked and laid out once, with their descriptors resident
 //!   on the device; each move then costs a parallel copy of the bytes (uploads) and a launch
@@ -168,8 +169,7 @@ pub use owned::OwnedBuffer;
 pub use peer::{FanOutPath, PeerBatch};
 pub use telemetry::TelemetrySnapshot;
 pub use transfer::{
-    DownloadBatch, Downloaded, PendingDownload, PreparedDownloads, PreparedUploads, Scope, ScopedDownloads,
-    ScopedUploads, Slot, UploadBatch,
+    DownloadBatch, Downloaded, PendingDownload, PreparedDownloads, PreparedUploads, Scope, Slot, UploadBatch,
 };
 
 /// The raw driver crate, re-exported for callers that make their own driver calls.

@@ -14,7 +14,7 @@ use cuda_resident::{
     AllocatorStats, Config, Device, DeviceInfo, DeviceSet, DownloadBatch, Downloaded, Error, FanOutPath,
     Fence, FenceEvent, FenceFuture, GRANULE, MAX_CLASS_BYTES, OwnedBuffer, PeerBatch, PendingDownload,
     PinnedBuffer, PinnedStats, PlanError, PreparedDownloads, PreparedUploads, ResidentBuffer, Result, Scope,
-    ScopedDownloads, ScopedUploads, Slot, TelemetrySnapshot, UploadBatch, cuda_sys,
+    Slot, TelemetrySnapshot, UploadBatch, cuda_sys,
 };
 
 type Ranges<'r> = &'r [(ResidentBuffer, u64, u64)];
@@ -101,8 +101,8 @@ fn every_public_item_is_named() {
     send_sync::<FenceEvent>();
     send_sync::<Scope<'static, 'static>>();
     fn send<T: Send>() {}
-    send::<ScopedUploads<'static>>();
-    send::<ScopedDownloads<'static>>();
+    send::<UploadBatch<'static>>();
+    send::<DownloadBatch<'static>>();
     send_sync::<FenceFuture>();
 
     // Scoped transfers: the caller's memory as the other end.
@@ -192,14 +192,25 @@ fn batch_items<'a>(_device: PhantomData<&'a Device>) {
     let _: fn(&UploadBatch<'a>) -> usize = UploadBatch::len;
     let _: fn(&UploadBatch<'a>) -> bool = UploadBatch::is_empty;
     let _: fn(&mut DownloadBatch<'a>, ResidentBuffer, u64, u64) -> Result<Slot> = DownloadBatch::read;
-    let _: fn(&mut DownloadBatch<'a>, ResidentBuffer) -> Result<Slot> = DownloadBatch::read_all;
-    let _: fn(&mut DownloadBatch<'a>, &[ResidentBuffer]) -> Result<Vec<Slot>> = DownloadBatch::read_many;
+    let _: fn(&mut DownloadBatch<'a>, ResidentBuffer) -> Result<Slot> = DownloadBatch::read_buffer;
+    let _: fn(&mut DownloadBatch<'a>, &[ResidentBuffer]) -> Result<Vec<Slot>> =
+        DownloadBatch::read_buffer_many;
     let _: fn(&mut DownloadBatch<'a>, Vec<(ResidentBuffer, u64, u64)>) -> Result<Vec<Slot>> =
-        DownloadBatch::read_ranges;
+        DownloadBatch::read_many;
     let _: for<'b> fn(
         &'b mut UploadBatch<'a>,
         Vec<(ResidentBuffer, u64, &'a [u8])>,
     ) -> Result<&'b mut UploadBatch<'a>> = UploadBatch::write_many;
+    let _: for<'b> fn(
+        &'b mut DownloadBatch<'a>,
+        ResidentBuffer,
+        u64,
+        &'a mut [u8],
+    ) -> Result<&'b mut DownloadBatch<'a>> = DownloadBatch::read_to_slice;
+    let _: for<'b> fn(
+        &'b mut DownloadBatch<'a>,
+        Vec<(ResidentBuffer, u64, &'a mut [u8])>,
+    ) -> Result<&'b mut DownloadBatch<'a>> = DownloadBatch::read_to_slice_many;
     let _: fn(&DownloadBatch<'a>) -> usize = DownloadBatch::len;
     let _: fn(&DownloadBatch<'a>) -> bool = DownloadBatch::is_empty;
     let _: fn(DownloadBatch<'a>) -> Result<PendingDownload> = DownloadBatch::submit;
@@ -251,36 +262,36 @@ fn config_is_built_from_its_defaults_with_setters() {
 
 /// The items of a scope's batches, named with the scope's lifetime.
 fn scoped_items<'scope>(s: &'scope Scope<'scope, '_>) -> u8 {
-    let _: ScopedUploads<'scope> = Scope::uploads(s);
-    let _: ScopedDownloads<'scope> = Scope::downloads(s);
+    let _: UploadBatch<'scope> = Scope::uploads(s);
+    let _: DownloadBatch<'scope> = Scope::downloads(s);
     let _: for<'b> fn(
-        &'b mut ScopedUploads<'scope>,
+        &'b mut UploadBatch<'scope>,
         ResidentBuffer,
         u64,
         &'scope [u8],
-    ) -> Result<&'b mut ScopedUploads<'scope>> = ScopedUploads::write;
+    ) -> Result<&'b mut UploadBatch<'scope>> = UploadBatch::write;
     let _: for<'b> fn(
-        &'b mut ScopedDownloads<'scope>,
+        &'b mut DownloadBatch<'scope>,
         ResidentBuffer,
         u64,
         &'scope mut [u8],
-    ) -> Result<&'b mut ScopedDownloads<'scope>> = ScopedDownloads::read_into;
+    ) -> Result<&'b mut DownloadBatch<'scope>> = DownloadBatch::read_to_slice;
     let _: for<'b> fn(
-        &'b mut ScopedUploads<'scope>,
+        &'b mut UploadBatch<'scope>,
         Vec<(ResidentBuffer, u64, &'scope [u8])>,
-    ) -> Result<&'b mut ScopedUploads<'scope>> = ScopedUploads::write_many;
+    ) -> Result<&'b mut UploadBatch<'scope>> = UploadBatch::write_many;
     let _: for<'b> fn(
-        &'b mut ScopedDownloads<'scope>,
+        &'b mut DownloadBatch<'scope>,
         Vec<(ResidentBuffer, u64, &'scope mut [u8])>,
-    ) -> Result<&'b mut ScopedDownloads<'scope>> = ScopedDownloads::read_into_many;
-    let _: fn(ScopedUploads<'scope>) -> Result<()> = ScopedUploads::submit;
-    let _: fn(ScopedUploads<'scope>) -> Result<Fence> = ScopedUploads::submit_fenced;
-    let _: fn(ScopedDownloads<'scope>) -> Result<()> = ScopedDownloads::submit;
-    let _: fn(ScopedDownloads<'scope>) -> Result<Fence> = ScopedDownloads::submit_fenced;
-    let _: fn(&ScopedUploads<'scope>) -> usize = ScopedUploads::len;
-    let _: fn(&ScopedUploads<'scope>) -> bool = ScopedUploads::is_empty;
-    let _: fn(&ScopedDownloads<'scope>) -> usize = ScopedDownloads::len;
-    let _: fn(&ScopedDownloads<'scope>) -> bool = ScopedDownloads::is_empty;
+    ) -> Result<&'b mut DownloadBatch<'scope>> = DownloadBatch::read_to_slice_many;
+    // The same types as ordinary batches, with the same submits.
+    let _: fn(UploadBatch<'scope>) -> Result<Fence> = UploadBatch::submit;
+    let _: fn(DownloadBatch<'scope>) -> Result<PendingDownload> = DownloadBatch::submit;
+    let _: fn(&mut DownloadBatch<'scope>, ResidentBuffer, u64, u64) -> Result<Slot> = DownloadBatch::read;
+    let _: fn(&UploadBatch<'scope>) -> usize = UploadBatch::len;
+    let _: fn(&UploadBatch<'scope>) -> bool = UploadBatch::is_empty;
+    let _: fn(&DownloadBatch<'scope>) -> usize = DownloadBatch::len;
+    let _: fn(&DownloadBatch<'scope>) -> bool = DownloadBatch::is_empty;
     0
 }
 

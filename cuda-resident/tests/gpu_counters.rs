@@ -75,8 +75,8 @@ fn mixes(d: &Device, rng: &mut fastrand::Rng) {
     let mut back = vec![0u8; 100_000];
     d.scope(|s| {
         let mut down = s.downloads();
-        down.read_into(b, 7, &mut back)?;
-        down.submit()?;
+        down.read_to_slice(b, 7, &mut back)?;
+        let _ = down.submit()?;
         Ok(())
     })
     .unwrap();

@@ -59,7 +59,7 @@ fn dropping_the_device_with_uploads_and_readbacks_in_flight_waits_for_them() {
         let fence = batch.submit().unwrap();
         let mut reads = d.downloads();
         for &b in &buffers {
-            reads.read_all(b).unwrap();
+            reads.read_buffer(b).unwrap();
         }
         let pending = reads.submit().unwrap();
         // Everything dropped while the copies may still be on the wire: the last owner
@@ -83,7 +83,7 @@ fn a_pending_readback_and_a_fence_outlive_their_device_and_stay_correct() {
             batch.submit().unwrap()
         };
         let mut reads = d.downloads();
-        let whole = reads.read_all(b).unwrap();
+        let whole = reads.read_buffer(b).unwrap();
         let part = reads.read(b, 12345, 100).unwrap();
         let pending = reads.submit().unwrap();
         // The buffer is freed and the device handle dropped before anyone waits.
@@ -113,7 +113,7 @@ fn dropping_unsubmitted_batches_returns_their_staging() {
         assert!(d.telemetry().pinned.lent_bytes > 0, "in-place writes hold staging");
         drop(batch);
         let mut reads = d.downloads();
-        reads.read_all(b).unwrap();
+        reads.read_buffer(b).unwrap();
         drop(reads);
         let t = d.telemetry();
         assert_eq!(t.pinned.lent_bytes, 0, "{t:#?}");
@@ -131,7 +131,7 @@ fn freeing_buffers_with_copies_in_flight_defers_and_keeps_the_bytes() {
         let b = d.allocate(data.len() as u64).unwrap();
         d.upload(b, &data).unwrap();
         let mut reads = d.downloads();
-        let slot = reads.read_all(b).unwrap();
+        let slot = reads.read_buffer(b).unwrap();
         let pending = reads.submit().unwrap();
         // Freed while the readback may be copying out of it, then reused at once by another
         // allocation that is written: the readback must still see the old bytes.

@@ -266,7 +266,7 @@ fn the_seed_operations_each_work() {
     d.download_into(&ranges, &mut slots).unwrap();
     assert_eq!(slots, got);
     let mut reads = d.downloads();
-    let s = reads.read_many(&[a, b]).unwrap();
+    let s = reads.read_buffer_many(&[a, b]).unwrap();
     let done = reads.submit().unwrap().wait().unwrap();
     assert_eq!((done.get(s[0]), done.get(s[1])), (&va2[..], &vb2[..]));
 
@@ -651,14 +651,14 @@ fn tiny_items_move_in_place_in_launches_whose_tables_fit_what_the_pool_keeps() {
     d.scope(|s| {
         let mut reads = s.downloads();
         for (i, dst) in out_half.chunks_mut(16).take(runs).enumerate() {
-            reads.read_into(pool, (32 * i) as u64, dst)?;
+            reads.read_to_slice(pool, (32 * i) as u64, dst)?;
         }
         let mut writes = s.uploads();
         for (i, src) in in_half.chunks(64).take(scattered).enumerate() {
             writes.write(pool, at_in + (16 * i) as u64, &src[..8])?;
         }
-        writes.submit()?;
-        reads.submit()
+        let _ = writes.submit()?;
+        reads.submit().map(drop)
     })
     .unwrap();
     for i in 0..runs {
@@ -712,14 +712,14 @@ fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cach
             d.scope(|s| {
                 let mut reads = s.downloads();
                 for (&b, dst) in out.iter().zip(out_half.chunks_mut(block)) {
-                    reads.read_into(pool, (b * block) as u64, dst)?;
+                    reads.read_to_slice(pool, (b * block) as u64, dst)?;
                 }
                 let mut writes = s.uploads();
                 for (&b, src) in into.iter().zip(in_half.chunks(block)) {
                     writes.write(pool, (b * block) as u64, src)?;
                 }
-                writes.submit()?;
-                reads.submit()
+                let _ = writes.submit()?;
+                reads.submit().map(drop)
             })
             .unwrap();
             assert_eq!(d.telemetry().lane_waits, moves.lane_waits, "{block} B: the directions waited");
@@ -766,14 +766,14 @@ fn a_scope_is_shared_by_threads_each_building_a_direction() {
                 for (i, src) in in_half.chunks(block).enumerate() {
                     writes.write(buffer, ((32 + i) * block) as u64, src)?;
                 }
-                writes.submit()
+                writes.submit().map(drop)
             });
             let down = threads.spawn(|| {
                 let mut reads = s.downloads();
                 for (i, dst) in out_half.chunks_mut(block).enumerate() {
-                    reads.read_into(buffer, (i * block) as u64, dst)?;
+                    reads.read_to_slice(buffer, (i * block) as u64, dst)?;
                 }
-                reads.submit()
+                reads.submit().map(drop)
             });
             up.join().expect("no panic")?;
             down.join().expect("no panic")
@@ -827,7 +827,7 @@ fn parallel_fills_from_many_threads_land_every_byte() {
                     batch.submit().unwrap().wait().unwrap();
                     let mut reads = d.downloads();
                     let slots = reads
-                        .read_ranges(writes.iter().map(|(at, v)| (b, *at as u64, v.len() as u64)))
+                        .read_many(writes.iter().map(|(at, v)| (b, *at as u64, v.len() as u64)))
                         .unwrap();
                     let got = reads.submit().unwrap().wait().unwrap();
                     for ((at, bytes), slot) in writes.iter().zip(slots) {

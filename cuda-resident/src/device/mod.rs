@@ -494,7 +494,9 @@ impl Device {
         unsafe { crate::transfer::single::unpin_host(&self.core, ptr) }
     }
 
-    /// Starts a batch of uploads.
+    /// Starts a batch of uploads: an ordinary [`UploadBatch`], which copies the caller's
+    /// slices into pinned staging at `submit` (a [`Scope`]'s batch of the same type moves
+    /// pinned memory in place instead: [`Device::scope`]).
     pub fn uploads(&self) -> UploadBatch<'_> {
         crate::transfer::upload::uploads(&self.core)
     }
@@ -531,7 +533,7 @@ impl Device {
     ///     // Swap blocks 0..16 out into the first half, and the second half in as blocks 16..32.
     ///     let mut out = s.downloads();
     ///     for (i, dst) in out_half.chunks_mut(block).enumerate() {
-    ///         out.read_into(pool, (i * block) as u64, dst)?;
+    ///         out.read_to_slice(pool, (i * block) as u64, dst)?;
     ///     }
     ///     let mut into = s.uploads();
     ///     for (i, src) in in_half.chunks(block).enumerate() {
@@ -557,7 +559,9 @@ impl Device {
         crate::transfer::scope::scope(&self.core, f)
     }
 
-    /// Starts a batch of downloads.
+    /// Starts a batch of downloads: an ordinary [`DownloadBatch`], whose reads into the
+    /// caller's slices land there before `submit` returns (a [`Scope`]'s batch of the same
+    /// type lands them in pinned memory in place: [`Device::scope`]).
     pub fn downloads(&self) -> DownloadBatch<'_> {
         crate::transfer::download::downloads(&self.core)
     }

@@ -254,13 +254,13 @@ pub enum Error {
         cause: String,
     },
 
-    /// An item of a bulk call ([`UploadBatch::write_many`](crate::UploadBatch::write_many),
-    /// [`DownloadBatch::read_ranges`](crate::DownloadBatch::read_ranges),
+    /// An item of a list call (`<single>_many`:
+    /// [`UploadBatch::write_many`](crate::UploadBatch::write_many),
     /// [`DownloadBatch::read_many`](crate::DownloadBatch::read_many),
-    /// [`ScopedUploads::write_many`](crate::ScopedUploads::write_many),
-    /// [`ScopedDownloads::read_into_many`](crate::ScopedDownloads::read_into_many)) was
-    /// refused: `error` is what the single call (`write`, `read`, `read_all`, `read_into`)
-    /// would have returned for it.
+    /// [`DownloadBatch::read_buffer_many`](crate::DownloadBatch::read_buffer_many),
+    /// [`DownloadBatch::read_to_slice_many`](crate::DownloadBatch::read_to_slice_many)) was
+    /// refused: `error` is what the single call (`write`, `read`, `read_buffer`,
+    /// `read_to_slice`) would have returned for it.
     #[error("item {index} of {call}: {error}")]
     BadItem {
         /// The call.

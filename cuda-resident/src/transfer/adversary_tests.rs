@@ -91,7 +91,7 @@ pub(super) fn every_api(d: &Device, m: &Model, ranges: &[R], rng: &mut fastrand:
     }
     // wait_into, slots shuffled, one twice, one left out.
     let mut b = d.downloads();
-    let slots = b.read_ranges(abs.iter().copied()).unwrap();
+    let slots = b.read_many(abs.iter().copied()).unwrap();
     let mut perm: Vec<usize> = (0..n).collect();
     rng.shuffle(&mut perm);
     if n > 1 {
@@ -110,7 +110,7 @@ pub(super) fn every_api(d: &Device, m: &Model, ranges: &[R], rng: &mut fastrand:
     drop(done);
     // wait_into, slots in order.
     let mut b = d.downloads();
-    let slots = b.read_ranges(abs.iter().copied()).unwrap();
+    let slots = b.read_many(abs.iter().copied()).unwrap();
     let mut out = dirty(rng, n);
     drop(b.submit().unwrap().wait_into(&slots, &mut out).unwrap());
     for i in 0..n {
@@ -150,9 +150,9 @@ pub(super) fn every_api(d: &Device, m: &Model, ranges: &[R], rng: &mut fastrand:
     d.scope(|s| {
         let mut r = s.downloads();
         for (dst, &(x, o, _)) in out.iter_mut().zip(&abs) {
-            r.read_into(x, o, dst)?;
+            r.read_to_slice(x, o, dst)?;
         }
-        r.submit()
+        r.submit().map(drop)
     })
     .unwrap();
     for i in 0..n {
@@ -292,7 +292,7 @@ fn in_order_batches_and_out_of_order_slots() {
             every_api(&d, &m, &ranges, &mut rng, &format!("{name} in order round {round} ({route:?})"));
             // wait_into with slots reversed and a subset.
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
+            let slots = b.read_many(abs(&m, &ranges)).unwrap();
             let w = want(&m, &ranges);
             let rev: Vec<Slot> = slots.iter().rev().copied().collect();
             let mut out = dirty(&mut rng, rev.len());
@@ -301,7 +301,7 @@ fn in_order_batches_and_out_of_order_slots() {
                 same(&format!("{name}: reversed {k}"), o, &w[w.len() - 1 - k]);
             }
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
+            let slots = b.read_many(abs(&m, &ranges)).unwrap();
             let sub: Vec<Slot> = slots.iter().step_by(3).copied().collect();
             let mut out = dirty(&mut rng, sub.len());
             drop(b.submit().unwrap().wait_into(&sub, &mut out).unwrap());
@@ -310,7 +310,7 @@ fn in_order_batches_and_out_of_order_slots() {
             }
             // Many slots (more than reads): every slot 3 times.
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
+            let slots = b.read_many(abs(&m, &ranges)).unwrap();
             let many: Vec<Slot> = slots.iter().flat_map(|&s| [s, s, s]).collect();
             let mut out = dirty(&mut rng, many.len());
             drop(b.submit().unwrap().wait_into(&many, &mut out).unwrap());
@@ -373,7 +373,7 @@ fn panicking_iterators() {
             let mut b = d.downloads();
             b.read(b0, 0, 10).unwrap();
             let r = catch_unwind(AssertUnwindSafe(|| {
-                b.read_ranges((0..100u64).map(|k| {
+                b.read_many((0..100u64).map(|k| {
                     if k as usize == at {
                         panic!("iterator panics at {at}");
                     }
@@ -385,7 +385,7 @@ fn panicking_iterators() {
             assert!(matches!(e, Error::ItemsPanicked { .. }), "{e}");
             let mut b = d.downloads();
             let _ = catch_unwind(AssertUnwindSafe(|| {
-                b.read_ranges((0..100u64).map(|k| {
+                b.read_many((0..100u64).map(|k| {
                     if k as usize == at {
                         panic!("iterator panics at {at}");
                     }
@@ -406,7 +406,7 @@ fn panicking_iterators() {
                         (b0, k as u64 * 100, c)
                     });
                     let rr = &mut r;
-                    let _ = catch_unwind(AssertUnwindSafe(move || rr.read_into_many(items).map(drop)));
+                    let _ = catch_unwind(AssertUnwindSafe(move || rr.read_to_slice_many(items).map(drop)));
                     r.submit()
                 })
             }));
@@ -490,19 +490,19 @@ fn zero_and_end_reads() {
         "scope read_into at u64::MAX",
         d.scope(|s| {
             let mut r = s.downloads();
-            r.read_into(b, u64::MAX, &mut one)?;
+            r.read_to_slice(b, u64::MAX, &mut one)?;
             r.submit()
         }),
     );
     let mut none: [u8; 0] = [];
     d.scope(|s| {
         let mut r = s.downloads();
-        r.read_into(b, 4096, &mut none)?;
-        r.submit()
+        r.read_to_slice(b, 4096, &mut none)?;
+        r.submit().map(drop)
     })
     .unwrap();
     let mut r = d.downloads();
-    fix("read_ranges with u64::MAX", r.read_ranges([(b, 0, 1), (b, u64::MAX - 1, 2)]));
+    fix("read_many with u64::MAX", r.read_many([(b, 0, 1), (b, u64::MAX - 1, 2)]));
     fix("submit of it", r.submit().map(drop));
     // 64+ reads in order with one zero-length in the middle.
     let mut ranges: Vec<R> = (0..100).map(|k| (0, k * 40, 20)).collect();
@@ -566,7 +566,7 @@ fn download_many_duplicates_and_bad_items() {
             same(&format!("download_many duplicate {k}"), &got[k], &m.expect[i]);
         }
         let mut r = d.downloads();
-        let slots = r.read_many(&list).unwrap();
+        let slots = r.read_buffer_many(&list).unwrap();
         let done = r.submit().unwrap().wait().unwrap();
         for (k, &b) in list.iter().enumerate() {
             let i = m.buffers.iter().position(|&x| x == b).unwrap();
@@ -577,9 +577,9 @@ fn download_many_duplicates_and_bad_items() {
         d.free(freed).unwrap();
         fix("download_many with a freed buffer", d.download_many(&[m.buffers[0], freed]));
         let mut r = d.downloads();
-        fix("read_many with a freed buffer", r.read_many(&[m.buffers[0], freed]));
+        fix("read_many with a freed buffer", r.read_buffer_many(&[m.buffers[0], freed]));
         fix("submit after it", r.submit().map(drop));
-        fix("read_all of a freed buffer", d.downloads().read_all(freed));
+        fix("read_all of a freed buffer", d.downloads().read_buffer(freed));
         lent_zero(&d, "download_many");
     }
 }

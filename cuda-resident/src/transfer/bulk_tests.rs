@@ -1,5 +1,5 @@
-//! The bulk calls on the model driver: `UploadBatch::write_many`, `DownloadBatch::read_ranges`
-//! and `read_many`, each against what the same items added one by one do.
+//! The bulk calls on the model driver: `UploadBatch::write_many`, `DownloadBatch::read_many`
+//! and `read_buffer_many`, each against what the same items added one by one do.
 
 use crate::testing::{Model, device, model, random_vec, small_chunks};
 use crate::{Config, Device, Error, ResidentBuffer};
@@ -77,7 +77,7 @@ fn write_many_lands_every_byte_as_writes_one_by_one_would() {
 }
 
 #[test]
-fn read_ranges_and_read_many_read_every_byte() {
+fn read_many_and_read_buffer_many_read_every_byte() {
     for config in [Config::default(), small_chunks()] {
         let d = device(config);
         let mut rng = fastrand::Rng::with_seed(2002);
@@ -87,9 +87,9 @@ fn read_ranges_and_read_many_read_every_byte() {
             let mut reads = d.downloads();
             let first = reads.read(m.buffers[1], 0, 1).unwrap();
             let slots = reads
-                .read_ranges(ranges.iter().map(|&(i, at, len)| (m.buffers[i], at as u64, len as u64)))
+                .read_many(ranges.iter().map(|&(i, at, len)| (m.buffers[i], at as u64, len as u64)))
                 .unwrap();
-            let whole = reads.read_many(&m.buffers[..3]).unwrap();
+            let whole = reads.read_buffer_many(&m.buffers[..3]).unwrap();
             assert_eq!(reads.len(), 1 + ranges.len() + 3);
             let got = reads.submit().unwrap().wait().unwrap();
             assert_eq!(got.get(first), &m.expect[1][..1]);
@@ -97,7 +97,7 @@ fn read_ranges_and_read_many_read_every_byte() {
                 assert_eq!(got.get(slot), &m.expect[i][at..at + len], "round {round}");
             }
             for (i, &slot) in whole.iter().enumerate() {
-                assert_eq!(got.get(slot), &m.expect[i][..], "round {round}: read_many");
+                assert_eq!(got.get(slot), &m.expect[i][..], "round {round}: read_buffer_many");
             }
         }
     }
@@ -114,8 +114,8 @@ fn empty_lists_and_zero_length_items_add_what_they_name() {
     batch.submit().unwrap().wait().unwrap();
 
     let mut reads = d.downloads();
-    assert!(reads.read_ranges([]).unwrap().is_empty());
-    assert!(reads.read_many(&[]).unwrap().is_empty());
+    assert!(reads.read_many([]).unwrap().is_empty());
+    assert!(reads.read_buffer_many(&[]).unwrap().is_empty());
     assert!(reads.is_empty());
     reads.submit().unwrap().wait().unwrap();
 
@@ -135,7 +135,7 @@ fn empty_lists_and_zero_length_items_add_what_they_name() {
     m.check(&d, "after zero-length writes");
     let mut reads = d.downloads();
     let slots =
-        reads.read_ranges([(m.buffers[0], 70_000, 0), (m.buffers[1], 5, 0), (m.buffers[1], 0, 9)]).unwrap();
+        reads.read_many([(m.buffers[0], 70_000, 0), (m.buffers[1], 5, 0), (m.buffers[1], 0, 9)]).unwrap();
     let got = reads.submit().unwrap().wait().unwrap();
     assert!(got.get(slots[0]).is_empty() && got.get(slots[1]).is_empty());
     assert_eq!(got.get(slots[2]), &m.expect[1][..9]);
@@ -200,9 +200,9 @@ fn a_bad_item_is_named_by_index_keeps_the_items_before_it_and_fails_submit() {
             };
             let mut reads = d.downloads();
             let list = items(k).chain([(bad, offset, len)]).chain(items(3));
-            let e = reads.read_ranges(list).unwrap_err();
+            let e = reads.read_many(list).unwrap_err();
             let Error::BadItem { call, index, error } = &e else { panic!("{what}: {e}") };
-            assert_eq!((*call, *index), ("DownloadBatch::read_ranges", k), "{what}");
+            assert_eq!((*call, *index), ("DownloadBatch::read_many", k), "{what}");
             assert_eq!(error.to_string(), single.to_string(), "{what}: the error read gives");
             assert_eq!(reads.len(), k, "{what}: the items before it stay, none after");
             reads.read(good, 0, 10).unwrap();
@@ -216,10 +216,12 @@ fn a_bad_item_is_named_by_index_keeps_the_items_before_it_and_fails_submit() {
     }
     // Whole buffers: a freed or foreign handle at index k.
     for bad in [freed, foreign] {
-        let single = d.downloads().read_all(bad).unwrap_err();
+        let single = d.downloads().read_buffer(bad).unwrap_err();
         let mut reads = d.downloads();
-        let e = reads.read_many(&[good, m.buffers[1], bad, good]).unwrap_err();
-        let Error::BadItem { call: "DownloadBatch::read_many", index: 2, error } = &e else { panic!("{e}") };
+        let e = reads.read_buffer_many(&[good, m.buffers[1], bad, good]).unwrap_err();
+        let Error::BadItem { call: "DownloadBatch::read_buffer_many", index: 2, error } = &e else {
+            panic!("{e}")
+        };
         assert_eq!(error.to_string(), single.to_string());
         assert_eq!(reads.len(), 2);
         assert_eq!(reads.submit().map(drop).unwrap_err().to_string(), e.to_string());
@@ -273,7 +275,7 @@ fn a_size_hint_past_memory_reserves_a_bounded_room() {
     uploads.write_many(Boasting((0..16).map(|i| (b, i * 256, &data[i as usize * 256..][..256])))).unwrap();
     uploads.submit().unwrap().wait().unwrap();
     let mut reads = d.downloads();
-    let slots = reads.read_ranges(Boasting((0..16u64).map(|i| (b, i * 256, 256)))).unwrap();
+    let slots = reads.read_many(Boasting((0..16u64).map(|i| (b, i * 256, 256)))).unwrap();
     assert_eq!(slots.len(), 16);
     let done = reads.submit().unwrap().wait().unwrap();
     for (i, slot) in slots.into_iter().enumerate() {
@@ -325,11 +327,11 @@ fn a_bulk_call_whose_iterator_panics_moves_nothing_of_its_batch() {
     let mut reads = d.downloads();
     reads.read(b, 0, 10).unwrap();
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = reads.read_ranges(panicking(50, 3, |i| (b, i * 100, 50)));
+        let _ = reads.read_many(panicking(50, 3, |i| (b, i * 100, 50)));
     }));
     assert!(caught.is_err());
     let e = reads.submit().map(drop).unwrap_err();
-    assert!(items_panicked(&e, "DownloadBatch::read_ranges", 3), "{e}");
+    assert!(items_panicked(&e, "DownloadBatch::read_many", 3), "{e}");
     // In a scope: the caller catches the panic inside and submits what it has.
     let mut into = vec![0xA5u8; 64 * 100];
     let e = d
@@ -341,17 +343,17 @@ fn a_bulk_call_whose_iterator_panics_moves_nothing_of_its_batch() {
             }));
             assert!(caught.is_err());
             let e = writes.submit().unwrap_err();
-            assert!(items_panicked(&e, "ScopedUploads::write_many", 99), "{e}");
+            assert!(items_panicked(&e, "UploadBatch::write_many", 99), "{e}");
             let mut reads = s.downloads();
             let mut slots = into.chunks_mut(64);
             let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let _ = reads.read_into_many(panicking(100, 0, |i| (b, i * 64, slots.next().unwrap())));
+                let _ = reads.read_to_slice_many(panicking(100, 0, |i| (b, i * 64, slots.next().unwrap())));
             }));
             assert!(caught.is_err());
             reads.submit()
         })
         .unwrap_err();
-    assert!(items_panicked(&e, "ScopedDownloads::read_into_many", 0), "{e}");
+    assert!(items_panicked(&e, "DownloadBatch::read_to_slice_many", 0), "{e}");
     assert!(into.iter().all(|&x| x == 0xA5), "no read of the panicked call landed");
     m.check(&d, "after scoped bulk calls that panicked");
     assert!(model::with(|g| g.errors.is_empty()));

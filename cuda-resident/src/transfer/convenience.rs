@@ -89,7 +89,7 @@ pub(crate) fn download_many_into(
     out: &mut [Vec<u8>],
 ) -> Result<Route> {
     let mut batch = super::download::downloads(core);
-    batch.read_many(buffers)?;
+    batch.read_buffer_many(buffers)?;
     batch.submit_into_as(out, false)
 }
 

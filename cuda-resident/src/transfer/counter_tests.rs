@@ -218,11 +218,11 @@ fn scoped_transfers_and_a_panicking_parallel_fill_leave_every_counter_at_its_bas
                 up.write(m.buffers[0], 0, &pinned[..100_000])?;
                 up.write(m.buffers[0], 100_000, &pageable[..64])?;
                 up.write_many((0..64u64).map(|i| (m.buffers[1], i * 1000, &pageable[i as usize..][..500])))?;
-                up.submit()?;
+                let _ = up.submit()?;
                 let mut down = s.downloads();
-                down.read_into(m.buffers[0], 500_000, &mut back)?;
-                down.read_into(m.buffers[0], 600_000, &mut back_pinned[..])?;
-                down.submit()?;
+                down.read_to_slice(m.buffers[0], 500_000, &mut back)?;
+                down.read_to_slice(m.buffers[0], 600_000, &mut back_pinned[..])?;
+                let _ = down.submit()?;
                 Ok(())
             })
             .unwrap();
@@ -251,7 +251,7 @@ fn scoped_transfers_and_a_panicking_parallel_fill_leave_every_counter_at_its_bas
             let failed: crate::Result<()> = d.scope(|s| {
                 let mut up = s.uploads();
                 up.write(m.buffers[1], 5, &pageable[..7])?;
-                up.submit()?;
+                let _ = up.submit()?;
                 d.download_range(m.buffers[0], u64::MAX, 1).map(drop)
             });
             assert!(failed.is_err());
@@ -260,7 +260,7 @@ fn scoped_transfers_and_a_panicking_parallel_fill_leave_every_counter_at_its_bas
                 d.scope(|s| -> crate::Result<()> {
                     let mut up = s.uploads();
                     up.write(m.buffers[1], 20, &pageable[..9])?;
-                    up.submit()?;
+                    let _ = up.submit()?;
                     panic!("a scope that panics")
                 })
             }));

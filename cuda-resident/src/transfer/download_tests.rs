@@ -62,10 +62,10 @@ fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
     let foreign = other.allocate(1000).unwrap();
     type Bad = fn(&mut crate::DownloadBatch<'_>, [crate::ResidentBuffer; 3]) -> crate::Result<()>;
     let cases: [(&str, Bad); 7] = [
-        ("read_all of a freed handle", |r, [freed, _, _]| r.read_all(freed).map(drop)),
+        ("read_buffer of a freed handle", |r, [freed, _, _]| r.read_buffer(freed).map(drop)),
         ("read of a freed handle", |r, [freed, _, _]| r.read(freed, 0, 10).map(drop)),
-        ("read_many with a freed handle", |r, [freed, _, _]| r.read_many(&[freed]).map(drop)),
-        ("read_all of a foreign handle", |r, [_, foreign, _]| r.read_all(foreign).map(drop)),
+        ("read_buffer_many with a freed handle", |r, [freed, _, _]| r.read_buffer_many(&[freed]).map(drop)),
+        ("read_buffer of a foreign handle", |r, [_, foreign, _]| r.read_buffer(foreign).map(drop)),
         ("read of a foreign handle", |r, [_, foreign, _]| r.read(foreign, 0, 10).map(drop)),
         ("a read past the end", |r, [_, _, good]| r.read(good, 4000, 200).map(drop)),
         ("a read at u64::MAX", |r, [_, _, good]| r.read(good, u64::MAX, 1).map(drop)),
@@ -98,8 +98,8 @@ fn a_bad_read_poisons_the_batch_and_submit_fails_with_it_enqueueing_nothing() {
     // A buffer freed between read and submit fails submit too, the good reads with it.
     let late = d.allocate(1000).unwrap();
     let mut reads = d.downloads();
-    reads.read_all(m.buffers[1]).unwrap();
-    reads.read_all(late).unwrap();
+    reads.read_buffer(m.buffers[1]).unwrap();
+    reads.read_buffer(late).unwrap();
     d.free(late).unwrap();
     driver.faults().record();
     assert!(matches!(reads.submit().map(drop), Err(Error::FreedBuffer { .. })));

@@ -198,7 +198,7 @@ fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_t
     let data = crate::testing::random_vec(&mut rng, len);
     d.upload(a, &data).unwrap();
     let mut reads = d.downloads();
-    let slot = reads.read_all(a).unwrap();
+    let slot = reads.read_buffer(a).unwrap();
     let done = reads.submit().unwrap().wait().unwrap();
     let view = done.get(slot).as_ptr();
     // SAFETY: pinned memory of the readback, unchanged until the copy completes: the drop
@@ -209,7 +209,7 @@ fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_t
     // here: the model has not carried the copy out).
     assert!(!fence.is_complete().unwrap());
     let mut reads = d.downloads();
-    let slot = reads.read_all(a).unwrap();
+    let slot = reads.read_buffer(a).unwrap();
     let next = reads.submit().unwrap().wait().unwrap();
     assert_ne!(next.get(slot).as_ptr(), view, "the memory the copy reads was lent again");
     fence.wait().unwrap();

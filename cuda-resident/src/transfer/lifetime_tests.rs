@@ -18,7 +18,7 @@ fn submit_then_free(
     junk: u8,
 ) -> (Vec<Slot>, crate::PendingDownload, Vec<ResidentBuffer>) {
     let mut b = d.downloads();
-    let slots = b.read_ranges(abs(m, ranges)).unwrap();
+    let slots = b.read_many(abs(m, ranges)).unwrap();
     let pending = b.submit().unwrap();
     for &x in &m.buffers {
         d.free(x).unwrap();
@@ -93,9 +93,9 @@ fn drop_orders_and_views_after_device_and_trim() {
                 (0..100).map(|k| (0, k * 2000 + 1, 1000)).chain([(0, 0, 300_000), (1, 0, 4096)]).collect();
             let w = want(&m, &ranges);
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, &ranges)).unwrap();
+            let slots = b.read_many(abs(&m, &ranges)).unwrap();
             let mut b2 = d.downloads();
-            let slots2 = b2.read_ranges(abs(&m, &ranges[..100])).unwrap();
+            let slots2 = b2.read_many(abs(&m, &ranges[..100])).unwrap();
             let p2 = b2.submit().unwrap();
             let mut set = d.prepare_downloads(&abs(&m, &ranges[..100])).unwrap();
             let pslots: Vec<Slot> = set.slots().to_vec();
@@ -199,7 +199,7 @@ fn write_after_read_in_flight() {
             let what = format!("{name} case {c}");
             let old = want(&m, ranges);
             let mut b = d.downloads();
-            let slots = b.read_ranges(abs(&m, ranges)).unwrap();
+            let slots = b.read_many(abs(&m, ranges)).unwrap();
             let route = b.route();
             let pending = b.submit().unwrap();
             // Overwrite everything read, by a batch and by the in-place route.
@@ -253,10 +253,10 @@ fn write_after_read_in_flight() {
                 let mut rest: &mut [u8] = &mut into;
                 for &(i, o, l) in ranges {
                     let (head, tail) = rest.split_at_mut(l as usize);
-                    r.read_into(m.buffers[i], o, head)?;
+                    r.read_to_slice(m.buffers[i], o, head)?;
                     rest = tail;
                 }
-                r.submit()?;
+                let _ = r.submit()?;
                 let mut w = s.uploads();
                 let mut rest: &[u8] = &from;
                 for &(i, o, l) in ranges {
@@ -264,7 +264,7 @@ fn write_after_read_in_flight() {
                     w.write(m.buffers[i], o, head)?;
                     rest = tail;
                 }
-                w.submit()
+                w.submit().map(drop)
             })
             .unwrap();
             let mut at = 0;
@@ -296,9 +296,9 @@ fn scope_panic_after_submit() {
     let r = catch_unwind(AssertUnwindSafe(|| {
         d.scope(|s| {
             let mut r = s.downloads();
-            r.read_into(m.buffers[0], 0, &mut into)?;
-            r.read_into(m.buffers[0], 5, &mut small)?;
-            r.submit()?;
+            r.read_to_slice(m.buffers[0], 0, &mut into)?;
+            r.read_to_slice(m.buffers[0], 5, &mut small)?;
+            let _ = r.submit()?;
             panic!("after submit");
             #[allow(unreachable_code)]
             Ok(())

@@ -134,7 +134,7 @@ fn held_staging_leaves_the_reserve_to_transfers() {
     // A readback with views finds no held staging left: it streams into memory of its own,
     // with the same views.
     let mut reads = d.downloads();
-    let slots: Vec<_> = (0..3).map(|i| reads.read_all(m.buffers[i]).unwrap()).collect();
+    let slots: Vec<_> = (0..3).map(|i| reads.read_buffer(m.buffers[i]).unwrap()).collect();
     let done = reads.submit().unwrap().wait().unwrap();
     for (i, &slot) in slots.iter().enumerate() {
         assert!(done.get(slot) == &m.expect[i][..], "view {i}");
@@ -159,7 +159,7 @@ fn unreleased_readbacks_leave_the_reserve_to_transfers() {
     let mut kept = Vec::new();
     for _ in 0..200 {
         let mut reads = d.downloads();
-        let a = reads.read_all(m.buffers[0]).unwrap();
+        let a = reads.read_buffer(m.buffers[0]).unwrap();
         let b = reads.read(m.buffers[1], 1000, 40_000).unwrap();
         let done = reads.submit().unwrap().wait().unwrap();
         assert!(done.get(a) == &m.expect[0][..] && done.get(b) == &m.expect[1][1000..41_000]);

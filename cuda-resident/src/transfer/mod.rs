@@ -16,11 +16,13 @@ pub(crate) mod upload;
 pub(crate) use crate::engine::table::BufferTable;
 pub use download::{DownloadBatch, Downloaded, PendingDownload, Slot};
 pub use prepared::{PreparedDownloads, PreparedUploads};
-pub use scope::{Scope, ScopedDownloads, ScopedUploads};
+pub use scope::Scope;
 pub use upload::UploadBatch;
 
 #[cfg(test)]
 mod adversary_tests;
+#[cfg(test)]
+mod batch_kind_tests;
 #[cfg(test)]
 mod bulk_tests;
 #[cfg(test)]

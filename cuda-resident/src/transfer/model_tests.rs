@@ -154,7 +154,7 @@ fn a_device_dropped_with_work_in_flight_carries_it_out_first() {
         drop(batch.submit().unwrap());
         d.downloads()
     };
-    let slot = reads.read_all(b).unwrap();
+    let slot = reads.read_buffer(b).unwrap();
     let pending = reads.submit().unwrap();
     drop(d);
     let got = pending.wait().unwrap();
@@ -622,7 +622,7 @@ fn a_large_download_takes_the_staging_left_when_the_caller_holds_some() {
     let mut rng = fastrand::Rng::with_seed(40);
     let m = Model::new(&d, &mut rng, &[8 << 20, 100]);
     let mut reads = d.downloads();
-    let slot = reads.read_all(m.buffers[1]).unwrap();
+    let slot = reads.read_buffer(m.buffers[1]).unwrap();
     let held = reads.submit().unwrap().wait().unwrap();
     assert!(d.download(m.buffers[0]).unwrap() == m.expect[0], "the download's bytes");
     assert_eq!(held.get(slot), &m.expect[1][..]);

@@ -58,7 +58,7 @@ fn bad_ranges_are_refused_with_a_fix_and_move_nothing() {
         let mut out = vec![0u8; len];
         let r = d.scope(|s| {
             let mut rd = s.downloads();
-            let e = rd.read_into(b, off, &mut out).unwrap_err();
+            let e = rd.read_to_slice(b, off, &mut out).unwrap_err();
             assert!(matches!(e, Error::OutOfRange { .. }), "{e}");
             rd.submit()
         });
@@ -70,7 +70,7 @@ fn bad_ranges_are_refused_with_a_fix_and_move_nothing() {
         w.write(b, 4096, &src[..0])?;
         w.write(b, 4095, &src[..1])?;
         w.write_many(std::iter::empty())?;
-        w.submit()
+        w.submit().map(drop)
     })
     .unwrap();
     assert_eq!(d.telemetry().bytes_requested - moved, 1);
@@ -104,12 +104,12 @@ fn another_devices_buffer_is_refused_and_its_pinned_memory_moves_in_place() {
     d0.scope(|s| {
         let mut rd = s.downloads();
         for (i, c) in head.chunks_mut(4096).enumerate() {
-            rd.read_into(b0, (i * 4096) as u64, c)?;
+            rd.read_to_slice(b0, (i * 4096) as u64, c)?;
         }
         let (t0, t1) = tail.split_at_mut(4096);
-        rd.read_into(b0, 100, &mut t0[..1000])?;
-        rd.read_into(b0, 1 << 20, &mut t1[..1 << 20])?;
-        rd.submit()
+        rd.read_to_slice(b0, 100, &mut t0[..1000])?;
+        rd.read_to_slice(b0, 1 << 20, &mut t1[..1 << 20])?;
+        rd.submit().map(drop)
     })
     .unwrap();
     assert!(cache[..2 << 20] == e0[..2 << 20]);
@@ -130,9 +130,9 @@ fn a_buffer_freed_after_its_read_was_submitted_still_reads_its_own_bytes() {
     d.scope(|s| {
         let mut rd = s.downloads();
         for (i, c) in cache.chunks_mut(4096).enumerate() {
-            rd.read_into(b, (i * 4096) as u64, c)?;
+            rd.read_to_slice(b, (i * 4096) as u64, c)?;
         }
-        rd.submit()?;
+        let _ = rd.submit()?;
         d.free(b)?;
         let n = d.allocate(2 << 20)?;
         d.upload(n, &vec![0xEE; 2 << 20])?;
@@ -165,14 +165,14 @@ fn a_read_and_a_write_of_the_same_bytes_apply_in_submit_order() {
         d.scope(|s| {
             let mut rd = s.downloads();
             for (i, c) in out.chunks_mut(block).enumerate() {
-                rd.read_into(b, (i * block) as u64, c)?;
+                rd.read_to_slice(b, (i * block) as u64, c)?;
             }
             let mut w = s.uploads();
             for (i, c) in inn.chunks(block).enumerate() {
                 w.write(b, (i * block) as u64, c)?;
             }
-            rd.submit()?;
-            w.submit()
+            let _ = rd.submit()?;
+            w.submit().map(drop)
         })
         .unwrap();
         assert!(
@@ -195,12 +195,12 @@ fn a_read_and_a_write_of_the_same_bytes_apply_in_submit_order() {
             for (i, c) in inn.chunks(block).enumerate() {
                 w.write(b, ((16 + i) * block) as u64, c)?;
             }
-            w.submit()?;
+            let _ = w.submit()?;
             let mut rd = s.downloads();
             for (i, c) in out.chunks_mut(block).enumerate() {
-                rd.read_into(b, ((16 + i) * block) as u64, c)?;
+                rd.read_to_slice(b, ((16 + i) * block) as u64, c)?;
             }
-            rd.submit()
+            rd.submit().map(drop)
         })
         .unwrap();
         e2[16 * block..32 * block].copy_from_slice(&newer);
@@ -245,12 +245,12 @@ fn every_shape(d: &Device, b: ResidentBuffer, cache: &mut [u8]) -> crate::Result
     d.scope(|s| {
         let mut rd = s.downloads();
         for (i, c) in run.chunks_mut(4096).enumerate() {
-            rd.read_into(b, ((511 - i) * 4096) as u64, c)?;
+            rd.read_to_slice(b, ((511 - i) * 4096) as u64, c)?;
         }
         for (i, c) in small.chunks_mut(8192).enumerate() {
-            rd.read_into(b, (i * 5000) as u64, &mut c[..1000])?;
+            rd.read_to_slice(b, (i * 5000) as u64, &mut c[..1000])?;
         }
-        rd.read_into(b, 3 << 20, large)?;
+        rd.read_to_slice(b, 3 << 20, large)?;
         let mut w = s.uploads();
         let (wrun, wrest) = up.split_at(2 << 20);
         for (i, c) in wrun.chunks(4096).enumerate() {
@@ -260,8 +260,8 @@ fn every_shape(d: &Device, b: ResidentBuffer, cache: &mut [u8]) -> crate::Result
             w.write(b, ((6 << 20) + i * 5000) as u64, &c[..1000])?;
         }
         w.write(b, 7 << 20, &wrest[1 << 20..])?;
-        rd.submit()?;
-        w.submit()
+        let _ = rd.submit()?;
+        w.submit().map(drop)
     })
 }
 
@@ -439,7 +439,7 @@ fn random_scoped_batches_match_a_byte_model() {
                         batch.write(b, o as u64, &areas[a][h..h + l])?;
                     }
                 }
-                batch.submit()
+                batch.submit().map(drop)
             })
             .unwrap();
             for &(a, h, o, l) in &writes {
@@ -500,13 +500,15 @@ fn random_scoped_batches_match_a_byte_model() {
                 d.scope(|s| {
                     let mut batch = s.downloads();
                     if iter % 3 == 1 {
-                        batch.read_into_many(pieces.iter_mut().map(|(_, o, p)| (b, *o as u64, &mut **p)))?;
+                        batch.read_to_slice_many(
+                            pieces.iter_mut().map(|(_, o, p)| (b, *o as u64, &mut **p)),
+                        )?;
                     } else {
                         for (_, o, p) in pieces.iter_mut() {
-                            batch.read_into(b, *o as u64, p)?;
+                            batch.read_to_slice(b, *o as u64, p)?;
                         }
                     }
-                    batch.submit()
+                    batch.submit().map(drop)
                 })
                 .unwrap();
             }
@@ -577,11 +579,11 @@ fn a_buffer_freed_before_submit_fails_a_read_batch_even_where_only_an_empty_read
             if pinned_front {
                 // 1 KiB reads 2 KiB apart in a pinned cache: a first part of 1024 items.
                 for (i, slot) in cache.chunks_mut(2048).take(1024).enumerate() {
-                    reads.read_into(b1, (i * 4096) as u64, &mut slot[..1024])?;
+                    reads.read_to_slice(b1, (i * 4096) as u64, &mut slot[..1024])?;
                 }
             }
-            reads.read_into(b1, 0, &mut page)?;
-            reads.read_into(b2, 0, if empty { &mut [] } else { &mut last[..] })?;
+            reads.read_to_slice(b1, 0, &mut page)?;
+            reads.read_to_slice(b2, 0, if empty { &mut [] } else { &mut last[..] })?;
             d.free(b2)?;
             reads.submit()
         });
@@ -613,9 +615,9 @@ fn many_small_items_move_in_place_with_the_pinned_pool_almost_all_held() {
         d.scope(|s| {
             let mut reads = s.downloads();
             for (i, slot) in cache.chunks_mut(stride * block).take(n).enumerate() {
-                reads.read_into(b, (2 * i * block) as u64, &mut slot[..block])?;
+                reads.read_to_slice(b, (2 * i * block) as u64, &mut slot[..block])?;
             }
-            reads.submit()
+            reads.submit().map(drop)
         })
         .unwrap_or_else(|e| panic!("host stride {stride}: every read lands: {e}"));
         for i in 0..n {
@@ -629,7 +631,7 @@ fn many_small_items_move_in_place_with_the_pinned_pool_almost_all_held() {
             for (i, slot) in cache.chunks(stride * block).take(n).enumerate() {
                 writes.write(b, (2 * i * block) as u64, &slot[..block])?;
             }
-            writes.submit()
+            writes.submit().map(drop)
         })
         .unwrap_or_else(|e| panic!("host stride {stride}: every write moves: {e}"));
         for i in 0..n {

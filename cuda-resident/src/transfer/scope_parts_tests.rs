@@ -20,7 +20,7 @@ fn write_blocks(
         for (&t, bytes) in targets.iter().zip(src.chunks(block)) {
             writes.write(buffer, (t * block) as u64, bytes)?;
         }
-        writes.submit()
+        writes.submit().map(drop)
     })
     .unwrap();
     for (&t, bytes) in targets.iter().zip(src.chunks(block)) {
@@ -55,9 +55,9 @@ fn a_large_scoped_batch_moves_in_parts_and_later_writes_win() {
     d.scope(|s| {
         let mut reads = s.downloads();
         for (&t, dst) in targets.iter().zip(out.chunks_mut(block)) {
-            reads.read_into(buffer, (t * block) as u64, dst)?;
+            reads.read_to_slice(buffer, (t * block) as u64, dst)?;
         }
-        reads.submit()
+        reads.submit().map(drop)
     })
     .unwrap();
     for (&t, got) in targets.iter().zip(out.chunks(block)) {
@@ -95,7 +95,7 @@ fn a_first_part_moved_early_stays_before_the_staged_writes_after_it() {
         for (&t, bytes) in later.iter().zip(pageable.chunks(block)) {
             writes.write(buffer, (t * block) as u64, bytes)?;
         }
-        writes.submit()
+        writes.submit().map(drop)
     })
     .unwrap();
     let after = d.telemetry();
@@ -115,12 +115,12 @@ fn a_first_part_moved_early_stays_before_the_staged_writes_after_it() {
     d.scope(|s| {
         let mut reads = s.downloads();
         for (&t, dst) in order[..1500].iter().zip(out.chunks_mut(block)) {
-            reads.read_into(buffer, (t * block) as u64, dst)?;
+            reads.read_to_slice(buffer, (t * block) as u64, dst)?;
         }
         for (&t, dst) in order[1500..1800].iter().zip(tail.chunks_mut(block)) {
-            reads.read_into(buffer, (t * block) as u64, dst)?;
+            reads.read_to_slice(buffer, (t * block) as u64, dst)?;
         }
-        reads.submit()
+        reads.submit().map(drop)
     })
     .unwrap();
     for (&t, got) in order[..1800].iter().zip(out.chunks(block).chain(tail.chunks(block))) {
@@ -194,15 +194,15 @@ fn scoped_bulk_calls_move_what_single_calls_move() {
                 .iter()
                 .zip(out_half.chunks_mut(block))
                 .map(|(&(p, k), dst)| (p, (k * block) as u64, dst));
-            reads.read_into_many(items)?;
+            reads.read_to_slice_many(items)?;
             assert_eq!(reads.len(), 24);
             let mut writes = s.uploads();
             let items =
                 ins.iter().zip(in_half.chunks(block)).map(|(&(p, k), src)| (p, (k * block) as u64, src));
             writes.write_many(items)?;
             assert_eq!(writes.len(), 24);
-            reads.submit()?;
-            writes.submit()
+            let _ = reads.submit()?;
+            writes.submit().map(drop)
         })
         .unwrap();
         for (i, &(p, k)) in outs.iter().enumerate() {
@@ -242,15 +242,15 @@ fn a_bad_item_of_a_scoped_bulk_call_is_named_and_nothing_moves() {
             (p, offset, &src[i * block..(i + 1) * block])
         });
         let e = writes.write_many(items).unwrap_err();
-        let Error::BadItem { call: "ScopedUploads::write_many", index: 5, error } = &e else { panic!("{e}") };
+        let Error::BadItem { call: "UploadBatch::write_many", index: 5, error } = &e else { panic!("{e}") };
         assert!(matches!(**error, Error::OutOfRange { offset, len: 256, .. } if offset == (15 * block + 1) as u64), "{e}");
         assert!(e.to_string().contains("Fix:"), "{e}");
         assert_eq!(writes.len(), 5, "the items before the bad one are kept");
         assert!(matches!(writes.submit(), Err(Error::BadItem { index: 5, .. })));
         let mut reads = s.downloads();
         let items = out.chunks_mut(block).enumerate().map(|(i, dst)| (if i == 3 { freed } else { p }, (i * block) as u64, dst));
-        let e = reads.read_into_many(items).unwrap_err();
-        let Error::BadItem { call: "ScopedDownloads::read_into_many", index: 3, error } = &e else { panic!("{e}") };
+        let e = reads.read_to_slice_many(items).unwrap_err();
+        let Error::BadItem { call: "DownloadBatch::read_to_slice_many", index: 3, error } = &e else { panic!("{e}") };
         assert!(matches!(**error, Error::FreedBuffer { buffer } if buffer == freed), "{e}");
         assert_eq!(reads.len(), 3);
         assert!(matches!(reads.submit(), Err(Error::BadItem { index: 3, .. })));

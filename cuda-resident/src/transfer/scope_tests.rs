@@ -21,14 +21,14 @@ fn swap(d: &Device, pool: ResidentBuffer, cache: &mut [u8], block: usize, out: &
     d.scope(|s| {
         let mut reads = s.downloads();
         for (&b, dst) in out.iter().zip(out_half.chunks_mut(block)) {
-            reads.read_into(pool, (b * block) as u64, dst)?;
+            reads.read_to_slice(pool, (b * block) as u64, dst)?;
         }
         let mut writes = s.uploads();
         for (&b, src) in into.iter().zip(in_half.chunks(block)) {
             writes.write(pool, (b * block) as u64, src)?;
         }
-        reads.submit()?;
-        writes.submit()?;
+        let _ = reads.submit()?;
+        let _ = writes.submit()?;
         Ok(())
     })
     .unwrap();
@@ -132,7 +132,7 @@ fn pinned_and_pageable_ranges_mix_in_one_batch_and_overlapping_writes_apply_in_o
                 let src = if is_pinned { &pinned[from..from + len] } else { &pageable[from..from + len] };
                 batch.write(buffer, at as u64, src)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for &(at, is_pinned, from, len) in writes {
@@ -152,12 +152,12 @@ fn pinned_and_pageable_ranges_mix_in_one_batch_and_overlapping_writes_apply_in_o
     let (v1, v2) = rest[10_000..].split_at_mut(1);
     d.scope(|s| {
         let mut batch = s.downloads();
-        batch.read_into(buffer, 3, p0)?;
-        batch.read_into(buffer, 70_000, v0)?;
-        batch.read_into(buffer, 100_000, p1)?;
-        batch.read_into(buffer, 9, v1)?;
-        batch.read_into(buffer, 9, &mut v2[..0])?;
-        batch.submit()
+        batch.read_to_slice(buffer, 3, p0)?;
+        batch.read_to_slice(buffer, 70_000, v0)?;
+        batch.read_to_slice(buffer, 100_000, p1)?;
+        batch.read_to_slice(buffer, 9, v1)?;
+        batch.read_to_slice(buffer, 9, &mut v2[..0])?;
+        batch.submit().map(drop)
     })
     .unwrap();
     assert_eq!(out_pinned[..100], expect[3..103]);
@@ -180,10 +180,10 @@ fn a_scope_waits_for_its_transfers_when_its_closure_fails_or_panics() {
     let err = d
         .scope(|s| -> crate::Result<()> {
             let mut reads = s.downloads();
-            reads.read_into(buffer, 0, &mut cache[..4096])?;
-            reads.submit()?;
+            reads.read_to_slice(buffer, 0, &mut cache[..4096])?;
+            let _ = reads.submit()?;
             let mut bad = s.downloads();
-            bad.read_into(buffer, 64 << 10, &mut [0u8; 0][..])?;
+            bad.read_to_slice(buffer, 64 << 10, &mut [0u8; 0][..])?;
             Err(Error::LengthMismatch { what: "test", left: 1, right: 2 })
         })
         .unwrap_err();
@@ -193,8 +193,8 @@ fn a_scope_waits_for_its_transfers_when_its_closure_fails_or_panics() {
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = d.scope(|s| -> crate::Result<()> {
             let mut reads = s.downloads();
-            reads.read_into(buffer, 4096, &mut cache[4096..8192])?;
-            reads.submit()?;
+            reads.read_to_slice(buffer, 4096, &mut cache[4096..8192])?;
+            let _ = reads.submit()?;
             panic!("the caller's closure panics");
         });
     }));
@@ -224,7 +224,7 @@ fn bad_ranges_fail_the_batch_and_move_nothing() {
     let mut out = vec![0u8; 16];
     let result = d.scope(|s| {
         let mut batch = s.downloads();
-        batch.read_into(freed, 0, &mut out)?;
+        batch.read_to_slice(freed, 0, &mut out)?;
         batch.submit()
     });
     assert!(matches!(result, Err(Error::FreedBuffer { .. })), "{result:?}");
@@ -233,11 +233,11 @@ fn bad_ranges_fail_the_batch_and_move_nothing() {
     assert!(d.download(buffer).unwrap() == expect);
     // Empty batches and empty slices move nothing and succeed.
     d.scope(|s| {
-        s.uploads().submit()?;
+        let _ = s.uploads().submit()?;
         let mut batch = s.uploads();
         batch.write(buffer, 4096, &[])?;
-        batch.submit()?;
-        s.downloads().submit()
+        let _ = batch.submit()?;
+        s.downloads().submit().map(drop)
     })
     .unwrap();
 }
@@ -278,7 +278,7 @@ fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
         for &(from, at, len) in &writes {
             batch.write(buffer, at as u64, &cache[from..from + len])?;
         }
-        batch.submit()
+        batch.submit().map(drop)
     })
     .unwrap();
     for &(from, at, len) in &writes {
@@ -303,9 +303,9 @@ fn runs_scattered_items_and_large_ones_mix_in_one_batch() {
     d.scope(|s| {
         let mut batch = s.downloads();
         for (out, at) in outs.iter_mut() {
-            batch.read_into(buffer, *at as u64, out)?;
+            batch.read_to_slice(buffer, *at as u64, out)?;
         }
-        batch.submit()
+        batch.submit().map(drop)
     })
     .unwrap();
     for ((out, at), want) in outs.iter().zip(&expected) {
@@ -337,7 +337,7 @@ fn among_many_shuffled_blocks_an_overlap_is_found_and_applied_in_order() {
             for (slot, &b) in cache.chunks(block).zip(&targets) {
                 batch.write(buffer, (b * block) as u64, slot)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for (slot, &b) in cache.chunks(block).zip(&targets) {
@@ -349,9 +349,9 @@ fn among_many_shuffled_blocks_an_overlap_is_found_and_applied_in_order() {
         d.scope(|s| {
             let mut batch = s.downloads();
             for (slot, &b) in back.chunks_mut(block).zip(&order[8192..]) {
-                batch.read_into(buffer, (b * block) as u64, slot)?;
+                batch.read_to_slice(buffer, (b * block) as u64, slot)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for (slot, &b) in back.chunks(block).zip(&order[8192..]) {
@@ -383,7 +383,7 @@ fn memory_pinned_by_pin_host_moves_in_place_in_runs_and_is_staged_in_pieces() {
         for &(from, at) in &pieces {
             batch.write(buffer, at as u64, &cache[from..from + 1000])?;
         }
-        batch.submit()
+        batch.submit().map(drop)
     })
     .unwrap();
     assert!(
@@ -420,7 +420,7 @@ fn a_run_over_two_registrations_or_a_pageable_hole_never_moves_by_one_dma() {
         d.scope(|s| {
             let mut batch = s.uploads();
             batch.write(buffer, 0, &host)?;
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         expect.copy_from_slice(&host);
@@ -431,7 +431,7 @@ fn a_run_over_two_registrations_or_a_pageable_hole_never_moves_by_one_dma() {
             for (i, piece) in host.chunks(64 << 10).enumerate() {
                 batch.write(buffer, ((47 - i) * (64 << 10)) as u64, piece)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for (i, piece) in host.chunks(64 << 10).enumerate() {
@@ -441,8 +441,8 @@ fn a_run_over_two_registrations_or_a_pageable_hole_never_moves_by_one_dma() {
         host.fill(0xA5);
         d.scope(|s| {
             let mut batch = s.downloads();
-            batch.read_into(buffer, 0, &mut host)?;
-            batch.submit()
+            batch.read_to_slice(buffer, 0, &mut host)?;
+            batch.submit().map(drop)
         })
         .unwrap();
         assert!(host == expect, "hole {hole}: one read");
@@ -522,7 +522,7 @@ fn random_scoped_batches_of_mixed_memory_apply_in_order() {
             for &item in &items {
                 writes.write(buffer, item.2 as u64, bytes(item))?;
             }
-            writes.submit()
+            writes.submit().map(drop)
         })
         .unwrap();
         for &item in &items {
@@ -547,9 +547,9 @@ fn random_scoped_batches_of_mixed_memory_apply_in_order() {
         d.scope(|s| {
             let mut batch = s.downloads();
             for (dev, dst) in reads.iter_mut() {
-                batch.read_into(buffer, *dev as u64, dst)?;
+                batch.read_to_slice(buffer, *dev as u64, dst)?;
             }
-            batch.submit()
+            batch.submit().map(drop)
         })
         .unwrap();
         for (dev, dst) in &reads {

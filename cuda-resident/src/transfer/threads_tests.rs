@@ -131,7 +131,7 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                 let mut out = dirty(&mut rng, r.len());
                 retry(&what, || {
                     let mut b = d.downloads();
-                    let slots = b.read_ranges(abs(&m, &r))?;
+                    let slots = b.read_many(abs(&m, &r))?;
                     b.submit()?.wait_into(&slots, &mut out).map(drop)
                 });
                 for i in 0..r.len() {
@@ -171,12 +171,12 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                 let w = want(shared, &r);
                 let (first, slots) = retry(&what, || {
                     let mut b = d.downloads();
-                    let slots = b.read_ranges(abs(shared, &r))?;
+                    let slots = b.read_many(abs(shared, &r))?;
                     Ok((b.submit()?, slots))
                 });
                 let (second, slots2) = retry(&what, || {
                     let mut b = d.downloads();
-                    let slots = b.read_ranges(abs(shared, &r))?;
+                    let slots = b.read_many(abs(shared, &r))?;
                     Ok((b.submit()?.wait()?, slots))
                 });
                 let first = first.wait().unwrap();
@@ -225,14 +225,14 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                 retry(&what, || {
                     d.scope(|s| {
                         let mut r = s.downloads();
-                        r.read_into(buf.1, at2 as u64, &mut dst2)?;
-                        r.submit()?;
+                        r.read_to_slice(buf.1, at2 as u64, &mut dst2)?;
+                        let _ = r.submit()?;
                         let mut w = s.uploads();
                         w.write(buf.0, at as u64, &bytes)?;
-                        w.submit()?;
+                        let _ = w.submit()?;
                         let mut r = s.downloads();
-                        r.read_into(buf.0, at as u64, &mut dst)?;
-                        r.submit()
+                        r.read_to_slice(buf.0, at as u64, &mut dst)?;
+                        r.submit().map(drop)
                     })
                 });
                 same(&format!("{what}: scoped read after write"), &dst, &bytes);
@@ -248,7 +248,7 @@ fn worker(d: &Device, shared: &Model, t: usize, rounds: usize, seed: u64) {
                 retry(&what, || d.download_into(&abs(&m, &r), &mut out));
                 let (done, slots) = retry(&what, || {
                     let mut b = d.downloads();
-                    let slots = b.read_ranges(abs(&m, &r))?;
+                    let slots = b.read_many(abs(&m, &r))?;
                     Ok((b.submit()?.wait()?, slots))
                 });
                 for i in 0..2 {

@@ -179,8 +179,8 @@ fn sequence_body(
 
     // Readbacks: whole buffers, a direct range, many small ranges; views and copies.
     let mut reads = d.downloads();
-    let all_small = reads.read_all(small)?;
-    let all_mid = reads.read_all(mid)?;
+    let all_small = reads.read_buffer(small)?;
+    let all_mid = reads.read_buffer(mid)?;
     let head = reads.read(big, 0, shape.head as u64)?;
     let ranges: Vec<(usize, u64, u64)> = (0..shape.ranges)
         .map(|_| {

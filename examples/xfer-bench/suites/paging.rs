@@ -9,17 +9,16 @@
 //! A step is "out" (those blocks into the out region's slots, D2H), "in" (the in region's
 //! slots into those blocks, H2D) or "both" at once.
 //!
-//! The methods move the same blocks in the same order: the raw driver, one
-//! `cuMemcpy*Async` per block on a stream per direction (from and into pageable memory too,
-//! as a naive server does), then a synchronize; `cuMemcpyBatchAsync`, one call per
-//! direction; cuda-resident, one scope ([`Device::scope`]) with a batch per direction: one
-//! `write` per block from its slot (in), one `read_into` per block into its slot (out),
-//! in place for the pinned cache, staged for the pageable one; with `--paging-batches N`,
-//! each direction's blocks are split evenly into N such batches submitted one after the
-//! other (the first moving while the next is built). For "both", the baselines run
-//! each direction on a thread and stream of its own, released together; cuda-resident builds
-//! and submits each direction's batch on a thread of its own in one scope, which waits for
-//! both. GB/s counts the bytes moved, both directions' for "both".
+//! The methods move the same blocks in the same order: the raw driver, one `cuMemcpy*Async` per
+//! block on a stream per direction (from and into pageable memory too, as a naive server does),
+//! then a synchronize; `cuMemcpyBatchAsync`, one call per direction; cuda-resident, one scope
+//! ([`Device::scope`]) with a batch per direction: one `write` per block from its slot (in),
+//! one `read_to_slice` per block into its slot (out), in place for the pinned cache, staged for
+//! the pageable one; with `--paging-batches N`, each direction's blocks are split evenly into N
+//! such batches submitted one after the other (the first moving while the next is built). For
+//! "both", the baselines run each direction on a thread and stream of its own, released
+//! together; cuda-resident builds and submits each direction's batch on a thread of its own in
+//! one scope, which waits for both. GB/s counts the bytes moved, both directions' for "both".
 //!
 //! With `--breakdown`, each cuda-resident swap is also run again with each direction
 //! waited for right after its submit, and stderr gets the medians of when each direction
@@ -399,12 +398,12 @@ impl Lane<&mut [u8]> {
 }
 
 /// cuda-resident's swap, `out` and / or `in`, in one scope ([`Device::scope`]): one
-/// `read_into` per block into its slot, one `write` per block from its slot, in swap order;
-/// its seconds, until the scope has waited for both. From and into the pinned cache the
-/// blocks move in place; the pageable cache is staged. Both at once, each direction is built
-/// and submitted on a thread of its own, as the baselines' directions run on a thread each:
-/// the clock starts once both threads are ready (spawned, the device's context current),
-/// released together, as `secs_together` times the baselines.
+/// `read_to_slice` per block into its slot, one `write` per block from its slot, in swap
+/// order; its seconds, until the scope has waited for both. From and into the pinned cache
+/// the blocks move in place; the pageable cache is staged. Both at once, each direction is
+/// built and submitted on a thread of its own, as the baselines' directions run on a thread
+/// each: the clock starts once both threads are ready (spawned, the device's context
+/// current), released together, as `secs_together` times the baselines.
 fn ours(
     d: &Device,
     (pool, batches): (ResidentBuffer, usize),
@@ -494,9 +493,9 @@ fn ours_marked(
                 }
                 if slots.peek().is_none() {
                     let (built, faulted) = mark();
-                    return submit(0, (built, faults_at, faulted), writes.submit_fenced());
+                    return submit(0, (built, faults_at, faulted), writes.submit());
                 }
-                writes.submit()?;
+                let _ = writes.submit()?;
             }
         };
         let swap_out = move || {
@@ -507,13 +506,13 @@ fn ours_marked(
             loop {
                 let mut reads = s.downloads();
                 for (slot, &offset) in slots.by_ref().take(per) {
-                    reads.read_into(pool, offset, slot)?;
+                    reads.read_to_slice(pool, offset, slot)?;
                 }
                 if slots.peek().is_none() {
                     let (built, faulted) = mark();
-                    return submit(1, (built, faults_at, faulted), reads.submit_fenced());
+                    return submit(1, (built, faults_at, faulted), reads.submit().map(|p| p.fence().clone()));
                 }
-                reads.submit()?;
+                let _ = reads.submit()?;
             }
         };
         if !both {

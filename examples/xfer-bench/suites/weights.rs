@@ -281,7 +281,7 @@ impl Loads<'_> {
                 up.write_many(
                     self.ranges.iter().zip(self.buffers).map(|(r, b)| (**b, 0, &file[r.1..r.1 + r.2])),
                 )?;
-                up.submit()
+                up.submit().map(drop)
             })
             .map_err(error)
         } else {

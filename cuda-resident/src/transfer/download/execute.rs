@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::results::{Downloaded, PendingDownload, Views};
+use super::results::{Downloaded, PendingDownload};
 use super::streamed::execute_streamed;
 use super::{DownloadBatch, Slot};
 use crate::engine::Exec;
@@ -17,9 +17,15 @@ use crate::plan::route::{PIPELINE_DEPTH, READ_DEPTH, Route, Span, cut_apart, in_
 use crate::plan::{ReadRequest, ReadView};
 use crate::stream::LaneKind;
 use crate::sync::lock;
+use crate::transfer::scope::note;
 
 impl DownloadBatch<'_> {
-    /// Starts the reads and returns at once.
+    /// Starts the reads and returns the [`PendingDownload`] that holds the batch's bytes:
+    /// at once where the batch reads only into views. Reads into slices move first: an
+    /// ordinary batch's are copied out before this returns; a scoped batch's into pinned
+    /// memory land in place, the bytes there once the scope (or the returned download's
+    /// fence) is done (a large batch moves in up to three parts, as
+    /// [`UploadBatch::submit`](crate::UploadBatch::submit) says).
     ///
     /// # Errors
     /// The first bad read's error when any read was refused (the batch is poisoned), or
@@ -27,24 +33,41 @@ impl DownloadBatch<'_> {
     /// enqueued then, the good reads included. A batch too large for the pinned pool is not
     /// an error: it streams (see [`DownloadBatch`]), and this returns once it has landed;
     /// [`Error::PinnedExhausted`] only when the caller holds so much staging that not even
-    /// one chunk of the ring is left.
+    /// one chunk of the ring is left. An error part way (from the driver, or a buffer
+    /// another thread frees meanwhile) leaves the parts before it moved: a scoped batch's
+    /// earlier parts, and the reads into slices, which move before the reads into views.
     pub fn submit(mut self) -> Result<PendingDownload> {
+        let submitted = self.submit_inner();
+        self.give_back();
+        submitted
+    }
+
+    fn submit_inner(&mut self) -> Result<PendingDownload> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        execute(&self, &mut None)
+        let pending = match self.submit_slices()? {
+            // Reads into slices only: a download of no views, done when they are.
+            Some(fence) if self.reads.is_empty() => PendingDownload::empty(self.id, fence, Vec::new()),
+            _ => execute(self, &mut None)?,
+        };
+        if let Some(seen) = self.scope {
+            note(seen, pending.fence());
+        }
+        Ok(pending)
     }
 
-    /// Submits, waits, and reads read `i` (in the order the reads were added) into `out[i]`
-    /// for every read, replacing each vector's contents and reusing its capacity: as
-    /// [`DownloadBatch::submit`] then [`PendingDownload::wait_into`] with every slot, except
-    /// that a batch too large for the pinned pool streams each chunk straight into the
-    /// vectors as it lands (no host allocation of the whole batch, no second copy): the way
-    /// to read batches of gigabytes into vectors.
+    /// Submits, waits, and reads read `i` (in the order the reads into views were added)
+    /// into `out[i]` for every read into a view, replacing each vector's contents and
+    /// reusing its capacity: as [`DownloadBatch::submit`] then
+    /// [`PendingDownload::wait_into`] with every slot, except that a batch too large for
+    /// the pinned pool streams each chunk straight into the vectors as it lands (no host
+    /// allocation of the whole batch, no second copy): the way to read batches of gigabytes
+    /// into vectors. Reads into slices move as `submit` moves them.
     ///
     /// # Errors
-    /// [`Error::LengthMismatch`] (nothing moved) unless `out` has one vector per read; else
-    /// as [`DownloadBatch::submit`].
+    /// [`Error::LengthMismatch`] (nothing moved) unless `out` has one vector per read into
+    /// a view; else as [`DownloadBatch::submit`].
     pub fn submit_into(self, out: &mut [Vec<u8>]) -> Result<()> {
         self.submit_into_as(out, true).map(drop)
     }
@@ -53,6 +76,12 @@ impl DownloadBatch<'_> {
     /// read (for batches whose vectors the caller does not keep). Returns the route the
     /// batch took.
     pub(crate) fn submit_into_as(mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<Route> {
+        let submitted = self.submit_into_inner(out, pipelined);
+        self.give_back();
+        submitted
+    }
+
+    fn submit_into_inner(&mut self, out: &mut [Vec<u8>], pipelined: bool) -> Result<Route> {
         if out.len() != self.reads.len() {
             return Err(Error::LengthMismatch {
                 what: "reads and output vectors",
@@ -63,8 +92,12 @@ impl DownloadBatch<'_> {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
+        self.submit_slices()?;
         let mut sink = Some(&mut *out);
-        let pending = execute(&self, &mut sink)?;
+        let pending = execute(self, &mut sink)?;
+        if let Some(seen) = self.scope {
+            note(seen, pending.fence());
+        }
         let route = pending.route;
         if sink.is_none() {
             // Streamed into the vectors.
@@ -118,22 +151,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     }
     let plan = &planning.readback_plan;
     if plan.is_empty() {
-        let views = plan.views.clone();
-        return Ok(PendingDownload {
-            fence: Fence::completed(),
-            readback: Downloaded {
-                core: None,
-                batch: batch.id,
-                lease: None,
-                host: Vec::new(),
-                base: 0,
-                views: Views::Pooled(views),
-                chunks: Vec::new(),
-                in_order_bytes: 0,
-            },
-            first_seq: 0,
-            route: Route::Planned,
-        });
+        return Ok(PendingDownload::empty(batch.id, Fence::completed(), plan.views.clone()));
     }
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
     let areas: Vec<u64> = plan

@@ -8,14 +8,18 @@
 mod execute;
 mod results;
 mod streamed;
+mod to_slice;
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 pub use results::{Downloaded, PendingDownload};
+pub(in crate::transfer) use to_slice::read_staged;
 
 use super::BufferTable;
+use super::scope::Submitted;
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::engine::order::Ranges;
@@ -57,13 +61,36 @@ pub(crate) fn next_batch_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A batch of device-to-host reads ([`Device::downloads`](crate::Device::downloads)). Reads of one buffer that overlap
-/// or touch are fused and move once.
+/// A batch of device-to-host reads. Reads of one buffer that overlap or touch are fused
+/// and move once. [`DownloadBatch::submit`] returns the [`PendingDownload`] that holds the
+/// batch's bytes.
 ///
-/// Every read is checked when it is added ([`DownloadBatch::read`], [`DownloadBatch::read_all`],
-/// [`DownloadBatch::read_many`], [`DownloadBatch::read_ranges`]): a bad one (a freed or foreign handle, a range out of its
-/// buffer) returns its error and poisons the batch: [`DownloadBatch::submit`] fails with the
-/// first such error and nothing moves, the good reads included.
+/// Two kinds of read:
+/// - into pinned views that the batch's [`Downloaded`] lends, each named by a [`Slot`]:
+///   [`read`](DownloadBatch::read), [`read_many`](DownloadBatch::read_many),
+///   [`read_buffer`](DownloadBatch::read_buffer),
+///   [`read_buffer_many`](DownloadBatch::read_buffer_many);
+/// - into the caller's own slices, of exact length:
+///   [`read_to_slice`](DownloadBatch::read_to_slice),
+///   [`read_to_slice_many`](DownloadBatch::read_to_slice_many).
+///
+/// And two kinds of batch, with the same methods:
+/// - from [`Device::downloads`](crate::Device::downloads), an **ordinary** batch: reads
+///   into slices land in staging and are copied out before `submit` returns (so the
+///   borrow of each slice ends there);
+/// - from [`Scope::downloads`](crate::Scope::downloads), a **scoped** batch: its slices
+///   stay borrowed until the scope ends, reads into pinned memory land there in place with
+///   no staging copy, and the bytes are there once the scope has returned (the scope waits
+///   for them); see [`Scope`](crate::Scope).
+///
+/// A batch that mixes the two kinds of read moves its reads into slices first, as a
+/// submission of their own, then its slot reads: the [`PendingDownload`] holds the slot
+/// reads' views, and its fence, the batch's last submission, completes after every read of
+/// the batch (in a scoped batch, the reads into pinned slices too).
+///
+/// Every read is checked when it is added: a bad one (a freed or foreign handle, a range
+/// out of its buffer) returns its error and poisons the batch: [`DownloadBatch::submit`]
+/// fails with the first such error and nothing moves, the good reads included.
 ///
 /// A batch of any size works, whatever [`Config::pinned_cap_bytes`](crate::Config::pinned_cap_bytes):
 /// one whose staging the pool cannot lend at once (more than the cap, more than is free of
@@ -72,26 +99,73 @@ pub(crate) fn next_batch_id() -> u64 {
 /// [`Downloaded`] (see there): same API and same bytes, one more host copy, and its `submit`
 /// returns only once every byte has landed. [`DownloadBatch::submit_into`] streams such a
 /// batch straight into the caller's vectors instead.
+///
+/// `DownloadBatch<'a>` is invariant in `'a`, as [`UploadBatch`](crate::UploadBatch) is
+/// and for the same reason: a scoped batch cannot be coerced to a shorter lifetime to take
+/// memory that dies before the scope waits for it.
+///
+/// ```compile_fail,E0597
+/// # fn f(device: &cuda_resident::Device, pool: cuda_resident::ResidentBuffer) -> cuda_resident::Result<()> {
+/// device.scope(|s| {
+///     let mut local = vec![0u8; 4096];
+///     // The scope's batch would have to shrink to `local`'s life, which ends before the
+///     // scope waits: refused.
+///     let mut reads: cuda_resident::DownloadBatch<'_> = s.downloads();
+///     reads.read_to_slice(pool, 0, &mut local)?;
+///     reads.submit().map(drop)
+/// })
+/// # }
+/// ```
 #[must_use = "a download batch moves nothing until it is submitted"]
 pub struct DownloadBatch<'a> {
     pub(super) core: &'a Arc<Core>,
     pub(super) table: BufferTable,
+    /// The reads redeemed by slots.
     pub(super) reads: Vec<ReadRequest>,
+    /// The reads into the caller's slices, with a table of their own (whose layout
+    /// bookkeeping must not mix with the slot reads').
+    pub(super) slices: SliceReads<'a>,
     pub(super) error: Option<Error>,
     /// This batch's identity, carried by its slots and its download.
     pub(super) id: u64,
+    /// The scope of a batch from [`Scope::downloads`](crate::Scope::downloads), which waits
+    /// for its submissions; `None` for an ordinary batch.
+    pub(super) scope: Option<&'a Submitted>,
+    spare: Spare,
+    /// Invariant in 'a, as [`UploadBatch`](crate::UploadBatch).
+    invariant: PhantomData<&'a mut &'a ()>,
+}
+
+/// A batch's reads into the caller's slices: `(key in table, offset, out)` each.
+#[derive(Default)]
+pub(super) struct SliceReads<'a> {
+    pub(super) table: BufferTable,
+    pub(super) items: Vec<(u32, u64, &'a mut [u8])>,
+}
+
+/// Hands a submitted batch's vectors back to its device when the batch goes. A field of its
+/// own, without the batch's lifetime: the batch itself has no `Drop`, so it may borrow
+/// slices declared after it, as any struct of references.
+struct Spare {
+    core: Arc<Core>,
+    parts: Option<(BufferTable, Vec<ReadRequest>)>,
+}
+
+impl Drop for Spare {
+    fn drop(&mut self) {
+        if let Some(parts) = self.parts.take() {
+            self.core.spares.readback.give(parts);
+        }
+    }
 }
 
 impl fmt::Debug for DownloadBatch<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DownloadBatch").field("reads", &self.reads.len()).finish_non_exhaustive()
-    }
-}
-
-impl Drop for DownloadBatch<'_> {
-    fn drop(&mut self) {
-        use std::mem::take;
-        self.core.spares.readback.give((take(&mut self.table), take(&mut self.reads)));
+        f.debug_struct("DownloadBatch")
+            .field("reads", &self.reads.len())
+            .field("to_slices", &self.slices.items.len())
+            .field("scoped", &self.scope.is_some())
+            .finish_non_exhaustive()
     }
 }
 
@@ -103,8 +177,36 @@ pub(crate) fn downloads(core: &Arc<Core>) -> DownloadBatch<'_> {
 /// A batch whose slots and download carry the identity `id` (a prepared set's, so that
 /// the set's slots redeem the downloads it moves as batches).
 pub(crate) fn downloads_as(core: &Arc<Core>, id: u64) -> DownloadBatch<'_> {
+    batch(core, id, None)
+}
+
+/// The work of [`Scope::downloads`](crate::Scope::downloads): a batch whose submissions
+/// `seen` records, for its scope to wait for.
+pub(crate) fn scoped<'a>(core: &'a Arc<Core>, seen: &'a Submitted) -> DownloadBatch<'a> {
+    batch(core, next_batch_id(), Some(seen))
+}
+
+fn batch<'a>(core: &'a Arc<Core>, id: u64, scope: Option<&'a Submitted>) -> DownloadBatch<'a> {
     let (table, reads) = core.spares.readback.take();
-    DownloadBatch { core, table, reads, error: None, id }
+    DownloadBatch {
+        core,
+        table,
+        reads,
+        slices: SliceReads::default(),
+        error: None,
+        id,
+        scope,
+        spare: Spare { core: Arc::clone(core), parts: None },
+        invariant: PhantomData,
+    }
+}
+
+impl DownloadBatch<'_> {
+    /// Hands the batch's vectors to its spare, for the device's next batch once this one
+    /// goes (emptied: no borrowed slice outlives the batch).
+    pub(super) fn give_back(&mut self) {
+        self.spare.parts = Some((std::mem::take(&mut self.table), std::mem::take(&mut self.reads)));
+    }
 }
 
 impl DownloadBatch<'_> {
@@ -196,7 +298,7 @@ impl DownloadBatch<'_> {
     ///
     /// # Errors
     /// As [`DownloadBatch::read`]: a freed or foreign handle poisons the batch.
-    pub fn read_all(&mut self, buffer: ResidentBuffer) -> Result<Slot> {
+    pub fn read_buffer(&mut self, buffer: ResidentBuffer) -> Result<Slot> {
         let len = match self.core.buffer_len(buffer) {
             Ok(len) => len,
             Err(e) => {
@@ -211,16 +313,23 @@ impl DownloadBatch<'_> {
     ///
     /// # Errors
     /// For the first bad buffer, [`Error::BadItem`] naming its index and holding the error
-    /// [`DownloadBatch::read_all`] returns for it; the reads before it stay added, but the
+    /// [`DownloadBatch::read_buffer`] returns for it; the reads before it stay added, but the
     /// batch is poisoned: `submit` fails with that error.
-    pub fn read_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
+    pub fn read_buffer_many(&mut self, buffers: &[ResidentBuffer]) -> Result<Vec<Slot>> {
         let mut slots = Vec::with_capacity(buffers.len());
         self.reads.reserve(buffers.len());
         for (index, &buffer) in buffers.iter().enumerate() {
             let added = self.core.buffer_len(buffer).and_then(|len| self.add(buffer, 0, len));
             match added {
                 Ok(slot) => slots.push(slot),
-                Err(e) => return Err(Error::bad_item(&mut self.error, "DownloadBatch::read_many", index, e)),
+                Err(e) => {
+                    return Err(Error::bad_item(
+                        &mut self.error,
+                        "DownloadBatch::read_buffer_many",
+                        index,
+                        e,
+                    ));
+                }
             }
         }
         Ok(slots)
@@ -240,7 +349,7 @@ impl DownloadBatch<'_> {
     /// Where the iterator panics, the panic goes on to the caller, and the batch keeps
     /// [`Error::ItemsPanicked`]: a caller that catches the panic finds `submit` failing with
     /// it, moving nothing.
-    pub fn read_ranges<I>(&mut self, items: I) -> Result<Vec<Slot>>
+    pub fn read_many<I>(&mut self, items: I) -> Result<Vec<Slot>>
     where
         I: IntoIterator<Item = (ResidentBuffer, u64, u64)>,
     {
@@ -250,7 +359,7 @@ impl DownloadBatch<'_> {
         let mut slots = Vec::with_capacity(lower);
         self.reads.reserve(lower);
         Error::add_items(
-            "DownloadBatch::read_ranges",
+            "DownloadBatch::read_many",
             self,
             |batch| &mut batch.error,
             |batch, at| {
@@ -264,13 +373,13 @@ impl DownloadBatch<'_> {
         Ok(slots)
     }
 
-    /// Number of reads added.
+    /// Number of reads added, of both kinds (into views and into slices).
     pub fn len(&self) -> usize {
-        self.reads.len()
+        self.reads.len() + self.slices.items.len()
     }
 
     /// Whether no read was added.
     pub fn is_empty(&self) -> bool {
-        self.reads.is_empty()
+        self.len() == 0
     }
 }

@@ -154,6 +154,28 @@ impl PendingDownload {
     }
 }
 
+impl PendingDownload {
+    /// A download of batch `batch` that moved nothing into staging (its views, of empty
+    /// reads, at `views`): done when `fence` is.
+    pub(super) fn empty(batch: u64, fence: Fence, views: Vec<ReadView>) -> PendingDownload {
+        PendingDownload {
+            fence,
+            readback: Downloaded {
+                core: None,
+                batch,
+                lease: None,
+                host: Vec::new(),
+                base: 0,
+                views: Views::Pooled(views),
+                chunks: Vec::new(),
+                in_order_bytes: 0,
+            },
+            first_seq: 0,
+            route: Route::Planned,
+        }
+    }
+}
+
 impl fmt::Debug for Downloaded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Downloaded").field("reads", &self.views.len()).finish_non_exhaustive()

@@ -22,8 +22,9 @@
 //!
 //! The scope and its waiting live here, with the checks the scoped bulk calls share; the
 //! rest by concern: where host memory lies (`places`), how in-place items are laid out
-//! (`layout`, pure), how they move (`pinned`), and the two batches (`uploads`,
-//! `downloads`).
+//! (`plan::runs`, pure), how they move (`pinned`), and what the two batches' submits do when
+//! the batch is a scope's (`uploads`: [`UploadBatch::submit`]; `downloads`: the reads
+//! into slices of [`DownloadBatch::submit`]).
 
 mod downloads;
 mod pinned;
@@ -34,15 +35,13 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use downloads::ScopedDownloads;
-pub use uploads::ScopedUploads;
+pub(in crate::transfer) use downloads::read_in_place;
+pub(in crate::transfer) use uploads::submit_in_place;
 
-use super::BufferTable;
-use super::upload::RESERVE_MOST;
-use crate::alloc::ResidentBuffer;
+use super::{DownloadBatch, UploadBatch};
 use crate::engine::core::Core;
 use crate::engine::wait;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fence::Fence;
 use crate::stream::LaneKind;
 
@@ -57,7 +56,7 @@ use crate::stream::LaneKind;
 /// let mut cache = vec![0u8; 4096];
 /// device.scope(|s| {
 ///     let mut reads = s.downloads();
-///     reads.read_into(pool, 0, &mut cache)?;
+///     reads.read_to_slice(pool, 0, &mut cache)?;
 ///     reads.submit()?;
 ///     println!("{}", cache[0]); // `cache` is borrowed until the scope ends
 ///     Ok(())
@@ -89,8 +88,8 @@ use crate::stream::LaneKind;
 /// device.scope(|s| {
 ///     let mut local = vec![0u8; 4096];
 ///     let mut reads = s.downloads();
-///     reads.read_into(pool, 0, &mut local)?; // `local` dies inside the scope
-///     reads.submit()
+///     reads.read_to_slice(pool, 0, &mut local)?; // `local` dies inside the scope
+///     reads.submit().map(drop)
 /// })
 /// # }
 /// ```
@@ -125,28 +124,17 @@ pub(crate) fn scope<'env, R>(
 }
 
 impl<'scope> Scope<'scope, '_> {
-    /// A batch of writes from the caller's memory, borrowed for the scope.
-    pub fn uploads(&'scope self) -> ScopedUploads<'scope> {
-        ScopedUploads {
-            core: self.core,
-            seen: &self.seen,
-            table: BufferTable::default(),
-            writes: Vec::new(),
-            error: None,
-            scope: PhantomData,
-        }
+    /// A batch of writes from the caller's memory, borrowed for the scope: an
+    /// [`UploadBatch`] whose `submit` moves slices in pinned memory in place (see there).
+    pub fn uploads(&'scope self) -> UploadBatch<'scope> {
+        crate::transfer::upload::scoped(self.core, &self.seen)
     }
 
-    /// A batch of reads into the caller's memory, borrowed for the scope.
-    pub fn downloads(&'scope self) -> ScopedDownloads<'scope> {
-        ScopedDownloads {
-            core: self.core,
-            seen: &self.seen,
-            table: BufferTable::default(),
-            reads: Vec::new(),
-            error: None,
-            scope: PhantomData,
-        }
+    /// A batch of reads, into the caller's memory borrowed for the scope
+    /// ([`DownloadBatch::read_to_slice`]) or into pinned views: a [`DownloadBatch`] whose
+    /// reads into slices land in pinned memory in place (see there).
+    pub fn downloads(&'scope self) -> DownloadBatch<'scope> {
+        crate::transfer::download::scoped(self.core, &self.seen)
     }
 
     /// Waits for every submission of the scope. A lane where a batch failed part-way, or
@@ -177,7 +165,7 @@ impl<'scope> Scope<'scope, '_> {
 /// What a scope's batches did on each lane: the last submission made (0: none), and
 /// whether a batch failed after it may have enqueued work.
 #[derive(Debug, Default)]
-pub(super) struct Submitted {
+pub(crate) struct Submitted {
     pub(super) last: [AtomicU64; 2],
     failed: [std::sync::atomic::AtomicBool; 2],
 }
@@ -193,40 +181,8 @@ impl Submitted {
 }
 
 /// Records `fence`'s submission as the scope's latest on its lane.
-pub(super) fn note(seen: &Submitted, fence: &Fence) {
+pub(in crate::transfer) fn note(seen: &Submitted, fence: &Fence) {
     if let Some((_, kind, seq)) = fence.target() {
         seen.last[kind.index()].fetch_max(seq, Ordering::AcqRel);
     }
-}
-
-/// The work of the scoped bulk calls ([`ScopedUploads::write_many`],
-/// [`ScopedDownloads::read_into_many`]): each `(buffer, offset, host)` item checked as the
-/// single call checks its own (a run of items on one buffer looked up once) and pushed onto
-/// `to` as `(key, offset, host)`; the first bad item is named by its index in `call` and kept
-/// as the batch's error, and the items after it are not added. An iterator that panics
-/// leaves [`Error::ItemsPanicked`] as the batch's error ([`Error::add_items`]).
-pub(super) fn add_many<T>(
-    core: &Core,
-    (table, error): (&mut BufferTable, &mut Option<Error>),
-    call: &'static str,
-    to: &mut Vec<(u32, u64, T)>,
-    items: impl IntoIterator<Item = (ResidentBuffer, u64, T)>,
-    len: impl Fn(&T) -> usize,
-) -> Result<()> {
-    let items = items.into_iter();
-    // As `UploadBatch::write_many`: the iterator's hint is trusted only so far.
-    to.reserve(items.size_hint().0.min(RESERVE_MOST));
-    Error::add_items(
-        call,
-        error,
-        |error| error,
-        |_, at| {
-            for (buffer, offset, host) in items {
-                let (key, _) = table.check(&core.alloc, buffer, offset, len(&host) as u64, &mut None)?;
-                to.push((key, offset, host));
-                *at += 1;
-            }
-            Ok(())
-        },
-    )
 }

@@ -8,9 +8,11 @@ mod planned;
 mod submit;
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use super::BufferTable;
+use super::scope::Submitted;
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
 use crate::engine::fills::{FILL_COST, Fills, ParFills};
@@ -42,18 +44,49 @@ fn par_lease(k: usize, chunk_bytes: usize) -> usize {
     growing.min(PAR_LEASE).min(chunk_bytes)
 }
 
-/// A batch of host-to-device writes ([`Device::uploads`](crate::Device::uploads)). Writes apply in order: where
-/// two overlap, the later one wins. Nothing moves until [`UploadBatch::submit`].
+/// A batch of host-to-device writes. Writes apply in order: where two overlap, the later one
+/// wins. Nothing moves until [`UploadBatch::submit`], which returns the [`Fence`](crate::Fence) of the
+/// batch's last submission.
 ///
 /// Every write is checked when it is added; a bad one returns its error and also fails
 /// `submit`, so a batch with a bad write never moves anything.
+///
+/// One type, two kinds of batch, with the same methods:
+/// - from [`Device::uploads`](crate::Device::uploads), an **ordinary** batch: `submit`
+///   copies every slice into pinned staging before it returns, so the caller's memory is
+///   free again at once;
+/// - from [`Scope::uploads`](crate::Scope::uploads), a **scoped** batch: its slices stay
+///   borrowed until the scope ends, and `submit` moves those in pinned memory in place,
+///   with no staging copy (the scope waits for them); see [`Scope`](crate::Scope). A scoped
+///   batch that holds fills ([`write_with`](UploadBatch::write_with),
+///   [`write_with_par`](UploadBatch::write_with_par)) moves whole as an ordinary one does:
+///   its slices are copied through staging at `submit`.
+///
+/// `UploadBatch<'a>` is invariant in `'a`: a scoped batch borrows for the scope's whole
+/// life, and could take memory that dies before the scope waits for it if it could be
+/// coerced to a shorter lifetime. An ordinary batch loses nothing by it: `'a` is inferred
+/// where the batch is made, as the borrows of its device and of its slices allow, and the
+/// batch has no destructor of its own, so it may borrow data declared after it.
+///
+/// ```compile_fail,E0597
+/// # fn f(device: &cuda_resident::Device, pool: cuda_resident::ResidentBuffer) -> cuda_resident::Result<()> {
+/// device.scope(|s| {
+///     let local = vec![1u8; 4096];
+///     // The scope's batch would have to shrink to `local`'s life, which ends before the
+///     // scope waits: refused.
+///     let mut writes: cuda_resident::UploadBatch<'_> = s.uploads();
+///     writes.write(pool, 0, &local)?;
+///     writes.submit().map(drop)
+/// })
+/// # }
+/// ```
 #[must_use = "an upload batch moves nothing until it is submitted"]
 pub struct UploadBatch<'a> {
-    core: &'a Arc<Core>,
-    table: BufferTable,
-    writes: Vec<WriteRequest>,
-    sources: Vec<Source<'a>>,
-    arena: Vec<HostLease>,
+    pub(in crate::transfer) core: &'a Arc<Core>,
+    pub(in crate::transfer) table: BufferTable,
+    pub(in crate::transfer) writes: Vec<WriteRequest>,
+    pub(in crate::transfer) sources: Vec<Source<'a>>,
+    pub(in crate::transfer) arena: Vec<HostLease>,
     /// Bytes used in each arena lease.
     arena_used: Vec<usize>,
     /// Descriptors of each arena lease's writes (0: nothing to move), counted as they are
@@ -69,6 +102,12 @@ pub struct UploadBatch<'a> {
     par_work: usize,
     error: Option<Error>,
     spare: Spare,
+    /// The scope of a batch from [`Scope::uploads`](crate::Scope::uploads), which waits for
+    /// its submissions; `None` for an ordinary batch.
+    pub(in crate::transfer) scope: Option<&'a Submitted>,
+    /// Invariant in 'a: a scoped batch must not shrink to a shorter borrow, or it would take
+    /// memory that dies before the scope waits for it.
+    invariant: PhantomData<&'a mut &'a ()>,
 }
 
 /// Hands a submitted batch's vectors back to its device when the batch goes. A field of its
@@ -101,6 +140,16 @@ pub(crate) const RESERVE_MOST: usize = 1 << 16;
 
 /// The work of [`Device::uploads`](crate::Device::uploads).
 pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
+    batch(core, None)
+}
+
+/// The work of [`Scope::uploads`](crate::Scope::uploads): a batch whose submissions `seen`
+/// records, for its scope to wait for.
+pub(crate) fn scoped<'a>(core: &'a Arc<Core>, seen: &'a Submitted) -> UploadBatch<'a> {
+    batch(core, Some(seen))
+}
+
+fn batch<'a>(core: &'a Arc<Core>, scope: Option<&'a Submitted>) -> UploadBatch<'a> {
     let parts = core.spares.upload.take();
     UploadBatch {
         core,
@@ -115,6 +164,8 @@ pub(crate) fn uploads(core: &Arc<Core>) -> UploadBatch<'_> {
         par_work: 0,
         error: None,
         spare: Spare { core: Arc::clone(core), parts: UploadParts::default() },
+        scope,
+        invariant: PhantomData,
     }
 }
 
@@ -149,7 +200,10 @@ impl<'a> UploadBatch<'a> {
         self.slice_writes += 1;
     }
 
-    /// Adds a write of `data` to `buffer` at `offset`. The slice is read at submit time.
+    /// Adds a write of `data` to `buffer` at `offset`. An ordinary batch reads the slice at
+    /// submit time; a scoped one borrows it until the scope ends, and the GPU reads it in
+    /// place where it lies in pinned memory (this crate's, or runs of memory pinned by
+    /// [`Device::pin_host`](crate::Device::pin_host)).
     ///
     /// # Errors
     /// A bad range (returned here and again by `submit`); [`Error::BatchPoisoned`] once a
@@ -179,7 +233,7 @@ impl<'a> UploadBatch<'a> {
     }
 
     /// Adds a write for each `(buffer, offset, data)` item, in order, as that many
-    /// [`write`](UploadBatch::write)s would (each slice is read at submit time), with less
+    /// [`write`](UploadBatch::write)s would (each slice read as `write` says), with less
     /// work per item: room reserved up front, no result per item.
     ///
     /// # Errors
