@@ -30,22 +30,27 @@ def main():
     builds = [arg.split('=', 1) for arg in sys.argv[3:sep]]
     flags = sys.argv[sep + 1:]
     reports = {name: [] for name, _ in builds}
-    for k in range(rounds):
-        turn = builds[k % len(builds):] + builds[:k % len(builds)]
-        for name, binary in turn:
-            where = os.path.join(out, f'{name}-{k}')
-            os.makedirs(where, exist_ok=True)
-            run = subprocess.run([binary, '--out', where] + flags, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
-            print(f'# {name}, round {k}: exit {run.returncode}', flush=True)
-            for line in run.stdout.splitlines():
-                if line.startswith('breakdown'):
-                    print('  ', line)
-            if run.returncode != 0:
-                print(run.stdout[-3000:])
-                continue
-            with open(os.path.join(where, 'report.json')) as f:
-                reports[name].append(json.load(f))
+    # Interrupted (Ctrl-C, `timeout -s INT`), it stops the build in hand and prints the table
+    # of the runs that finished.
+    try:
+        for k in range(rounds):
+            turn = builds[k % len(builds):] + builds[:k % len(builds)]
+            for name, binary in turn:
+                where = os.path.join(out, f'{name}-{k}')
+                os.makedirs(where, exist_ok=True)
+                run = subprocess.run([binary, '--out', where] + flags, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+                print(f'# {name}, round {k}: exit {run.returncode}', flush=True)
+                for line in run.stdout.splitlines():
+                    if line.startswith('breakdown'):
+                        print('  ', line)
+                if run.returncode != 0:
+                    print(run.stdout[-3000:])
+                    continue
+                with open(os.path.join(where, 'report.json')) as f:
+                    reports[name].append(json.load(f))
+    except KeyboardInterrupt:
+        print('# interrupted: the table holds the runs that finished', flush=True)
     first = builds[0][0]
     if not reports[first]:
         sys.exit('the first build has no report')
