@@ -82,6 +82,11 @@ pub(super) fn write_all(
     let threads = threads_for(device, jobs.len());
     let piece = piece_for(device, threads, pacing.batch_bytes);
     let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+    // The largest files first: the save lasts at least as long as its largest file takes
+    // one thread (writes into one file do not scale with threads), so it must not start last.
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&j| std::cmp::Reverse(jobs[j].places.iter().map(|&(_, i)| lens[i]).sum::<usize>()));
+    let order = &order;
     let outcomes = std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel::<u64>();
         let handles: Vec<_> = (0..threads)
@@ -94,7 +99,7 @@ pub(super) fn write_all(
                         if j >= jobs.len() || failed.load(Ordering::Relaxed) {
                             return Ok(());
                         }
-                        let written = write_job(device, &jobs[j], (items, lens), piece, failed, &tx);
+                        let written = write_job(device, &jobs[order[j]], (items, lens), piece, failed, &tx);
                         if written.is_err() {
                             failed.store(true, Ordering::Relaxed);
                             return written;
@@ -104,6 +109,8 @@ pub(super) fn write_all(
             })
             .collect();
         drop(tx);
+        // A panicking progress callback stops the threads too.
+        let _stop = StopOthers(&failed);
         let mut done = 0u64;
         for bytes in rx {
             done += bytes;
