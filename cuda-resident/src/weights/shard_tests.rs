@@ -110,6 +110,7 @@ fn a_sharded_save_loads_back_every_byte_at_every_boundary() {
         (vec![k / 2, k / 2, k / 2, k / 2, 1], k as u64, 3), // two to a shard
     ];
     for (config, arena) in [(small_chunks(), false), (Config::default(), true)] {
+        let cap = config.pinned_cap_bytes;
         let d = device(config);
         for (c, (lens, bytes, expected)) in cases.iter().enumerate() {
             let dir = TempDir::new(&format!("bounds-{c}-{arena}"));
@@ -119,6 +120,7 @@ fn a_sharded_save_loads_back_every_byte_at_every_boundary() {
             let options = SaveOptions::new().shard_bytes(*bytes).progress(|done, total| last = (done, total));
             on.save(&d, &path, options).unwrap();
             assert_eq!(last.0, last.1, "case {c}");
+            assert!(d.telemetry().pinned.reserved_bytes <= cap, "case {c}: pinned memory within the cap");
             let index = dir.0.join("model.safetensors.index.json");
             let (json, files) = read_index(&index);
             assert_eq!(files.len(), *expected, "case {c}: {files:?}");
