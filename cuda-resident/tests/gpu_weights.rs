@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cuda_resident::weights::{Dtype, LoadOptions, WeightsError};
+use cuda_resident::weights::{Dtype, LoadOptions, SaveOptions, WeightsError};
 use cuda_resident::{Config, Device, Error};
 use safetensors::tensor::TensorView;
 
@@ -143,6 +143,29 @@ fn a_checkpoint_eight_times_the_pinned_pool_loads_and_saves_within_it() {
     ckpt.save(&d, &out.0).unwrap();
     assert!(d.telemetry().pinned.reserved_bytes <= cap);
     assert!(std::fs::read(&out.0).unwrap() == std::fs::read(&file.0).unwrap(), "the saved file differs");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_sharded_save_loads_back_every_byte_within_the_pinned_pool() {
+    let cap = 256 << 20;
+    let d = device_with(Config::default().with_pinned_cap_bytes(cap));
+    let file = Temp::new("sharded-source.safetensors");
+    let data = write(&file.0, &decoder(4, 2048), 5);
+    let ckpt = d.load_safetensors(&file.0).unwrap();
+    let dir = std::env::temp_dir().join(format!("cuda-resident-gpu-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let options = SaveOptions::new().shard_bytes(64 << 20);
+    ckpt.save_configured(&d, dir.join("model.safetensors"), options).unwrap();
+    assert!(d.telemetry().pinned.reserved_bytes <= cap);
+    let index = dir.join("model.safetensors.index.json");
+    for arena in [false, true] {
+        let back = d.load_safetensors_configured(&index, LoadOptions::new().arena(arena)).unwrap();
+        check(&d, &back, &data);
+    }
+    let files = std::fs::read_dir(&dir).unwrap().count();
+    assert!(files > 4, "{files} files");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -137,6 +137,10 @@ pub(crate) struct Args {
     /// save rows).
     #[arg(long)]
     pub(crate) weights_loads_only: bool,
+    /// Shards of the weights suite's sharded save and load (SaveOptions::shards): one
+    /// thread and one file each.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) weights_shards: u32,
     /// cuda-resident's staging chunk, a size (Config::chunk_bytes; default: the library's).
     #[arg(long, value_parser = size::parse, conflicts_with = "chunk_kib")]
     pub(crate) chunk: Option<u64>,

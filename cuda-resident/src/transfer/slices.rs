@@ -1,8 +1,8 @@
 //! Large reads into the caller's slices, pipelined as one stream: the ranges laid end to end
 //! are cut into chunks of a ring of pinned leases; chunk `k + 1` is on the wire (one DMA per
 //! range piece in it) while chunk `k` is copied out by the packing threads. One range is
-//! [`Device::download_to_slice`](crate::Device::download_to_slice); many are a checkpoint's
-//! tensors written into a file's pages (`weights`), with no gap between them on the wire.
+//! [`Device::download_to_slice`](crate::Device::download_to_slice); many move with no gap
+//! between them on the wire.
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -110,6 +110,19 @@ pub enum WeightsError {
         cause: Box<crate::Error>,
     },
 
+    /// A sharded checkpoint's index (`*.index.json`) is not Hugging Face's JSON, names a
+    /// shard that is missing, or disagrees with its shards: a tensor it names that no shard
+    /// holds, a tensor in a shard other than the one it names (or in two).
+    #[error("{path} is not a usable checkpoint index: {detail}. Fix: {fix}.", path = .path.display())]
+    BadIndex {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong, naming the shard or tensor at fault.
+        detail: String,
+        /// What to do about it.
+        fix: &'static str,
+    },
+
     /// A tensor given to save does not fit its buffer, or its shape and dtype give no whole
     /// number of bytes, or two tensors have one name.
     #[error("tensor {tensor} cannot be saved: {detail}. Fix: {fix}.")]
@@ -164,6 +177,7 @@ mod tests {
                 total: 3,
                 cause: Box::new(crate::Error::ZeroSizedAllocation),
             },
+            WeightsError::BadIndex { path: path.clone(), detail: "d".into(), fix: "f" },
         ];
         for e in errors {
             let text = crate::Error::from(e).to_string();

@@ -1,5 +1,5 @@
 //! [`Device::load_safetensors`]: map, check, allocate (all or nothing) and upload the
-//! checkpoint as a few large batches, each the engine pipelines through the pinned pool. A
+//! checkpoint (one file, or every shard an index names) as a few large batches, each the engine pipelines through the pinned pool. A
 //! buffer per tensor is allocated on a thread of its own, in the order the upload takes
 //! them, so that allocating (a driver allocation for each tensor past the allocator's slab)
 //! overlaps moving the tensors before it.
@@ -11,8 +11,8 @@ use std::path::Path;
 use memmap2::{Advice, Mmap};
 
 use super::error::WeightsError;
-use super::header::{self, Entry};
-use super::{Checkpoint, LoadOptions, Tensor};
+use super::header::{self, Entry, Header};
+use super::{Checkpoint, LoadOptions, Tensor, index, shards};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::Result;
@@ -38,17 +38,50 @@ pub(super) fn map(path: &Path) -> Result<Mmap, WeightsError> {
     Ok(map)
 }
 
-/// The work of [`Device::load_safetensors_configured`].
+/// The checkpoint's files, mapped, with their checked headers: the file at `path`, or
+/// every shard its index names (each checked against the index).
+fn open(path: &Path) -> Result<Vec<(Mmap, Header)>> {
+    if !shards::is_index(path) {
+        let file = map(path)?;
+        let header = header::parse(path, &file)?;
+        return Ok(vec![(file, header)]);
+    }
+    let named = index::read(path)?;
+    let owner: HashMap<&str, &Path> =
+        named.iter().flat_map(|(p, names)| names.iter().map(move |n| (n.as_str(), p.as_path()))).collect();
+    named
+        .iter()
+        .map(|(shard, names)| {
+            let file = map(shard).map_err(|e| index::missing(path, shard, &e))?;
+            let header = header::parse(shard, &file)?;
+            index::check_shard(path, shard, &header.entries, names, &owner)?;
+            Ok((file, header))
+        })
+        .collect()
+}
+
+/// The work of [`Device::load_safetensors_configured`]: one file, or the shards of an index,
+/// through one upload.
 pub(super) fn load(device: &Device, path: &Path, mut options: LoadOptions<'_>) -> Result<Checkpoint> {
-    let file = map(path)?;
-    let header = header::parse(path, &file)?;
+    let opened = open(path)?;
+    let files: Vec<&[u8]> = opened.iter().map(|(map, _)| &map[..]).collect();
+    let file_of: Vec<usize> =
+        opened.iter().enumerate().flat_map(|(f, (_, h))| std::iter::repeat_n(f, h.entries.len())).collect();
+    let total = opened.iter().map(|(_, h)| h.data_bytes).sum();
+    let mut metadata = None;
+    let mut all = Vec::with_capacity(file_of.len());
+    for (_, header) in opened.iter() {
+        metadata = metadata.or_else(|| header.metadata.clone());
+        all.extend(header.entries.iter().cloned());
+    }
+    let header = Header { entries: all, metadata, data_bytes: total };
     let places = places(&header.entries, options.arena);
-    let total = header.data_bytes;
     check_budget(device, path, &header.entries, options.arena.then(|| arena_len(&places, &header.entries)))?;
     let entries = &header.entries;
+    let source = (&files[..], &file_of[..]);
     let (owners, arena) = if options.arena {
         let arena = allocate_arena(device, path, entries, &places)?;
-        upload(device, &file, entries, &places, |_| Ok(*arena), &mut options)?;
+        upload(device, source, entries, &places, |_| Ok(*arena), &mut options)?;
         (Vec::new(), Some(arena))
     } else {
         let mut owners = Vec::with_capacity(entries.len());
@@ -59,7 +92,7 @@ pub(super) fn load(device: &Device, path: &Path, mut options: LoadOptions<'_>) -
             });
             let uploaded = upload(
                 device,
-                &file,
+                source,
                 entries,
                 &places,
                 |_| {
@@ -187,13 +220,13 @@ fn allocate_each(
     }
 }
 
-/// Uploads every tensor's bytes from `file` to its buffer (`buffer_of`, asked once a tensor,
+/// Uploads every tensor's bytes from its file (`files[file_of[i]]`) to its buffer (`buffer_of`, asked once a tensor,
 /// in order) at its place (`places`), in batches of about
 /// `batch_bytes` (a tensor may be split between two), reporting progress after each
 /// submit; returns once every batch has landed.
 fn upload(
     device: &Device,
-    file: &[u8],
+    (files, file_of): (&[&[u8]], &[usize]),
     entries: &[Entry],
     places: &[u64],
     mut buffer_of: impl FnMut(usize) -> Result<ResidentBuffer>,
@@ -207,6 +240,7 @@ fn upload(
     let mut in_batch = 0u64;
     for (i, (e, &place)) in entries.iter().zip(places).enumerate() {
         let buffer = buffer_of(i)?;
+        let file = files[file_of[i]];
         let mut at = 0u64;
         while at < e.len {
             let n = (e.len - at).min(step - in_batch);

@@ -1,22 +1,23 @@
-//! [`Device::save_safetensors`]: the header from the safetensors crate, the file sized and
-//! mapped, every tensor downloaded straight into its pages, then renamed into place.
+//! [`Device::save_safetensors`]: the tensors checked, split between shards where asked, each
+//! file's header from the safetensors crate; every file written under a partial name
+//! (`write.rs`) and renamed into place once all are whole, a sharded save's index last. On
+//! any error, or a panic, every file of the save is removed.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use memmap2::MmapMut;
 use safetensors::{Dtype, View};
 
-use super::SaveOptions;
 use super::error::WeightsError;
-use super::header::{self, byte_len};
-use super::load::MIN_BATCH;
+use super::header::byte_len;
+use super::write::{self, Job};
+use super::{SaveOptions, index, shards};
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
 use crate::error::Result;
-use crate::transfer::slices::{SliceRead, download_to_slices};
 
 /// One tensor to save: `shape x dtype` bytes of `buffer` at `offset`.
 pub(super) struct Item<'a> {
@@ -51,21 +52,62 @@ impl View for HeaderOnly<'_> {
     }
 }
 
-/// Removes the temporary file on the way out, unless it was renamed into place.
-struct Partial {
-    path: PathBuf,
+/// The files of a save being written: removed on the way out (the finished ones renamed
+/// into place too) unless the save completes.
+#[derive(Default)]
+struct Partials {
+    paths: Vec<PathBuf>,
     kept: bool,
 }
 
-impl Drop for Partial {
+impl Drop for Partials {
     fn drop(&mut self) {
         if !self.kept {
-            let _ = std::fs::remove_file(&self.path);
+            for path in &self.paths {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 }
 
-/// The work of [`Device::save_safetensors_configured`].
+/// Where each tensor of a file goes: `(offset in the file, item)`, in file order.
+type Places = Vec<(u64, usize)>;
+
+/// The header of the tensors `members` (of `items`, `lens` bytes each) as the safetensors
+/// crate writes it, and each member's place in the file: `(offset, item)` in file order.
+fn header_of(
+    items: &[Item<'_>],
+    lens: &[usize],
+    members: &[usize],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<(Vec<u8>, Places)> {
+    let views = members.iter().map(|&i| {
+        let t = &items[i];
+        (t.name, HeaderOnly { dtype: t.dtype, shape: t.shape, len: lens[i] })
+    });
+    let refused = |detail: String| WeightsError::BadTensor {
+        tensor: "(the header)".into(),
+        detail,
+        fix: "pass tensors the safetensors format can hold",
+    };
+    let head = safetensors::serialize(views, metadata).map_err(|e| refused(e.to_string()))?;
+    // Where the crate placed each tensor, from the header it wrote.
+    let json: serde_json::Value = serde_json::from_slice(&head[8..]).map_err(|e| refused(e.to_string()))?;
+    let mut places = members
+        .iter()
+        .map(|&i| {
+            let offsets = json.get(items[i].name).and_then(|t| t.get("data_offsets")).and_then(|o| o.get(0));
+            let start = offsets.and_then(serde_json::Value::as_u64).ok_or_else(|| {
+                refused(format!("the safetensors crate wrote no offsets for tensor {:?}", items[i].name))
+            })?;
+            Ok((head.len() as u64 + start, i))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    places.sort_unstable();
+    Ok((head, places))
+}
+
+/// The work of [`Device::save_safetensors_configured`]: one file, or shards and their index.
 pub(super) fn save(
     device: &Device,
     path: &Path,
@@ -73,43 +115,59 @@ pub(super) fn save(
     mut options: SaveOptions<'_>,
 ) -> Result<()> {
     let lens = check(device, items)?;
-    let views =
-        items.iter().zip(&lens).map(|(t, &len)| (t.name, HeaderOnly { dtype: t.dtype, shape: t.shape, len }));
-    let head =
-        safetensors::serialize(views, options.metadata.take()).map_err(|e| WeightsError::BadTensor {
-            tensor: "(the header)".into(),
-            detail: e.to_string(),
-            fix: "pass tensors the safetensors format can hold",
-        })?;
-    let total: u64 = lens.iter().map(|&l| l as u64).sum();
-    let file_len = head.len() as u64 + total;
-
-    let partial = Partial { path: partial_path(path), kept: false };
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&partial.path)
-        .map_err(|e| WeightsError::io("creating", &partial.path, &e))?;
-    file.set_len(file_len).map_err(|e| WeightsError::io("sizing", &partial.path, &e))?;
-    // SAFETY: the file was just created under a name of its own; this process is its only
-    // writer until it is renamed, after the map is gone.
-    let mut map =
-        unsafe { MmapMut::map_mut(&file) }.map_err(|e| WeightsError::io("mapping", &partial.path, &e))?;
-    map[..head.len()].copy_from_slice(&head);
-    // Where the crate placed each tensor: the header read back, and checked, as any.
-    let placed = header::parse(&partial.path, &map)?;
-    let starts: HashMap<&str, (u64, u64)> =
-        placed.entries.iter().map(|e| (e.name.as_str(), (e.start, e.len))).collect();
-    let mut order: Vec<(u64, usize)> = items.iter().enumerate().map(|(i, t)| (starts[t.name].0, i)).collect();
-    order.sort_unstable();
-    download(device, &mut map, items, (&order, &lens), &mut options, total)?;
-    drop(map);
-    std::fs::rename(&partial.path, path)
-        .map_err(|e| WeightsError::io("renaming the finished file onto", path, &e))?;
-    let mut partial = partial;
-    partial.kept = true;
+    let lens64: Vec<u64> = lens.iter().map(|&l| l as u64).collect();
+    let (of, count) = match options.sharding {
+        Some(sharding) => shards::assign(&lens64, sharding),
+        None => (vec![0; items.len()], 1),
+    };
+    let mut members = vec![Vec::new(); count];
+    for (i, &s) in of.iter().enumerate() {
+        members[s].push(i);
+    }
+    let finals: Vec<PathBuf> = match options.sharding {
+        Some(_) => (0..count).map(|s| path.with_file_name(shards::shard_name(path, s, count))).collect(),
+        None => vec![path.to_owned()],
+    };
+    let metadata = options.metadata.take();
+    let mut partials = Partials::default();
+    let mut jobs = Vec::with_capacity(count);
+    for (members, final_path) in members.iter().zip(&finals) {
+        let (head, places) = header_of(items, &lens, members, metadata.clone())?;
+        let partial = partial_path(final_path);
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&partial)
+            .map_err(|e| WeightsError::io("creating", &partial, &e))?;
+        partials.paths.push(partial);
+        let partial = partials.paths.last().expect("just pushed");
+        let data: u64 = members.iter().map(|&i| lens64[i]).sum();
+        file.set_len(head.len() as u64 + data).map_err(|e| WeightsError::io("sizing", partial, &e))?;
+        file.write_all_at(&head, 0).map_err(|e| WeightsError::io("writing", partial, &e))?;
+        jobs.push(Job { file, path: final_path, places });
+    }
+    let total: u64 = lens64.iter().sum();
+    write::write_all(device, &jobs, (items, &lens), &mut options.pacing, total)?;
+    drop(jobs);
+    // Every file is whole: into place, the index last.
+    for (i, final_path) in finals.iter().enumerate() {
+        std::fs::rename(&partials.paths[i], final_path)
+            .map_err(|e| WeightsError::io("renaming the finished file onto", final_path, &e))?;
+        partials.paths[i] = final_path.clone();
+    }
+    if options.sharding.is_some() {
+        let names: Vec<String> =
+            finals.iter().map(|p| p.file_name().expect("named").to_string_lossy().into_owned()).collect();
+        let text = index::to_json(total, items.iter().zip(&of).map(|(t, &s)| (t.name, names[s].as_str())));
+        let index_path = shards::index_path(path);
+        let partial = partial_path(&index_path);
+        partials.paths.push(partial.clone());
+        std::fs::write(&partial, text).map_err(|e| WeightsError::io("writing", &partial, &e))?;
+        std::fs::rename(&partial, &index_path)
+            .map_err(|e| WeightsError::io("renaming the finished file onto", &index_path, &e))?;
+    }
+    partials.kept = true;
     Ok(())
 }
 
@@ -149,62 +207,4 @@ fn check(device: &Device, items: &[Item<'_>]) -> Result<Vec<usize>> {
 fn partial_path(path: &Path) -> PathBuf {
     let name = path.file_name().map_or_else(|| "checkpoint".into(), |n| n.to_string_lossy().into_owned());
     path.with_file_name(format!(".{name}.partial-{}", std::process::id()))
-}
-
-/// Downloads each tensor (in file order, `order`: `(file offset, item)`) into its place in
-/// `map`, in batches of about `batch_bytes`: small tensors gathered on the device by one
-/// download batch and copied from its views, large ones pipelined straight into the pages.
-fn download(
-    device: &Device,
-    map: &mut [u8],
-    items: &[Item<'_>],
-    (order, lens): (&[(u64, usize)], &[usize]),
-    options: &mut SaveOptions<'_>,
-    total: u64,
-) -> Result<()> {
-    let step = options.pacing.batch_bytes.max(MIN_BATCH);
-    let small = device.config().direct_threshold;
-    let mut rest = map;
-    let mut consumed = 0u64;
-    let mut done = 0u64;
-    let mut group = order;
-    while !group.is_empty() {
-        // The next batch: tensors up to `step` bytes (at least one).
-        let mut n = 0;
-        let mut bytes = 0u64;
-        while n < group.len() && (n == 0 || bytes + lens[group[n].1] as u64 <= step) {
-            bytes += lens[group[n].1] as u64;
-            n += 1;
-        }
-        let (this, next) = group.split_at(n);
-        group = next;
-        let (mut large, mut reads, mut smalls) = (Vec::new(), device.downloads(), Vec::new());
-        for &(start, i) in this {
-            let (t, len) = (&items[i], lens[i]);
-            // The tensors come in file order, apart: split the rest of the map at each.
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut((start - consumed) as usize);
-            let (out, tail) = tail.split_at_mut(len);
-            rest = tail;
-            consumed = start + len as u64;
-            if len == 0 {
-                continue;
-            }
-            if (len as u64) < small {
-                smalls.push((reads.read(t.buffer, t.offset, len as u64)?, out));
-            } else {
-                large.push(SliceRead { buffer: t.buffer, offset: t.offset, out });
-            }
-        }
-        let pending = if smalls.is_empty() { None } else { Some(reads.submit()?) };
-        download_to_slices(device.core(), &mut large)?;
-        if let Some(pending) = pending {
-            let landed = pending.wait()?;
-            for (slot, out) in smalls {
-                out.copy_from_slice(landed.get(slot));
-            }
-        }
-        done += bytes;
-        options.pacing.report(done, total);
-    }
-    Ok(())
 }

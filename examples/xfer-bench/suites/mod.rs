@@ -14,6 +14,7 @@ mod peer;
 mod scattered;
 mod sweep;
 mod weights;
+mod weights_shards;
 
 use std::sync::Arc;
 

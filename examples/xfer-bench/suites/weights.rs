@@ -132,6 +132,8 @@ pub(crate) fn run(
         Row::gbps(format!("save {what}, into the page cache"), bytes, Some(raw), batch, ours).noted(&threads),
     );
     let _ = std::fs::remove_file(&out);
+    let sharded = super::weights_shards::Sharded { d, path: &path, ranges: &ranges, batch_bytes };
+    sharded.run(args, &tensors, &what, rows)?;
     progress.inc(1);
     println!("weights: the checkpoint stays at {} (benches/weights_torch.py reads it)", path.display());
     Ok(())
