@@ -11,8 +11,8 @@
 //! - `overlapping`: the same sizes into buffers of 4 MiB, so that most requests overlap
 //!   (about 3000 intervals): the worst case for upload fills.
 //!
-//! Groups: `plan_upload` and `plan_readback` call the free functions, which allocate fresh
-//! scratch and a fresh plan each time; `planner_upload_into` and `planner_readback_into`
+//! Groups: `plan_upload` and `plan_download` call the free functions, which allocate fresh
+//! scratch and a fresh plan each time; `planner_upload_into` and `planner_download_into`
 //! reuse one `Planner` and one plan, as an executor that plans every batch does. One
 //! iteration plans one whole batch, so the time shown is the cost of a batch.
 
@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use cuda_resident::internals::plan::{
-    PlanConfig, Planner, ReadRequest, ReadbackPlan, UploadPlan, WriteRequest, plan_readback, plan_upload,
+    DownloadPlan, PlanConfig, Planner, ReadRequest, UploadPlan, WriteRequest, plan_download, plan_upload,
 };
 
 const REQUESTS: usize = 8192;
@@ -92,19 +92,19 @@ fn bench_plans(c: &mut Criterion) {
     }
     group.finish();
 
-    let mut group = c.benchmark_group("plan_readback");
+    let mut group = c.benchmark_group("plan_download");
     for (name, writes) in &batches {
         group.bench_with_input(BenchmarkId::from_parameter(name), &reads_of(writes), |b, reads| {
-            b.iter(|| plan_readback(black_box(reads), &cfg).expect("valid batch"));
+            b.iter(|| plan_download(black_box(reads), &cfg).expect("valid batch"));
         });
     }
     group.finish();
 
-    let mut group = c.benchmark_group("planner_readback_into");
+    let mut group = c.benchmark_group("planner_download_into");
     for (name, writes) in &batches {
-        let (mut planner, mut plan) = (Planner::new(), ReadbackPlan::default());
+        let (mut planner, mut plan) = (Planner::new(), DownloadPlan::default());
         group.bench_with_input(BenchmarkId::from_parameter(name), &reads_of(writes), |b, reads| {
-            b.iter(|| planner.plan_readback_into(black_box(reads), &cfg, &mut plan).expect("valid batch"));
+            b.iter(|| planner.plan_download_into(black_box(reads), &cfg, &mut plan).expect("valid batch"));
         });
     }
     group.finish();

@@ -40,7 +40,7 @@ fn transfers(c: &mut Criterion) {
             batch.submit().unwrap().wait().unwrap();
         })
     });
-    group.bench_function("readback 8192 x 4 KiB as views", |b| {
+    group.bench_function("download 8192 x 4 KiB as views", |b| {
         b.iter(|| {
             let mut reads = device.downloads();
             for &(buf, off) in &places {
@@ -57,7 +57,7 @@ fn transfers(c: &mut Criterion) {
     });
     drop(prepared);
     let mut prepared = device.prepare_downloads(&ranges).unwrap();
-    group.bench_function("prepared readback 8192 x 4 KiB as views", |b| {
+    group.bench_function("prepared download 8192 x 4 KiB as views", |b| {
         b.iter(|| prepared.submit().unwrap().wait().unwrap())
     });
     drop(prepared);

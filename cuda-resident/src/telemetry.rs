@@ -46,7 +46,7 @@ impl Telemetry {
     pub(crate) fn record(&self, lane: LaneKind, moves: Moves) {
         let submissions = match lane {
             LaneKind::Upload => &self.upload_submissions,
-            LaneKind::Readback => &self.download_submissions,
+            LaneKind::Download => &self.download_submissions,
         };
         Self::add(submissions, moves.submissions);
         Self::add(&self.bytes_requested, moves.requested);

@@ -167,7 +167,7 @@ fn async_copies_round_trip_and_order_across_lanes() {
         (up, down)
     };
     down.wait().unwrap();
-    assert!(up.is_complete().unwrap(), "the readback waited for the upload");
+    assert!(up.is_complete().unwrap(), "the download waited for the upload");
     assert!(dst[..] == src[..], "read-after-write across lanes returned other bytes");
     let t = d.telemetry();
     assert!(t.upload_submissions >= 1 && t.download_submissions >= 1);
@@ -335,7 +335,7 @@ fn a_fence_makes_a_callers_stream_wait() {
 fn copies_wait_for_a_callers_stream() {
     // The caller's stream is held by a flag in pinned host memory (cuStreamWaitValue32; with
     // unified addressing the host address is the device address) and then writes the buffer:
-    // a readback submitted after wait_for_stream may only run once the host sets the flag,
+    // a download submitted after wait_for_stream may only run once the host sets the flag,
     // and then sees the stream's bytes. The host sets it with a plain store, no driver call
     // (which a tool serializing streams could hold behind the blocked stream).
     let d = device();
@@ -371,7 +371,7 @@ fn copies_wait_for_a_callers_stream() {
         })
     };
     // An upload submitted now lands after the stream's memset (the upload lane waits too),
-    // and the readback sees it over the memset's bytes.
+    // and the download sees it over the memset's bytes.
     let mut up = d.uploads();
     up.write(buffer, 0, &[0x77; 4096]).unwrap();
     let uploaded = up.submit().unwrap();
@@ -383,13 +383,13 @@ fn copies_wait_for_a_callers_stream() {
     let complete = pending.fence().is_complete().unwrap();
     assert!(
         !complete || released.load(std::sync::atomic::Ordering::SeqCst),
-        "the readback ran before the caller's stream"
+        "the download ran before the caller's stream"
     );
     let done = pending.wait().unwrap();
     releaser.join().unwrap();
     let got = done.get(slot);
     assert!(got[..4096].iter().all(|&b| b == 0x77), "the upload landed before the stream's memset");
-    assert!(got[4096..].iter().all(|&b| b == 0x5A), "the readback did not see the stream's bytes");
+    assert!(got[4096..].iter().all(|&b| b == 0x5A), "the download did not see the stream's bytes");
     finish_stream(&d, stream);
     d.free(buffer).unwrap();
 }

@@ -47,7 +47,7 @@ fn leak_checked(body: impl FnOnce(Device)) {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn dropping_the_device_with_uploads_and_readbacks_in_flight_waits_for_them() {
+fn dropping_the_device_with_uploads_and_downloads_in_flight_waits_for_them() {
     leak_checked(|d| {
         let mut rng = fastrand::Rng::with_seed(1);
         let data = random_vec(&mut rng, 64 << 20);
@@ -72,7 +72,7 @@ fn dropping_the_device_with_uploads_and_readbacks_in_flight_waits_for_them() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn a_pending_readback_and_a_fence_outlive_their_device_and_stay_correct() {
+fn a_pending_download_and_a_fence_outlive_their_device_and_stay_correct() {
     leak_checked(|d| {
         let mut rng = fastrand::Rng::with_seed(2);
         let data = random_vec(&mut rng, 3 << 20);
@@ -133,8 +133,8 @@ fn freeing_buffers_with_copies_in_flight_defers_and_keeps_the_bytes() {
         let mut reads = d.downloads();
         let slot = reads.read_buffer(b).unwrap();
         let pending = reads.submit().unwrap();
-        // Freed while the readback may be copying out of it, then reused at once by another
-        // allocation that is written: the readback must still see the old bytes.
+        // Freed while the download may be copying out of it, then reused at once by another
+        // allocation that is written: the download must still see the old bytes.
         d.free(b).unwrap();
         let other = d.allocate(data.len() as u64).unwrap();
         d.upload(other, &random_vec(&mut rng, data.len())).unwrap();

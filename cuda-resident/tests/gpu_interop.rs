@@ -98,7 +98,7 @@ fn the_lanes_wait_for_a_callers_event() {
     };
     let back = d.download(buffer).unwrap();
     releaser.join().unwrap();
-    assert!(back.iter().all(|&b| b == 0x5A), "the readback did not wait for the caller's event");
+    assert!(back.iter().all(|&b| b == 0x5A), "the download did not wait for the caller's event");
     finish_stream(&d, stream);
     drop(flag);
     d.free(buffer).unwrap();

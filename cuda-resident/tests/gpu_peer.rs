@@ -569,7 +569,7 @@ fn read_after_write_chain(d0: &Device, d1: &Device, seed: u64) {
     assert_bytes(&d1.download(dst).unwrap(), &data, "upload, peer copy, download with no host wait");
     assert!(uploaded.is_complete().unwrap() && copied.is_complete().unwrap());
 
-    // Small: a packed upload (scatter kernel), small peer copies, a readback batch.
+    // Small: a packed upload (scatter kernel), small peer copies, a download batch.
     let small = 2 * MIB + 3;
     let src2 = d0.allocate(small).unwrap();
     let dst2 = d1.allocate(small).unwrap();
@@ -601,7 +601,7 @@ fn read_after_write_chain(d0: &Device, d1: &Device, seed: u64) {
         pieces.iter().map(|(o, v)| reads.read(dst2, o + 1001, v.len() as u64).unwrap()).collect();
     let done = reads.submit().unwrap().wait().unwrap();
     for (i, ((_, v), slot)) in pieces.iter().zip(&slots).enumerate() {
-        assert_bytes(done.get(*slot), v, &format!("small piece {i}: upload, peer copy, readback"));
+        assert_bytes(done.get(*slot), v, &format!("small piece {i}: upload, peer copy, download"));
     }
 
     // And back: GPU 1 -> 0 of what just arrived, then GPU 0 -> 1 of that, no host waits.
@@ -1102,7 +1102,7 @@ fn two_gpus_pinned_staging_of_one_device_serves_the_other() {
         let mut up = owner.pinned(len).unwrap();
         rng.fill(&mut up);
         let mut down = owner.pinned(len).unwrap();
-        rng.fill(&mut down); // poisoned: the readback must overwrite every byte
+        rng.fill(&mut down); // poisoned: the download must overwrite every byte
         // SAFETY: both regions are pinned (portable: every context may use them), `len` bytes
         // long, and neither read, written nor dropped until the fences are waited on.
         unsafe {
@@ -1113,7 +1113,7 @@ fn two_gpus_pinned_staging_of_one_device_serves_the_other() {
             f.wait().unwrap();
             g.wait().unwrap();
         }
-        assert_bytes(&down, &up, &format!("{what}: the readback into it"));
+        assert_bytes(&down, &up, &format!("{what}: the download into it"));
         poison[5..][..len].copy_from_slice(&up);
         assert_bytes(&user.download(b).unwrap(), &poison, &format!("{what}: the upload from it"));
         user.free(b).unwrap();

@@ -305,7 +305,7 @@ fn sixteen_threads_of_random_work_corrupt_nothing_and_account_exactly() {
     println!(
         "stress: {threads} threads, {elapsed:.1} s, {} operations, {} bytes written, {} bytes read and \
          checked, {} panics in callbacks caught, {} frees with uploads in flight, {} deferred frees, {} upload \
-         / {} readback submissions, {} host waits",
+         / {} download submissions, {} host waits",
         totals.ops.load(Ordering::Relaxed),
         totals.bytes_written.load(Ordering::Relaxed),
         totals.bytes_checked.load(Ordering::Relaxed),

@@ -66,7 +66,7 @@ impl Model {
     }
 }
 
-fn ragged_uploads_and_readbacks(d: &Device, seed: u64, rounds: usize) {
+fn ragged_uploads_and_downloads(d: &Device, seed: u64, rounds: usize) {
     let mut rng = fastrand::Rng::with_seed(seed);
     let sizes: Vec<usize> = (0..24)
         .map(|i| if i % 8 == 0 { rng.usize(1 << 20..6 << 20) } else { rng.usize(1..200_000) })
@@ -133,13 +133,13 @@ fn ragged_uploads_and_readbacks(d: &Device, seed: u64, rounds: usize) {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn random_ragged_batches_match_the_model() {
-    ragged_uploads_and_readbacks(&device(), 1, 12);
+    ragged_uploads_and_downloads(&device(), 1, 12);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn random_ragged_batches_match_the_model_with_small_chunks() {
-    ragged_uploads_and_readbacks(&small_chunk_device(), 2, 12);
+    ragged_uploads_and_downloads(&small_chunk_device(), 2, 12);
 }
 
 #[test]
@@ -149,7 +149,7 @@ fn eight_threads_submit_batches_at_once() {
     let threads: Vec<_> = (0..8)
         .map(|t| {
             let d = d.clone();
-            std::thread::spawn(move || ragged_uploads_and_readbacks(&d, 100 + t, 6))
+            std::thread::spawn(move || ragged_uploads_and_downloads(&d, 100 + t, 6))
         })
         .collect();
     for t in threads {
@@ -178,7 +178,7 @@ fn a_large_pageable_round_trip() {
 fn thousands_of_small_copies_cost_a_few_launches_over_the_bus_or_through_device_staging() {
     // Over the bus (the default) the kernel reads and writes pinned staging itself: no DMA.
     // The writes move in three chunks growing from 256 KiB, the reads in one. Through device
-    // staging (equal chunks: one here) an upload is one DMA and a scatter, a readback a table
+    // staging (equal chunks: one here) an upload is one DMA and a scatter, a download a table
     // upload, a gather and one DMA.
     let over_bus = device();
     assert!(
@@ -501,7 +501,7 @@ fn prepared_sets_move_new_bytes_every_round_and_read_them_back() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn readback_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_right() {
+fn download_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_right() {
     // A pool of 64 MiB (four 16 MiB chunks) and batches of 256 MiB: 1 MiB reads, 16 KiB
     // reads in order and apart (the path that skips the planner), and 16 KiB reads that
     // touch (fused by the planner into one interval); views, vectors, the download helpers
@@ -559,7 +559,7 @@ fn readback_batches_four_times_the_pinned_cap_stream_through_it_with_every_byte_
         same(&out, "a prepared set");
         drop(set);
         d.synchronize().unwrap();
-        assert_eq!(d.telemetry().pinned.lent_bytes, lent, "{what}: pinned staging back after the readbacks");
+        assert_eq!(d.telemetry().pinned.lent_bytes, lent, "{what}: pinned staging back after the downloads");
     }
     d.free(b).unwrap();
 }

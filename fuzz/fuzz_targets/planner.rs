@@ -19,7 +19,7 @@
 //!   requests in order does (later writes win), and keeps every structural promise of the
 //!   plan (`check::execute_upload`);
 //! - a good download plan, carried out on the model after the writes, shows each read
-//!   exactly its bytes (`check::execute_readback`);
+//!   exactly its bytes (`check::execute_download`);
 //! - where the writes are in order and apart, the layout of the paths that skip the planner
 //!   (`check::execute_in_order`) keeps its promises and gives the same bytes;
 //! - the same batch moved to other buffer offsets (up to `u64::MAX`, which takes the
@@ -38,11 +38,11 @@ use std::collections::HashMap;
 
 use arbitrary::Arbitrary;
 use cuda_resident::internals::plan::check::{
-    Buffers, RunItem, apply_in_order, check_parts, execute_in_order, execute_readback, execute_runs,
+    Buffers, RunItem, apply_in_order, check_parts, execute_in_order, execute_download, execute_runs,
     execute_upload, initial_buffers,
 };
 use cuda_resident::internals::plan::{
-    self, BufferKey, Chunk, PlanConfig, PlanError, Planner, ReadRequest, ReadbackPlan, UploadPlan,
+    self, BufferKey, Chunk, PlanConfig, PlanError, Planner, ReadRequest, DownloadPlan, UploadPlan,
     WriteRequest,
 };
 use libfuzzer_sys::fuzz_target;
@@ -439,7 +439,7 @@ fn check_upload(
 }
 
 /// Plans the reads and checks the result against `buffers`.
-fn check_readback(
+fn check_download(
     planner: &mut Planner,
     cfg: &PlanConfig,
     reqs: &[Req],
@@ -447,19 +447,19 @@ fn check_readback(
     shifts: &HashMap<BufferKey, u64>,
 ) {
     let reads: Vec<ReadRequest> = reqs.iter().map(|r| r.read()).collect();
-    let mut plan = ReadbackPlan { chunks: vec![Chunk::default(); 2], ..ReadbackPlan::default() };
-    let result = planner.plan_readback_into(&reads, cfg, &mut plan);
-    assert_eq!(plan::plan_readback(&reads, cfg), result.clone().map(|()| plan.clone()), "one-shot vs reused");
+    let mut plan = DownloadPlan { chunks: vec![Chunk::default(); 2], ..DownloadPlan::default() };
+    let result = planner.plan_download_into(&reads, cfg, &mut plan);
+    assert_eq!(plan::plan_download(&reads, cfg), result.clone().map(|()| plan.clone()), "one-shot vs reused");
     match (expected_error(cfg, reqs), result) {
         (Err(want), got) => {
             assert_eq!(got, Err(want));
-            assert_eq!(plan, ReadbackPlan::default(), "a failed plan is left empty");
+            assert_eq!(plan, DownloadPlan::default(), "a failed plan is left empty");
         }
         (Ok(()), Err(PlanError::TooLarge { .. })) if may_be_too_large(cfg, reqs) => {}
         (Ok(()), Err(e)) => panic!("a good batch failed: {e}"),
         (Ok(()), Ok(())) => {
             if plan.total_staging <= MODEL_STAGING {
-                execute_readback(&plan, &reads, cfg, buffers);
+                execute_download(&plan, &reads, cfg, buffers);
             }
             for (r, v) in reads.iter().zip(&plan.views) {
                 assert!(r.len > 0 || (v.len == 0 && v.stage_offset == 0), "empty read {r:?}: {v:?}");
@@ -467,7 +467,7 @@ fn check_readback(
             let moved: Vec<ReadRequest> = shifted(reqs, shifts).iter().map(|r| r.read()).collect();
             let mut want = plan.clone();
             shift_chunks(&mut want.chunks, shifts);
-            planner.plan_readback_into(&moved, cfg, &mut plan).expect("the shifted batch plans");
+            planner.plan_download_into(&moved, cfg, &mut plan).expect("the shifted batch plans");
             assert_eq!(plan, want, "the shifted batch plans differently");
         }
     }
@@ -512,7 +512,7 @@ fuzz_target!(|input: Input| {
     let mut planner = Planner::new();
     let after = check_upload(&mut planner, &cfg, &writes, &lens, &shifts);
     let source = after.unwrap_or_else(|| initial_buffers(&lens));
-    check_readback(&mut planner, &cfg, &reads, &source, &shifts);
+    check_download(&mut planner, &cfg, &reads, &source, &shifts);
     if let Some(runs) = &input.runs {
         runs.check();
     }

@@ -403,7 +403,7 @@ fn marking_many_buffers_across_shards_checks_and_marks_each() {
         std::thread::spawn(move || (0..4).map(|_| a.allocate(4096, IDLE).unwrap()).collect()).join().unwrap()
     };
     let all: Vec<_> = mine.iter().zip(&theirs).flat_map(|(&m, &t)| [m, t]).collect();
-    // Readback lane (1) used one of them at 7: an upload (lane 0) marking all learns it.
+    // Download lane (1) used one of them at 7: an upload (lane 0) marking all learns it.
     a.mark_used(theirs[2], 1, 7).unwrap();
     assert_eq!(a.mark_used_many(all.iter().copied(), 0, 5, |_, _| ()).unwrap(), 7);
     // Checking them all marks none: the upload lane's marks stay at 5.

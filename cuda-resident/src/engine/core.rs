@@ -205,7 +205,7 @@ impl Core {
                 let mark = (
                     returns,
                     self.lane(LaneKind::Upload).known_done(),
-                    self.lane(LaneKind::Readback).known_done(),
+                    self.lane(LaneKind::Download).known_done(),
                 );
                 if mark != progress.0 {
                     progress = (mark, Instant::now());

@@ -174,7 +174,7 @@ impl<'a> Exec<'a> {
             }
         };
         let mut done = [0; 2];
-        for kind in [LaneKind::Upload, LaneKind::Readback] {
+        for kind in [LaneKind::Upload, LaneKind::Download] {
             done[kind.index()] = core.lane(kind).known_done();
         }
         Ok(core.order.enter(lane, seq, ranges, Seen { done, last_other }))

@@ -2,7 +2,7 @@
 //! kind's parts, emptied, and the host memory of the last streamed download.
 
 use crate::kernels::CopyDescriptor;
-use crate::plan::{Planner, ReadRequest, ReadView, ReadbackPlan, UploadPlan, WriteRequest};
+use crate::plan::{DownloadPlan, Planner, ReadRequest, ReadView, UploadPlan, WriteRequest};
 use crate::recycle::{Recycler, Reusable};
 use crate::sync::Mutex;
 
@@ -16,7 +16,7 @@ pub(crate) struct Spares {
     /// Upload batches' vectors.
     pub(crate) upload: Recycler<UploadParts>,
     /// Download batches' vectors, and the views of downloads dropped.
-    pub(crate) readback: Recycler<(BufferTable, Vec<ReadRequest>)>,
+    pub(crate) download: Recycler<(BufferTable, Vec<ReadRequest>)>,
     pub(crate) views: Recycler<Vec<ReadView>>,
     /// Peer batches' vectors.
     pub(crate) peer: Recycler<PeerParts>,
@@ -57,7 +57,7 @@ impl Reusable for UploadParts {
 pub(crate) struct Planning {
     pub(crate) planner: Planner,
     pub(crate) upload_plan: UploadPlan,
-    pub(crate) readback_plan: ReadbackPlan,
+    pub(crate) download_plan: DownloadPlan,
 }
 
 impl Reusable for Planning {

@@ -15,7 +15,7 @@ pub(crate) struct DeviceStaging {
     pub(crate) region: DeviceRegion,
     pub(crate) planner: crate::plan::Planner,
     pub(crate) upload_plan: crate::plan::UploadPlan,
-    pub(crate) readback_plan: crate::plan::ReadbackPlan,
+    pub(crate) download_plan: crate::plan::DownloadPlan,
     pub(crate) descriptors: Vec<crate::kernels::CopyDescriptor>,
     pub(crate) pieces: Vec<Piece>,
     /// The chunks of a batch cut by [`cut_apart`](crate::plan::route::cut_apart).

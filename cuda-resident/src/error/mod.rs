@@ -176,9 +176,9 @@ pub enum Error {
 
     /// A download slot redeemed by the download of another batch than the one that gave it.
     #[error(
-        "slot {index} of readback batch {slot_batch} was given to the readback of batch {batch}: it names a read of \
+        "slot {index} of download batch {slot_batch} was given to the download of batch {batch}: it names a read of \
          another batch, whose bytes are not here. Fix: redeem each Slot with the Downloaded (or PendingDownload) of \
-         the batch that returned it; for a prepared set, use its own slots (PreparedDownloads::slot) with its readbacks."
+         the batch that returned it; for a prepared set, use its own slots (PreparedDownloads::slot) with its downloads."
     )]
     ForeignSlot {
         /// The slot's index in its batch.
@@ -354,9 +354,9 @@ pub enum Error {
     /// The pinned pool is full of regions the caller still holds.
     #[error(
         "pinned staging of {requested} bytes is not available: {lent} of the pool's {cap} bytes are lent out (to \
-         PinnedBuffers, prepared sets or Readbacks still alive, or to the in-place writes of batches not yet \
+         PinnedBuffers, prepared sets or Downloads still alive, or to the in-place writes of batches not yet \
          submitted), and neither copies in flight nor other threads' transfers gave any back. Fix: drop \
-         PinnedBuffers and Readbacks you are done with, split a batch of in-place writes (write_with, \
+         PinnedBuffers and Downloads you are done with, split a batch of in-place writes (write_with, \
          write_with_par) into smaller ones, or raise Config::pinned_cap_bytes."
     )]
     PinnedExhausted {
@@ -370,7 +370,7 @@ pub enum Error {
 
     /// A download batch or prepared set given more reads than a slot can number.
     #[error(
-        "a readback batch holds at most {most} reads (a Slot numbers them in 32 bits), and this one \
+        "a download batch holds at most {most} reads (a Slot numbers them in 32 bits), and this one \
          would hold more; nothing was added. Fix: split the reads into several batches."
     )]
     TooManyReads {
@@ -382,9 +382,9 @@ pub enum Error {
     /// the part of the pool kept for transfers.
     #[error(
         "{requested} bytes of pinned memory to keep were requested, but {held} bytes of the pool are already \
-         held by PinnedBuffers, prepared sets and Readbacks, and they may hold at most {limit} of its {cap} \
+         held by PinnedBuffers, prepared sets and Downloads, and they may hold at most {limit} of its {cap} \
          bytes: the rest is kept for transfers, so that they never fail for want of staging. \
-         Fix: drop PinnedBuffers, prepared sets and Readbacks you are done with, or raise \
+         Fix: drop PinnedBuffers, prepared sets and Downloads you are done with, or raise \
          Config::pinned_cap_bytes."
     )]
     PinnedReserved {

@@ -394,7 +394,7 @@ impl HostPool {
     ///
     /// Transfer staging comes back without its holder waiting for anyone: as its copies
     /// complete (a thread that retired them may still be handing them back), or as a
-    /// streaming readback finishes copying its chunks out. A transfer asks for more only
+    /// streaming download finishes copying its chunks out. A transfer asks for more only
     /// once every lease it took is submitted, so transfers never wait for each other in a
     /// circle; the caller still gives up where nothing moves for a while.
     pub(crate) fn wait_for_transfers(&self, most: Duration) -> Option<u64> {

@@ -441,15 +441,15 @@ impl PeerBatch<'_> {
             kernel = Some((exec.kernels()?, dev, at));
         }
 
-        // Lock order: an upload lane (and its staging) before a readback lane. Nothing
+        // Lock order: an upload lane (and its staging) before a download lane. Nothing
         // takes them the other way round.
         let mut proxy =
-            (!std::ptr::eq(&**src_core, &**dst_core)).then(|| Exec::begin(src_core, LaneKind::Readback));
+            (!std::ptr::eq(&**src_core, &**dst_core)).then(|| Exec::begin(src_core, LaneKind::Download));
         let final_seq = match &mut proxy {
             None => exec.claim(parts.src_table.buffers().chain(parts.dst_table.buffers()), 1)?,
             Some(proxy) => {
                 // The source buffers are read by the proxy submission's number on the
-                // source's readback lane; the copy waits for the source's uploads into them.
+                // source's download lane; the copy waits for the source's uploads into them.
                 let uploads = proxy.claim_for_other(parts.src_table.buffers())?;
                 let seq = exec.claim(parts.dst_table.buffers(), 1)?;
                 proxy.make_wait_other(uploads, exec.stream())?;
@@ -496,7 +496,7 @@ impl PeerBatch<'_> {
             Ok(())
         });
         if let Some(mut proxy) = proxy {
-            // The source's readback lane waits for the copy, on the device; if that cannot be
+            // The source's download lane waits for the copy, on the device; if that cannot be
             // enqueued, the host waits for it instead.
             let ordered = src_core
                 .ctx
@@ -509,7 +509,7 @@ impl PeerBatch<'_> {
                 // run: their memory is never reused (freeing them defers forever).
                 let _ = src_core.alloc.mark_used_many(
                     parts.src_table.buffers(),
-                    LaneKind::Readback.index(),
+                    LaneKind::Download.index(),
                     u64::MAX,
                     |_, _| (),
                 );
@@ -531,7 +531,7 @@ impl PeerBatch<'_> {
         self.parts.list_copies();
         self.check_live()?;
         let PeerParts { src_table, dst_table, writes, sources, .. } = &self.parts;
-        // Each group is one readback into the source's pinned pool, whole: at most half its
+        // Each group is one download into the source's pinned pool, whole: at most half its
         // cap, counting what a read takes there (its bytes, rounded for the gather, and its
         // descriptors).
         let group = (self.dst.config.chunk_bytes.max(1 << 20) * crate::plan::route::RING as u64)

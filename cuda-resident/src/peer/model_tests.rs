@@ -115,12 +115,12 @@ fn without_peer_access_copies_stage_through_the_host_and_match() {
     let mut rng = fastrand::Rng::with_seed(9);
     let a = Model::new(&d0, &mut rng, &SIZES);
     let mut b = Model::new(&d1, &mut rng, &SIZES);
-    let readbacks = d0.telemetry().download_submissions;
+    let downloads = d0.telemetry().download_submissions;
     ragged(&d0, &d1, &a, &mut b, &mut rng, "staged 0 -> 1");
     // The kernel never read device 0's memory (the model would have flagged it); the copies
-    // went through readbacks on device 0 and uploads on device 1.
+    // went through downloads on device 0 and uploads on device 1.
     assert_eq!(d1.telemetry().peer_bytes, 0);
-    assert!(d0.telemetry().download_submissions > readbacks, "read back on the source");
+    assert!(d0.telemetry().download_submissions > downloads, "read back on the source");
 }
 
 #[test]
@@ -192,7 +192,7 @@ fn copies_order_after_uploads_into_the_source_and_before_later_ones_without_host
 }
 
 #[test]
-fn a_copy_into_a_buffer_waits_for_readbacks_of_it_on_the_destination() {
+fn a_copy_into_a_buffer_waits_for_downloads_of_it_on_the_destination() {
     let (d0, d1) = pair();
     d0.enable_peer(&d1).unwrap();
     let mut rng = fastrand::Rng::with_seed(12);
@@ -207,7 +207,7 @@ fn a_copy_into_a_buffer_waits_for_readbacks_of_it_on_the_destination() {
     let mut batch = d1.peer_copies(&d0);
     batch.copy(src, 0, dst, 0, 8192).unwrap();
     let fence = batch.submit().unwrap();
-    assert!(pending.wait().unwrap().get(slot) == &old[..], "the readback saw the bytes before the copy");
+    assert!(pending.wait().unwrap().get(slot) == &old[..], "the download saw the bytes before the copy");
     fence.wait().unwrap();
     assert!(d1.download(dst).unwrap() == new);
 }

@@ -11,7 +11,7 @@ mod runs;
 
 pub use runs::{RunItem, check_parts, execute_runs};
 
-use super::{BufferKey, Chunk, PlanConfig, ReadRequest, ReadbackPlan, UploadPlan, WriteRequest};
+use super::{BufferKey, Chunk, DownloadPlan, PlanConfig, ReadRequest, UploadPlan, WriteRequest};
 
 /// A stand-in for device memory: each buffer's bytes, from offset 0.
 pub type Buffers = HashMap<BufferKey, Vec<u8>>;
@@ -292,7 +292,7 @@ pub fn execute_upload(
 /// Checks a download plan and carries it out on the model into one flat staging region:
 /// gather into "device staging" and one DMA of the packed region, direct pieces straight
 /// from the buffers. Then every view must show exactly its read's bytes.
-pub fn execute_readback(plan: &ReadbackPlan, reads: &[ReadRequest], cfg: &PlanConfig, buffers: &Buffers) {
+pub fn execute_download(plan: &DownloadPlan, reads: &[ReadRequest], cfg: &PlanConfig, buffers: &Buffers) {
     check_plan(plan.totals(), reads, cfg);
     assert_eq!(plan.views.len(), reads.len());
 

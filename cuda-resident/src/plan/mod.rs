@@ -28,7 +28,7 @@
 //! `i * chunk_capacity` and uses `[stage_start, stage_start + staging_len)`, with
 //! `staging_len <= chunk_capacity <= chunk_bytes`. The executor may back that space with:
 //!
-//! - **one pinned region** of `total_staging` bytes, using flat offsets as they are. Readbacks
+//! - **one pinned region** of `total_staging` bytes, using flat offsets as they are. Downloads
 //!   that hand out `&[u8]` views need this: a view into a direct interval that was split over
 //!   chunks spans consecutive chunks ([`ReadView::chunk`]`..=`[`ReadView::last_chunk`]), and
 //!   the planner keeps such an interval's bytes contiguous in flat space; or
@@ -74,10 +74,10 @@
 //! much as the algorithm (fresh vectors of a few hundred KiB cost their page faults on every
 //! batch). `benches/plan.rs` measures it.
 
+mod download;
 mod fuse;
 mod layout;
 mod planner;
-mod readback;
 mod request;
 pub(crate) mod route;
 pub(crate) mod runs;
@@ -162,7 +162,7 @@ pub struct ReadRequest {
 pub use crate::error::PlanError;
 // The one-shot functions are for the benches, tests and fuzz target (`internals`).
 #[cfg_attr(not(feature = "internals"), allow(unused_imports))]
-pub use planner::{Planner, plan_readback, plan_upload};
+pub use planner::{Planner, plan_download, plan_upload};
 
 /// One contiguous copy between staging and a buffer.
 ///
@@ -229,7 +229,7 @@ pub type UploadChunk = Chunk;
 
 /// A chunk of a download plan: gather the packed copies into device staging, DMA that to the
 /// packed region, and DMA each direct piece from its buffer into staging.
-pub type ReadbackChunk = Chunk;
+pub type DownloadChunk = Chunk;
 
 impl Chunk {
     /// The flat offset one past this chunk's last staging byte.
@@ -357,9 +357,9 @@ impl ReadView {
 
 /// The plan for a batch of reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ReadbackPlan {
+pub struct DownloadPlan {
     /// The chunks, in the order they should be gathered and sent.
-    pub chunks: Vec<ReadbackChunk>,
+    pub chunks: Vec<DownloadChunk>,
     /// One view per read, in the order of the reads.
     pub views: Vec<ReadView>,
     /// Distance between chunk starts in flat staging, and the size of a ring buffer.
@@ -378,7 +378,7 @@ pub struct ReadbackPlan {
     pub packed_intervals: usize,
 }
 
-impl ReadbackPlan {
+impl DownloadPlan {
     /// True when the plan moves nothing (an empty batch, or only zero-length reads).
     pub fn is_empty(&self) -> bool {
         self.chunks.is_empty()

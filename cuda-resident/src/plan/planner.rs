@@ -3,8 +3,8 @@
 //! totals a plan stores.
 
 use super::{
-    Geometry, PlanConfig, PlanError, ReadRequest, ReadbackPlan, UploadPlan, WriteRequest, fuse, layout,
-    readback, request, sort, upload,
+    DownloadPlan, Geometry, PlanConfig, PlanError, ReadRequest, UploadPlan, WriteRequest, download, fuse,
+    layout, request, sort, upload,
 };
 
 /// Plans a batch of writes. A convenience over [`Planner::plan_upload`] that allocates fresh
@@ -13,10 +13,10 @@ pub fn plan_upload(writes: &[WriteRequest], cfg: &PlanConfig) -> Result<UploadPl
     Planner::new().plan_upload(writes, cfg)
 }
 
-/// Plans a batch of reads. A convenience over [`Planner::plan_readback`] that allocates fresh
+/// Plans a batch of reads. A convenience over [`Planner::plan_download`] that allocates fresh
 /// scratch; callers that plan often keep a [`Planner`].
-pub fn plan_readback(reads: &[ReadRequest], cfg: &PlanConfig) -> Result<ReadbackPlan, PlanError> {
-    Planner::new().plan_readback(reads, cfg)
+pub fn plan_download(reads: &[ReadRequest], cfg: &PlanConfig) -> Result<DownloadPlan, PlanError> {
+    Planner::new().plan_download(reads, cfg)
 }
 
 /// Plans batches while keeping its scratch memory between calls.
@@ -99,27 +99,27 @@ impl Planner {
     }
 
     /// Plans a batch of reads; see the [module docs](self) for what the plan says.
-    pub fn plan_readback(
+    pub fn plan_download(
         &mut self,
         reads: &[ReadRequest],
         cfg: &PlanConfig,
-    ) -> Result<ReadbackPlan, PlanError> {
-        let mut plan = ReadbackPlan::default();
-        self.plan_readback_into(reads, cfg, &mut plan)?;
+    ) -> Result<DownloadPlan, PlanError> {
+        let mut plan = DownloadPlan::default();
+        self.plan_download_into(reads, cfg, &mut plan)?;
         Ok(plan)
     }
 
     /// Plans a batch of reads into `plan`, reusing its vectors. On error `plan` is left
     /// empty, as if for an empty batch.
-    pub fn plan_readback_into(
+    pub fn plan_download_into(
         &mut self,
         reads: &[ReadRequest],
         cfg: &PlanConfig,
-        plan: &mut ReadbackPlan,
+        plan: &mut DownloadPlan,
     ) -> Result<(), PlanError> {
         // The chunk list is reset in place (keeping each chunk's vectors), the rest is
         // overwritten; only a failed run needs an explicit clear.
-        let result = self.try_plan_readback(reads, cfg, plan);
+        let result = self.try_plan_download(reads, cfg, plan);
         if result.is_err() {
             plan.clear();
         }
@@ -158,15 +158,15 @@ impl Planner {
         Ok(())
     }
 
-    fn try_plan_readback_in_order(
+    fn try_plan_download_in_order(
         &mut self,
         reads: &[ReadRequest],
         cfg: &PlanConfig,
-        plan: &mut ReadbackPlan,
+        plan: &mut DownloadPlan,
     ) -> Result<(), PlanError> {
         let geo = Geometry::new(cfg)?;
         let (requested_bytes, entries) = Self::in_order(reads, &mut self.non_empty)?;
-        let layout = readback::emit(
+        let layout = download::emit(
             &entries,
             &mut self.directs,
             &geo,
@@ -201,21 +201,21 @@ impl Planner {
         Ok(())
     }
 
-    fn try_plan_readback(
+    fn try_plan_download(
         &mut self,
         reads: &[ReadRequest],
         cfg: &PlanConfig,
-        plan: &mut ReadbackPlan,
+        plan: &mut DownloadPlan,
     ) -> Result<(), PlanError> {
         if in_order(reads, &mut self.ends) {
-            return self.try_plan_readback_in_order(reads, cfg, plan);
+            return self.try_plan_download_in_order(reads, cfg, plan);
         }
         let geo = Geometry::new(cfg)?;
         let (requested_bytes, sorted) = prepare(reads, &mut self.sort)?;
         let (directs, chunks, views) = (&mut self.directs, &mut plan.chunks, &mut plan.views);
         let layout = match sorted {
-            sort::Order::Keys(keys) => readback::emit(&keys, directs, &geo, chunks, reads.len(), views),
-            sort::Order::Tuples(tuples) => readback::emit(tuples, directs, &geo, chunks, reads.len(), views),
+            sort::Order::Keys(keys) => download::emit(&keys, directs, &geo, chunks, reads.len(), views),
+            sort::Order::Tuples(tuples) => download::emit(tuples, directs, &geo, chunks, reads.len(), views),
         }?;
         plan.store(&geo, &layout, requested_bytes);
         Ok(())
@@ -253,7 +253,7 @@ macro_rules! impl_store {
     };
 }
 impl_store!(UploadPlan);
-impl_store!(ReadbackPlan);
+impl_store!(DownloadPlan);
 
 /// The direction-independent start: validate, and sort the non-empty requests. Returns the
 /// sum of the requests' lengths and the sorted requests.

@@ -5,7 +5,7 @@
 use proptest::prelude::*;
 
 use super::check::{
-    RunItem, apply_in_order, check_parts, execute_in_order, execute_readback, execute_runs, execute_upload,
+    RunItem, apply_in_order, check_parts, execute_download, execute_in_order, execute_runs, execute_upload,
     initial_buffers,
 };
 use super::*;
@@ -76,13 +76,13 @@ proptest! {
 
     /// Every read's view shows exactly its bytes after the download plan is executed.
     #[test]
-    fn readback_views_show_the_requested_bytes((cfg, lens, raw) in batch()) {
+    fn download_views_show_the_requested_bytes((cfg, lens, raw) in batch()) {
         let reads: Vec<_> = fit(&lens, &raw)
             .into_iter()
             .map(|(buffer, buffer_len, offset, len)| ReadRequest { buffer, buffer_len, offset, len })
             .collect();
-        let plan = plan_readback(&reads, &cfg).expect("valid batch");
-        execute_readback(&plan, &reads, &cfg, &initial_buffers(&buffer_lens(&lens)));
+        let plan = plan_download(&reads, &cfg).expect("valid batch");
+        execute_download(&plan, &reads, &cfg, &initial_buffers(&buffer_lens(&lens)));
     }
 
     /// A batch with bad requests fails with the index of the first one, whatever follows it,
@@ -114,7 +114,7 @@ proptest! {
         }
         let reads: Vec<_> =
             writes.iter().map(|w| ReadRequest { buffer: w.buffer, buffer_len: w.buffer_len, offset: w.offset, len: w.len }).collect();
-        match (plan_readback(&reads, &cfg), first_bad) {
+        match (plan_download(&reads, &cfg), first_bad) {
             (Err(PlanError::OutOfRange { index, .. }), Some(bad)) => prop_assert_eq!(index, bad),
             (Ok(_), None) | (Err(PlanError::TooLarge { .. }), None) => {}
             (other, bad) => prop_assert!(false, "{:?} for first bad {:?}", other.map(|p| p.moved_bytes), bad),
@@ -164,9 +164,9 @@ proptest! {
         prop_assert_eq!(actual, expected);
 
         let reads: Vec<_> = fitted.iter().map(|&(buffer, buffer_len, offset, len)| ReadRequest { buffer, buffer_len, offset, len }).collect();
-        let mut plan = ReadbackPlan::default();
-        planner.plan_readback_into(&reads, &cfg, &mut plan).expect("valid batch");
-        execute_readback(&plan, &reads, &cfg, &initial_buffers(&small_lens));
+        let mut plan = DownloadPlan::default();
+        planner.plan_download_into(&reads, &cfg, &mut plan).expect("valid batch");
+        execute_download(&plan, &reads, &cfg, &initial_buffers(&small_lens));
     }
 
     /// Any config either plans or is rejected with a config error; never a panic.

@@ -193,7 +193,7 @@ fn a_layout_moves_every_byte_once_inside_its_chunks_and_no_kernel_touches_regist
             host += len as usize;
             dev += len;
         }
-        for kind in [LaneKind::Upload, LaneKind::Readback] {
+        for kind in [LaneKind::Upload, LaneKind::Download] {
             let bus = rng.bool();
             let unified = bus || rng.bool();
             let layout = Layout::new(&items, chunk, threshold, unified, bus);
@@ -270,7 +270,7 @@ fn no_launch_of_tiny_items_takes_a_table_past_half_a_chunk() {
         items.push(Direct { host, dev, len: 8, place: Place::Mapped(1) });
         (host, dev) = (host + 8, dev + 8);
     }
-    for kind in [LaneKind::Upload, LaneKind::Readback] {
+    for kind in [LaneKind::Upload, LaneKind::Download] {
         let layout = Layout::new(&items, chunk, 4096, true, true);
         assert_eq!(layout.most, most);
         assert!(layout.chunks.len() >= (3 << 16) / most, "{} chunks", layout.chunks.len());

@@ -1,6 +1,6 @@
 //! Edge cases of the planner, each checked in full by the model executors of `check`.
 
-use super::check::{apply_in_order, execute_readback, execute_upload, initial_buffers};
+use super::check::{apply_in_order, execute_download, execute_upload, initial_buffers};
 use super::*;
 
 fn w(buffer: BufferKey, buffer_len: u64, offset: u64, len: u64) -> WriteRequest {
@@ -29,10 +29,10 @@ fn upload_checked(writes: &[WriteRequest], cfg: &PlanConfig) -> UploadPlan {
 }
 
 /// Plans the reads and checks every view against a model.
-fn readback_checked(reads: &[ReadRequest], cfg: &PlanConfig) -> ReadbackPlan {
-    let plan = plan_readback(reads, cfg).expect("plan");
+fn download_checked(reads: &[ReadRequest], cfg: &PlanConfig) -> DownloadPlan {
+    let plan = plan_download(reads, cfg).expect("plan");
     let lens: Vec<(BufferKey, u64)> = reads.iter().map(|r| (r.buffer, r.buffer_len)).collect();
-    execute_readback(&plan, reads, cfg, &initial_buffers(&lens));
+    execute_download(&plan, reads, cfg, &initial_buffers(&lens));
     plan
 }
 
@@ -52,7 +52,7 @@ fn empty_batch_plans_nothing() {
     let up = plan_upload(&[], &PlanConfig::default()).unwrap();
     assert!(up.is_empty() && up.fills.is_empty() && up.total_staging == 0 && up.intervals == 0);
     assert_eq!(up.chunk_capacity, 8 << 20);
-    let down = plan_readback(&[], &PlanConfig::default()).unwrap();
+    let down = plan_download(&[], &PlanConfig::default()).unwrap();
     assert!(down.is_empty() && down.views.is_empty() && down.total_staging == 0);
 }
 
@@ -63,7 +63,7 @@ fn zero_length_requests_are_valid_and_move_nothing() {
     assert!(plan.is_empty() && plan.fills.is_empty());
     assert_eq!((plan.requested_bytes, plan.moved_bytes), (0, 0));
     let reads = [r(1, 100, 100, 0), r(1, 100, 5, 10)];
-    let plan = readback_checked(&reads, &PlanConfig::default());
+    let plan = download_checked(&reads, &PlanConfig::default());
     assert_eq!(plan.views[0], ReadView::default());
     assert_eq!(plan.views[1].len, 10);
 }
@@ -159,7 +159,7 @@ fn writes_at_the_very_end_of_a_buffer() {
     let packed: Vec<_> = plan.chunks[0].packed.iter().map(|c| (c.buffer, c.buffer_offset, c.len)).collect();
     assert_eq!(packed, vec![(1, 95, 5), (7, max - 3, 3)]);
     let reads = [r(7, max, max - 3, 3), r(7, max, max - 1, 1)];
-    let plan = plan_readback(&reads, &cfg(64, 256, 16)).unwrap();
+    let plan = plan_download(&reads, &cfg(64, 256, 16)).unwrap();
     assert_eq!(plan.views[1].stage_offset, 2);
 }
 
@@ -167,7 +167,7 @@ fn writes_at_the_very_end_of_a_buffer() {
 fn offset_plus_len_overflow_is_out_of_range() {
     let err = plan_upload(&[w(1, u64::MAX, u64::MAX, 1)], &PlanConfig::default()).unwrap_err();
     assert!(matches!(err, PlanError::OutOfRange { index: 0, offset: u64::MAX, len: 1, .. }));
-    let err = plan_readback(&[r(1, u64::MAX, 2, u64::MAX - 1)], &PlanConfig::default()).unwrap_err();
+    let err = plan_download(&[r(1, u64::MAX, 2, u64::MAX - 1)], &PlanConfig::default()).unwrap_err();
     assert!(matches!(err, PlanError::OutOfRange { index: 0, .. }));
 }
 
@@ -177,7 +177,7 @@ fn the_first_bad_request_is_reported() {
     let err = plan_upload(&writes, &PlanConfig::default()).unwrap_err();
     assert_eq!(err, PlanError::OutOfRange { index: 2, buffer: 2, offset: 41, len: 10, buffer_len: 50 });
     let reads = [r(1, 100, 0, 10), r(3, 10, 20, 0), r(2, 50, 41, 10)];
-    let err = plan_readback(&reads, &PlanConfig::default()).unwrap_err();
+    let err = plan_download(&reads, &PlanConfig::default()).unwrap_err();
     assert!(matches!(err, PlanError::OutOfRange { index: 1, buffer: 3, .. }));
 }
 
@@ -218,7 +218,7 @@ fn a_direct_interval_larger_than_several_chunks_is_split_contiguously() {
     assert!(plan.fills_of(7).is_empty());
 
     let reads = [r(9, 1000, 3, 200), r(9, 1000, 60, 10), r(9, 1000, 500, 10)];
-    let plan = readback_checked(&reads, &c);
+    let plan = download_checked(&reads, &c);
     assert_eq!(plan.views[0], ReadView { chunk: 0, last_chunk: 3, stage_offset: 16, len: 200 });
     assert_eq!(plan.views[1], ReadView { chunk: 1, last_chunk: 1, stage_offset: 73, len: 10 });
     assert_eq!(plan.views[2], ReadView { chunk: 0, last_chunk: 0, stage_offset: 0, len: 10 });
@@ -276,7 +276,7 @@ fn chunk_bytes_smaller_than_align_is_an_error() {
     let err = plan_upload(&[w(1, 10, 0, 1)], &cfg(4, 8, 16)).unwrap_err();
     assert_eq!(err, PlanError::ChunkTooSmall { chunk_bytes: 8, align: 16 });
     assert_eq!(
-        plan_readback(&[], &cfg(0, 0, 1)).unwrap_err(),
+        plan_download(&[], &cfg(0, 0, 1)).unwrap_err(),
         PlanError::ChunkTooSmall { chunk_bytes: 0, align: 1 }
     );
 }
@@ -322,7 +322,7 @@ fn many_tiny_chunks() {
     let plan = upload_checked(&[w(1, 10, 2, 5), w(1, 10, 4, 5)], &cfg(1, 1, 1));
     assert_eq!(plan.chunks.len(), 7);
     assert_eq!(plan.fills.len(), 7);
-    let plan = readback_checked(&[r(1, 10, 2, 5), r(1, 10, 4, 5)], &cfg(1, 1, 1));
+    let plan = download_checked(&[r(1, 10, 2, 5), r(1, 10, 4, 5)], &cfg(1, 1, 1));
     assert_eq!(plan.views[1], ReadView { chunk: 2, last_chunk: 6, stage_offset: 2, len: 5 });
 }
 
@@ -332,13 +332,13 @@ fn too_many_chunks_is_an_error_not_an_allocation() {
     assert_eq!(err, PlanError::TooLarge { chunk_capacity: 16 });
     // Two buffers whose intervals together exceed u64.
     let huge = [r(1, u64::MAX, 0, u64::MAX), r(2, u64::MAX, 0, u64::MAX)];
-    assert!(matches!(plan_readback(&huge, &PlanConfig::default()), Err(PlanError::TooLarge { .. })));
+    assert!(matches!(plan_download(&huge, &PlanConfig::default()), Err(PlanError::TooLarge { .. })));
 }
 
 #[test]
 fn overlapping_reads_share_staging() {
     let reads = [r(1, 100, 0, 50), r(1, 100, 25, 50), r(1, 100, 25, 50), r(1, 100, 75, 1)];
-    let plan = readback_checked(&reads, &cfg(1000, 4096, 16));
+    let plan = download_checked(&reads, &cfg(1000, 4096, 16));
     assert_eq!((plan.intervals, plan.moved_bytes, plan.requested_bytes), (1, 76, 151));
     let offsets: Vec<_> = plan.views.iter().map(|v| v.stage_offset).collect();
     assert_eq!(offsets, vec![0, 25, 25, 75]);
@@ -356,10 +356,10 @@ fn a_planner_reuses_its_memory_and_gives_the_same_plans() {
         assert_eq!(plan, plan_upload(batch, &c).unwrap());
     }
     let reads: Vec<_> = big.iter().map(|w| r(w.buffer, w.buffer_len, w.offset, w.len)).collect();
-    let mut plan = ReadbackPlan::default();
+    let mut plan = DownloadPlan::default();
     for batch in [&reads[..], &reads[..3], &reads[..]] {
-        planner.plan_readback_into(batch, &c, &mut plan).unwrap();
-        assert_eq!(plan, plan_readback(batch, &c).unwrap());
+        planner.plan_download_into(batch, &c, &mut plan).unwrap();
+        assert_eq!(plan, plan_download(batch, &c).unwrap());
     }
 }
 
@@ -370,9 +370,9 @@ fn a_failed_plan_into_leaves_an_empty_plan() {
     let mut plan = planner.plan_upload(&[w(1, 100, 0, 10)], &c).unwrap();
     assert!(planner.plan_upload_into(&[w(1, 100, 95, 10)], &c, &mut plan).is_err());
     assert_eq!(plan, UploadPlan::default());
-    let mut plan = planner.plan_readback(&[r(1, 100, 0, 10)], &c).unwrap();
-    assert!(planner.plan_readback_into(&[r(1, 100, 0, 10)], &cfg(0, 0, 16), &mut plan).is_err());
-    assert_eq!(plan, ReadbackPlan::default());
+    let mut plan = planner.plan_download(&[r(1, 100, 0, 10)], &c).unwrap();
+    assert!(planner.plan_download_into(&[r(1, 100, 0, 10)], &cfg(0, 0, 16), &mut plan).is_err());
+    assert_eq!(plan, DownloadPlan::default());
 }
 
 #[test]

@@ -502,7 +502,7 @@ impl Lanes {
     pub(crate) fn new(ctx: Arc<Context>, host_waits: Arc<std::sync::atomic::AtomicU64>) -> Result<Lanes> {
         let lanes = [
             Lane::new(LaneKind::Upload, Arc::clone(&ctx))?,
-            Lane::new(LaneKind::Readback, Arc::clone(&ctx))?,
+            Lane::new(LaneKind::Download, Arc::clone(&ctx))?,
         ];
         Ok(Lanes { lanes, ctx, host_waits })
     }

@@ -34,11 +34,11 @@ pub(crate) enum LaneKind {
     /// Host to device.
     Upload = 0,
     /// Device to host.
-    Readback = 1,
+    Download = 1,
 }
 
 impl LaneKind {
-    pub(crate) const ALL: [LaneKind; 2] = [LaneKind::Upload, LaneKind::Readback];
+    pub(crate) const ALL: [LaneKind; 2] = [LaneKind::Upload, LaneKind::Download];
 
     pub(crate) fn index(self) -> usize {
         self as usize
@@ -47,8 +47,8 @@ impl LaneKind {
     /// The other direction.
     pub(crate) fn other(self) -> LaneKind {
         match self {
-            LaneKind::Upload => LaneKind::Readback,
-            LaneKind::Readback => LaneKind::Upload,
+            LaneKind::Upload => LaneKind::Download,
+            LaneKind::Download => LaneKind::Upload,
         }
     }
 }

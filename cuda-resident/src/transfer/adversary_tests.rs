@@ -1,4 +1,4 @@
-//! Adversarial tests of the readback side, on the model driver: every readback API at the
+//! Adversarial tests of the download side, on the model driver: every download API at the
 //! edges of sizes and pools, bad input, panicking iterators, streamed downloads beside pinned
 //! buffers. The helpers here serve the tests of lifetimes in flight (`lifetime_tests`) and of
 //! threads sharing a device (`threads_tests`) too.
@@ -57,7 +57,7 @@ pub(super) fn same(what: &str, got: &[u8], want: &[u8]) {
     );
 }
 
-/// Reads `ranges` through every readback API and checks every byte.
+/// Reads `ranges` through every download API and checks every byte.
 pub(super) fn every_api(d: &Device, m: &Model, ranges: &[R], rng: &mut fastrand::Rng, what: &str) {
     d.synchronize().unwrap();
     let base = d.telemetry().pinned;

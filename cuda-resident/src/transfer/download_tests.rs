@@ -157,23 +157,23 @@ fn a_slot_of_another_batch_is_refused_never_redeemed_for_another_reads_bytes() {
         let e = reads.submit().unwrap().wait_into(&[slots[0], big_slots[1]], &mut out).unwrap_err();
         assert!(matches!(e, Error::ForeignSlot { .. }), "{count} reads: {e}");
     }
-    // Prepared sets: their slots redeem their own readbacks only (the fast path and the
-    // batches they move as while a readback is held), and a batch's slot not theirs.
+    // Prepared sets: their slots redeem their own downloads only (the fast path and the
+    // batches they move as while a download is held), and a batch's slot not theirs.
     let ranges: Vec<_> = (0..100).map(|k| (m.buffers[0], k * 2000, 300)).collect();
     let mut set = d.prepare_downloads(&ranges).unwrap();
     let mut other = d.prepare_downloads(&ranges).unwrap();
     let held = set.submit().unwrap().wait().unwrap();
     let second = set.submit().unwrap().wait().unwrap();
-    for readback in [&held, &second] {
-        assert_eq!(readback.get(set.slot(5)), &m.expect[0][10_000..10_300]);
-        panics_naming_the_batch("a batch's slot on a prepared readback", || {
-            let _ = readback.get(big_slots[0]);
+    for download in [&held, &second] {
+        assert_eq!(download.get(set.slot(5)), &m.expect[0][10_000..10_300]);
+        panics_naming_the_batch("a batch's slot on a prepared download", || {
+            let _ = download.get(big_slots[0]);
         });
         panics_naming_the_batch("another set's slot", || {
-            let _ = readback.get(other.slot(5));
+            let _ = download.get(other.slot(5));
         });
     }
-    panics_naming_the_batch("a set's slot on a batch's readback", || {
+    panics_naming_the_batch("a set's slot on a batch's download", || {
         let _ = big_done.get(set.slot(0));
     });
     let mut out = vec![Vec::new(); ranges.len()];
@@ -226,7 +226,7 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     assert!(one == want[ranges.len() / 2], "{what}: copy_into");
     let first_place = done.get(slots[0]).as_ptr();
     drop(done);
-    // The next streamed readback with views reuses the last one's host memory (no fresh
+    // The next streamed download with views reuses the last one's host memory (no fresh
     // gigabytes to fault in), with the right bytes.
     let (reads, slots) = m.reads(d, ranges);
     let again = reads.submit().unwrap().wait().unwrap();
@@ -271,7 +271,7 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
     }
     drop((got, set));
     d.synchronize().unwrap();
-    assert_eq!(d.telemetry().pinned.lent_bytes, lent, "{what}: pinned staging back after the readbacks");
+    assert_eq!(d.telemetry().pinned.lent_bytes, lent, "{what}: pinned staging back after the downloads");
     d.trim().unwrap();
     assert!(model::with(|g| g.errors.is_empty()), "{what}: the model found illegal accesses");
     let (reads, slots) = m.reads(d, ranges);
@@ -282,7 +282,7 @@ fn read_every_way(d: &Device, m: &Model, ranges: &[(usize, usize, usize)], what:
 }
 
 #[test]
-fn readback_batches_many_times_the_pinned_cap_stream_through_it_with_every_byte_right() {
+fn download_batches_many_times_the_pinned_cap_stream_through_it_with_every_byte_right() {
     let d = device(tiny_pool());
     let mut rng = fastrand::Rng::with_seed(64);
     let m = Model::new(&d, &mut rng, &[3 << 20, 700_000, 4099]);
@@ -319,7 +319,7 @@ fn readback_batches_many_times_the_pinned_cap_stream_through_it_with_every_byte_
 }
 
 #[test]
-fn a_readback_the_pool_cannot_lend_while_the_caller_holds_staging_streams_instead_of_failing() {
+fn a_download_the_pool_cannot_lend_while_the_caller_holds_staging_streams_instead_of_failing() {
     // A batch within the cap (about 1.4 MiB of a 2 MiB pool), but half of the pool is held
     // by the caller: the batch's staging is refused (PinnedExhausted) and it streams
     // through what is left.
@@ -333,7 +333,7 @@ fn a_readback_the_pool_cannot_lend_while_the_caller_holds_staging_streams_instea
 }
 
 #[test]
-fn a_fault_in_the_middle_of_a_streamed_readback_fails_it_and_the_next_one_works() {
+fn a_fault_in_the_middle_of_a_streamed_download_fails_it_and_the_next_one_works() {
     use cuda_sys::{CUDA_ERROR_LAUNCH_FAILED, Fault};
     let driver = model::driver();
     let d = Device::open_on_driver(driver.clone(), 0, tiny_pool()).expect("the model opens");

@@ -190,7 +190,7 @@ fn a_pinned_buffer_of_another_device_dropped_during_its_copy_is_not_lent_again()
 /// A download's view given to an asynchronous copy, the download dropped before the copy
 /// completes: its staging is not lent again (to the next download) while the copy reads it.
 #[test]
-fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_the_copy_completes() {
+fn a_download_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_the_copy_completes() {
     let (_driver, d) = device(Config::default());
     let len = 64 << 10;
     let (a, b) = (d.allocate(len as u64).unwrap(), d.allocate(len as u64).unwrap());
@@ -201,11 +201,11 @@ fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_t
     let slot = reads.read_buffer(a).unwrap();
     let done = reads.submit().unwrap().wait().unwrap();
     let view = done.get(slot).as_ptr();
-    // SAFETY: pinned memory of the readback, unchanged until the copy completes: the drop
+    // SAFETY: pinned memory of the download, unchanged until the copy completes: the drop
     // below hands it to the copy, which keeps it.
     let fence = unsafe { d.upload_async_at(b, 0, view, len) }.unwrap();
     drop(done);
-    // The next readback of the same size takes other staging (no wait on the upload lane
+    // The next download of the same size takes other staging (no wait on the upload lane
     // here: the model has not carried the copy out).
     assert!(!fence.is_complete().unwrap());
     let mut reads = d.downloads();
@@ -213,7 +213,7 @@ fn a_readback_view_given_to_an_async_copy_and_dropped_is_not_lent_again_before_t
     let next = reads.submit().unwrap().wait().unwrap();
     assert_ne!(next.get(slot).as_ptr(), view, "the memory the copy reads was lent again");
     fence.wait().unwrap();
-    assert!(d.download(b).unwrap() == data, "the upload read another readback's bytes");
+    assert!(d.download(b).unwrap() == data, "the upload read another download's bytes");
 }
 
 /// Blocking uploads of at most `DRIVER_STAGED_MOST` bytes go to the driver as given (the

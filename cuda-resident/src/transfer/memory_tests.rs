@@ -131,7 +131,7 @@ fn held_staging_leaves_the_reserve_to_transfers() {
         m.expect[1][*at as usize..][..bytes.len()].copy_from_slice(bytes);
     }
     m.check(&d, "transfers beside held staging");
-    // A readback with views finds no held staging left: it streams into memory of its own,
+    // A download with views finds no held staging left: it streams into memory of its own,
     // with the same views.
     let mut reads = d.downloads();
     let slots: Vec<_> = (0..3).map(|i| reads.read_buffer(m.buffers[i]).unwrap()).collect();
@@ -150,7 +150,7 @@ fn held_staging_leaves_the_reserve_to_transfers() {
 /// Unreleased downloads hold their staging as held staging: many of them stop at the held
 /// limit (later ones stream into memory of their own), and transfers still move.
 #[test]
-fn unreleased_readbacks_leave_the_reserve_to_transfers() {
+fn unreleased_downloads_leave_the_reserve_to_transfers() {
     let config = small_chunks();
     let limit = config.pinned_cap_bytes - config.pinned_reserve();
     let d = device(config);
@@ -166,8 +166,8 @@ fn unreleased_readbacks_leave_the_reserve_to_transfers() {
         kept.push(done);
         assert!(d.telemetry().pinned.held_bytes <= limit);
     }
-    assert!(d.telemetry().pinned.held_bytes * 10 >= limit * 9, "the readbacks filled the held limit");
-    m.check(&d, "transfers beside 200 unreleased readbacks");
+    assert!(d.telemetry().pinned.held_bytes * 10 >= limit * 9, "the downloads filled the held limit");
+    m.check(&d, "transfers beside 200 unreleased downloads");
     drop(kept);
     assert_eq!(d.telemetry().pinned.held_bytes, 0);
 }

@@ -520,7 +520,7 @@ fn pipelined_fault(over_bus: bool, chunk_call: &'static str) {
     assert!(e.contains("cuEventSynchronize"), "{e}");
     driver.faults().clear();
     d.synchronize().unwrap();
-    assert_eq!(d.telemetry().pinned.lent_bytes, 0, "the failed readback returned its staging");
+    assert_eq!(d.telemetry().pinned.lent_bytes, 0, "the failed download returned its staging");
     m.check(&d, "after a failed copy-out");
 }
 
@@ -540,7 +540,7 @@ fn a_few_thousand_small_writes_or_reads_in_order_cost_a_few_launches_and_no_dma_
 #[test]
 fn through_device_staging_a_few_thousand_small_copies_cost_one_launch_and_a_dma_or_two() {
     // Chunks stay equal there (each costs a DMA too): an upload moves its lease in one DMA
-    // and scatters; a readback moves its table up, gathers, and moves the bytes down.
+    // and scatters; a download moves its table up, gathers, and moves the bytes down.
     let d = device(Config { small_copies_over_bus: false, ..Config::default() });
     assert_eq!(few_thousand_in_order(&d).map(|(dmas, launches, _)| (dmas, launches)), [(1, 1), (2, 1)]);
 }
@@ -606,7 +606,7 @@ fn large_downloads_and_pipelined_uploads_fit_a_pinned_pool_of_two_chunks() {
         m.expect[0][k * 4100 + 1..][..4000].copy_from_slice(bytes);
     }
     batch.submit().unwrap().wait().unwrap();
-    // A download past four chunks moves through the ring too (a readback batch would need
+    // A download past four chunks moves through the ring too (a download batch would need
     // the whole buffer in staging at once).
     assert!(
         d.download(m.buffers[0]).unwrap() == m.expect[0],
@@ -616,7 +616,7 @@ fn large_downloads_and_pipelined_uploads_fit_a_pinned_pool_of_two_chunks() {
 
 #[test]
 fn a_large_download_takes_the_staging_left_when_the_caller_holds_some() {
-    // Four chunks of room, one of them held by the caller's readback: the download's ring
+    // Four chunks of room, one of them held by the caller's download: the download's ring
     // takes the three left instead of failing.
     let d = device(Config { chunk_bytes: 1 << 20, pinned_cap_bytes: 4 << 20, ..Config::default() });
     let mut rng = fastrand::Rng::with_seed(40);
@@ -629,7 +629,7 @@ fn a_large_download_takes_the_staging_left_when_the_caller_holds_some() {
 }
 
 #[test]
-fn a_readback_copies_every_read_into_vectors_after_the_wait() {
+fn a_download_copies_every_read_into_vectors_after_the_wait() {
     let d = device(small_chunks());
     let mut rng = fastrand::Rng::with_seed(41);
     let m = Model::new(&d, &mut rng, &[300_000, 70_000, 4099]);

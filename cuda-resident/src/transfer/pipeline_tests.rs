@@ -136,7 +136,7 @@ fn packing_threads_sleep_through_a_long_wait_for_a_chunk_and_wake_to_finish() {
         6 << 20,
         3,
         |step| {
-            // A chunk that takes long to land, as a readback's DMA can.
+            // A chunk that takes long to land, as a download's DMA can.
             if step == Step::Open(1) {
                 std::thread::sleep(std::time::Duration::from_millis(30));
             }

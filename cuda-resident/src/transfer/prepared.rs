@@ -143,7 +143,7 @@ pub(crate) fn prepare_downloads(
     if ranges.len() > super::download::MAX_READS {
         return Err(Error::TooManyReads { most: super::download::MAX_READS });
     }
-    let fast = Layout::new(core, ranges, LaneKind::Readback)?.map(|layout| {
+    let fast = Layout::new(core, ranges, LaneKind::Download)?.map(|layout| {
         let (views, chunks) = layout.views(ranges);
         (layout, views, chunks)
     });
@@ -439,18 +439,18 @@ impl PreparedDownloads {
     /// A buffer freed since the set was prepared, with nothing enqueued.
     pub fn submit(&mut self) -> Result<PendingDownload> {
         let core = &self.core;
-        let lane = core.lane(LaneKind::Readback);
+        let lane = core.lane(LaneKind::Download);
         if let Some((layout, views, chunks)) = self.fast.as_mut() {
-            // Retire what completed: a readback that is done and dropped no longer holds
+            // Retire what completed: a download that is done and dropped no longer holds
             // the region.
             if Arc::get_mut(&mut layout.lease).is_none() {
                 lane.poll()?;
             }
-            // No readback of the set holds the region any more (`get_mut` also orders this
+            // No download of the set holds the region any more (`get_mut` also orders this
             // after the release of every other holder, which may have read its views).
             if Arc::get_mut(&mut layout.lease).is_some() {
                 let layout = &*layout;
-                let mut exec = Exec::begin(core, LaneKind::Readback);
+                let mut exec = Exec::begin(core, LaneKind::Download);
                 layout.claim(&mut exec)?;
                 let first_seq = exec.first_seq();
                 let kernels = exec.kernels()?;

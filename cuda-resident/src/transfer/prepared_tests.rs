@@ -74,12 +74,12 @@ fn prepared_sets_in_order_are_laid_out_once_and_move_by_launches_alone_every_tim
     let held = reads.submit().unwrap().wait().unwrap();
     let first_place = held.get(reads.slot(0)).as_ptr();
     let after = d.telemetry();
-    assert_eq!(after.dma_copies, before.dma_copies, "a prepared readback: launches only");
+    assert_eq!(after.dma_copies, before.dma_copies, "a prepared download: launches only");
     let old = m.expected(&ranges);
     for (k, want) in old.iter().enumerate() {
         assert_eq!(held.get(reads.slot(k)), &want[..], "view {k}");
     }
-    // New bytes, read while the first readback still holds its views: the next readback
+    // New bytes, read while the first download still holds its views: the next download
     // moves as a batch of its own and the held views do not change.
     let data = random_data(&mut rng);
     up.upload(&data).unwrap().wait().unwrap();

@@ -87,7 +87,7 @@ pub(crate) unsafe fn download_async_at(
     len: usize,
 ) -> Result<Fence> {
     let host = ("Device::download_async_at", dst.cast_const());
-    single_copy(core, LaneKind::Readback, buffer, offset, len, host, |q, src| {
+    single_copy(core, LaneKind::Download, buffer, offset, len, host, |q, src| {
         // SAFETY: the source lies in a live, marked buffer; the caller vouches for dst.
         unsafe { q.dtoh(dst, src, len) }
     })
@@ -111,7 +111,7 @@ pub(crate) fn synchronize_uploads(core: &Arc<Core>) -> Result<()> {
 
 /// The work of [`Device::synchronize_downloads`](crate::Device::synchronize_downloads).
 pub(crate) fn synchronize_downloads(core: &Arc<Core>) -> Result<()> {
-    core.lane(LaneKind::Readback).synchronize().map(|_| ())
+    core.lane(LaneKind::Download).synchronize().map(|_| ())
 }
 
 /// The work of [`Device::pin_host`](crate::Device::pin_host).
@@ -190,7 +190,7 @@ fn single_copy(
         // Nothing to copy: no driver call, and a fence that is already complete.
         return Ok(Fence::completed());
     }
-    // Pinned memory of this crate the caller can reach (a PinnedBuffer, a batch readback's
+    // Pinned memory of this crate the caller can reach (a PinnedBuffer, a batch download's
     // views; of any device's pool) stays out of its pool until the copy
     // completes, even if the buffer is dropped first: held from before the check on.
     let keep = crate::host_pool::listed_leases_in(host.1 as usize, len);

@@ -72,7 +72,7 @@ pub(crate) fn download_to_slices(core: &Arc<Core>, reads: &mut [SliceRead<'_>]) 
     let chunk = pipeline_chunk(core.config.chunk_bytes, total, PIPELINE_DEPTH);
     let chunks = total.div_ceil(chunk) as usize;
     let buffers: HashSet<ResidentBuffer> = reads.iter().map(|r| r.buffer).collect();
-    let mut exec = Exec::begin(core, LaneKind::Readback);
+    let mut exec = Exec::begin(core, LaneKind::Download);
     exec.claim_ranges(buffers.into_iter(), chunks as u64, |r| {
         for (&src, &len) in srcs.iter().zip(&lens) {
             if len > 0 {
@@ -90,7 +90,7 @@ pub(crate) fn download_to_slices(core: &Arc<Core>, reads: &mut [SliceRead<'_>]) 
     let (mut spans, mut unpack_spans) = (Vec::new(), Vec::new());
     let mut unpack_cursor = 0;
     let mut unpack = |k: usize, seqs: &[u64]| -> Result<()> {
-        crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
+        crate::engine::wait(core, LaneKind::Download, seqs[k])?;
         spans_of(&starts, &lens, bounds(k), &mut unpack_cursor, &mut unpack_spans);
         pieces.clear();
         let lease = ring[k % ring_len].as_ptr();

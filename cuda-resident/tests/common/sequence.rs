@@ -177,7 +177,7 @@ fn sequence_body(
     model[0][999..1099].copy_from_slice(&one);
     ops += 1;
 
-    // Readbacks: whole buffers, a direct range, many small ranges; views and copies.
+    // Downloads: whole buffers, a direct range, many small ranges; views and copies.
     let mut reads = d.downloads();
     let all_small = reads.read_buffer(small)?;
     let all_mid = reads.read_buffer(mid)?;

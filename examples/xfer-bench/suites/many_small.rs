@@ -235,7 +235,7 @@ impl Case<'_, '_> {
             self.download_breakdown(&mut outs)?;
         }
         let ours_views = self.views_time()?;
-        let prepared = prepared_readbacks(d, self.args, sources, ranges, &mut outs)?;
+        let prepared = prepared_downloads(d, self.args, sources, ranges, &mut outs)?;
         let row = |what: &str, ours| {
             Row::gbps(self.name("D2H", what), count * size, Some(raw_d2h), batch_d2h, ours)
         };
@@ -318,7 +318,7 @@ fn prepared_uploads(
 
 /// The ranges (which hold `sources`) prepared once and read each time, into `outs` and as
 /// views: the seconds' spreads, or `None` as for [`prepared_uploads`].
-fn prepared_readbacks(
+fn prepared_downloads(
     d: &Device,
     args: &Args,
     sources: &[Vec<u8>],
@@ -329,7 +329,7 @@ fn prepared_readbacks(
     let mut prepared = match d.prepare_downloads(ranges) {
         Ok(p) => p,
         Err(err) => {
-            eprintln!("prepared readbacks of {} ranges skipped: {err}", ranges.len());
+            eprintln!("prepared downloads of {} ranges skipped: {err}", ranges.len());
             return Ok(None);
         }
     };

@@ -34,7 +34,7 @@ pub(crate) struct ChunkPlaces<'a> {
 /// buffers (marked for this work) whose ranges the chunk reads.
 pub(crate) unsafe fn enqueue_planned(
     q: &mut Enqueue<'_>,
-    chunk: &crate::plan::ReadbackChunk,
+    chunk: &crate::plan::DownloadChunk,
     at: &ChunkPlaces<'_>,
     kernels: Option<&crate::kernels::Kernels>,
     ptr_of: &dyn Fn(u64) -> u64,

@@ -54,7 +54,7 @@ pub(crate) fn move_pinned(
         LaneKind::Upload => {
             layout.chunks.iter().map(|c| table_bytes(c.descriptors.len() as u64)).max().unwrap_or(0)
         }
-        LaneKind::Readback => 0,
+        LaneKind::Download => 0,
     };
     let stride = slot_bytes + table_area;
     let slots = layout.chunks.len().min(SIDE_SLOTS) as u64;
@@ -110,7 +110,7 @@ pub(crate) fn move_pinned(
                 // SAFETY: as above.
                 exec.submit_side(slot, |q| unsafe { q.launch(kernels, at_table, n, 0) })?;
             }
-            LaneKind::Readback => {
+            LaneKind::Download => {
                 // SAFETY: as above.
                 exec.submit(vec![Arc::clone(&table)], |q| unsafe {
                     q.launch(kernels, table_ptr as u64, n, table_len as u64)
@@ -142,7 +142,7 @@ pub(crate) fn move_pinned(
                 unsafe {
                     match kind {
                         LaneKind::Upload => q.htod(d.dev, d.host as *const u8, d.len as usize),
-                        LaneKind::Readback => q.dtoh(d.host as *mut u8, d.dev, d.len as usize),
+                        LaneKind::Download => q.dtoh(d.host as *mut u8, d.dev, d.len as usize),
                     }
                 }?;
             }

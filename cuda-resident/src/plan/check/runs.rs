@@ -89,7 +89,7 @@ pub fn execute_runs(items: &[RunItem], chunk: u64, threshold: u64, unified: bool
     let staging = dev_end.next_multiple_of(256);
     let size = (staging + chunk) as usize;
     let mut memory = Memory { bytes: (0..size).map(initial).collect(), writes: vec![0; size] };
-    let kind = if upload { LaneKind::Upload } else { LaneKind::Readback };
+    let kind = if upload { LaneKind::Upload } else { LaneKind::Download };
 
     // Descriptors are numbered chunks first, each chunk's within the most of one launch.
     let mut numbered = 0;

@@ -126,11 +126,11 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     // Planned before the lane is taken: other batches submit on the lane meanwhile.
     let mut planning = core.spares.planning.lend();
     if !in_order {
-        let Planning { planner, readback_plan, .. } = &mut *planning;
-        planner.plan_readback_into(&batch.reads, &plan_config, readback_plan)?;
+        let Planning { planner, download_plan, .. } = &mut *planning;
+        planner.plan_download_into(&batch.reads, &plan_config, download_plan)?;
     }
-    let mut exec = Exec::begin(core, LaneKind::Readback);
-    let mut scratch = lock(&core.staging[LaneKind::Readback.index()]);
+    let mut exec = Exec::begin(core, LaneKind::Download);
+    let mut scratch = lock(&core.staging[LaneKind::Download.index()]);
     let scratch = &mut *scratch;
     if in_order {
         let chunk = in_order_chunk(
@@ -138,7 +138,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             total,
             if core.moves_small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH },
         );
-        // Held staging: the readback's views keep it after the copy. The lease holds the
+        // Held staging: the download's views keep it after the copy. The lease holds the
         // flat packed bytes, then the chunks' tables: one descriptor a read.
         let len = apart.end.next_multiple_of(256) as usize + batch.reads.len() * size_of::<CopyDescriptor>();
         return match core.acquire_held_staging(len) {
@@ -149,7 +149,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
             Err(e) => Err(e),
         };
     }
-    let plan = &planning.readback_plan;
+    let plan = &planning.download_plan;
     if plan.is_empty() {
         return Ok(PendingDownload::empty(batch.id, Fence::completed(), plan.views.clone()));
     }
@@ -162,7 +162,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
         )
         .collect();
     let tables: u64 = areas.iter().sum();
-    // Held staging: the readback's views keep it after the copy.
+    // Held staging: the download's views keep it after the copy.
     let lease = match core.acquire_held_staging((tables + plan.total_staging) as usize) {
         // Listed: the caller can reach its views.
         Ok(lease) => lease.into_listed(),
@@ -228,7 +228,7 @@ fn execute(batch: &DownloadBatch<'_>, sink: &mut Option<&mut [Vec<u8>]>) -> Resu
     views.extend_from_slice(&plan.views);
     Ok(PendingDownload {
         fence: exec.finish(),
-        readback: Downloaded::leased(core, batch.id, lease, tables as usize, views, Vec::new(), 0),
+        download: Downloaded::leased(core, batch.id, lease, tables as usize, views, Vec::new(), 0),
         first_seq: final_seq + 1 - plan.chunks.len() as u64,
         route: Route::Planned,
     })
@@ -327,7 +327,7 @@ pub(super) fn execute_in_order(
     }
     Ok(PendingDownload {
         fence: exec.finish(),
-        readback: Downloaded::leased(core, batch.id, lease, 0, views, chunks, apart.requested as usize),
+        download: Downloaded::leased(core, batch.id, lease, 0, views, chunks, apart.requested as usize),
         first_seq: final_seq + 1 - n,
         route: Route::InOrder,
     })

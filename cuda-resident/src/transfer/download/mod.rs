@@ -154,7 +154,7 @@ struct Spare {
 impl Drop for Spare {
     fn drop(&mut self) {
         if let Some(parts) = self.parts.take() {
-            self.core.spares.readback.give(parts);
+            self.core.spares.download.give(parts);
         }
     }
 }
@@ -187,7 +187,7 @@ pub(crate) fn scoped<'a>(core: &'a Arc<Core>, seen: &'a Submitted) -> DownloadBa
 }
 
 fn batch<'a>(core: &'a Arc<Core>, id: u64, scope: Option<&'a Submitted>) -> DownloadBatch<'a> {
-    let (table, reads) = core.spares.readback.take();
+    let (table, reads) = core.spares.download.take();
     DownloadBatch {
         core,
         table,

@@ -21,7 +21,7 @@ use crate::sync::lock;
 #[must_use = "the bytes are reachable only through its wait"]
 pub struct PendingDownload {
     pub(super) fence: Fence,
-    pub(super) readback: Downloaded,
+    pub(super) download: Downloaded,
     /// The sequence number of the first chunk's submission (chunk `k` is `first_seq + k`).
     pub(super) first_seq: u64,
     /// The route the batch took.
@@ -84,7 +84,7 @@ impl Drop for Downloaded {
         if let (Some(core), Views::Pooled(views)) = (&self.core, &mut self.views) {
             core.spares.views.give(std::mem::take(views));
         }
-        // A streamed readback's host memory goes to the next one, the larger of two kept.
+        // A streamed download's host memory goes to the next one, the larger of two kept.
         if let Some(core) = &self.core
             && !self.host.is_empty()
         {
@@ -138,7 +138,7 @@ impl PendingDownload {
     ) -> PendingDownload {
         PendingDownload {
             fence,
-            readback: Downloaded {
+            download: Downloaded {
                 core: Some(core),
                 batch,
                 lease: Some(lease),
@@ -160,7 +160,7 @@ impl PendingDownload {
     pub(super) fn empty(batch: u64, fence: Fence, views: Vec<ReadView>) -> PendingDownload {
         PendingDownload {
             fence,
-            readback: Downloaded {
+            download: Downloaded {
                 core: None,
                 batch,
                 lease: None,
@@ -186,7 +186,7 @@ impl PendingDownload {
     /// Blocks until the bytes are in host memory.
     pub fn wait(self) -> Result<Downloaded> {
         self.fence.wait()?;
-        Ok(self.readback)
+        Ok(self.download)
     }
 
     /// Waits for the reads chunk by chunk and copies each read into the caller's vector of
@@ -211,24 +211,24 @@ impl PendingDownload {
                 right: out.len(),
             });
         }
-        if let Err(e) = self.readback.check_slots(slots) {
+        if let Err(e) = self.download.check_slots(slots) {
             out.iter_mut().for_each(Vec::clear);
             return Err(e);
         }
-        let Some(core) = self.readback.core.clone().filter(|_| self.readback.lease.is_some()) else {
+        let Some(core) = self.download.core.clone().filter(|_| self.download.lease.is_some()) else {
             // Nothing moved, or a streamed batch: its bytes are in host memory already.
-            if let Err(e) = self.fence.wait().and_then(|()| self.readback.copy_all_into(slots, out)) {
+            if let Err(e) = self.fence.wait().and_then(|()| self.download.copy_all_into(slots, out)) {
                 out.iter_mut().for_each(Vec::clear);
                 return Err(e);
             }
-            return Ok(self.readback);
+            return Ok(self.download);
         };
-        if !self.readback.chunks.is_empty() {
+        if !self.download.chunks.is_empty() {
             return self.wait_into_in_order(&core, slots, out);
         }
         // Reads grouped by the chunk that completes them, split into pieces for the packing
         // threads, which copy a chunk's reads out as soon as it has landed.
-        let views = &self.readback.views;
+        let views = &self.download.views;
         let mut order: Vec<usize> = (0..slots.len()).collect();
         order.sort_unstable_by_key(|&i| views[slots[i].index as usize].last_chunk);
         let chunks = order.last().map_or(0, |&i| views[slots[i].index as usize].last_chunk as usize + 1);
@@ -240,7 +240,7 @@ impl PendingDownload {
         }) {
             let first = pieces.len();
             for &i in same {
-                total += self.readback.push_copy(slots[i], &mut out[i], &mut pieces);
+                total += self.download.push_copy(slots[i], &mut out[i], &mut pieces);
             }
             spans.push((views[slots[same[0]].index as usize].last_chunk as usize, first..pieces.len()));
         }
@@ -248,7 +248,7 @@ impl PendingDownload {
         let chunk_bytes = (total / chunks.max(1)) as u64;
         let groups =
             Groups::new(chunks, spans.into_iter(), |p| pieces[p].len, Groups::target(chunk_bytes, threads));
-        let lane = core.lane(LaneKind::Readback);
+        let lane = core.lane(LaneKind::Download);
         let first_seq = self.first_seq;
         pipeline::run(
             &core.packers,
@@ -273,8 +273,8 @@ impl PendingDownload {
         // vectors stay empty then).
         self.fence.wait()?;
         // SAFETY: every chunk's copies ran (`run` returned Ok).
-        unsafe { self.readback.set_lengths(slots, out) };
-        Ok(self.readback)
+        unsafe { self.download.set_lengths(slots, out) };
+        Ok(self.download)
     }
 
     /// [`PendingDownload::wait_into`] for reads in order, whose chunks hold runs of reads:
@@ -284,14 +284,14 @@ impl PendingDownload {
     /// slot whose read lands in a later chunk than its position's (slots out of order) is
     /// skipped there and copied once everything has landed.
     fn wait_into_in_order(self, core: &Arc<Core>, slots: &[Slot], out: &mut [Vec<u8>]) -> Result<Downloaded> {
-        let (readback, lane) = (&self.readback, core.lane(LaneKind::Readback));
-        let (views, starts) = (&readback.views, &readback.chunks);
+        let (download, lane) = (&self.download, core.lane(LaneKind::Download));
+        let (views, starts) = (&download.views, &download.chunks);
         let chunks = starts.len() - 1;
-        let base = readback.lease.as_ref().map_or(0, |lease| lease.as_ptr() as usize + readback.base);
+        let base = download.lease.as_ref().map_or(0, |lease| lease.as_ptr() as usize + download.base);
         // Positions past the reads (a slot named twice) go with the last chunk.
         let at = |k: usize| if k == chunks { slots.len() } else { starts[k].min(slots.len()) };
         let spans = (0..chunks).map(|k| (k, at(k)..at(k + 1)));
-        let total = readback.in_order_bytes;
+        let total = download.in_order_bytes;
         let threads = core.packers().current_num_threads();
         let chunk_bytes = (total / chunks.max(1)) as u64;
         let groups = Groups::by_mean(chunks, spans, (views.len(), total), chunk_bytes, threads);
@@ -349,7 +349,7 @@ impl PendingDownload {
             }
             crate::hostcopy::publish();
         }
-        Ok(self.readback)
+        Ok(self.download)
     }
 
     /// The fence of the reads.

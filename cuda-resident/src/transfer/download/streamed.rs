@@ -38,10 +38,10 @@ pub(super) fn execute_streamed(
     let chunk_bytes = config.chunk_bytes / 2;
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
-    scratch.planner.plan_readback_into(&batch.reads, &plan_config, &mut scratch.readback_plan)?;
-    let DeviceStaging { readback_plan: plan, region, descriptors, pieces, .. } = scratch;
+    scratch.planner.plan_download_into(&batch.reads, &plan_config, &mut scratch.download_plan)?;
+    let DeviceStaging { download_plan: plan, region, descriptors, pieces, .. } = scratch;
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
-    let area_of = |c: &crate::plan::ReadbackChunk| {
+    let area_of = |c: &crate::plan::DownloadChunk| {
         if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 }
     };
     // Each ring lease: the largest table (a multiple of 256 bytes), then a chunk's staging.
@@ -87,7 +87,7 @@ pub(super) fn execute_streamed(
     // Waits for chunk `k` (submission `seqs[k]`) and copies its staging out of its lease
     // into the host allocation, on the packing threads.
     let mut unpack = |k: usize, seqs: &[u64], host: &mut [u8]| -> Result<()> {
-        crate::engine::wait(core, LaneKind::Readback, seqs[k])?;
+        crate::engine::wait(core, LaneKind::Download, seqs[k])?;
         let chunk = &plan.chunks[k];
         pieces.clear();
         // SAFETY: the lease holds `room + chunk_capacity >= room + staging_len` bytes.
@@ -179,7 +179,7 @@ pub(super) fn execute_streamed(
     }
     Ok(PendingDownload {
         fence: exec.finish(),
-        readback: Downloaded {
+        download: Downloaded {
             core: Some(Arc::clone(core)),
             batch: batch.id,
             lease: None,

@@ -36,9 +36,9 @@ pub(in crate::transfer) fn read_in_place(
     });
     let mut fence = Fence::completed();
     let move_part = |items: &[Direct]| {
-        let ranges = ranges_of(core, LaneKind::Readback, items);
-        let moved = move_pinned(core, LaneKind::Readback, table.buffers(), items, ranges, seen);
-        let fence = seen.note(LaneKind::Readback, moved)?;
+        let ranges = ranges_of(core, LaneKind::Download, items);
+        let moved = move_pinned(core, LaneKind::Download, table.buffers(), items, ranges, seen);
+        let fence = seen.note(LaneKind::Download, moved)?;
         note(seen, &fence);
         Ok::<_, Error>(fence)
     };

@@ -143,7 +143,7 @@ impl<'scope> Scope<'scope, '_> {
     /// copy of the scope runs once this returns.
     fn wait_all(&self) -> Result<()> {
         let mut first = Ok(());
-        for kind in [LaneKind::Upload, LaneKind::Readback] {
+        for kind in [LaneKind::Upload, LaneKind::Download] {
             let settle = || self.core.lane(kind).settle();
             let seq = self.seen.last[kind.index()].load(Ordering::Acquire);
             let failed = self.seen.failed[kind.index()].load(Ordering::Acquire);

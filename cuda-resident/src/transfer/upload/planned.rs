@@ -39,7 +39,7 @@ impl Source<'_> {
 pub(super) fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
     let core = batch.core;
     let config = &core.config;
-    // Uploads keep the configured chunk: cutting mid-size batches finer (as readbacks do)
+    // Uploads keep the configured chunk: cutting mid-size batches finer (as downloads do)
     // measured no better.
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
