@@ -38,11 +38,11 @@ use std::collections::HashMap;
 
 use arbitrary::Arbitrary;
 use cuda_resident::internals::plan::check::{
-    Buffers, RunItem, apply_in_order, check_parts, execute_in_order, execute_download, execute_runs,
+    Buffers, RunItem, apply_in_order, check_parts, execute_download, execute_in_order, execute_runs,
     execute_upload, initial_buffers,
 };
 use cuda_resident::internals::plan::{
-    self, BufferKey, Chunk, PlanConfig, PlanError, Planner, ReadRequest, DownloadPlan, UploadPlan,
+    self, BufferKey, Chunk, DownloadPlan, PlanConfig, PlanError, Planner, ReadRequest, UploadPlan,
     WriteRequest,
 };
 use libfuzzer_sys::fuzz_target;
