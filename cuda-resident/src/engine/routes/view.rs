@@ -1,4 +1,4 @@
-//! What a batch hands its route: borrows of the parts of the batch the route reads, so that
+//! What a batch hands its route, and what a download route hands back: borrows of the parts of the batch the route reads, so that
 //! the routes live in the engine without knowing the batch types made above it. Built by
 //! the batch's `submit`; references only, nothing is copied or allocated to build one.
 
@@ -11,8 +11,10 @@ use crate::engine::order::Ranges;
 use crate::engine::pipeline;
 use crate::engine::table::BufferTable;
 use crate::error::{Error, Result};
+use crate::fence::Fence;
 use crate::host_pool::HostLease;
-use crate::plan::WriteRequest;
+use crate::plan::route::{self, PIPELINE_DEPTH, Route, pipeline_chunk};
+use crate::plan::{PlanConfig, ReadRequest, ReadView, WriteRequest};
 
 /// An upload batch as its route sees it: the writes, where their bytes are, the buffers they
 /// name and the batch's pinned arena.
@@ -67,4 +69,62 @@ impl UploadView<'_> {
         let buffer = self.table.entries[w.buffer as usize].buffer;
         Error::FillPanicked { write, buffer, offset: w.offset, len: w.len, cause }
     }
+}
+
+/// A download batch as its route sees it: the reads into views and the buffers they name.
+pub(crate) struct DownloadView<'b> {
+    pub(crate) core: &'b Arc<Core>,
+    /// The buffers the reads name; `apart` is the layout of the reads as added.
+    pub(crate) table: &'b BufferTable,
+    pub(crate) reads: &'b [ReadRequest],
+}
+
+impl DownloadView<'_> {
+    /// The device ranges of the batch's reads, for `Exec::claim_ranges`.
+    pub(crate) fn ranges(&self) -> impl FnOnce(&mut Ranges) + '_ {
+        |ranges| self.table.push_ranges(ranges, self.reads.iter().map(|r| (r.buffer, r.offset, r.len)))
+    }
+
+    /// The bytes the batch moves and the planner's settings for it: chunks sized to the
+    /// batch ([`pipeline_chunk`]), the direct threshold at most a chunk.
+    pub(crate) fn sizing(&self) -> (u64, PlanConfig) {
+        let config = &self.core.config;
+        let apart = &self.table.apart;
+        let in_order = self.reads.len() >= route::IN_ORDER_MIN && !apart.broken;
+        let total: u64 = if in_order { apart.requested } else { self.reads.iter().map(|r| r.len).sum() };
+        let chunk_bytes = pipeline_chunk(config.chunk_bytes, total, PIPELINE_DEPTH);
+        (
+            total,
+            PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 },
+        )
+    }
+
+    /// The route [`route::download_route`] gives the batch's reads under `plan_config`.
+    pub(crate) fn route_with(&self, plan_config: &PlanConfig) -> Route {
+        route::download_route(self.reads.len(), &self.table.apart, plan_config.direct_threshold)
+    }
+}
+
+/// What a download route hands back: where the batch's bytes land and how to wait for them.
+/// The batch makes its pending download of it (with its identity, which its slots carry).
+pub(crate) enum Landed {
+    /// Nothing moved into staging (the plan was empty): the views of empty reads, done at
+    /// once.
+    Empty { views: Vec<ReadView> },
+    /// The bytes land in `lease` (flat staging from `base` on); `chunks` and
+    /// `in_order_bytes` for reads in order (the first read of each chunk, then the number of
+    /// reads; their bytes), empty and 0 for reads the planner laid out.
+    Leased {
+        fence: Fence,
+        lease: Arc<HostLease>,
+        base: usize,
+        views: Vec<ReadView>,
+        chunks: Vec<usize>,
+        in_order_bytes: usize,
+        first_seq: u64,
+        route: Route,
+    },
+    /// Streamed through a ring of pinned chunks into `host` (or straight into the caller's
+    /// vectors: no views then), landed when the route returned.
+    Streamed { fence: Fence, host: Vec<u8>, views: Vec<ReadView>, first_seq: u64, route: Route },
 }
