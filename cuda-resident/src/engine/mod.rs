@@ -14,8 +14,8 @@
 //! to `transfer::upload::uploads`, which makes the batch; the batch checks each write as it
 //! is added (`transfer::upload`, against the batch's [`table::BufferTable`]);
 //! `submit` asks `plan::route::upload_route` for its route and the planner or
-//! `plan::route::cut_apart` for its layout; the route's function in `transfer::upload` then
-//! runs an [`Exec`]: claim, staging ([`staging`], [`host`], [`pipeline`]), one submission a
+//! `plan::route::cut_apart` for its layout; the route's function in [`routes`] then runs an
+//! [`Exec`] on the view of its parts the batch lends it ([`routes::view`]): claim, staging ([`staging`], [`host`], [`pipeline`]), one submission a
 //! chunk, fence. The engine's own scratch (lane staging, the parts batches reuse:
 //! [`spares`]) lives here, owned by the device's [`core::Core`], the shared state every batch
 //! works on.

@@ -2,7 +2,8 @@
 //!
 //! A batch collects and checks its requests ([`UploadBatch`], [`DownloadBatch`], against
 //! the [`BufferTable`] of the buffers it names), asks `crate::plan` for
-//! its route and layout, and moves through the executor (`crate::engine`). Prepared sets
+//! its route and layout, and moves through the executor (`crate::engine`): its `submit`
+//! lends the route (in `crate::engine::routes`) a view of its parts, borrowed. Prepared sets
 //! lay out a fixed set of ranges once; single copies move one range.
 
 pub(crate) mod convenience;

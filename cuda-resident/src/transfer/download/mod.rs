@@ -3,11 +3,14 @@
 //! over the bus) or copied directly (large ones), into one pinned region that the caller
 //! reads as `&[u8]` views. A batch larger than the pinned pool can lend streams through a
 //! ring of pinned chunks into one ordinary host allocation instead
-//! ([`execute_streamed`](streamed::execute_streamed)).
+//! (`engine::routes::streamed`).
+//!
+//! The batch, its `submit` and its results live here; the routes it takes run in
+//! `engine::routes` (`download_planned`, `download_in_order`, `streamed`), reading the batch
+//! through the `DownloadView` that `submit` lends them.
 
 mod execute;
 mod results;
-mod streamed;
 mod to_slice;
 
 use std::fmt;
@@ -22,10 +25,11 @@ use super::BufferTable;
 use super::scope::Submitted;
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
-use crate::engine::order::Ranges;
+use crate::engine::routes::view::DownloadView;
 use crate::error::{Error, Result};
-use crate::plan::route::{self, PIPELINE_DEPTH, Route, pipeline_chunk};
-use crate::plan::{PlanConfig, ReadRequest};
+use crate::plan::ReadRequest;
+#[cfg(test)]
+use crate::plan::route::Route;
 
 /// Names one read of a [`DownloadBatch`] (or one range of a
 /// [`PreparedDownloads`](crate::PreparedDownloads)); redeem it with [`Downloaded::get`] or
@@ -210,36 +214,18 @@ impl DownloadBatch<'_> {
 }
 
 impl DownloadBatch<'_> {
-    /// The device ranges of the batch's reads, for `Exec::claim_ranges`.
-    pub(super) fn ranges(&self) -> impl FnOnce(&mut Ranges) + '_ {
-        |ranges| self.table.push_ranges(ranges, self.reads.iter().map(|r| (r.buffer, r.offset, r.len)))
-    }
-
-    /// The bytes the batch moves and the planner's settings for it: chunks sized to the
-    /// batch ([`pipeline_chunk`]), the direct threshold at most a chunk.
-    pub(super) fn sizing(&self) -> (u64, PlanConfig) {
-        let config = &self.core.config;
-        let apart = &self.table.apart;
-        let in_order = self.reads.len() >= route::IN_ORDER_MIN && !apart.broken;
-        let total: u64 = if in_order { apart.requested } else { self.reads.iter().map(|r| r.len).sum() };
-        let chunk_bytes = pipeline_chunk(config.chunk_bytes, total, PIPELINE_DEPTH);
-        (
-            total,
-            PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 },
-        )
-    }
-
-    /// The route [`route::download_route`] gives the batch's reads under `plan_config`.
-    pub(super) fn route_with(&self, plan_config: &PlanConfig) -> Route {
-        route::download_route(self.reads.len(), &self.table.apart, plan_config.direct_threshold)
+    /// The parts of the batch its route reads, borrowed ([`DownloadView`]).
+    pub(super) fn view(&self) -> DownloadView<'_> {
+        DownloadView { core: self.core, table: &self.table, reads: &self.reads }
     }
 
     /// The route the batch takes as its reads stand, when the pinned pool can lend it at
-    /// submit ([`route::download_route`]); a batch it cannot lend streams instead
-    /// ([`Route::Streamed`]).
+    /// submit ([`download_route`](crate::plan::route::download_route)); a batch it cannot lend streams instead
+    /// ([`Route::Streamed`](crate::plan::route::Route::Streamed)).
     #[cfg(test)]
     pub(crate) fn route(&self) -> Route {
-        self.route_with(&self.sizing().1)
+        let view = self.view();
+        view.route_with(&view.sizing().1)
     }
 
     /// Adds a read of `len` bytes of `buffer` at `offset`.

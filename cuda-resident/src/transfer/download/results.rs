@@ -8,6 +8,7 @@ use super::Slot;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
 use crate::engine::pipeline::{self, Groups, Step};
+use crate::engine::routes::view::Landed;
 use crate::error::{Error, Result};
 use crate::fence::Fence;
 use crate::host_pool::HostLease;
@@ -48,13 +49,13 @@ pub struct Downloaded {
     pub(super) batch: u64,
     pub(super) lease: Option<Arc<HostLease>>,
     /// A streamed batch's flat staging, in ordinary host memory
-    /// ([`execute_streamed`](super::streamed::execute_streamed)); empty otherwise.
+    /// (`engine::routes::streamed`); empty otherwise.
     pub(super) host: Vec<u8>,
     /// Where flat staging starts in the lease (after the descriptor tables of planned reads;
     /// 0 for reads in order, whose tables follow the packed bytes).
     pub(super) base: usize,
     pub(super) views: Views,
-    /// Reads in order ([`execute_in_order`](super::execute::execute_in_order)): the first read
+    /// Reads in order (`engine::routes::download_in_order`): the first read
     /// of each chunk, then the number of reads; the reads of chunk `k` are
     /// `chunks[k]..chunks[k + 1]`. Empty for reads the planner laid out.
     pub(super) chunks: Vec<usize>,
@@ -172,6 +173,38 @@ impl PendingDownload {
             },
             first_seq: 0,
             route: Route::Planned,
+        }
+    }
+}
+
+impl PendingDownload {
+    /// The download of batch `batch` whose route moved it as `landed` says.
+    pub(super) fn landed(core: &Arc<Core>, batch: u64, landed: Landed) -> PendingDownload {
+        match landed {
+            Landed::Empty { views } => PendingDownload::empty(batch, Fence::completed(), views),
+            Landed::Leased { fence, lease, base, views, chunks, in_order_bytes, first_seq, route } => {
+                PendingDownload {
+                    fence,
+                    download: Downloaded::leased(core, batch, lease, base, views, chunks, in_order_bytes),
+                    first_seq,
+                    route,
+                }
+            }
+            Landed::Streamed { fence, host, views, first_seq, route } => PendingDownload {
+                fence,
+                download: Downloaded {
+                    core: Some(Arc::clone(core)),
+                    batch,
+                    lease: None,
+                    host,
+                    base: 0,
+                    views: Views::Pooled(views),
+                    chunks: Vec::new(),
+                    in_order_bytes: 0,
+                },
+                first_seq,
+                route,
+            },
         }
     }
 }

@@ -1,10 +1,11 @@
 //! Uploads: a batch of writes, fused, staged once in pinned memory and moved by one DMA plus
 //! one scatter per chunk (small writes; many small writes in order, by one launch that reads
 //! the chunk over the bus) or one DMA each (large ones).
+//!
+//! The batch and its `submit` live here; the routes it takes run in `engine::routes`
+//! (`in_place`, `upload_planned`, `upload_in_order`), reading the batch through the
+//! `UploadView` that `submit` lends them.
 
-mod in_order;
-mod in_place;
-mod planned;
 mod submit;
 
 use std::fmt;
@@ -15,19 +16,16 @@ use super::BufferTable;
 use super::scope::Submitted;
 use crate::alloc::ResidentBuffer;
 use crate::engine::core::Core;
-use crate::engine::fills::{FILL_COST, Fills, ParFills};
+use crate::engine::fills::{FILL_COST, ParFills};
 use crate::engine::host::Source;
-use crate::engine::order::Ranges;
 use crate::engine::pipeline::{self, PARALLEL_MIN};
+use crate::engine::routes::in_place::CLOSED;
 use crate::engine::spares::UploadParts;
 use crate::error::{Error, Result};
 use crate::host_pool::{HostLease, arena_floor};
 use crate::kernels::{SEGMENT, table_bytes};
 use crate::plan::WriteRequest;
 use crate::plan::route::FIRST_CHUNK;
-
-/// `arena_used` of a lease that holds one large write and takes no more.
-const CLOSED: usize = usize::MAX;
 
 /// The most bytes an arena lease opened by [`UploadBatch::write_with_par`] holds where leases
 /// with fills move over the bus (or `chunk_bytes`, if less; the first leases of a batch hold
@@ -170,11 +168,6 @@ fn batch<'a>(core: &'a Arc<Core>, scope: Option<&'a Submitted>) -> UploadBatch<'
 }
 
 impl<'a> UploadBatch<'a> {
-    /// The device ranges of the batch's writes, for `Exec::claim_ranges`.
-    fn ranges(&self) -> impl FnOnce(&mut Ranges) + '_ {
-        |ranges| self.table.push_ranges(ranges, self.writes.iter().map(|w| (w.buffer, w.offset, w.len)))
-    }
-
     /// Checks a write and records it; on error, poisons the batch. A batch poisoned by a
     /// write that failed part-way ([`Error::BatchPoisoned`]) takes no more writes.
     #[inline(always)]
@@ -478,34 +471,6 @@ impl<'a> UploadBatch<'a> {
         }
         self.arena_descriptors[lease_index] += descriptors;
         Ok((lease_index as u32, at))
-    }
-
-    /// Runs every fill of [`write_with_par`](UploadBatch::write_with_par), before a route
-    /// that reads the arena as a whole: in groups as [`execute_in_place`](in_place::execute_in_place) runs them, on the
-    /// packing threads and the calling thread, or on the calling thread alone for a small
-    /// batch.
-    fn run_fills(&self) -> Result<()> {
-        if self.par.is_empty() {
-            return Ok(());
-        }
-        let bases: Vec<usize> = self.arena.iter().map(|l| l.as_ptr() as usize).collect();
-        let fills = Fills::new(&self.par, &self.writes, &self.sources, &bases);
-        let spans = self.par.spans(&self.sources, bases.len());
-        let (groups, work) = fills.groups(&spans, self.core.packers().current_num_threads());
-        let all = bases.len();
-        pipeline::run(&self.core.packers, &groups, work, all, |_| Ok(true), |_, items| fills.run(items))?;
-        match fills.panics.first(usize::MAX) {
-            Some(error) => Err(self.fill_panicked(error)),
-            None => Ok(()),
-        }
-    }
-
-    /// The error of fill `i` (of `par`), which panicked with `cause`.
-    fn fill_panicked(&self, (i, cause): (usize, String)) -> Error {
-        let write = self.par.write_of(i);
-        let w = &self.writes[write];
-        let buffer = self.table.entries[w.buffer as usize].buffer;
-        Error::FillPanicked { write, buffer, offset: w.offset, len: w.len, cause }
     }
 
     /// Number of writes added.

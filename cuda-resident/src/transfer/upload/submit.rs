@@ -1,10 +1,11 @@
 //! Moving a batch: [`UploadBatch::submit`] and the route it takes.
 
 use super::UploadBatch;
-use super::in_place::execute_in_place;
-use super::planned::execute;
 use crate::engine::host::Source;
+use crate::engine::routes::in_place::execute_in_place;
 use crate::engine::routes::one::execute_one;
+use crate::engine::routes::upload_planned::execute;
+use crate::engine::routes::view::UploadView;
 use crate::engine::spares::UploadParts;
 use crate::error::Result;
 use crate::fence::Fence;
@@ -65,6 +66,20 @@ impl UploadBatch<'_> {
         })
     }
 
+    /// The parts of the batch its route reads, borrowed ([`UploadView`]).
+    fn view(&mut self) -> UploadView<'_> {
+        UploadView {
+            core: self.core,
+            table: &self.table,
+            writes: &self.writes,
+            sources: &self.sources,
+            arena: &mut self.arena,
+            arena_used: &self.arena_used,
+            arena_descriptors: &self.arena_descriptors,
+            par: &self.par,
+        }
+    }
+
     fn submit_inner(&mut self) -> Result<Fence> {
         if let Some(e) = self.error.take() {
             return Err(e);
@@ -93,16 +108,20 @@ impl UploadBatch<'_> {
                 execute_one(self.core, &self.table, write, data)
             }
             // Writes that fuse go to the planner.
-            Route::InPlace => match execute_in_place(self)? {
-                Some(fence) => Ok(fence),
-                None => {
-                    self.run_fills()?;
-                    execute(self, Route::Planned)
+            Route::InPlace => {
+                let mut view = self.view();
+                match execute_in_place(&mut view)? {
+                    Some(fence) => Ok(fence),
+                    None => {
+                        view.run_fills()?;
+                        execute(&view, Route::Planned)
+                    }
                 }
-            },
+            }
             route => {
-                self.run_fills()?;
-                execute(self, route)
+                let view = self.view();
+                view.run_fills()?;
+                execute(&view, route)
             }
         }
     }

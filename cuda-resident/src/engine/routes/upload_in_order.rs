@@ -1,9 +1,10 @@
-//! The in-order route: [`execute_in_order`], many small writes apart, without the planner.
+//! The in-order upload route: [`execute_in_order`], many small writes apart, without the
+//! planner.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::UploadBatch;
+use super::view::UploadView;
 use crate::engine::Exec;
 use crate::engine::host::Source;
 use crate::engine::pipeline::{self, Groups, Step};
@@ -29,14 +30,14 @@ use crate::plan::route::{FIRST_CHUNK, PIPELINE_DEPTH, RING, Span, cut_apart, gro
 /// them: one descriptor and one padded slot each would take far more staging for tiny
 /// writes.)
 pub(super) fn execute_in_order(
-    batch: &UploadBatch<'_>,
+    batch: &UploadView<'_>,
     mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
 ) -> Result<Fence> {
     let core = batch.core;
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
     let DeviceStaging { spans, region, .. } = scratch;
-    let (writes, apart) = (&batch.writes[..], &batch.table.apart);
+    let (writes, apart) = (batch.writes, &batch.table.apart);
     let (offsets, requested) = (&apart.offsets[..], apart.requested);
     debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
     let chunk_bytes = in_order_chunk(core.config.chunk_bytes, requested, PIPELINE_DEPTH);

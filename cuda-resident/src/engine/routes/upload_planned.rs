@@ -1,10 +1,10 @@
-//! The general route: [`execute`] (the planner's route, and the in-order route handed on to
-//! [`execute_in_order`]).
+//! The general upload route: [`execute`] (the planner's route, and the in-order route handed
+//! on to [`execute_in_order`]).
 
 use std::sync::Arc;
 
-use super::UploadBatch;
-use super::in_order::execute_in_order;
+use super::upload_in_order::execute_in_order;
+use super::view::UploadView;
 use crate::engine::Exec;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
@@ -36,7 +36,7 @@ impl Source<'_> {
 }
 
 /// The routes [`Route::InOrder`] and [`Route::Planned`].
-pub(super) fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
+pub(crate) fn execute(batch: &UploadView<'_>, route: Route) -> Result<Fence> {
     let core = batch.core;
     let config = &core.config;
     // Uploads keep the configured chunk: cutting mid-size batches finer (as downloads do)
@@ -47,7 +47,7 @@ pub(super) fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
     let mut planning = core.spares.planning.lend();
     if route != Route::InOrder {
         let Planning { planner, upload_plan, .. } = &mut *planning;
-        planner.plan_upload_into(&batch.writes, &plan_config, upload_plan)?;
+        planner.plan_upload_into(batch.writes, &plan_config, upload_plan)?;
     }
     let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
@@ -115,7 +115,7 @@ pub(super) fn execute(batch: &UploadBatch<'_>, route: Route) -> Result<Fence> {
         }
         scratch.pieces.clear();
         for f in plan.fills_of(k as u32) {
-            let src = batch.sources[f.write as usize].at(&batch.arena, f.src_offset);
+            let src = batch.sources[f.write as usize].at(batch.arena, f.src_offset);
             Piece::push_split(
                 &mut scratch.pieces,
                 Piece { dst: staged(f.stage_offset), src, len: f.len as usize },

@@ -2,12 +2,11 @@
 
 use std::sync::Arc;
 
-use super::DownloadBatch;
-use super::results::{Downloaded, PendingDownload, Views};
+use super::download_chunk::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
+use super::view::{DownloadView, Landed};
 use crate::engine::Exec;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
-use crate::engine::routes::download_chunk::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
 use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
@@ -28,17 +27,17 @@ use crate::sync::lock;
 /// straight into the read's vector instead, and no host allocation is made: the download
 /// returned then has no views (the bytes are in `out`; on error every vector is empty).
 pub(super) fn execute_streamed(
-    batch: &DownloadBatch<'_>,
+    batch: &DownloadView<'_>,
     mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
     mut out: Option<&mut [Vec<u8>]>,
-) -> Result<PendingDownload> {
+) -> Result<Landed> {
     let core = batch.core;
     let config = &core.config;
     let chunk_bytes = config.chunk_bytes / 2;
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
-    scratch.planner.plan_download_into(&batch.reads, &plan_config, &mut scratch.download_plan)?;
+    scratch.planner.plan_download_into(batch.reads, &plan_config, &mut scratch.download_plan)?;
     let DeviceStaging { download_plan: plan, region, descriptors, pieces, .. } = scratch;
     let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
     let area_of = |c: &crate::plan::DownloadChunk| {
@@ -177,18 +176,10 @@ pub(super) fn execute_streamed(
     if out.is_none() {
         views.extend_from_slice(&plan.views);
     }
-    Ok(PendingDownload {
+    Ok(Landed::Streamed {
         fence: exec.finish(),
-        download: Downloaded {
-            core: Some(Arc::clone(core)),
-            batch: batch.id,
-            lease: None,
-            host,
-            base: 0,
-            views: Views::Pooled(views),
-            chunks: Vec::new(),
-            in_order_bytes: 0,
-        },
+        host,
+        views,
         first_seq,
         route: if out.is_some() { Route::StreamedInto } else { Route::Streamed },
     })

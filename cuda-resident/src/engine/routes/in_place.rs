@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::{CLOSED, UploadBatch};
+use super::view::UploadView;
 use crate::engine::Exec;
 use crate::engine::fills::Fills;
 use crate::engine::host::Source;
@@ -14,6 +14,9 @@ use crate::kernels::{CopyDescriptor, push_descriptors, table_bytes};
 use crate::plan::PlanConfig;
 use crate::stream::{LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
+
+/// `arena_used` of a lease that holds one large write and takes no more.
+pub(crate) const CLOSED: usize = usize::MAX;
 
 /// The in-place fast path: every write was made with `write_with` or `write_with_par` and
 /// no two fuse, so the arena already is the staging. Nothing is copied on the host.
@@ -31,7 +34,7 @@ use crate::sync::lock;
 ///
 /// Returns `None` (changing nothing) when writes overlap or touch, for the general path
 /// (which runs every fill first and packs the arena's bytes again).
-pub(super) fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fence>> {
+pub(crate) fn execute_in_place(batch: &mut UploadView<'_>) -> Result<Option<Fence>> {
     let core = batch.core;
     let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
@@ -50,8 +53,8 @@ pub(super) fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fen
     };
     // Writes in order are disjoint: no planning needed to know that none fuse. Otherwise the
     // planner tells (writes out of order may still be disjoint).
-    if apart.broken && !scratch.planner.is_in_order(&batch.writes) {
-        scratch.planner.plan_upload_into(&batch.writes, &plan_config, &mut scratch.upload_plan)?;
+    if apart.broken && !scratch.planner.is_in_order(batch.writes) {
+        scratch.planner.plan_upload_into(batch.writes, &plan_config, &mut scratch.upload_plan)?;
         if scratch.upload_plan.intervals != non_empty {
             return Ok(None);
         }
@@ -78,7 +81,7 @@ pub(super) fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fen
         Source::Slice(_) => unreachable!("only arena writes take this path"),
     };
     // Each lease's writes, and its fills of `write_with_par` (indices of `par`).
-    let fill_spans = batch.par.spans(&batch.sources, leases.len());
+    let fill_spans = batch.par.spans(batch.sources, leases.len());
     let mut runs = Vec::with_capacity(leases.len());
     let mut first = 0;
     for (i, fills) in fill_spans.iter().enumerate() {
@@ -108,7 +111,7 @@ pub(super) fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fen
     let dev = if packed_need > 0 { exec.region(&mut scratch.region, regions * region_stride)? } else { 0 };
     let kernels = if packed_need > 0 || (0..leases.len()).any(bus) { Some(exec.kernels()?) } else { None };
     let bases: Vec<usize> = leases.iter().map(|l| l.as_ptr() as usize).collect();
-    let fills = Fills::new(&batch.par, &batch.writes, &batch.sources, &bases);
+    let fills = Fills::new(batch.par, batch.writes, batch.sources, &bases);
     // Packed leases enqueued so far.
     let mut j = 0;
     // Moves lease `i` (its fills done).
@@ -213,7 +216,7 @@ pub(super) fn execute_in_place(batch: &mut UploadBatch<'_>) -> Result<Option<Fen
 
 /// Writes the descriptor table of an arena lease's `copies` (source, destination, length:
 /// the source where the kernel reads the write's bytes) into the lease itself, at `at` (past
-/// its writes' bytes, where [`UploadBatch::stage`] kept `area` bytes for it, the table's size
+/// its writes' bytes, where the batch's `stage` kept `area` bytes for it, the table's size
 /// counted as the writes were added); returns where it is and its number of descriptors.
 fn write_table(
     lease: &HostLease,
