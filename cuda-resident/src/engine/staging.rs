@@ -1,21 +1,18 @@
-//! What a lane's batches reuse under the lane's batch lock: planner, plans, descriptor and
-//! piece lists, and the lane's device staging.
+//! What a lane's batches reuse under the lane's batch lock: descriptor and piece lists and
+//! the lane's device staging. (Planners are not here: a batch plans before it takes its
+//! lane, with one lent by [`Spares::planning`](super::spares::Spares).)
 
 use crate::alloc::ResidentBuffer;
 use crate::plan::route::Span;
 
 use super::host::Piece;
 
-/// What a lane's batches reuse, used only under the lane's batch lock: the planner and its
-/// plans, descriptor and piece lists, and the device staging where packed bytes and
-/// descriptors land before the scatter (uploads) or where the gather collects them
-/// (downloads), grown on demand.
+/// What a lane's batches reuse, used only under the lane's batch lock: descriptor and piece
+/// lists, and the device staging where packed bytes and descriptors land before the scatter
+/// (uploads) or where the gather collects them (downloads), grown on demand.
 #[derive(Default)]
 pub(crate) struct DeviceStaging {
     pub(crate) region: DeviceRegion,
-    pub(crate) planner: crate::plan::Planner,
-    pub(crate) upload_plan: crate::plan::UploadPlan,
-    pub(crate) download_plan: crate::plan::DownloadPlan,
     pub(crate) descriptors: Vec<crate::kernels::CopyDescriptor>,
     pub(crate) pieces: Vec<Piece>,
     /// The chunks of a batch cut by [`cut_apart`](crate::plan::route::cut_apart).

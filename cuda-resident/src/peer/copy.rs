@@ -22,7 +22,7 @@ use crate::alloc::ResidentBuffer;
 use crate::engine::Exec;
 use crate::engine::core::Core;
 use crate::engine::host::{DESCRIPTOR, Table};
-use crate::engine::spares::PeerParts;
+use crate::engine::spares::{PeerParts, Planning};
 use crate::engine::table::BufferTable;
 use crate::error::{Error, Result};
 use crate::fence::Fence;
@@ -388,12 +388,15 @@ impl PeerBatch<'_> {
     fn submit_direct(&mut self) -> Result<Fence> {
         let (src, dst) = (self.src, self.dst);
         let (src_core, dst_core) = (src, dst);
+        // Overlaps resolved before the lane is taken: other batches submit on it meanwhile.
+        if self.route() == Route::Planned {
+            let mut planning = dst_core.spares.planning.lend();
+            let Planning { planner, upload_plan, .. } = &mut *planning;
+            self.parts.resolve(self.dst, planner, upload_plan)?;
+        }
         let mut exec = Exec::begin(dst_core, LaneKind::Upload);
         let mut scratch = lock(&dst_core.staging[LaneKind::Upload.index()]);
         let scratch = &mut *scratch;
-        if self.route() == Route::Planned {
-            self.parts.resolve(self.dst, &mut scratch.planner, &mut scratch.upload_plan)?;
-        }
         // What needs no sequence number first, so that the source device's lane (taken
         // below) is held only while the copy is numbered and enqueued.
         let count = self.parts.descriptors.len() as u64;

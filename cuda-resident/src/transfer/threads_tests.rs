@@ -453,11 +453,13 @@ fn upload_with_pinned_buffer_at_the_held_limit(config: Config) {
 
 /// Batches plan before they take their lane, so two threads' batches may plan at once: their
 /// bytes still land in the order the lane took them. Round after round, two threads submit
-/// planned uploads (overlapping writes, which the planner fuses) to the same bytes of one
-/// buffer at the same moment; the buffer then holds the bytes of the upload whose
-/// submission the lane numbered last.
-#[test]
-fn planned_batches_from_two_threads_apply_in_lane_order() {
+/// a batch that plans (as `build` makes it, taking `route`) to the same bytes of one buffer at
+/// the same moment; the buffer then holds the bytes of the upload whose submission the lane
+/// numbered last.
+fn two_threads_apply_in_lane_order(
+    route: crate::plan::route::Route,
+    build: for<'a> fn(&'a Device, ResidentBuffer, &'a [u8]) -> crate::UploadBatch<'a>,
+) {
     const LEN: usize = 64 << 10;
     let d = device(small_chunks());
     let gpu = model::shared();
@@ -470,10 +472,8 @@ fn planned_batches_from_two_threads_apply_in_lane_order() {
                 spawn_joined(&gpu, move || {
                     let fill = round.wrapping_mul(2).wrapping_add(t + 1);
                     let bytes = vec![fill; LEN];
-                    let mut writes = d.uploads();
-                    writes.write(buffer, 0, &bytes[..40 << 10]).unwrap();
-                    writes.write(buffer, 16 << 10, &bytes[16 << 10..]).unwrap();
-                    assert_eq!(writes.route(), crate::plan::route::Route::Planned);
+                    let writes = build(&d, buffer, &bytes);
+                    assert_eq!(writes.route(), route);
                     barrier.wait();
                     let fence = writes.submit().unwrap();
                     let seq = fence.target().expect("a fence of the lane").2;
@@ -491,4 +491,28 @@ fn planned_batches_from_two_threads_apply_in_lane_order() {
             "round {round}: the lane's last upload"
         );
     }
+}
+
+/// Planned uploads: overlapping writes, which the planner fuses.
+#[test]
+fn planned_batches_from_two_threads_apply_in_lane_order() {
+    two_threads_apply_in_lane_order(crate::plan::route::Route::Planned, |d, buffer, bytes| {
+        let mut writes = d.uploads();
+        writes.write(buffer, 0, &bytes[..40 << 10]).unwrap();
+        writes.write(buffer, 16 << 10, &bytes[16 << 10..]).unwrap();
+        writes
+    });
+}
+
+/// In-place uploads out of order: the planner checks that no two writes fuse.
+#[test]
+fn in_place_batches_out_of_order_from_two_threads_apply_in_lane_order() {
+    two_threads_apply_in_lane_order(crate::plan::route::Route::InPlace, |d, buffer, bytes| {
+        let fill = bytes[0];
+        let mut writes = d.uploads();
+        for k in (0..bytes.len() as u64 / 4096).rev() {
+            writes.write_with(buffer, k * 4096, 4096, |dst| dst.fill(fill)).unwrap();
+        }
+        writes
+    });
 }

@@ -5,9 +5,6 @@ use crate::engine::Enqueue;
 use crate::error::Result;
 use crate::kernels::CopyDescriptor;
 
-/// A chunk with fewer packed ranges than this reads them by one DMA each.
-pub(crate) const KERNEL_MIN_COPIES: usize = 3;
-
 /// Where a planned download chunk's work reads and writes: its descriptor table (`area`
 /// bytes of `count` descriptors) in pinned memory, device staging at `dev`, and `staged`,
 /// the pinned address of a flat staging offset of the chunk; `mapped`: the GPU reaches

@@ -3,14 +3,15 @@
 
 use std::sync::Arc;
 
-use super::download_chunk::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
+use super::download_chunk::{ChunkPlaces, enqueue_planned};
 use super::download_in_order::execute_in_order;
 use super::streamed::execute_streamed;
+use super::table_area;
 use super::view::{DownloadView, Landed};
 use crate::engine::Exec;
 use crate::engine::spares::Planning;
 use crate::error::Result;
-use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
+use crate::kernels::{CopyDescriptor, push_descriptors};
 use crate::plan::route::{PIPELINE_DEPTH, READ_DEPTH, Route, in_order_chunk};
 use crate::stream::LaneKind;
 use crate::sync::lock;
@@ -30,8 +31,8 @@ pub(crate) fn execute(batch: &DownloadView<'_>, sink: &mut Option<&mut [Vec<u8>]
         planner.plan_download_into(batch.reads, &plan_config, download_plan)?;
     }
     let mut exec = Exec::begin(core, LaneKind::Download);
-    let mut scratch = lock(&core.staging[LaneKind::Download.index()]);
-    let scratch = &mut *scratch;
+    let mut staging = lock(&core.staging[LaneKind::Download.index()]);
+    let scratch = &mut *staging;
     if in_order {
         let chunk = in_order_chunk(
             config.chunk_bytes,
@@ -44,8 +45,12 @@ pub(crate) fn execute(batch: &DownloadView<'_>, sink: &mut Option<&mut [Vec<u8>]
         return match core.acquire_held_staging(len) {
             // Listed: the caller can reach its views.
             Ok(lease) => execute_in_order(batch, chunk, exec, scratch, lease.into_listed()),
-            // Refused before anything was enqueued: the batch streams instead.
-            Err(e) if e.is_staging_refusal() => execute_streamed(batch, exec, scratch, sink.take()),
+            // Refused before anything was enqueued: the batch streams instead, planned once
+            // the lane is let go.
+            Err(e) if e.is_staging_refusal() => {
+                drop((staging, exec));
+                execute_streamed(batch, sink.take())
+            }
             Err(e) => Err(e),
         };
     }
@@ -53,22 +58,16 @@ pub(crate) fn execute(batch: &DownloadView<'_>, sink: &mut Option<&mut [Vec<u8>]
     if plan.is_empty() {
         return Ok(Landed::Empty { views: plan.views.clone() });
     }
-    let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
-    let areas: Vec<u64> = plan
-        .chunks
-        .iter()
-        .map(
-            |c| if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 },
-        )
-        .collect();
+    let areas: Vec<u64> = plan.chunks.iter().map(table_area).collect();
     let tables: u64 = areas.iter().sum();
     // Held staging: the download's views keep it after the copy.
     let lease = match core.acquire_held_staging((tables + plan.total_staging) as usize) {
         // Listed: the caller can reach its views.
         Ok(lease) => lease.into_listed(),
-        // Nothing enqueued yet: the batch streams instead.
+        // Nothing enqueued yet: the batch streams instead, planned once the lane is let go.
         Err(e) if e.is_staging_refusal() => {
-            return execute_streamed(batch, exec, scratch, sink.take());
+            drop((staging, exec));
+            return execute_streamed(batch, sink.take());
         }
         Err(e) => return Err(e),
     };

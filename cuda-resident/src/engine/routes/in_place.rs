@@ -7,6 +7,7 @@ use crate::engine::Exec;
 use crate::engine::fills::Fills;
 use crate::engine::host::Source;
 use crate::engine::pipeline::{self, Step};
+use crate::engine::spares::Planning;
 use crate::error::Result;
 use crate::fence::Fence;
 use crate::host_pool::HostLease;
@@ -36,9 +37,6 @@ pub(crate) const CLOSED: usize = usize::MAX;
 /// (which runs every fill first and packs the arena's bytes again).
 pub(crate) fn execute_in_place(batch: &mut UploadView<'_>) -> Result<Option<Fence>> {
     let core = batch.core;
-    let mut exec = Exec::begin(core, LaneKind::Upload);
-    let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
-    let scratch = &mut *scratch;
     let plan_config = PlanConfig {
         direct_threshold: core.config.direct_threshold,
         chunk_bytes: core.config.chunk_bytes,
@@ -52,13 +50,20 @@ pub(crate) fn execute_in_place(batch: &mut UploadView<'_>) -> Result<Option<Fenc
         (batch.writes.len(), apart.requested)
     };
     // Writes in order are disjoint: no planning needed to know that none fuse. Otherwise the
-    // planner tells (writes out of order may still be disjoint).
-    if apart.broken && !scratch.planner.is_in_order(batch.writes) {
-        scratch.planner.plan_upload_into(batch.writes, &plan_config, &mut scratch.upload_plan)?;
-        if scratch.upload_plan.intervals != non_empty {
-            return Ok(None);
+    // planner tells (writes out of order may still be disjoint), before the lane is taken.
+    if apart.broken {
+        let mut planning = core.spares.planning.lend();
+        let Planning { planner, upload_plan, .. } = &mut *planning;
+        if !planner.is_in_order(batch.writes) {
+            planner.plan_upload_into(batch.writes, &plan_config, upload_plan)?;
+            if upload_plan.intervals != non_empty {
+                return Ok(None);
+            }
         }
     }
+    let mut exec = Exec::begin(core, LaneKind::Upload);
+    let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
+    let scratch = &mut *scratch;
     if non_empty == 0 {
         drop(exec);
         batch.run_fills()?;

@@ -14,3 +14,21 @@ pub(crate) mod streamed;
 pub(crate) mod upload_in_order;
 pub(crate) mod upload_planned;
 pub(crate) mod view;
+
+use crate::kernels::descriptor_area;
+use crate::plan::Chunk;
+
+/// A planned chunk with fewer packed copies than this moves them by one DMA each, without
+/// the kernel: for a handful of copies, DMAs cost less than a launch.
+pub(crate) const KERNEL_MIN_COPIES: usize = 3;
+
+/// Whether a planned chunk's packed copies move by the kernel (a scatter up, a gather down).
+pub(crate) fn uses_kernel(chunk: &Chunk) -> bool {
+    chunk.packed.len() >= KERNEL_MIN_COPIES
+}
+
+/// The bytes of a planned chunk's descriptor table: 0 when its copies move without the
+/// kernel.
+pub(crate) fn table_area(chunk: &Chunk) -> u64 {
+    if uses_kernel(chunk) { descriptor_area(chunk.packed.iter().map(|p| p.len)) } else { 0 }
+}

@@ -2,14 +2,16 @@
 
 use std::sync::Arc;
 
-use super::download_chunk::{ChunkPlaces, KERNEL_MIN_COPIES, enqueue_planned};
+use super::download_chunk::{ChunkPlaces, enqueue_planned};
+use super::table_area;
 use super::view::{DownloadView, Landed};
 use crate::engine::Exec;
 use crate::engine::core::Core;
 use crate::engine::host::Piece;
+use crate::engine::spares::Planning;
 use crate::engine::staging::DeviceStaging;
 use crate::error::{Error, Result};
-use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
+use crate::kernels::{CopyDescriptor, push_descriptors};
 use crate::plan::PlanConfig;
 use crate::plan::route::Route;
 use crate::stream::LaneKind;
@@ -26,25 +28,24 @@ use crate::sync::lock;
 /// With `out` (one vector a read, in read order), each chunk's share of every read goes
 /// straight into the read's vector instead, and no host allocation is made: the download
 /// returned then has no views (the bytes are in `out`; on error every vector is empty).
-pub(super) fn execute_streamed(
-    batch: &DownloadView<'_>,
-    mut exec: Exec<'_>,
-    scratch: &mut DeviceStaging,
-    mut out: Option<&mut [Vec<u8>]>,
-) -> Result<Landed> {
+///
+/// Planned before the lane is taken (the caller has let it go after the refusal, with
+/// nothing enqueued): other batches submit on the lane meanwhile.
+pub(super) fn execute_streamed(batch: &DownloadView<'_>, mut out: Option<&mut [Vec<u8>]>) -> Result<Landed> {
     let core = batch.core;
     let config = &core.config;
     let chunk_bytes = config.chunk_bytes / 2;
     let plan_config =
         PlanConfig { direct_threshold: config.direct_threshold.min(chunk_bytes), chunk_bytes, align: 16 };
-    scratch.planner.plan_download_into(batch.reads, &plan_config, &mut scratch.download_plan)?;
-    let DeviceStaging { download_plan: plan, region, descriptors, pieces, .. } = scratch;
-    let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
-    let area_of = |c: &crate::plan::DownloadChunk| {
-        if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 }
-    };
+    let mut planning = core.spares.planning.lend();
+    let Planning { planner, download_plan: plan, .. } = &mut *planning;
+    planner.plan_download_into(batch.reads, &plan_config, plan)?;
+    let plan = &*plan;
+    let mut exec = Exec::begin(core, LaneKind::Download);
+    let mut scratch = lock(&core.staging[LaneKind::Download.index()]);
+    let DeviceStaging { region, descriptors, pieces, .. } = &mut *scratch;
     // Each ring lease: the largest table (a multiple of 256 bytes), then a chunk's staging.
-    let room = plan.chunks.iter().map(area_of).max().unwrap_or(0);
+    let room = plan.chunks.iter().map(table_area).max().unwrap_or(0);
     let ring_bytes = usize::try_from(room + plan.chunk_capacity)
         .map_err(|_| Error::HostOutOfMemory { bytes: room + plan.chunk_capacity })?;
     let views = &plan.views[..];
@@ -76,7 +77,8 @@ pub(super) fn execute_streamed(
     // Reads with bytes in the chunk being copied out, and the next read of `order`.
     let (mut active, mut next) = (Vec::new(), 0);
     let first_seq = exec.first_seq();
-    let device_need = plan.chunks.iter().filter(|c| area_of(c) > 0).map(|c| area_of(c) + c.packed_len).max();
+    let device_need =
+        plan.chunks.iter().filter(|c| table_area(c) > 0).map(|c| table_area(c) + c.packed_len).max();
     let kernels = if device_need.is_some() { Some(exec.kernels()?) } else { None };
     let dev = match device_need {
         Some(need) => exec.region(region, need)?,
@@ -132,7 +134,7 @@ pub(super) fn execute_streamed(
         }
         let lease = &ring[k % ring.len()];
         let base = lease.as_ptr();
-        let area = area_of(chunk);
+        let area = table_area(chunk);
         // SAFETY: flat offsets of this chunk lie in its staging, after the table room.
         let staged = |flat: u64| unsafe { base.add((room + chunk.local_offset(flat)) as usize) };
         descriptors.clear();

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::upload_in_order::execute_in_order;
 use super::view::UploadView;
+use super::{table_area, uses_kernel};
 use crate::engine::Exec;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
@@ -12,15 +13,11 @@ use crate::engine::spares::Planning;
 use crate::error::Result;
 use crate::fence::Fence;
 use crate::host_pool::HostLease;
-use crate::kernels::{CopyDescriptor, descriptor_area, push_descriptors};
+use crate::kernels::{CopyDescriptor, push_descriptors};
 use crate::plan::PlanConfig;
 use crate::plan::route::{RING, Route};
 use crate::stream::LaneKind;
 use crate::sync::lock;
-
-/// A chunk with at most this many packed copies moves them by one DMA each, without the
-/// kernel: for a handful of copies, DMAs cost less than a launch.
-const KERNEL_MIN_COPIES: usize = 3;
 
 impl Source<'_> {
     /// The address of byte `offset` of the write's data.
@@ -63,22 +60,14 @@ pub(crate) fn execute(batch: &UploadView<'_>, route: Route) -> Result<Fence> {
     exec.claim_ranges(batch.table.buffers(), plan.chunks.len() as u64, batch.ranges())?;
     exec.requested(plan.requested_bytes);
 
-    let uses_kernel = |n: usize| n >= KERNEL_MIN_COPIES;
-    let kernels =
-        if plan.chunks.iter().any(|c| uses_kernel(c.packed.len())) { Some(exec.kernels()?) } else { None };
+    let kernels = if plan.chunks.iter().any(uses_kernel) { Some(exec.kernels()?) } else { None };
     // Each chunk's descriptor table (0 without a kernel), counted once.
-    let areas: Vec<u64> = plan
-        .chunks
-        .iter()
-        .map(
-            |c| if uses_kernel(c.packed.len()) { descriptor_area(c.packed.iter().map(|p| p.len)) } else { 0 },
-        )
-        .collect();
+    let areas: Vec<u64> = plan.chunks.iter().map(table_area).collect();
     let device_need = plan
         .chunks
         .iter()
         .zip(&areas)
-        .filter(|(c, _)| uses_kernel(c.packed.len()))
+        .filter(|(c, _)| uses_kernel(c))
         .map(|(c, area)| area + c.packed_len)
         .max()
         .unwrap_or(0);
@@ -95,7 +84,7 @@ pub(crate) fn execute(batch: &UploadView<'_>, route: Route) -> Result<Fence> {
         if k >= RING {
             exec.wait(seqs[k - RING])?;
         }
-        let kernel = uses_kernel(chunk.packed.len());
+        let kernel = uses_kernel(chunk);
         let area = areas[k];
         let len = if k == 0 { largest } else { area + chunk.staging_len };
         let lease = Arc::new(exec.lease(len as usize)?);
