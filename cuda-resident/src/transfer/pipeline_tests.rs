@@ -173,3 +173,50 @@ fn one_packing_thread_packs_on_the_calling_thread() {
     .unwrap();
     assert_eq!((done.into_inner(), runs()), (2 * 64, before));
 }
+
+/// A planned upload's first chunk moves in slices (`plan::route::chunk_slices`), each packed
+/// and moved before the next is packed: packed writes (by a scatter) and a large write over
+/// several chunks land every byte, with one submission a slice of the first chunk and one a
+/// later chunk, and one DMA a slice of each direct piece.
+#[test]
+fn a_first_chunk_moved_in_slices_lands_every_byte() {
+    use crate::testing::{model, random_vec};
+    let d = device(Config::default());
+    let _gpu = model::shared();
+    let mut rng = fastrand::Rng::with_seed(77);
+    let chunk = Config::default().chunk_bytes as usize;
+    let big = d.allocate(2 * chunk as u64 + 12345).unwrap();
+    let small = d.allocate(1 << 16).unwrap();
+    let large = random_vec(&mut rng, 2 * chunk + 12345);
+    let pieces: Vec<Vec<u8>> = (0..5).map(|_| random_vec(&mut rng, 1000)).collect();
+    for with_packed in [false, true] {
+        d.upload(big, &vec![0xA5; large.len()]).unwrap();
+        d.upload(small, &vec![0x5A; 1 << 16]).unwrap();
+        let mut batch = d.uploads();
+        if with_packed {
+            for (i, p) in pieces.iter().enumerate() {
+                batch.write(small, i as u64 * 4096, p).unwrap();
+            }
+        }
+        batch.write(big, 0, &large).unwrap();
+        assert_eq!(batch.route(), crate::plan::route::Route::Planned);
+        let before = d.telemetry();
+        batch.submit().unwrap().wait().unwrap();
+        let after = d.telemetry();
+        assert_eq!(d.download(big).unwrap(), large, "with packed writes: {with_packed}");
+        let got = d.download(small).unwrap();
+        for (i, p) in pieces.iter().enumerate() {
+            let at = i * 4096;
+            let want: &[u8] = if with_packed { p } else { &[0x5A; 1000] };
+            assert_eq!(&got[at..at + 1000], want, "piece {i}, with packed writes: {with_packed}");
+        }
+        assert!(got[5 * 4096..].iter().all(|&b| b == 0x5A));
+        // The first chunk's slices: the packed region (if any), then 1, 2, 4 MiB and the rest
+        // of a 16 MiB chunk; then two more chunks (the large write spans three).
+        let slices = if with_packed { 5 } else { 4 };
+        assert_eq!(after.upload_submissions - before.upload_submissions, slices + 2);
+        let packed_dmas = if with_packed { 1 } else { 0 };
+        assert_eq!(after.dma_copies - before.dma_copies, packed_dmas + 4 + 2);
+        assert_eq!(after.kernel_launches - before.kernel_launches, packed_dmas);
+    }
+}
