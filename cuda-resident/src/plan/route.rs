@@ -235,43 +235,6 @@ pub(crate) fn growing(first: u64, most: u64) -> impl Fn(usize) -> u64 {
     move |k| first.saturating_mul(1 << k.min(62)).min(most)
 }
 
-/// The first slice of a planned upload's first chunk after its packed region
-/// ([`chunk_slices`]).
-pub(crate) const FIRST_SLICE: u64 = 1 << 20;
-
-/// The slices, in flat staging offsets, in which a planned upload packs and moves chunk
-/// `chunk`: the first chunk of a batch (`first`) in slices that grow from [`FIRST_SLICE`],
-/// each moved as soon as it is packed, so that the link starts once the first megabyte is
-/// packed rather than the whole chunk; every later chunk whole (it is packed while the chunk
-/// before it is on the wire). The chunk's packed region (one DMA and a scatter) is the first
-/// slice's, whole. A slice doubles the one before it; the last takes the rest where the rest
-/// is less than three times the slice (so no slice is much shorter than the one before).
-/// The slices cover the chunk's staging in order, without gaps; there is at least one.
-pub(crate) fn chunk_slices(chunk: &super::Chunk, first: bool) -> impl Iterator<Item = std::ops::Range<u64>> {
-    let (start, end) = (chunk.stage_start, chunk.stage_end());
-    let packed_end = chunk.packed_offset + chunk.packed_len;
-    let (mut at, mut size, mut any) = (start, FIRST_SLICE, false);
-    std::iter::from_fn(move || {
-        if at >= end && any {
-            return None;
-        }
-        any = true;
-        let from = at;
-        at = if !first {
-            end
-        } else if from < packed_end {
-            packed_end
-        } else if end - from >= size.saturating_mul(3) {
-            let cut = from + size;
-            size = size.saturating_mul(2);
-            cut
-        } else {
-            end
-        };
-        Some(from..at)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::{in_order_chunk, pipeline_chunk};
@@ -391,60 +354,6 @@ mod tests {
                 !apart.broken && apart.offsets == [0, SEGMENT.next_multiple_of(16) + 1],
                 "{what}: cleared"
             );
-        }
-    }
-
-    fn chunk(start: u64, packed_len: u64, staging_len: u64) -> crate::plan::Chunk {
-        crate::plan::Chunk {
-            stage_start: start,
-            staging_len,
-            packed_offset: start,
-            packed_len,
-            ..Default::default()
-        }
-    }
-
-    fn slices(c: &crate::plan::Chunk, first: bool) -> Vec<(u64, u64)> {
-        super::chunk_slices(c, first).map(|r| (r.start, r.end)).collect()
-    }
-
-    #[test]
-    fn a_first_chunk_moves_in_growing_slices_and_later_ones_whole() {
-        let c = chunk(0, 0, 16 * MIB);
-        assert_eq!(slices(&c, true), [(0, MIB), (MIB, 3 * MIB), (3 * MIB, 7 * MIB), (7 * MIB, 16 * MIB)]);
-        assert_eq!(slices(&c, false), [(0, 16 * MIB)]);
-        let later = chunk(16 * MIB, 0, 5 * MIB);
-        assert_eq!(slices(&later, false), [(16 * MIB, 21 * MIB)]);
-        // The packed region is the first slice's, whole; slices grow after it.
-        let c = chunk(0, 300 << 10, 16 * MIB);
-        let got = slices(&c, true);
-        assert_eq!(got[0], (0, 300 << 10));
-        assert_eq!(got[1], (300 << 10, (300 << 10) + MIB));
-        // Small chunks, or one of packed copies only: one slice.
-        assert_eq!(slices(&chunk(0, 0, 2 * MIB), true), [(0, 2 * MIB)]);
-        assert_eq!(slices(&chunk(0, 4 * MIB, 4 * MIB), true), [(0, 4 * MIB)]);
-        assert_eq!(slices(&chunk(0, 0, 0), true), [(0, 0)], "at least one slice");
-    }
-
-    /// Every chunk shape: the slices cover the staging in order without gaps, the packed
-    /// region lies in the first, and there are few of them (they double).
-    #[test]
-    fn slices_cover_every_chunk_in_order() {
-        for start in [0, 7 * MIB, u64::MAX / 2] {
-            for staging in [0, 1, MIB - 1, MIB, 3 * MIB, 3 * MIB + 1, 16 * MIB, 1 << 32, 1 << 40] {
-                for packed in [0, 1, MIB / 2, 2 * MIB, staging] {
-                    let packed = packed.min(staging);
-                    let c = chunk(start, packed, staging);
-                    for first in [true, false] {
-                        let got = slices(&c, first);
-                        assert_eq!(got[0].0, start);
-                        assert_eq!(got.last().unwrap().1, start + staging);
-                        assert!(got.windows(2).all(|w| w[0].1 == w[1].0 && w[0].0 < w[0].1));
-                        assert!(got[0].1 >= start + packed, "the packed region in the first slice");
-                        assert!(got.len() <= 64, "{} slices", got.len());
-                    }
-                }
-            }
         }
     }
 }

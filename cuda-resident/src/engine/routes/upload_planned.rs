@@ -15,7 +15,7 @@ use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, push_descriptors};
 use crate::plan::PlanConfig;
-use crate::plan::route::{RING, Route, chunk_slices};
+use crate::plan::route::{RING, Route};
 use crate::stream::LaneKind;
 use crate::sync::lock;
 
@@ -56,10 +56,8 @@ pub(crate) fn execute(batch: &UploadView<'_>, route: Route) -> Result<Fence> {
     if plan.is_empty() {
         return Ok(Fence::completed());
     }
-    // The first chunk moves in slices ([`chunk_slices`]), each a submission.
-    let submissions = plan.chunks.len() as u64 - 1 + chunk_slices(&plan.chunks[0], true).count() as u64;
     // Every buffer is checked (and marked as used by this batch) before anything moves.
-    exec.claim_ranges(batch.table.buffers(), submissions, batch.ranges())?;
+    exec.claim_ranges(batch.table.buffers(), plan.chunks.len() as u64, batch.ranges())?;
     exec.requested(plan.requested_bytes);
 
     let kernels = if plan.chunks.iter().any(uses_kernel) { Some(exec.kernels()?) } else { None };
@@ -104,56 +102,42 @@ pub(crate) fn execute(batch: &UploadView<'_>, route: Route) -> Result<Fence> {
             // SAFETY: the descriptor area holds at least `bytes` bytes; the lease is fresh.
             unsafe { std::ptr::copy_nonoverlapping(scratch.descriptors.as_ptr().cast::<u8>(), base, bytes) };
         }
+        scratch.pieces.clear();
+        for f in plan.fills_of(k as u32) {
+            let src = batch.sources[f.write as usize].at(batch.arena, f.src_offset);
+            Piece::push_split(
+                &mut scratch.pieces,
+                Piece { dst: staged(f.stage_offset), src, len: f.len as usize },
+            );
+        }
+        // SAFETY: fills cover disjoint staging ranges inside the lease, sources are live
+        // slices or the batch's arena.
+        unsafe { Piece::copy_all(&core.packers, &scratch.pieces) };
+
         let descriptor_count = scratch.descriptors.len() as u64;
-        // Each slice packed, then moved: its share of the direct pieces, and the packed
-        // region with the first slice.
-        let mut seq = 0;
-        for (j, slice) in chunk_slices(chunk, k == 0).enumerate() {
-            let clip = |at: u64, len: u64| (at.max(slice.start), (at + len).min(slice.end));
-            scratch.pieces.clear();
-            for f in plan.fills_of(k as u32) {
-                let (from, to) = clip(f.stage_offset, f.len);
-                if from < to {
-                    let src = batch.sources[f.write as usize]
-                        .at(batch.arena, f.src_offset + (from - f.stage_offset));
-                    Piece::push_split(
-                        &mut scratch.pieces,
-                        Piece { dst: staged(from), src, len: (to - from) as usize },
-                    );
+        let seq = exec.submit(vec![lease], |q| {
+            if kernel {
+                // SAFETY: descriptors and packed bytes are contiguous at the lease's start,
+                // and device staging holds device_need >= area + packed_len bytes.
+                unsafe { q.htod(dev, base, (area + chunk.packed_len) as usize) }?;
+                let kernels = kernels.expect("loaded when a chunk uses it");
+                // SAFETY: the table is in device staging by stream order; destinations are
+                // disjoint fused intervals of live, marked buffers.
+                unsafe { q.launch(kernels, dev, descriptor_count, 0) }?;
+            } else {
+                for c in &chunk.packed {
+                    let src = staged(c.stage_offset);
+                    // SAFETY: staged bytes of a live, marked buffer's interval.
+                    unsafe { q.htod(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize) }?;
                 }
             }
-            // SAFETY: fills cover disjoint staging ranges inside the lease, sources are live
-            // slices or the batch's arena.
-            unsafe { Piece::copy_all(&core.packers, &scratch.pieces) };
-            seq = exec.submit(vec![Arc::clone(&lease)], |q| {
-                if j == 0 && kernel {
-                    // SAFETY: descriptors and packed bytes are contiguous at the lease's
-                    // start (packed with this slice), and device staging holds
-                    // device_need >= area + packed_len bytes.
-                    unsafe { q.htod(dev, base, (area + chunk.packed_len) as usize) }?;
-                    let kernels = kernels.expect("loaded when a chunk uses it");
-                    // SAFETY: the table is in device staging by stream order; destinations
-                    // are disjoint fused intervals of live, marked buffers.
-                    unsafe { q.launch(kernels, dev, descriptor_count, 0) }?;
-                } else if j == 0 {
-                    for c in &chunk.packed {
-                        let src = staged(c.stage_offset);
-                        // SAFETY: staged bytes of a live, marked buffer's interval.
-                        unsafe { q.htod(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize) }?;
-                    }
-                }
-                for c in &chunk.direct {
-                    let (from, to) = clip(c.stage_offset, c.len);
-                    if from < to {
-                        let dst = ptr_of(c.buffer) + c.buffer_offset + (from - c.stage_offset);
-                        // SAFETY: staged bytes (packed above) of a live, marked buffer's
-                        // interval.
-                        unsafe { q.htod(dst, staged(from), (to - from) as usize) }?;
-                    }
-                }
-                Ok(())
-            })?;
-        }
+            for c in &chunk.direct {
+                let src = staged(c.stage_offset);
+                // SAFETY: as above.
+                unsafe { q.htod(ptr_of(c.buffer) + c.buffer_offset, src, c.len as usize) }?;
+            }
+            Ok(())
+        })?;
         seqs.push(seq);
     }
     Ok(exec.finish())
