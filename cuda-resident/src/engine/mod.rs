@@ -13,10 +13,11 @@
 //! One upload batch, followed through: `Device::uploads` hands the device's [`core::Core`]
 //! to `transfer::upload::uploads`, which makes the batch; the batch checks each write as it
 //! is added (`transfer::upload`, against the batch's [`table::BufferTable`]);
-//! `submit` asks `plan::route::upload_route` for its route and the planner or
-//! `plan::route::cut_apart` for its layout; the route's function in [`routes`] then runs an
-//! [`Exec`] on the view of its parts the batch lends it ([`routes::view`]): claim, staging ([`staging`], [`host`], [`pipeline`]), one submission a
-//! chunk, fence. The engine's own scratch (lane staging, the parts batches reuse:
+//! `submit` asks `plan::route::upload_route` for its route, and lends the route's function
+//! in [`routes`] a view of its parts ([`routes::view`]); the function gets its layout from
+//! the planner or `plan::route::cut_apart` (with a planner lent by [`spares`], before it
+//! takes the lane), then runs an [`Exec`]: claim, staging ([`staging`], [`host`],
+//! [`pipeline`]), one submission a chunk, fence. The engine's own scratch (lane staging, the parts batches reuse:
 //! [`spares`]) lives here, owned by the device's [`core::Core`], the shared state every batch
 //! works on.
 //!

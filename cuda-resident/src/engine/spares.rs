@@ -2,6 +2,7 @@
 //! kind's parts, emptied, and the host memory of the last streamed download.
 
 use crate::kernels::CopyDescriptor;
+use crate::plan::route::Span;
 use crate::plan::{DownloadPlan, Planner, ReadRequest, ReadView, UploadPlan, WriteRequest};
 use crate::recycle::{Recycler, Reusable};
 use crate::sync::Mutex;
@@ -50,7 +51,8 @@ impl Reusable for UploadParts {
     }
 }
 
-/// A planner and the plans it fills, reused by the next batches that plan. A batch plans
+/// A planner, the plans it fills and the chunks of batches in order, reused by the next
+/// batches that plan. A batch plans
 /// with one of these before it takes its lane's batch lock, so that a batch being planned
 /// does not hold up the lane's other submitters.
 #[derive(Default)]
@@ -58,10 +60,13 @@ pub(crate) struct Planning {
     pub(crate) planner: Planner,
     pub(crate) upload_plan: UploadPlan,
     pub(crate) download_plan: DownloadPlan,
+    /// The chunks of a batch in order and apart ([`cut_apart`](crate::plan::route::cut_apart)).
+    pub(crate) spans: Vec<Span>,
 }
 
 impl Reusable for Planning {
-    /// Nothing to empty: planning into a plan replaces what it held, keeping its vectors.
+    /// Nothing to empty: planning into a plan, or cutting into `spans`, replaces what it
+    /// held, keeping its vectors.
     fn clear(&mut self) {}
 }
 

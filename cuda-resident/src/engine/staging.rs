@@ -3,7 +3,6 @@
 //! lane, with one lent by [`Spares::planning`](super::spares::Spares).)
 
 use crate::alloc::ResidentBuffer;
-use crate::plan::route::Span;
 
 use super::host::Piece;
 
@@ -15,8 +14,6 @@ pub(crate) struct DeviceStaging {
     pub(crate) region: DeviceRegion,
     pub(crate) descriptors: Vec<crate::kernels::CopyDescriptor>,
     pub(crate) pieces: Vec<Piece>,
-    /// The chunks of a batch cut by [`cut_apart`](crate::plan::route::cut_apart).
-    pub(crate) spans: Vec<Span>,
 }
 
 /// A lane's device staging buffer.

@@ -454,11 +454,12 @@ fn upload_with_pinned_buffer_at_the_held_limit(config: Config) {
 /// Batches plan before they take their lane, so two threads' batches may plan at once: their
 /// bytes still land in the order the lane took them. Round after round, two threads submit
 /// a batch that plans (as `build` makes it, taking `route`) to the same bytes of one buffer at
-/// the same moment; the buffer then holds the bytes of the upload whose submission the lane
-/// numbered last.
+/// the same moment; the buffer's bytes that the batches write (`written`) then hold the
+/// bytes of the upload whose submission the lane numbered last.
 fn two_threads_apply_in_lane_order(
     route: crate::plan::route::Route,
     build: for<'a> fn(&'a Device, ResidentBuffer, &'a [u8]) -> crate::UploadBatch<'a>,
+    written: fn(usize) -> bool,
 ) {
     const LEN: usize = 64 << 10;
     let d = device(small_chunks());
@@ -486,8 +487,9 @@ fn two_threads_apply_in_lane_order(
         done.sort();
         assert!(done[0].0 < done[1].0, "round {round}: two submissions of the lane");
         let last = done[1].1;
+        let got = d.download(buffer).unwrap();
         assert!(
-            d.download(buffer).unwrap().iter().all(|&b| b == last),
+            got.iter().enumerate().all(|(i, &b)| !written(i) || b == last),
             "round {round}: the lane's last upload"
         );
     }
@@ -496,23 +498,40 @@ fn two_threads_apply_in_lane_order(
 /// Planned uploads: overlapping writes, which the planner fuses.
 #[test]
 fn planned_batches_from_two_threads_apply_in_lane_order() {
-    two_threads_apply_in_lane_order(crate::plan::route::Route::Planned, |d, buffer, bytes| {
-        let mut writes = d.uploads();
-        writes.write(buffer, 0, &bytes[..40 << 10]).unwrap();
-        writes.write(buffer, 16 << 10, &bytes[16 << 10..]).unwrap();
-        writes
-    });
+    two_threads_apply_in_lane_order(
+        crate::plan::route::Route::Planned,
+        |d, buffer, bytes| {
+            let mut writes = d.uploads();
+            writes.write(buffer, 0, &bytes[..40 << 10]).unwrap();
+            writes.write(buffer, 16 << 10, &bytes[16 << 10..]).unwrap();
+            writes
+        },
+        |_| true,
+    );
 }
 
-/// In-place uploads out of order: the planner checks that no two writes fuse.
+/// In-place uploads out of order and apart: the planner checks, before the lane is taken,
+/// that no two writes fuse, and the batch moves in place.
 #[test]
 fn in_place_batches_out_of_order_from_two_threads_apply_in_lane_order() {
-    two_threads_apply_in_lane_order(crate::plan::route::Route::InPlace, |d, buffer, bytes| {
+    // Writes made in place, in reverse order, 96 bytes apart (touching ones would fuse and
+    // hand the batch on to the planned route).
+    fn apart<'a>(d: &'a Device, buffer: ResidentBuffer, bytes: &'a [u8]) -> crate::UploadBatch<'a> {
         let fill = bytes[0];
         let mut writes = d.uploads();
         for k in (0..bytes.len() as u64 / 4096).rev() {
-            writes.write_with(buffer, k * 4096, 4096, |dst| dst.fill(fill)).unwrap();
+            writes.write_with(buffer, k * 4096, 4000, |dst| dst.fill(fill)).unwrap();
         }
         writes
-    });
+    }
+    // The shape moves in place to the end, not handed on.
+    let d = device(small_chunks());
+    let buffer = d.allocate(64 << 10).unwrap();
+    let bytes = vec![9u8; 64 << 10];
+    let mut batch = apart(&d, buffer, &bytes);
+    let fence = crate::engine::routes::in_place::execute_in_place(&mut batch.view()).unwrap();
+    fence.expect("moved in place").wait().unwrap();
+    let got = d.download(buffer).unwrap();
+    assert!(got.iter().enumerate().all(|(i, &b)| (i % 4096 < 4000) == (b == 9)));
+    two_threads_apply_in_lane_order(crate::plan::route::Route::InPlace, apart, |i| i % 4096 < 4000);
 }

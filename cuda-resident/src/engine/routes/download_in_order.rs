@@ -12,6 +12,14 @@ use crate::kernels::{CopyDescriptor, table_bytes};
 use crate::plan::route::{Route, Span, cut_apart};
 use crate::plan::{ReadRequest, ReadView};
 
+/// Cuts a batch of reads in order and apart into the chunks [`execute_in_order`] moves,
+/// into `spans`: each chunk's descriptor table and packed bytes within `chunk_bytes`.
+pub(super) fn cut_in_order(batch: &DownloadView<'_>, chunk_bytes: u64, spans: &mut Vec<Span>) {
+    let (reads, offsets) = (batch.reads, &batch.table.apart.offsets[..]);
+    debug_assert_eq!(offsets.len(), reads.len(), "one offset a read");
+    cut_apart(offsets, |i| reads[i].len, |_| chunk_bytes, spans);
+}
+
 /// [`Route::InOrder`]: reads in order and apart (each past the end of the earlier reads of its buffer, with a
 /// gap: none overlap and none touch, so the planner would fuse none), none longer than a
 /// kernel segment: the common batch of many small reads, laid out as they were added
@@ -22,9 +30,11 @@ use crate::plan::{ReadRequest, ReadView};
 /// table and writes the bytes in the lease, over the bus
 /// ([`Config::small_copies_over_bus`](crate::Config::small_copies_over_bus)), or one table
 /// upload, one gather into device staging and one DMA.
+///
+/// `spans` are the chunks [`cut_in_order`] cut, before the lane was taken.
 pub(super) fn execute_in_order(
     batch: &DownloadView<'_>,
-    chunk_bytes: u64,
+    spans: &[Span],
     mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
     lease: Arc<HostLease>,
@@ -32,9 +42,7 @@ pub(super) fn execute_in_order(
     let core = batch.core;
     let (reads, apart) = (batch.reads, &batch.table.apart);
     let offsets = &apart.offsets[..];
-    debug_assert_eq!(offsets.len(), reads.len(), "one offset a read");
-    let DeviceStaging { spans, region, .. } = scratch;
-    cut_apart(offsets, |i| reads[i].len, |_| chunk_bytes, spans);
+    let region = &mut scratch.region;
     // The lease holds the flat packed bytes, then the chunks' tables: one descriptor a read,
     // in read order (chunk `k`'s table starts at its first read's).
     let tables = apart.end.next_multiple_of(256);

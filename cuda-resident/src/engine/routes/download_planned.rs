@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::download_chunk::{ChunkPlaces, enqueue_planned};
-use super::download_in_order::execute_in_order;
+use super::download_in_order::{cut_in_order, execute_in_order};
 use super::streamed::execute_streamed;
 use super::table_area;
 use super::view::{DownloadView, Landed};
@@ -26,25 +26,23 @@ pub(crate) fn execute(batch: &DownloadView<'_>, sink: &mut Option<&mut [Vec<u8>]
     let in_order = batch.route_with(&plan_config) == Route::InOrder;
     // Planned before the lane is taken: other batches submit on the lane meanwhile.
     let mut planning = core.spares.planning.lend();
-    if !in_order {
-        let Planning { planner, download_plan, .. } = &mut *planning;
+    let Planning { planner, download_plan, spans, .. } = &mut *planning;
+    if in_order {
+        let depth = if core.moves_small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH };
+        cut_in_order(batch, in_order_chunk(config.chunk_bytes, total, depth), spans);
+    } else {
         planner.plan_download_into(batch.reads, &plan_config, download_plan)?;
     }
     let mut exec = Exec::begin(core, LaneKind::Download);
     let mut staging = lock(&core.staging[LaneKind::Download.index()]);
     let scratch = &mut *staging;
     if in_order {
-        let chunk = in_order_chunk(
-            config.chunk_bytes,
-            total,
-            if core.moves_small_copies_over_bus() { READ_DEPTH } else { PIPELINE_DEPTH },
-        );
         // Held staging: the download's views keep it after the copy. The lease holds the
         // flat packed bytes, then the chunks' tables: one descriptor a read.
         let len = apart.end.next_multiple_of(256) as usize + batch.reads.len() * size_of::<CopyDescriptor>();
         return match core.acquire_held_staging(len) {
             // Listed: the caller can reach its views.
-            Ok(lease) => execute_in_order(batch, chunk, exec, scratch, lease.into_listed()),
+            Ok(lease) => execute_in_order(batch, &planning.spans, exec, scratch, lease.into_listed()),
             // Refused before anything was enqueued: the batch streams instead, planned once
             // the lane is let go.
             Err(e) if e.is_staging_refusal() => {

@@ -16,6 +16,24 @@ use crate::kernels::{CopyDescriptor, table_bytes};
 use crate::plan::WriteRequest;
 use crate::plan::route::{FIRST_CHUNK, PIPELINE_DEPTH, RING, Span, cut_apart, growing, in_order_chunk};
 
+/// Cuts a batch of writes in order and apart into the chunks [`execute_in_order`] moves,
+/// into `spans`: each chunk's descriptor table and packed bytes within the in-order chunk,
+/// over the bus growing to it from [`FIRST_CHUNK`] (a chunk costs a launch there: the first
+/// is small and leaves while the rest is packed); through device staging (a DMA and a
+/// launch a chunk) equal.
+pub(super) fn cut_in_order(batch: &UploadView<'_>, spans: &mut Vec<Span>) {
+    let core = batch.core;
+    let (writes, apart) = (batch.writes, &batch.table.apart);
+    let offsets = &apart.offsets[..];
+    debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
+    let chunk_bytes = in_order_chunk(core.config.chunk_bytes, apart.requested, PIPELINE_DEPTH);
+    if core.moves_small_copies_over_bus() {
+        cut_apart(offsets, |i| writes[i].len, growing(FIRST_CHUNK, chunk_bytes), spans);
+    } else {
+        cut_apart(offsets, |i| writes[i].len, |_| chunk_bytes, spans);
+    }
+}
+
 /// [`Route::InOrder`](crate::plan::route::Route::InOrder): writes in order and apart (each past the end of the earlier writes into its buffer, with
 /// a gap: none overlap and none touch, so the planner would fuse none), all from slices and
 /// none longer than a kernel segment: the common batch of many small writes, laid out
@@ -29,25 +47,20 @@ use crate::plan::route::{FIRST_CHUNK, PIPELINE_DEPTH, RING, Span, cut_apart, gro
 /// DMA of the lease into device staging. (Touching writes go to the planner, which fuses
 /// them: one descriptor and one padded slot each would take far more staging for tiny
 /// writes.)
+///
+/// `spans` are the chunks [`cut_in_order`] cut, before the lane was taken.
 pub(super) fn execute_in_order(
     batch: &UploadView<'_>,
+    spans: &[Span],
     mut exec: Exec<'_>,
     scratch: &mut DeviceStaging,
 ) -> Result<Fence> {
     let core = batch.core;
     let ptr_of = |w: &WriteRequest| batch.table.entries[w.buffer as usize].ptr + w.offset;
-    let DeviceStaging { spans, region, .. } = scratch;
+    let region = &mut scratch.region;
     let (writes, apart) = (batch.writes, &batch.table.apart);
     let (offsets, requested) = (&apart.offsets[..], apart.requested);
-    debug_assert_eq!(offsets.len(), writes.len(), "one offset a write");
     let chunk_bytes = in_order_chunk(core.config.chunk_bytes, requested, PIPELINE_DEPTH);
-    // Over the bus a chunk costs a launch: the first is small and leaves while the rest is
-    // packed. Through device staging (a DMA and a launch a chunk) chunks stay equal.
-    if core.moves_small_copies_over_bus() {
-        cut_apart(offsets, |i| writes[i].len, growing(FIRST_CHUNK, chunk_bytes), spans);
-    } else {
-        cut_apart(offsets, |i| writes[i].len, |_| chunk_bytes, spans);
-    }
     let area = |span: &Span| table_bytes(span.requests.len() as u64);
     let device_need = spans.iter().map(|span| area(span) + span.len).max().unwrap_or(0);
     exec.claim_ranges(batch.table.buffers(), spans.len() as u64, batch.ranges())?;
@@ -55,7 +68,6 @@ pub(super) fn execute_in_order(
     let kernels = exec.kernels()?;
     // Where the kernel finds the packed bytes: in the lease itself, or in device staging.
     let dev = if core.moves_small_copies_over_bus() { None } else { Some(exec.region(region, device_need)?) };
-    let spans = &*spans;
     let threads = core.packers().current_num_threads();
     // Groups of about the same bytes, from the mean write (no pass over the writes): a
     // batch smaller than a chunk is spread over every thread too.

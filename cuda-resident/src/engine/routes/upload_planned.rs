@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::upload_in_order::execute_in_order;
+use super::upload_in_order::{cut_in_order, execute_in_order};
 use super::view::UploadView;
 use super::{table_area, uses_kernel};
 use crate::engine::Exec;
@@ -42,15 +42,17 @@ pub(crate) fn execute(batch: &UploadView<'_>, route: Route) -> Result<Fence> {
         PlanConfig { direct_threshold: config.direct_threshold, chunk_bytes: config.chunk_bytes, align: 16 };
     // Planned before the lane is taken: other batches submit on the lane meanwhile.
     let mut planning = core.spares.planning.lend();
-    if route != Route::InOrder {
-        let Planning { planner, upload_plan, .. } = &mut *planning;
+    let Planning { planner, upload_plan, spans, .. } = &mut *planning;
+    if route == Route::InOrder {
+        cut_in_order(batch, spans);
+    } else {
         planner.plan_upload_into(batch.writes, &plan_config, upload_plan)?;
     }
     let mut exec = Exec::begin(core, LaneKind::Upload);
     let mut scratch = lock(&core.staging[LaneKind::Upload.index()]);
     let scratch = &mut *scratch;
     if route == Route::InOrder {
-        return execute_in_order(batch, exec, scratch);
+        return execute_in_order(batch, &planning.spans, exec, scratch);
     }
     let plan = &planning.upload_plan;
     if plan.is_empty() {

@@ -67,7 +67,7 @@ impl UploadBatch<'_> {
     }
 
     /// The parts of the batch its route reads, borrowed ([`UploadView`]).
-    fn view(&mut self) -> UploadView<'_> {
+    pub(in crate::transfer) fn view(&mut self) -> UploadView<'_> {
         UploadView {
             core: self.core,
             table: &self.table,
