@@ -44,9 +44,9 @@ pub(crate) fn execute(batch: &DownloadView<'_>, sink: &mut Option<&mut [Vec<u8>]
             // Listed: the caller can reach its views.
             Ok(lease) => execute_in_order(batch, &planning.spans, exec, scratch, lease.into_listed()),
             // Refused before anything was enqueued: the batch streams instead, planned once
-            // the lane is let go.
+            // the lane is let go, with the planner (and its vectors) given back for it.
             Err(e) if e.is_staging_refusal() => {
-                drop((staging, exec));
+                drop((staging, exec, planning));
                 execute_streamed(batch, sink.take())
             }
             Err(e) => Err(e),
@@ -62,9 +62,10 @@ pub(crate) fn execute(batch: &DownloadView<'_>, sink: &mut Option<&mut [Vec<u8>]
     let lease = match core.acquire_held_staging((tables + plan.total_staging) as usize) {
         // Listed: the caller can reach its views.
         Ok(lease) => lease.into_listed(),
-        // Nothing enqueued yet: the batch streams instead, planned once the lane is let go.
+        // Nothing enqueued yet: the batch streams instead, planned once the lane is let go,
+        // with the planner (and its vectors, as large as the batch's) given back for it.
         Err(e) if e.is_staging_refusal() => {
-            drop((staging, exec));
+            drop((staging, exec, planning));
             return execute_streamed(batch, sink.take());
         }
         Err(e) => return Err(e),
