@@ -134,7 +134,7 @@ pub(crate) struct Args {
     #[arg(long, value_parser = size::positive)]
     pub(crate) weights_batch: Option<usize>,
     /// The weights suite's loads from the page cache only (no arena, registered, cold or
-    /// save rows).
+    /// save rows; the file is not synced to disk).
     #[arg(long)]
     pub(crate) weights_loads_only: bool,
     /// Shards of the weights suite's sharded save and load (SaveOptions::shards): one

@@ -48,7 +48,13 @@ pub(crate) fn run(
     }
     progress.set_message(format!("writing {}", path.display()));
     write(&model, &path, SEED)?;
-    File::open(&path).and_then(|f| f.sync_all()).map_err(|e| format!("syncing {}: {e}", path.display()))?;
+    // On disk before a cold load can drop it from the page cache (dirty pages stay); loads
+    // from the page cache alone need no sync, which for 16 GiB takes most of a minute.
+    if !args.weights_loads_only {
+        File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| format!("syncing {}: {e}", path.display()))?;
+    }
     let ranges = tensor_ranges(&map(&path)?)?;
     let bytes = model.bytes() as usize;
     let what = format!("{} ({} tensors, {}, bf16)", model.family, ranges.len(), human(bytes));
@@ -77,6 +83,7 @@ pub(crate) fn run(
     rows.push(Row::gbps(format!("load {what}, page cache"), bytes, Some(raw), batch, ours).noted(&threads));
     if args.breakdown {
         breakdown(d, &ranges, args.reps)?;
+        loads.timeline(args.reps)?;
     }
     if args.weights_loads_only {
         progress.inc(3);
@@ -182,6 +189,60 @@ struct Loads<'a> {
 }
 
 impl Loads<'_> {
+    /// When a load's batches were submitted (`--breakdown`), on stderr: the first submit
+    /// after the call, the median gap between submits, and the return after the last one
+    /// (its fences waited for), medians of `reps` loads. Shows whether batches follow each
+    /// other at the link's pace or each pays a start of its own.
+    fn timeline(&self, reps: usize) -> BenchResult<()> {
+        let (mut first, mut gap, mut end, mut total) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let before = self.d.telemetry();
+        for _ in 0..reps {
+            let t = Instant::now();
+            let mut at = Vec::new();
+            let options = LoadOptions::new()
+                .batch_bytes(self.batch_bytes)
+                .progress(|_, _| at.push(t.elapsed().as_secs_f64() * 1e3));
+            let ckpt = self.d.load_safetensors_configured(self.path, options).map_err(error)?;
+            let secs = t.elapsed().as_secs_f64() * 1e3;
+            drop(ckpt);
+            // The last report is the load's end (every fence waited for).
+            let Some((&last, submits)) = at.split_last() else { continue };
+            first.push(submits.first().copied().unwrap_or(last));
+            let mut gaps: Vec<f64> = submits.windows(2).map(|w| w[1] - w[0]).collect();
+            gaps.sort_by(f64::total_cmp);
+            gap.push(gaps.get(gaps.len() / 2).copied().unwrap_or(0.0));
+            end.push(last - submits.last().copied().unwrap_or(0.0));
+            total.push(secs);
+        }
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        eprintln!(
+            "breakdown weights: load in batches of {}: first submit {:.2} ms, then one every {:.2} ms, \
+             last fence {:.2} ms after the last submit, {:.2} ms in all (medians of {reps})",
+            human(self.batch_bytes as usize),
+            median(first),
+            median(gap),
+            median(end),
+            median(total)
+        );
+        let after = self.d.telemetry();
+        eprintln!(
+            "breakdown weights: those {reps} loads: {} submissions, {} DMAs, {} launches, {} host waits; \
+             pinned staging {} hits, {} new arenas, {} released, {} held at the end",
+            after.upload_submissions - before.upload_submissions,
+            after.dma_copies - before.dma_copies,
+            after.kernel_launches - before.kernel_launches,
+            after.host_waits - before.host_waits,
+            after.pinned.hits - before.pinned.hits,
+            after.pinned.misses - before.pinned.misses,
+            after.pinned.released - before.pinned.released,
+            human(after.pinned.reserved_bytes as usize),
+        );
+        Ok(())
+    }
+
     /// The seconds of loads by each method (`before` each repetition, untimed), every byte
     /// checked after each: the raw driver's and the batch API's (`None` without it), and
     /// cuda-resident's (into an arena where `arena`).
