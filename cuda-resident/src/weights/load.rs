@@ -127,7 +127,18 @@ pub(super) fn load(device: &Device, path: &Path, mut options: LoadOptions<'_>) -
             Tensor { name: e.name, dtype: e.dtype, shape: e.shape, buffer, offset, len: e.len, owned }
         })
         .collect();
+    unmap_later(opened);
     Ok(Checkpoint { tensors, index, arena, metadata: header.metadata, bytes: total })
+}
+
+/// Unmaps the checkpoint's files on a thread of its own, once every byte has landed (no
+/// copy reads them any more): tearing down a mapping the load faulted in whole took about
+/// 2 ms per 4 GiB on the H200's host (2.5 % of the load), which the caller need not wait
+/// for. Where no thread can be started, unmaps here.
+fn unmap_later(opened: Vec<(Mmap, Header)>) {
+    let maps: Vec<Mmap> = opened.into_iter().map(|(map, _)| map).collect();
+    // A refused spawn drops the closure, and with it the maps, here.
+    let _ = std::thread::Builder::new().name("cuda-resident-unmap".to_owned()).spawn(move || drop(maps));
 }
 
 /// Where each tensor goes in its buffer: 0 each, or its place in the arena.

@@ -297,3 +297,21 @@ fn bad_tensors_to_save_leave_no_file_behind() {
         weights_error(d.save_safetensors("/no/such/dir/x.safetensors", &[] as Named<'_>).unwrap_err());
     assert!(matches!(missing_dir, WeightsError::Io { operation: "creating", .. }), "{missing_dir}");
 }
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_load_unmaps_its_file_once_it_returns() {
+    let d = device(Config::default());
+    let file = TempPath::new("unmapped.safetensors");
+    let data = write_with_crate(&file.0, &decoder(2, 256), 3);
+    let mapped = || std::fs::read_to_string("/proc/self/maps").unwrap().contains(file.0.to_str().unwrap());
+    let ckpt = d.load_safetensors(&file.0).unwrap();
+    // Unmapped on a thread of its own: soon, not necessarily before the load returns.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while mapped() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(!mapped(), "the checkpoint's file is still mapped 10 s after the load returned");
+    // The bytes were all moved before the mapping went.
+    check_loaded(&d, &ckpt, &data);
+}
