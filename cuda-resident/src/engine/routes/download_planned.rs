@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::download_chunk::{ChunkPlaces, enqueue_planned};
 use super::download_in_order::{cut_in_order, execute_in_order};
 use super::streamed::execute_streamed;
-use super::table_area;
+use super::table_areas;
 use super::view::{DownloadView, Landed};
 use crate::engine::Exec;
 use crate::engine::spares::Planning;
@@ -56,7 +56,7 @@ pub(crate) fn execute(batch: &DownloadView<'_>, sink: &mut Option<&mut [Vec<u8>]
     if plan.is_empty() {
         return Ok(Landed::Empty { views: plan.views.clone() });
     }
-    let areas: Vec<u64> = plan.chunks.iter().map(table_area).collect();
+    let (areas, device_need) = table_areas(&plan.chunks);
     let tables: u64 = areas.iter().sum();
     // Held staging: the download's views keep it after the copy.
     let lease = match core.acquire_held_staging((tables + plan.total_staging) as usize) {
@@ -75,9 +75,7 @@ pub(crate) fn execute(batch: &DownloadView<'_>, sink: &mut Option<&mut [Vec<u8>]
     let final_seq = exec.claim_ranges(batch.table.buffers(), plan.chunks.len() as u64, batch.ranges())?;
     exec.requested(plan.requested_bytes);
 
-    let kernels = if areas.iter().any(|&a| a > 0) { Some(exec.kernels()?) } else { None };
-    let device_need =
-        plan.chunks.iter().zip(&areas).filter(|(_, a)| **a > 0).map(|(c, a)| a + c.packed_len).max();
+    let kernels = if device_need.is_some() { Some(exec.kernels()?) } else { None };
     let dev = match device_need {
         Some(need) => exec.region(&mut scratch.region, need)?,
         None => 0,

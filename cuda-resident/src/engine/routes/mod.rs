@@ -29,6 +29,14 @@ pub(crate) fn uses_kernel(chunk: &Chunk) -> bool {
 
 /// The bytes of a planned chunk's descriptor table: 0 when its copies move without the
 /// kernel.
-pub(crate) fn table_area(chunk: &Chunk) -> u64 {
+fn table_area(chunk: &Chunk) -> u64 {
     if uses_kernel(chunk) { descriptor_area(chunk.packed.iter().map(|p| p.len)) } else { 0 }
+}
+
+/// Each planned chunk's [`table_area`], counted once, and the device staging its kernel
+/// chunks need at most (table and packed bytes; `None` when no chunk uses the kernel).
+pub(crate) fn table_areas(chunks: &[Chunk]) -> (Vec<u64>, Option<u64>) {
+    let areas: Vec<u64> = chunks.iter().map(table_area).collect();
+    let device_need = chunks.iter().zip(&areas).filter(|&(_, &a)| a > 0).map(|(c, a)| a + c.packed_len).max();
+    (areas, device_need)
 }

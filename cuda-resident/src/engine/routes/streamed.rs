@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::download_chunk::{ChunkPlaces, enqueue_planned};
-use super::table_area;
+use super::table_areas;
 use super::view::{DownloadView, Landed};
 use crate::engine::Exec;
 use crate::engine::core::Core;
@@ -45,7 +45,8 @@ pub(super) fn execute_streamed(batch: &DownloadView<'_>, mut out: Option<&mut [V
     let mut scratch = lock(&core.staging[LaneKind::Download.index()]);
     let DeviceStaging { region, descriptors, pieces, .. } = &mut *scratch;
     // Each ring lease: the largest table (a multiple of 256 bytes), then a chunk's staging.
-    let room = plan.chunks.iter().map(table_area).max().unwrap_or(0);
+    let (areas, device_need) = table_areas(&plan.chunks);
+    let room = areas.iter().copied().max().unwrap_or(0);
     let ring_bytes = usize::try_from(room + plan.chunk_capacity)
         .map_err(|_| Error::HostOutOfMemory { bytes: room + plan.chunk_capacity })?;
     let views = &plan.views[..];
@@ -77,8 +78,6 @@ pub(super) fn execute_streamed(batch: &DownloadView<'_>, mut out: Option<&mut [V
     // Reads with bytes in the chunk being copied out, and the next read of `order`.
     let (mut active, mut next) = (Vec::new(), 0);
     let first_seq = exec.first_seq();
-    let device_need =
-        plan.chunks.iter().filter(|c| table_area(c) > 0).map(|c| table_area(c) + c.packed_len).max();
     let kernels = if device_need.is_some() { Some(exec.kernels()?) } else { None };
     let dev = match device_need {
         Some(need) => exec.region(region, need)?,
@@ -134,7 +133,7 @@ pub(super) fn execute_streamed(batch: &DownloadView<'_>, mut out: Option<&mut [V
         }
         let lease = &ring[k % ring.len()];
         let base = lease.as_ptr();
-        let area = table_area(chunk);
+        let area = areas[k];
         // SAFETY: flat offsets of this chunk lie in its staging, after the table room.
         let staged = |flat: u64| unsafe { base.add((room + chunk.local_offset(flat)) as usize) };
         descriptors.clear();

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::upload_in_order::{cut_in_order, execute_in_order};
 use super::view::UploadView;
-use super::{table_area, uses_kernel};
+use super::{table_areas, uses_kernel};
 use crate::engine::Exec;
 use crate::engine::host::Piece;
 use crate::engine::host::Source;
@@ -62,18 +62,13 @@ pub(crate) fn execute(batch: &UploadView<'_>, route: Route) -> Result<Fence> {
     exec.claim_ranges(batch.table.buffers(), plan.chunks.len() as u64, batch.ranges())?;
     exec.requested(plan.requested_bytes);
 
-    let kernels = if plan.chunks.iter().any(uses_kernel) { Some(exec.kernels()?) } else { None };
     // Each chunk's descriptor table (0 without a kernel), counted once.
-    let areas: Vec<u64> = plan.chunks.iter().map(table_area).collect();
-    let device_need = plan
-        .chunks
-        .iter()
-        .zip(&areas)
-        .filter(|(c, _)| uses_kernel(c))
-        .map(|(c, area)| area + c.packed_len)
-        .max()
-        .unwrap_or(0);
-    let dev = if device_need > 0 { exec.region(&mut scratch.region, device_need)? } else { 0 };
+    let (areas, device_need) = table_areas(&plan.chunks);
+    let kernels = if device_need.is_some() { Some(exec.kernels()?) } else { None };
+    let dev = match device_need {
+        Some(need) => exec.region(&mut scratch.region, need)?,
+        None => 0,
+    };
     // The first chunk's lease is as large as the largest any chunk takes: where the pool
     // cannot lend that much (in-place writes of the batch hold the rest of it), the batch
     // fails here, before anything moves, rather than at a later chunk; each later lease
@@ -120,7 +115,7 @@ pub(crate) fn execute(batch: &UploadView<'_>, route: Route) -> Result<Fence> {
         let seq = exec.submit(vec![lease], |q| {
             if kernel {
                 // SAFETY: descriptors and packed bytes are contiguous at the lease's start,
-                // and device staging holds device_need >= area + packed_len bytes.
+                // and device staging holds at least area + packed_len bytes (device_need).
                 unsafe { q.htod(dev, base, (area + chunk.packed_len) as usize) }?;
                 let kernels = kernels.expect("loaded when a chunk uses it");
                 // SAFETY: the table is in device staging by stream order; destinations are
