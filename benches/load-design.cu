@@ -20,6 +20,7 @@
 #define _GNU_SOURCE
 #endif
 #include <cuda_runtime.h>
+#include "probe-file.h"
 #include <fcntl.h>
 #include <omp.h>
 #include <pthread.h>
@@ -63,23 +64,8 @@ int main(int argc, char **argv) {
     int idle_ms = argc > 7 ? atoi(argv[7]) : 0;
     int pool = argc > 8 ? atoi(argv[8]) : ring;
     if (ring < 1 || pool < ring || pool > 256) { fprintf(stderr, "1 <= RING <= POOL <= 256\n"); return 2; }
-    struct stat st;
-    if (stat(path, &st) != 0 || (size_t)st.st_size != size) {
-        int fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
-        size_t block = 64 << 20;
-        unsigned long long *buf = (unsigned long long *)malloc(block), x = 0x9e3779b97f4a7c15ull;
-        for (size_t o = 0; o < size; o += block) {
-            for (size_t i = 0; i < block / 8; i++) { x ^= x << 13; x ^= x >> 7; x ^= x << 17; buf[i] = x; }
-            size_t n = size - o < block ? size - o : block;
-            if (pwrite(fd, buf, n, o) != (ssize_t)n) { perror("pwrite"); return 1; }
-        }
-        free(buf);
-        close(fd);
-    }
-    int fd = open(path, O_RDONLY);
-    char *touched = (char *)mmap(0, size, PROT_READ, MAP_SHARED, fd, 0);
-    volatile unsigned long long sink = 0;
-    for (size_t o = 0; o < size; o += 4096) sink += touched[o];
+    char *touched;
+    int fd = probe_file(path, size, &touched);
     char *dev, *ring_buf[256], *back;
     CK(cudaMalloc(&dev, size));
     for (int r = 0; r < pool; r++) CK(cudaHostAlloc((void **)&ring_buf[r], chunk, cudaHostAllocPortable));
