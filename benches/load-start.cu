@@ -20,21 +20,13 @@
 // Variants take turns, REPS rounds; medians. Every byte of the first round is checked.
 //   nvcc -O2 -Xcompiler -fopenmp -o /tmp/load-start benches/load-start.cu
 //   /tmp/load-start FILE GIB [IDLE_MS=300] [REPS=5] [THREADS=16] [CHUNK_MIB=16] [RING=4] [SHOW=12]
-#include <cuda_runtime.h>
 #include "probe-file.h"
-#include <fcntl.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
-static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 static double median(double *v, int n) { qsort(v, n, sizeof(double), cmp); return v[n / 2]; }
 
 enum { NONE, H2D_4K, KERNEL, H2D_64M, BUSY, WAKE_4K, FRESH_DEV, VARIANTS };
@@ -55,6 +47,7 @@ int main(int argc, char **argv) {
     if (reps < 1 || reps > MAXREPS || ring < 1 || ring > 64) { fprintf(stderr, "1 <= REPS <= 16, 1 <= RING <= 64\n"); return 2; }
     char *map;
     probe_file(path, size, &map);
+    const int keep_old = getenv("KEEP_OLD") != 0;
     size_t chunks = (size + chunk - 1) / chunk;
     if (show > (int)chunks) show = (int)chunks;
     char *dev, *scratch, *ring_buf[64], *back, *warm;
@@ -78,7 +71,7 @@ int main(int argc, char **argv) {
     for (int rep = 0; rep < reps; rep++)
         for (int v = 0; v < VARIANTS; v++) {
             CK(cudaMemsetAsync(dev, 0x5a, size, s)); CK(cudaStreamSynchronize(s));
-            if (v == FRESH_DEV) { if (getenv("KEEP_OLD") == 0) CK(cudaFree(dev)); CK(cudaMalloc(&dev, size)); }
+            if (v == FRESH_DEV) { if (!keep_old) CK(cudaFree(dev)); CK(cudaMalloc(&dev, size)); }
             if (v != BUSY && v != FRESH_DEV && idle_ms) usleep(idle_ms * 1000);
             if (v == H2D_4K) CK(cudaMemcpyAsync(scratch, warm, 4096, cudaMemcpyHostToDevice, s));
             if (v == KERNEL || v == BUSY || v == FRESH_DEV) CK(cudaMemsetAsync(scratch, 0x11, 256 << 20, s));

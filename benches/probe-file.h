@@ -1,13 +1,21 @@
-// What the load probes (load-design.cu, load-start.cu) share: the checkpoint-sized file they
-// read, made of random bytes (xorshift) where PATH is missing or of another size, then
-// opened, mapped read only and touched page by page (so that it is in the page cache).
+// What the load probes (load-design.cu, load-start.cu) share: an error check, the clock and
+// a comparison for medians, and the checkpoint-sized file they read, made of random bytes
+// (xorshift) where PATH is missing or of another size, then opened, mapped read only and
+// touched page by page (so that it is in the page cache).
 #pragma once
+#include <cuda_runtime.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 
 // Returns the file's descriptor and sets *map to a mapping of its SIZE bytes, every page
 // touched; exits on an error.
