@@ -45,10 +45,8 @@ use crate::error::Result;
 ///
 /// # Errors on drop
 ///
-/// A drop has nowhere to return an error, so it ignores the one [`Device::free`] gives:
-/// - a failed `cuMemFree` (buffers past the slab size): the handle is freed all the same,
-///   its memory stays counted as held and the next [`Device::trim`] tries again, so nothing
-///   is lost by not reporting it here;
+/// A drop has nowhere to return an error, so it ignores the one [`Device::free`] gives (a
+/// free makes no driver call: its memory goes back to the device's store):
 /// - the handle freed already, through a copy of it passed to [`Device::free`]: nothing is
 ///   freed twice or counted twice;
 /// - (feature `cudarc`) a `ResidentView` of the buffer still alive: the free is refused and

@@ -164,37 +164,34 @@ fn a_handle_freed_by_hand_makes_the_drop_a_no_op() {
 }
 
 #[test]
-fn a_driver_free_refused_on_drop_keeps_the_memory_counted_and_the_next_trim_retries_it() {
+fn a_driver_free_refused_by_trim_keeps_the_memory_counted_and_the_next_trim_retries_it() {
     let driver = model::driver();
     let d = Device::open_on_driver(Arc::clone(&driver), 0, small_chunks()).expect("the model opens");
-    let big = 100u64 << 20; // past the slab size: a cuMemAlloc of its own, freed by cuMemFree
+    let big = 100u64 << 20; // past the slab size: a cuMemAlloc of its own, kept when freed
     let (bytes, buffers, _) = held(&d);
-    let refuse = || {
-        driver.faults().record();
-        let fault = Fault::new("cuMemFree_v2", 1, CUDA_ERROR_INVALID_CONTEXT).times(u64::MAX);
-        driver.faults().inject(fault).unwrap();
-    };
-    // The drop has nowhere to report the refusal: the handle is gone, the memory (still the
-    // driver's) stays counted, and the next trim frees it.
+    // Dropped or freed, the block is kept for reuse: no driver call, nothing to refuse.
+    driver.faults().record();
     let owned = d.allocate_owned(big).unwrap();
     let handle = *owned;
-    refuse();
     drop(owned);
-    assert!(driver.faults().injected() > 0, "the free reached the driver");
     assert!(matches!(d.buffer_len(handle), Err(Error::FreedBuffer { .. })));
     assert_eq!((d.allocated_bytes(), d.telemetry().memory.buffers), (bytes, buffers));
+    assert_eq!(d.telemetry().memory.kept_bytes, big, "kept for reuse");
+    d.allocate_owned(big).unwrap().free().unwrap();
+    let frees = driver.faults().counts().get("cuMemFree_v2").map_or(0, |c| c.calls);
+    assert_eq!(frees, 0, "a kept block is not freed");
+    // The trim gives it back; a refusal there is reported, and the memory (still the
+    // driver's) stays counted until the next trim frees it.
+    let fault = Fault::new("cuMemFree_v2", 1, CUDA_ERROR_INVALID_CONTEXT).times(u64::MAX);
+    driver.faults().inject(fault).unwrap();
+    let e = d.trim().unwrap_err();
+    assert!(e.to_string().contains("cuMemFree_v2") && e.to_string().contains("Fix:"), "{e}");
+    assert!(driver.faults().injected() > 0, "the free reached the driver");
     assert_eq!(d.telemetry().memory.dedicated_bytes, big, "still held, so still counted");
+    assert_eq!(d.telemetry().memory.kept_bytes, 0, "no longer offered for reuse");
     driver.faults().clear();
     d.trim().unwrap();
     assert_eq!(d.telemetry().memory.dedicated_bytes, 0, "the trim retried it");
-    // `free` reports the same refusal.
-    let owned = d.allocate_owned(big).unwrap();
-    refuse();
-    let e = owned.free().unwrap_err();
-    assert!(e.to_string().contains("cuMemFree_v2") && e.to_string().contains("Fix:"), "{e}");
-    driver.faults().clear();
-    d.trim().unwrap();
-    assert_eq!(d.telemetry().memory.dedicated_bytes, 0);
 }
 
 /// A cudarc view (its guard, here) refuses the free: the owner's drop leaves the buffer

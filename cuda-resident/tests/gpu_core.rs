@@ -147,6 +147,35 @@ fn a_free_during_an_upload_is_deferred_until_it_completes() {
     assert_eq!((stats.deferred_bytes, stats.allocated_bytes), (0, 0));
 }
 
+/// A buffer past the slab size, freed, is kept: the next allocation it fits gets the same
+/// memory without a driver call, holds what is written to it, and trim gives it back.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_freed_large_buffer_is_kept_reused_and_trimmed() {
+    let d = device();
+    const LEN: usize = 200 << 20;
+    let mut rng = fastrand::Rng::with_seed(0x4EE9);
+    let a = d.allocate(LEN as u64).unwrap();
+    let a_ptr = d.device_ptr(a).unwrap();
+    d.free(a).unwrap();
+    let held = driver_free_memory(&d);
+    let before = d.telemetry().memory;
+    assert_eq!(before.kept_bytes, LEN as u64);
+    let b = d.allocate(LEN as u64 - 4096).unwrap();
+    assert_eq!(d.device_ptr(b).unwrap(), a_ptr, "the kept block serves it");
+    let after = d.telemetry().memory;
+    assert_eq!((after.driver_allocations, after.kept_bytes), (before.driver_allocations, 0));
+    assert_eq!(driver_free_memory(&d), held, "no memory taken from the driver");
+    let data = random_bytes(&mut rng, LEN - 4096);
+    raw_write(&d, b, &[0xA5; 16]);
+    d.upload(b, &data).unwrap();
+    assert!(d.download(b).unwrap() == data, "the reused memory holds what was written");
+    d.free(b).unwrap();
+    assert!(d.trim().unwrap() >= LEN as u64);
+    assert_eq!(d.telemetry().memory.kept_bytes, 0);
+    assert!(driver_free_memory(&d) >= held + LEN as u64, "trim gave it back to the driver");
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn async_copies_round_trip_and_order_across_lanes() {

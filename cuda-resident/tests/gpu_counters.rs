@@ -34,7 +34,7 @@ fn settled(d: &Device, want: (u64, u64), what: &str) {
     assert_eq!(m.library_bytes, t.staging_bytes, "{what}: the library holds its lanes' staging alone: {t:?}");
     assert_eq!(
         m.reserved_bytes,
-        m.footprint_bytes + m.cached_bytes + m.slab_free_bytes + m.deferred_bytes,
+        m.footprint_bytes + m.cached_bytes + m.kept_bytes + m.slab_free_bytes + m.deferred_bytes,
         "{what}: {m:?}"
     );
     assert_eq!((t.pinned.lent_bytes, t.pinned.held_bytes), (0, 0), "{what}: {:?}", t.pinned);

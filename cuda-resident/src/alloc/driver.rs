@@ -27,6 +27,27 @@ impl<M: DeviceMemory> Allocator<M> {
         }
     }
 
+    /// Takes back a block no buffer uses any more: a dedicated one is kept for reuse, any
+    /// other returns to its slab.
+    pub(super) fn retire(&self, global: &mut Global, block: Block) -> Result<()> {
+        if block.origin == Origin::Dedicated {
+            global.kept.push(block);
+            return Ok(());
+        }
+        self.release(global, block)
+    }
+
+    /// The kept dedicated block that serves `bytes` best: the smallest that holds them with
+    /// at most a quarter to spare (as size classes waste at most), taken out of the kept.
+    fn reuse_kept(global: &mut Global, bytes: u64) -> Option<Block> {
+        let spare = bytes / 4;
+        let best = (global.kept.iter().enumerate())
+            .filter(|(_, b)| b.bytes >= bytes && b.bytes - bytes <= spare)
+            .min_by_key(|(_, b)| b.bytes)?
+            .0;
+        Some(global.kept.swap_remove(best))
+    }
+
     /// Returns one driver allocation. On failure the memory is still held: it stays counted
     /// in `reserved` and is retried by the next trim (a driver that refused once may not
     /// refuse again; one whose context is lost refuses everything, and then nothing leaks
@@ -64,7 +85,7 @@ impl<M: DeviceMemory> Allocator<M> {
         while i < global.deferred.len() {
             if is_idle(global.deferred[i].1) {
                 let (block, _) = global.deferred.swap_remove(i);
-                result = result.and(self.release(global, block));
+                result = result.and(self.retire(global, block));
             } else {
                 i += 1;
             }
@@ -85,6 +106,11 @@ impl<M: DeviceMemory> Allocator<M> {
         // A failed driver free here is not this allocation's failure: the memory stays
         // listed for the next trim, which reports it.
         let _ = self.reclaim_deferred(&mut global, is_idle);
+        if origin == Origin::Dedicated
+            && let Some(block) = Self::reuse_kept(&mut global, bytes)
+        {
+            return Ok(block);
+        }
         let mut trimmed = false;
         loop {
             let attempt = if origin == Origin::Dedicated {
@@ -205,7 +231,8 @@ impl<M: DeviceMemory> Allocator<M> {
         }
     }
 
-    /// Releases cached blocks and empty slabs to the driver. Returns the bytes released.
+    /// Releases cached blocks, kept dedicated blocks and empty slabs to the driver. Returns
+    /// the bytes released.
     pub(crate) fn trim(&self, is_idle: &dyn Fn(LastUse) -> bool) -> Result<u64> {
         let mut global = lock(&self.global.0);
         let reclaimed = self.reclaim_deferred(&mut global, is_idle);
@@ -219,6 +246,9 @@ impl<M: DeviceMemory> Allocator<M> {
         global.trims += 1;
         let before = global.reserved;
         let mut result = self.retry_unreleased(global);
+        for block in std::mem::take(&mut global.kept) {
+            result = result.and(self.release(global, block));
+        }
         for cell in self.shards.iter() {
             let blocks: Vec<Block> = {
                 let mut shard = lock(&cell.state);

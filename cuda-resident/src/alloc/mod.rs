@@ -4,7 +4,13 @@
 //!   to a per-class cache, so the next allocation of that class is a vector pop under an
 //!   uncontended lock: no driver call, no search.
 //! - Larger buffers up to the slab size are carved best-fit from slabs ([`ranges`]).
-//! - Buffers past the slab size get a dedicated `cuMemAlloc`.
+//! - Buffers past the slab size get a dedicated `cuMemAlloc`. A freed dedicated block is
+//!   kept (not given back to the driver) and serves the next allocation it fits with at
+//!   most a quarter to spare: a checkpoint loaded again after its buffers were dropped gets
+//!   the same memory back without a driver call. Memory the driver has just taken back is
+//!   slow to write for a while (the first 16 MiB DMAs into memory freed and allocated again
+//!   took 0.66-1.38 ms instead of 0.35 on an H100: docs/runs/2026-12-07-h100-load-start.md).
+//!   Trim, and any refusal by the budget or the driver, gives kept blocks back.
 //!
 //! **Shards.** Handles and caches live in [`SHARDS`] shards, each behind its own lock; a
 //! thread uses the shard it was assigned on first use, so threads allocating at once do not
@@ -64,7 +70,7 @@ enum Origin {
     Class(u8),
     /// A best-fit range of a slab; returned to the slab on free.
     Range,
-    /// A dedicated driver allocation; freed on free.
+    /// A dedicated driver allocation; kept for reuse on free, given back by trim.
     Dedicated,
 }
 
@@ -142,6 +148,8 @@ struct Global {
     reserved: u64,
     peak_reserved: u64,
     dedicated: u64,
+    /// Freed dedicated blocks kept for reuse (part of `dedicated` and `reserved`).
+    kept: Vec<Block>,
     /// Freed while in use by a copy: memory waits for the copy.
     deferred: Vec<(Block, LastUse)>,
     /// Driver allocations whose `cuMemFree` failed, as `(pointer, bytes)`: still counted in
@@ -502,7 +510,7 @@ impl<M: DeviceMemory> Allocator<M> {
         }
         drop(shard);
         let mut global = lock(&self.global.0);
-        self.release(&mut global, block)
+        self.retire(&mut global, block)
     }
 
     /// Frees every driver allocation. Called when the device goes away, after all copies.
@@ -517,6 +525,7 @@ impl<M: DeviceMemory> Allocator<M> {
         ptrs.extend(
             global.deferred.drain(..).filter(|(b, _)| b.origin == Origin::Dedicated).map(|(b, _)| b.ptr),
         );
+        ptrs.extend(global.kept.drain(..).map(|b| b.ptr));
         ptrs.extend(global.slabs.drain(..).flatten().map(|slab| slab.ptr));
         ptrs.extend(global.unreleased.drain(..).map(|memory| memory.ptr));
         global.reserved = 0;

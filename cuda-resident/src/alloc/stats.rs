@@ -26,9 +26,13 @@ pub struct AllocatorStats {
     pub peak_reserved_bytes: u64,
     /// Number of slabs held.
     pub slabs: u64,
-    /// Bytes in dedicated allocations.
+    /// Bytes in dedicated allocations, kept ones included.
     pub dedicated_bytes: u64,
-    /// Bytes in free size-class caches.
+    /// Bytes of freed dedicated allocations kept for reuse (part of `dedicated_bytes`):
+    /// the next allocation of a size they fit takes one without a driver call; trim gives
+    /// them back.
+    pub kept_bytes: u64,
+    /// Bytes in free size-class caches (kept dedicated blocks are `kept_bytes`).
     pub cached_bytes: u64,
     /// Free bytes inside slabs.
     pub slab_free_bytes: u64,
@@ -79,6 +83,7 @@ impl<M: DeviceMemory> Allocator<M> {
         stats.peak_reserved_bytes = global.peak_reserved;
         stats.slabs = global.slabs.iter().flatten().count() as u64;
         stats.dedicated_bytes = global.dedicated;
+        stats.kept_bytes = global.kept.iter().map(|b| b.bytes).sum();
         stats.slab_free_bytes = global.ranges.free_bytes();
         stats.largest_free_range = global.ranges.largest();
         stats.deferred_bytes = global.deferred.iter().map(|(b, _)| b.bytes).sum();

@@ -228,9 +228,12 @@ impl Device {
     /// Frees a buffer. The handle is invalid at once; if a copy still uses the buffer, its
     /// memory is reused only after the copy completes.
     ///
-    /// An error from the driver's own free (`cuMemFree`, for a buffer past the slab size)
-    /// is returned, but the handle is freed all the same: the memory stays counted as held
-    /// and the next [`Device::trim`] tries again.
+    /// No driver call: the memory goes back to the device's store. A buffer past the slab
+    /// size keeps its driver allocation, which the next allocation it fits (at most a
+    /// quarter smaller) takes without a driver call: a checkpoint loaded again gets its
+    /// memory back at once, and memory the driver has just taken back is slow to write for
+    /// a while. [`Device::trim`] gives kept memory back, as does any allocation the budget
+    /// or the driver would refuse otherwise; `telemetry().memory.kept_bytes` counts it.
     pub fn free(&self, buffer: ResidentBuffer) -> Result<()> {
         self.core.free(buffer)
     }
@@ -260,7 +263,8 @@ impl Device {
         Ok(self.core.ctx.bind()?.mem_get_info()?.0)
     }
 
-    /// Releases cached device memory and free pinned memory back to the driver, and the
+    /// Releases cached device memory (size-class caches, kept allocations past the slab
+    /// size, empty slabs) and free pinned memory back to the driver, and the
     /// host memory kept from the last download that streamed into memory of its own (see
     /// [`Downloaded`](crate::Downloaded)). Returns the bytes of device memory released.
     ///

@@ -37,12 +37,14 @@ fn settled(d: &Device, want: Caller, what: &str) -> TelemetrySnapshot {
     assert!(m.library_buffers <= 2, "{what}: one staging buffer a lane at most: {m:?}");
     assert_eq!(
         m.reserved_bytes,
-        m.footprint_bytes + m.cached_bytes + m.slab_free_bytes + m.deferred_bytes,
+        m.footprint_bytes + m.cached_bytes + m.kept_bytes + m.slab_free_bytes + m.deferred_bytes,
         "{what}: the store's bytes add up to what it holds: {m:?}"
     );
     assert!(m.footprint_bytes >= m.allocated_bytes + m.library_bytes, "{what}: {m:?}");
     assert!(
-        m.dedicated_bytes <= m.reserved_bytes && m.reserved_bytes <= m.peak_reserved_bytes,
+        m.kept_bytes <= m.dedicated_bytes
+            && m.dedicated_bytes <= m.reserved_bytes
+            && m.reserved_bytes <= m.peak_reserved_bytes,
         "{what}: {m:?}"
     );
     assert!(m.frees <= m.allocations && m.driver_frees <= m.driver_allocations, "{what}: {m:?}");
@@ -57,6 +59,7 @@ fn settled(d: &Device, want: Caller, what: &str) -> TelemetrySnapshot {
         ("footprint", m.footprint_bytes),
         ("reserved", m.reserved_bytes),
         ("cached", m.cached_bytes),
+        ("kept", m.kept_bytes),
         ("staging", t.staging_bytes),
         ("pinned reserved", p.reserved_bytes),
     ] {
@@ -76,6 +79,7 @@ fn returns_to_baseline(config: Config, what: &str, mix: impl FnOnce(&Device)) {
     mix(&d);
     settled(&d, base, what);
     d.trim().unwrap();
+    assert_eq!(d.telemetry().memory.kept_bytes, 0, "{what}: trim gives kept blocks back");
     settled(&d, base, &format!("{what}, trimmed"));
     d.free(keep).unwrap();
     settled(&d, Caller { bytes: base.bytes - 12_345, buffers: base.buffers - 1 }, &format!("{what}, freed"));
