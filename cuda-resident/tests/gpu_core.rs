@@ -171,9 +171,11 @@ fn a_freed_large_buffer_is_kept_reused_and_trimmed() {
     d.upload(b, &data).unwrap();
     assert!(d.download(b).unwrap() == data, "the reused memory holds what was written");
     d.free(b).unwrap();
+    // The copies may have made the lanes' device staging, which trim keeps: compare from here.
+    let before_trim = driver_free_memory(&d);
     assert!(d.trim().unwrap() >= LEN as u64);
     assert_eq!(d.telemetry().memory.kept_bytes, 0);
-    assert!(driver_free_memory(&d) >= held + LEN as u64, "trim gave it back to the driver");
+    assert!(driver_free_memory(&d) >= before_trim + LEN as u64, "trim gave it back to the driver");
 }
 
 #[test]
