@@ -46,9 +46,9 @@ struct Args {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     loads: u32,
     /// Pinned memory to allocate as the device opens (`Config::pinned_prewarm_bytes`), in
-    /// bytes or with a unit; default none.
-    #[arg(long, value_parser = size)]
-    pinned_prewarm: Option<u64>,
+    /// bytes or with a unit (0: none, the default).
+    #[arg(long, default_value = "0", value_parser = size_or_zero)]
+    pinned_prewarm: u64,
 }
 
 /// `4096`, `256MiB`, `4GiB`.
@@ -62,6 +62,11 @@ fn size(s: &str) -> Result<u64, String> {
         .and_then(|n| n.checked_mul(unit))
         .filter(|&n| n > 0)
         .ok_or_else(|| format!("{s:?} is not a size such as 4096, 256MiB or 4GiB"))
+}
+
+/// As [`size`], 0 allowed.
+fn size_or_zero(s: &str) -> Result<u64, String> {
+    if s.trim() == "0" { Ok(0) } else { size(s) }
 }
 
 fn bar(total: u64, what: &str) -> ProgressBar {
@@ -81,7 +86,7 @@ fn run(args: &Args) -> Result<(), String> {
         }
         write(&model, &path, 36)?;
     }
-    let config = Config::default().with_pinned_prewarm_bytes(args.pinned_prewarm.unwrap_or(0));
+    let config = Config::default().with_pinned_prewarm_bytes(args.pinned_prewarm);
     let opening = Instant::now();
     let device = Device::open_configured(args.device, config).map_err(|e| e.to_string())?;
     println!(
