@@ -23,8 +23,6 @@ use crate::owned::OwnedBuffer;
 const ARENA_ALIGN: u64 = 256;
 /// The smallest batch a load or save is cut into.
 pub(super) const MIN_BATCH: u64 = 1 << 20;
-/// The bytes a load moves ahead of its first batch (see [`upload`]).
-const HEAD_BYTES: u64 = 4 << 10;
 
 /// A read-only map of the whole file at `path`.
 pub(super) fn map(path: &Path) -> Result<Mmap, WeightsError> {
@@ -237,11 +235,6 @@ fn allocate_each(
 /// in order) at its place (`places`), in batches of about
 /// `batch_bytes` (a tensor may be split between two), reporting progress after each
 /// submit; returns once every batch has landed.
-///
-/// The first [`HEAD_BYTES`] go ahead as a batch of their own, submitted at once: after the
-/// GPU has idled, a load's first chunks crossed the link at 42-46 GB/s instead of 50-52 (an
-/// H100, 300 ms idle), and a small upload enqueued just before them took most of that back
-/// (docs/runs/2026-12-07-h100-load-start.md).
 fn upload(
     device: &Device,
     (files, file_of): (&[&[u8]], &[usize]),
@@ -256,19 +249,10 @@ fn upload(
     let mut done = 0u64;
     let mut batch = device.uploads();
     let mut in_batch = 0u64;
-    let mut head_sent = false;
     for (i, (e, &place)) in entries.iter().zip(places).enumerate() {
         let buffer = buffer_of(i)?;
         let file = files[file_of[i]];
         let mut at = 0u64;
-        if !head_sent && e.len > 0 {
-            let n = e.len.min(HEAD_BYTES);
-            let from = e.start as usize;
-            let mut head = device.uploads();
-            head.write(buffer, place, &file[from..from + n as usize])?;
-            fences.push(head.submit()?);
-            (at, done, head_sent) = (n, n, true);
-        }
         while at < e.len {
             let n = (e.len - at).min(step - in_batch);
             // In the file: checked by `header::spans` against its length.
