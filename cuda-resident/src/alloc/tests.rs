@@ -584,3 +584,50 @@ fn a_slot_whose_generations_run_out_is_retired() {
     }
     assert!(a.resolve(next).is_ok());
 }
+
+#[test]
+fn many_threads_reusing_kept_blocks_never_share_one() {
+    // Sizes past the 64 MiB slab: every free keeps its block, every allocation may take one.
+    let (model, a) = allocator(64 * GIB, 0.9);
+    let a = Arc::new(a);
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let a = Arc::clone(&a);
+            std::thread::spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(100 + t);
+                let mut live: Vec<(ResidentBuffer, u64)> = Vec::new();
+                for _ in 0..400 {
+                    if live.len() < 6 && (rng.bool() || live.is_empty()) {
+                        let len = rng.u64(65 * MIB..=130 * MIB);
+                        live.push((a.allocate(len, IDLE).unwrap(), len));
+                    } else {
+                        let (b, len) = live.swap_remove(rng.usize(..live.len()));
+                        assert_eq!(a.resolve(b).unwrap().1, len);
+                        a.free(b, IDLE).unwrap();
+                    }
+                }
+                live
+            })
+        })
+        .collect();
+    let live: Vec<(ResidentBuffer, u64)> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let mut spans: Vec<(u64, u64)> = live
+        .iter()
+        .map(|&(b, len)| {
+            let ptr = a.resolve(b).unwrap().0;
+            (ptr, ptr + len)
+        })
+        .collect();
+    spans.sort();
+    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "live buffers overlap");
+    let stats = a.stats();
+    assert_eq!(stats.allocated_bytes, live.iter().map(|l| l.1).sum::<u64>());
+    assert_eq!(stats.reserved_bytes, stats.footprint_bytes + stats.kept_bytes);
+    assert!(stats.driver_allocations < stats.allocations, "kept blocks were reused: {stats:?}");
+    for (b, _) in live {
+        a.free(b, IDLE).unwrap();
+    }
+    assert_eq!(a.stats().kept_bytes, a.stats().reserved_bytes);
+    a.trim(IDLE).unwrap();
+    assert_eq!((model.live_bytes(), a.stats().reserved_bytes), (0, 0));
+}
