@@ -35,7 +35,7 @@ use crate::error::Result;
 /// Dropping it frees the buffer as [`Device::free`] does: the handle is invalid at once,
 /// and if a copy submitted earlier still uses the buffer, its memory is reused only after
 /// that copy completes, with no wait on the host. [`free`](Self::free) does the same and
-/// returns the driver's error; [`into_raw`](Self::into_raw) gives the handle up without
+/// returns its error; [`into_raw`](Self::into_raw) gives the handle up without
 /// freeing it.
 ///
 /// It keeps a clone of its [`Device`]: the device's context and memory stay alive while an
@@ -107,10 +107,9 @@ impl OwnedBuffer {
     }
 
     /// Frees the buffer now, as dropping it would, and returns what [`Device::free`]
-    /// returns: the driver's error for a buffer past the slab size (its memory then stays
-    /// counted and the next [`Device::trim`] tries again), [`Error::FreedBuffer`] when a
-    /// copy of the handle was freed already, (feature `cudarc`) [`Error::BufferViewed`]
-    /// while a view of the buffer lives (it then stays allocated, as for a drop).
+    /// returns: [`Error::FreedBuffer`] when a copy of the handle was freed already,
+    /// (feature `cudarc`) [`Error::BufferViewed`] while a view of the buffer lives (it then
+    /// stays allocated, as for a drop).
     pub fn free(mut self) -> Result<()> {
         self.owns = false;
         self.device.free(self.buffer)
