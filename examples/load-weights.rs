@@ -52,22 +52,23 @@ struct Args {
     pinned_prewarm: u64,
 }
 
-/// `4096`, `256MiB`, `4GiB`.
+/// `4096`, `256MiB`, `4GiB`: a size of at least one byte.
 fn size(s: &str) -> Result<u64, String> {
-    let units = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)];
-    let (digits, unit) = units.iter().find_map(|&(u, n)| s.strip_suffix(u).map(|d| (d, n))).unwrap_or((s, 1));
-    digits
-        .trim()
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(unit))
-        .filter(|&n| n > 0)
-        .ok_or_else(|| format!("{s:?} is not a size such as 4096, 256MiB or 4GiB"))
+    match size_or_zero(s)? {
+        0 => Err(not_a_size(s)),
+        n => Ok(n),
+    }
 }
 
-/// As [`size`], 0 allowed.
+/// As [`size`], 0 (with or without a unit) allowed.
 fn size_or_zero(s: &str) -> Result<u64, String> {
-    if s.trim() == "0" { Ok(0) } else { size(s) }
+    let units = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)];
+    let (digits, unit) = units.iter().find_map(|&(u, n)| s.strip_suffix(u).map(|d| (d, n))).unwrap_or((s, 1));
+    digits.trim().parse::<u64>().ok().and_then(|n| n.checked_mul(unit)).ok_or_else(|| not_a_size(s))
+}
+
+fn not_a_size(s: &str) -> String {
+    format!("{s:?} is not a size such as 4096, 256MiB or 4GiB")
 }
 
 fn bar(total: u64, what: &str) -> ProgressBar {
