@@ -135,8 +135,12 @@ pub(crate) struct Args {
     pub(crate) weights_batch: Option<usize>,
     /// The weights suite's loads from the page cache only (no arena, registered, cold or
     /// save rows; the file is not synced to disk).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "weights_saves_only")]
     pub(crate) weights_loads_only: bool,
+    /// The weights suite's sharded save (and the load of what it wrote) only: no one-file,
+    /// arena, registered or cold rows; the file is not synced to disk.
+    #[arg(long)]
+    pub(crate) weights_saves_only: bool,
     /// Shards of the weights suite's sharded save and load (SaveOptions::shards): one
     /// thread and one file each.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]

@@ -15,8 +15,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use cuda_resident::cuda_sys::call;
-use cuda_resident::weights::LoadOptions;
-use cuda_resident::{Device, OwnedBuffer};
+use cuda_resident::weights::{Checkpoint, Dtype, LoadOptions};
+use cuda_resident::{Device, OwnedBuffer, ResidentBuffer};
 use cuda_resident_suite::weights::{compare, llama, map, tensor_ranges, warm, write};
 use indicatif::ProgressBar;
 use memmap2::MmapMut;
@@ -50,7 +50,7 @@ pub(crate) fn run(
     write(&model, &path, SEED)?;
     // On disk before a cold load can drop it from the page cache (dirty pages stay); loads
     // from the page cache alone need no sync, which for 16 GiB takes most of a minute.
-    if !args.weights_loads_only {
+    if !args.weights_loads_only && !args.weights_saves_only {
         File::open(&path)
             .and_then(|f| f.sync_all())
             .map_err(|e| format!("syncing {}: {e}", path.display()))?;
@@ -77,8 +77,17 @@ pub(crate) fn run(
     let loads =
         Loads { d, baseline, path: &path, ranges: &ranges, buffers: &buffers, ptrs: &ptrs, batch_bytes };
 
-    progress.set_message("weights: load, page cache");
     let _ = warm(&map(&path)?);
+    if args.weights_saves_only {
+        progress.inc(STEPS as u64 - 1);
+        progress.set_message("weights: sharded save");
+        let ckpt = d.load_safetensors(&path).map_err(error)?;
+        let sharded = super::weights_shards::Sharded { d, path: &path, ranges: &ranges, batch_bytes };
+        sharded.run(args, &save_list(&ckpt), &what, rows)?;
+        progress.inc(1);
+        return Ok(());
+    }
+    progress.set_message("weights: load, page cache");
     let (raw, batch, ours) = loads.time(args.reps, &|| Ok(()), false)?;
     rows.push(Row::gbps(format!("load {what}, page cache"), bytes, Some(raw), batch, ours).noted(&threads));
     if args.breakdown {
@@ -124,8 +133,7 @@ pub(crate) fn run(
     progress.set_message("weights: save");
     let out = path.with_extension("out.safetensors");
     let ckpt = d.load_safetensors(&path).map_err(error)?;
-    let tensors: Vec<_> =
-        ckpt.tensors().iter().map(|t| (t.name(), t.dtype(), t.shape(), t.buffer())).collect();
+    let tensors = save_list(&ckpt);
     let raw = loads.time_save(args.reps, &out, Method::Raw, &|| Ok(()))?;
     let batch = match baseline.batch {
         true => Some(loads.time_save(args.reps, &out, Method::Batch, &|| Ok(()))?),
@@ -144,6 +152,11 @@ pub(crate) fn run(
     progress.inc(1);
     println!("weights: the checkpoint stays at {} (benches/weights_torch.py reads it)", path.display());
     Ok(())
+}
+
+/// What a save of `ckpt`'s tensors takes: name, dtype, shape and buffer of each.
+fn save_list(ckpt: &Checkpoint) -> Vec<(&str, Dtype, &[usize], ResidentBuffer)> {
+    ckpt.tensors().iter().map(|t| (t.name(), t.dtype(), t.shape(), t.buffer())).collect()
 }
 
 /// Where a load's time goes (`--breakdown`), on stderr: allocating one buffer per tensor
