@@ -97,7 +97,7 @@ impl Device {
         Core::open(driver, ordinal, config).map(|core| Device { core: Arc::new(core) })
     }
 
-    #[cfg(any(test, feature = "cudarc"))]
+    #[cfg(any(test, feature = "cudarc", feature = "safetensors"))]
     pub(crate) fn core(&self) -> &Arc<Core> {
         &self.core
     }

@@ -105,3 +105,69 @@ fn an_arena_refused_during_eviction_is_retried_when_room_is_needed_again() {
     let counts = driver.faults().counts();
     assert_eq!(counts["cuMemHostAlloc"].succeeded, counts["cuMemFreeHost"].succeeded, "nothing leaked");
 }
+
+#[test]
+fn warming_makes_free_arenas_up_to_the_total_counting_what_is_held() {
+    let (driver, pool) = pool(64 * MIB);
+    // 10 MiB of 4 MiB arenas: three (the last passes the total, as a prewarm's last did).
+    assert_eq!(pool.warm(4 * MIB as usize, 10 * MIB).unwrap(), 12 * MIB);
+    let stats = pool.stats();
+    assert_eq!((stats.reserved_bytes, stats.lent_bytes, stats.misses), (12 * MIB, 0, 0));
+    // Held already: nothing more; asked for more: only what is missing.
+    assert_eq!(pool.warm(4 * MIB as usize, 12 * MIB).unwrap(), 0);
+    assert_eq!(pool.warm(4 * MIB as usize, 16 * MIB).unwrap(), 4 * MIB);
+    // What the copies then take is served by those arenas.
+    let leases: Vec<_> = (0..4).map(|_| pool.try_acquire(4 * MIB as usize).unwrap().unwrap()).collect();
+    assert_eq!((pool.stats().hits, pool.stats().misses), (4, 0));
+    drop(leases);
+    assert_eq!(driver.faults().counts()["cuMemHostAlloc"].succeeded, 4);
+    pool.trim().unwrap();
+    assert_eq!(driver.faults().counts()["cuMemFreeHost"].succeeded, 4, "every arena freed once");
+}
+
+#[test]
+fn warming_stops_at_the_cap_and_at_zero() {
+    let (_driver, pool) = pool(10 * MIB);
+    assert_eq!(pool.warm(4 * MIB as usize, u64::MAX).unwrap(), 8 * MIB, "a third would pass the cap");
+    assert_eq!(pool.stats().reserved_bytes, 8 * MIB);
+    let (_driver, fresh) = super::tests::pool(10 * MIB);
+    let pool = fresh;
+    assert_eq!(pool.warm(4 * MIB as usize, 0).unwrap(), 0);
+    assert_eq!(pool.warm(0, MIB).unwrap(), MIN_ARENA.max(MIB), "a zero length takes the smallest arena");
+    assert_eq!(pool.warm(usize::MAX, u64::MAX).unwrap(), 0, "an arena past the cap is never made");
+}
+
+#[test]
+fn a_refused_arena_fails_the_warming_and_keeps_the_count_true() {
+    let (driver, pool) = pool(64 * MIB);
+    driver.faults().inject(Fault::new("cuMemHostAlloc", 3, CUDA_ERROR_INVALID_CONTEXT)).unwrap();
+    let err = pool.warm(MIB as usize, 8 * MIB).unwrap_err();
+    assert!(err.to_string().contains("cuMemHostAlloc"), "{err}");
+    // The arenas made before (or alongside) the refusal stay, counted; nothing else is.
+    let made = driver.faults().counts()["cuMemHostAlloc"].succeeded;
+    let stats = pool.stats();
+    assert_eq!((stats.reserved_bytes, stats.lent_bytes), (made * MIB, 0));
+    assert_eq!(pool.trim().unwrap(), made * MIB);
+    assert_eq!(driver.faults().counts()["cuMemFreeHost"].succeeded, made);
+}
+
+#[test]
+fn warming_from_many_threads_at_once_never_passes_the_total() {
+    let (driver, pool) = pool(256 * MIB);
+    let gpu = model::shared();
+    let added: u64 = std::thread::scope(|s| {
+        let warms: Vec<_> = (0..8)
+            .map(|_| {
+                let (pool, gpu) = (&pool, gpu.clone());
+                s.spawn(move || {
+                    model::join(gpu);
+                    pool.warm(MIB as usize, 40 * MIB).unwrap()
+                })
+            })
+            .collect();
+        warms.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    assert_eq!(added, 40 * MIB, "each arena counted by the warming that made it");
+    assert_eq!(pool.stats().reserved_bytes, 40 * MIB);
+    assert_eq!(driver.faults().counts()["cuMemHostAlloc"].succeeded, 40);
+}
