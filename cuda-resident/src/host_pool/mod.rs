@@ -93,6 +93,11 @@ struct PoolState {
     waiters: usize,
     /// Transfer leases given back so far.
     transfer_returns: u64,
+    /// Bytes of arenas [`HostPool::warm`] is making: counted in `reserved`, free once made,
+    /// so a transfer that finds the pool full waits for them too.
+    warming: u64,
+    /// Arenas [`HostPool::warm`] has made (or given up on) so far.
+    warmed: u64,
 }
 
 impl PoolState {
@@ -394,9 +399,10 @@ impl HostPool {
     }
 
     /// For a transfer that found the pool full with no copy in flight to wait for: where
-    /// running transfers hold staging, waits (up to `most`) for some to come back, and
-    /// returns how many transfer leases have come back so far (a measure of progress);
-    /// with none out, returns `None` at once.
+    /// running transfers hold staging or arenas are being made ([`HostPool::warm`]), waits
+    /// (up to `most`) for some to come back or be made, and returns how many transfer leases
+    /// have come back and arenas been made so far (a measure of progress); with none out,
+    /// returns `None` at once.
     ///
     /// Transfer staging comes back without its holder waiting for anyone: as its copies
     /// complete (a thread that retired them may still be handing them back), or as a
@@ -405,13 +411,13 @@ impl HostPool {
     /// circle; the caller still gives up where nothing moves for a while.
     pub(crate) fn wait_for_transfers(&self, most: Duration) -> Option<u64> {
         let mut state = lock(&self.state);
-        if state.transfer_bytes == 0 {
+        if state.transfer_bytes == 0 && state.warming == 0 {
             return None;
         }
         state.waiters += 1;
         let (mut state, _) = self.returned.wait_timeout(state, most).unwrap_or_else(|e| e.into_inner());
         state.waiters -= 1;
-        Some(state.transfer_returns)
+        Some(state.transfer_returns + state.warmed)
     }
 
     fn free_arenas(&self, arenas: Vec<Arena>) -> Result<()> {
@@ -485,23 +491,46 @@ impl HostPool {
     /// One free arena of `bytes` for [`HostPool::warm`]: `Ok(false)` (nothing done) once
     /// the pool holds `total` bytes or the arena would pass the cap.
     fn add_arena(&self, bytes: u64, total: u64) -> Result<bool> {
-        {
-            let mut state = lock(&self.state);
-            if state.reserved >= total || state.reserved.checked_add(bytes).is_none_or(|r| r > self.cap) {
-                return Ok(false);
-            }
-            state.reserved += bytes;
+        if !self.begin_arena(bytes, total) {
+            return Ok(false);
         }
         match self.ctx.bind().and_then(|raw| raw.mem_host_alloc(bytes)) {
             Ok(ptr) => {
                 let ptr = NonNull::new(ptr).expect("cuMemHostAlloc returned success and null");
-                lock(&self.state).free.entry(bytes).or_default().push(Arena { ptr, bytes });
+                self.end_arena(bytes, Some(Arena { ptr, bytes }));
                 Ok(true)
             }
             Err(e) => {
-                take(&mut lock(&self.state).reserved, bytes, "pinned reserved bytes");
+                self.end_arena(bytes, None);
                 Err(e)
             }
+        }
+    }
+
+    /// Counts an arena of `bytes` as being made, where the pool holds less than `total`
+    /// and the arena fits the cap.
+    fn begin_arena(&self, bytes: u64, total: u64) -> bool {
+        let mut state = lock(&self.state);
+        if state.reserved >= total || state.reserved.checked_add(bytes).is_none_or(|r| r > self.cap) {
+            return false;
+        }
+        state.reserved += bytes;
+        state.warming += bytes;
+        true
+    }
+
+    /// Ends an arena of `bytes` counted by [`HostPool::begin_arena`]: free if `made`, else
+    /// no longer counted; either way a transfer waiting for room looks again.
+    fn end_arena(&self, bytes: u64, made: Option<Arena>) {
+        let mut state = lock(&self.state);
+        take(&mut state.warming, bytes, "pinned warming bytes");
+        state.warmed += 1;
+        match made {
+            Some(arena) => state.free.entry(bytes).or_default().push(arena),
+            None => take(&mut state.reserved, bytes, "pinned reserved bytes"),
+        }
+        if state.waiters > 0 {
+            self.returned.notify_all();
         }
     }
 

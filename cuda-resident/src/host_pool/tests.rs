@@ -171,3 +171,44 @@ fn warming_from_many_threads_at_once_never_passes_the_total() {
     assert_eq!(pool.stats().reserved_bytes, 40 * MIB);
     assert_eq!(driver.faults().counts()["cuMemHostAlloc"].succeeded, 40);
 }
+
+#[test]
+fn a_transfer_that_finds_the_pool_full_of_arenas_being_made_waits_for_them() {
+    let (driver, pool) = pool(4 * MIB);
+    // Warming has counted the whole cap and not made any arena yet.
+    for _ in 0..4 {
+        assert!(pool.begin_arena(MIB, 4 * MIB));
+    }
+    assert!(!pool.begin_arena(MIB, 8 * MIB), "the cap is counted");
+    assert_eq!(pool.try_acquire_for_transfer(MIB as usize).unwrap().map(|l| l.len()), None, "full");
+    let gpu = model::shared();
+    let made = std::thread::scope(|s| {
+        let maker = s.spawn(|| {
+            model::join(gpu);
+            // Once the transfer waits.
+            while lock(&pool.state).waiters == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let raw = pool.ctx.bind().unwrap();
+            let ptr = NonNull::new(raw.mem_host_alloc(MIB).unwrap()).unwrap();
+            pool.end_arena(MIB, Some(Arena { ptr, bytes: MIB }));
+            // The others are given up on (as after a refusal): no longer counted.
+            for _ in 0..3 {
+                pool.end_arena(MIB, None);
+            }
+        });
+        // Not `None` (which would make the transfer give up): arenas are on their way.
+        let progress = pool.wait_for_transfers(std::time::Duration::from_secs(10));
+        maker.join().unwrap();
+        progress
+    });
+    assert!(made.is_some());
+    let lease = pool.try_acquire_for_transfer(MIB as usize).unwrap().expect("the arena made");
+    assert_eq!(pool.stats().hits, 1);
+    drop(lease);
+    assert_eq!(pool.wait_for_transfers(std::time::Duration::from_secs(10)), None, "nothing out any more");
+    assert_eq!(pool.stats().reserved_bytes, MIB);
+    pool.trim().unwrap();
+    let counts = driver.faults().counts();
+    assert_eq!(counts["cuMemHostAlloc"].succeeded, counts["cuMemFreeHost"].succeeded);
+}
