@@ -1,5 +1,7 @@
-//! CPU cost of a request: what `UploadBatch::write`, `UploadBatch::write_many` and
-//! `DownloadBatch::read` cost per call, beyond the bytes a submit later moves. No GPU: the
+//! CPU cost of a request: what `UploadBatch::write`, `UploadBatch::write_many`,
+//! `UploadBatch::write_with` (its fill copying the bytes), `UploadBatch::write_with_par` (its
+//! fill run at submit, untimed) and `DownloadBatch::read` cost per call, beyond the bytes a
+//! submit later moves. No GPU: the
 //! device is opened on the tests' model driver (`cuda_resident::internals::model_device`),
 //! and only building a batch is timed (taking it from the device, then the calls: checking
 //! the handle and the range, recording the request and its layout), not its submit.
@@ -66,6 +68,32 @@ fn calls(c: &mut Criterion) {
             upload(&device, iters, |batch| {
                 let items = places.iter().zip(&data).map(|(&(buffer, offset), &d)| (buffer, offset, d));
                 batch.write_many(black_box(items)).unwrap();
+            })
+        })
+    });
+    // The bytes written in place: the fill copies the 256 bytes, as xfer-bench's fill+move.
+    group.bench_function("write_with", |b| {
+        b.iter_custom(|iters| {
+            upload(&device, iters, |batch| {
+                for (&(buffer, offset), &d) in places.iter().zip(&data) {
+                    batch
+                        .write_with(black_box(buffer), black_box(offset), SIZE, |dst| dst.copy_from_slice(d))
+                        .unwrap();
+                }
+            })
+        })
+    });
+    // Adding a fill that runs at submit (untimed here): the call alone.
+    group.bench_function("write_with_par", |b| {
+        b.iter_custom(|iters| {
+            upload(&device, iters, |batch| {
+                for (&(buffer, offset), &d) in places.iter().zip(&data) {
+                    batch
+                        .write_with_par(black_box(buffer), black_box(offset), SIZE, move |dst| {
+                            dst.copy_from_slice(d)
+                        })
+                        .unwrap();
+                }
             })
         })
     });

@@ -310,7 +310,10 @@ impl<'a> UploadBatch<'a> {
         len: usize,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<&mut Self> {
-        let (lease, at) = self.stage(buffer, offset, len, false)?;
+        let (lease, at) = match self.stage_hit(buffer, offset, len) {
+            Some(room) => room,
+            None => self.stage(buffer, offset, len, false)?,
+        };
         // SAFETY: the arena is this batch's own; no copy uses it before submit.
         let region = unsafe { self.arena[lease as usize].as_mut_slice() };
         let dst = &mut region[at..at + len];
@@ -387,7 +390,10 @@ impl<'a> UploadBatch<'a> {
     where
         F: FnOnce(&mut [u8]) + Send + Copy + 'a,
     {
-        let (lease, at) = self.stage(buffer, offset, len, true)?;
+        let (lease, at) = match self.stage_hit(buffer, offset, len) {
+            Some(room) => room,
+            None => self.stage(buffer, offset, len, true)?,
+        };
         self.par.push(self.writes.len() - 1, fill);
         self.sources.push(Source::Arena { lease, offset: at });
         let before = self.par_work;
@@ -400,77 +406,106 @@ impl<'a> UploadBatch<'a> {
         Ok(self)
     }
 
-    /// Checks a write of `len` bytes made in place and gives it room in the batch's arena:
-    /// the lease and the offset in it. On a refusal of pinned memory, poisons the batch.
-    fn stage(&mut self, buffer: ResidentBuffer, offset: u64, len: usize, par: bool) -> Result<(u32, usize)> {
-        self.add(buffer, offset, len as u64)?;
+    /// [`UploadBatch::stage`]'s hot path, inlined into the caller's loop: a batch not
+    /// poisoned, a write that fits the open arena lease, to a buffer the batch named before,
+    /// a range inside it. `None` (nothing noted) otherwise, for `stage` to decide.
+    #[inline(always)]
+    fn stage_hit(&mut self, buffer: ResidentBuffer, offset: u64, len: usize) -> Option<(u32, usize)> {
+        if matches!(self.error, Some(Error::BatchPoisoned { .. })) {
+            return None;
+        }
+        // The room first: `hit` notes the write in the batch's layout.
+        let (lease, at) = self.arena_room(offset, len)?;
+        let (key, buffer_len) = self.table.hit(buffer, offset, len as u64)?;
+        self.push_write(key, buffer_len, offset, len as u64);
+        self.arena_take(lease, at, len);
+        Some((lease as u32, at))
+    }
+
+    /// Where a write of `len` bytes at `offset` goes in the batch's open arena lease (the
+    /// last one), if it fits there: the lease and the offset in it, nothing changed. `None`
+    /// when it needs a lease: a write that will be its own DMA gets one of its own, so that
+    /// arena leases hold only packed writes and move whole.
+    #[inline(always)]
+    fn arena_room(&self, offset: u64, len: usize) -> Option<(usize, usize)> {
+        if len as u64 >= self.core.config.direct_threshold {
+            return None;
+        }
+        let lease = self.arena.len().checked_sub(1)?;
+        let used = self.arena_used[lease];
+        if used == CLOSED {
+            return None;
+        }
         // Same address residue mod 16 as the destination (buffers are 256-aligned), so the
         // scatter can use 16-byte accesses.
-        let residue = (offset % 16) as usize;
+        let at = used.next_multiple_of(16) + (offset % 16) as usize;
         // A lease holds its writes' bytes and, after them (from a multiple of 256), their
         // descriptor table: submit writes it there, so that moving the arena takes no more
         // pinned memory than adding to it did.
-        let descriptors = (len as u64).div_ceil(SEGMENT);
-        let fits = |lease: &HostLease, used: usize, counted: u64| {
-            let end = (used.next_multiple_of(16) + residue + len).next_multiple_of(256) as u64;
-            end + table_bytes(counted + descriptors) <= lease.len() as u64
-        };
-        // A write that will be its own DMA gets a lease of its own, so that arena leases hold
-        // only packed writes and move whole.
+        let end = (at + len).next_multiple_of(256) as u64;
+        let descriptors = self.arena_descriptors[lease] + (len as u64).div_ceil(SEGMENT);
+        (end + table_bytes(descriptors) <= self.arena[lease].len() as u64).then_some((lease, at))
+    }
+
+    /// Counts a write of `len` bytes at `at` of arena lease `lease`.
+    #[inline(always)]
+    fn arena_take(&mut self, lease: usize, at: usize, len: usize) {
+        if self.arena_used[lease] != CLOSED {
+            self.arena_used[lease] = at + len;
+        }
+        self.arena_descriptors[lease] += (len as u64).div_ceil(SEGMENT);
+    }
+
+    /// Checks a write of `len` bytes made in place and gives it room in the batch's arena:
+    /// the lease and the offset in it. On a refusal of pinned memory, poisons the batch.
+    #[cold]
+    #[inline(never)]
+    fn stage(&mut self, buffer: ResidentBuffer, offset: u64, len: usize, par: bool) -> Result<(u32, usize)> {
+        self.add(buffer, offset, len as u64)?;
+        if let Some((lease, at)) = self.arena_room(offset, len) {
+            self.arena_take(lease, at, len);
+            return Ok((lease as u32, at));
+        }
         let own = len as u64 >= self.core.config.direct_threshold;
-        let last = self.arena.len().checked_sub(1);
-        let open = |i: usize| {
-            self.arena_used[i] != CLOSED
-                && fits(&self.arena[i], self.arena_used[i], self.arena_descriptors[i])
+        // A lease opened for fills at submit is smaller when it moves over the bus: the first
+        // launch waits for its fills only. The first leases are smaller still, doubling from
+        // `FIRST_CHUNK`, so that the link starts soon after submit.
+        let chunk = self.core.config.chunk_bytes as usize;
+        let packed = match par && self.core.moves_small_copies_over_bus() {
+            true => par_lease(self.arena.len(), chunk),
+            false => chunk,
         };
-        let reuse = !own && last.is_some_and(open);
-        if !reuse {
-            // A lease opened for fills at submit is smaller when it moves over the bus: the
-            // first launch waits for its fills only. The first leases are smaller still,
-            // doubling from `FIRST_CHUNK`, so that the link starts soon after submit.
-            let chunk = self.core.config.chunk_bytes as usize;
-            let packed = match par && self.core.moves_small_copies_over_bus() {
-                true => par_lease(self.arena.len(), chunk),
-                false => chunk,
-            };
-            // A sixteenth more for the table: room for the whole table of writes of 384
-            // bytes or more (24 bytes of descriptor each), so that they fill the lease's
-            // bytes as before the table moved in (4096 writes of 4 KiB in a 16 MiB chunk);
-            // but never an arena past half the cap, so that two leases fit the smallest
-            // pool (two chunks).
-            let room =
-                (packed + packed / 16).min(arena_floor(self.core.config.pinned_cap_bytes / 2) as usize);
-            let size = if own {
-                len + 16
-            } else {
-                room.max((len + 32).next_multiple_of(256) + table_bytes(descriptors) as usize)
-            };
-            match self.core.acquire_staging(size) {
-                Ok(lease) => {
-                    self.arena.push(lease);
-                    // An own lease is closed to later writes.
-                    self.arena_used.push(if own { CLOSED } else { 0 });
-                    self.arena_descriptors.push(0);
-                }
-                Err(e) => {
-                    let index = self.writes.len() - 1;
-                    // What happened, without the refusal's own Fix (the caller had it with the
-                    // refusal; the poisoned batch's error ends with its own).
-                    let text = e.to_string();
-                    let what = text.split(" Fix: ").next().unwrap_or(&text).trim_end_matches('.');
-                    self.poison(index, (buffer, offset, len), format!("was refused pinned staging ({what})"));
-                    return Err(e);
-                }
+        // A sixteenth more for the table: room for the whole table of writes of 384 bytes or
+        // more (24 bytes of descriptor each), so that they fill the lease's bytes as before
+        // the table moved in (4096 writes of 4 KiB in a 16 MiB chunk); but never an arena
+        // past half the cap, so that two leases fit the smallest pool (two chunks).
+        let room = (packed + packed / 16).min(arena_floor(self.core.config.pinned_cap_bytes / 2) as usize);
+        let size = if own {
+            len + 16
+        } else {
+            room.max((len + 32).next_multiple_of(256) + table_bytes((len as u64).div_ceil(SEGMENT)) as usize)
+        };
+        match self.core.acquire_staging(size) {
+            Ok(lease) => {
+                self.arena.push(lease);
+                // An own lease is closed to later writes.
+                self.arena_used.push(if own { CLOSED } else { 0 });
+                self.arena_descriptors.push(0);
+            }
+            Err(e) => {
+                let index = self.writes.len() - 1;
+                // What happened, without the refusal's own Fix (the caller had it with the
+                // refusal; the poisoned batch's error ends with its own).
+                let text = e.to_string();
+                let what = text.split(" Fix: ").next().unwrap_or(&text).trim_end_matches('.');
+                self.poison(index, (buffer, offset, len), format!("was refused pinned staging ({what})"));
+                return Err(e);
             }
         }
-        let lease_index = self.arena.len() - 1;
-        let used = if own { 0 } else { self.arena_used[lease_index] };
-        let at = used.next_multiple_of(16) + residue;
-        if !own {
-            self.arena_used[lease_index] = at + len;
-        }
-        self.arena_descriptors[lease_index] += descriptors;
-        Ok((lease_index as u32, at))
+        // A fresh lease: the write at the start, at its residue.
+        let (lease, at) = (self.arena.len() - 1, (offset % 16) as usize);
+        self.arena_take(lease, at, len);
+        Ok((lease as u32, at))
     }
 
     /// Number of writes added.
