@@ -45,23 +45,6 @@ pub(crate) mod shim {
     }
 }
 
-/// Spawns `f` on a thread of `scope`, as [`spawn_in`] does; `None` where the system refuses
-/// the thread (`f` dropped unrun).
-pub(crate) fn try_spawn_in<'s, T: Send + 's>(
-    scope: &'s std::thread::Scope<'s, '_>,
-    f: impl FnOnce() -> T + Send + 's,
-) -> Option<std::thread::ScopedJoinHandle<'s, T>> {
-    #[cfg(test)]
-    let gpu = crate::testing::model::shared();
-    std::thread::Builder::new()
-        .spawn_scoped(scope, move || {
-            #[cfg(test)]
-            crate::testing::model::join(gpu);
-            f()
-        })
-        .ok()
-}
-
 /// Spawns `f` on a thread of `scope`. In the crate's tests the thread works on the spawning
 /// thread's model GPU (the model is per thread), so that its driver calls reach the same
 /// device.

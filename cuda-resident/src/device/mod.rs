@@ -97,7 +97,7 @@ impl Device {
         Core::open(driver, ordinal, config).map(|core| Device { core: Arc::new(core) })
     }
 
-    #[cfg(any(test, feature = "cudarc", feature = "safetensors"))]
+    #[cfg(any(test, feature = "cudarc"))]
     pub(crate) fn core(&self) -> &Arc<Core> {
         &self.core
     }

@@ -86,7 +86,7 @@ impl Core {
         let lanes = Arc::new(Lanes::new(Arc::clone(&ctx), Arc::clone(&telemetry.host_waits))?);
         let pinned =
             Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes, config.pinned_reserve()));
-        pinned.warm(config.chunk_bytes as usize, config.pinned_prewarm_bytes)?;
+        pinned.prewarm(config.chunk_bytes as usize, config.pinned_prewarm_bytes)?;
         let alloc = Allocator::new(
             Arc::clone(&ctx),
             ordinal,

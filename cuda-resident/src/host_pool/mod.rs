@@ -58,11 +58,6 @@ pub(crate) fn arena_floor(limit: u64) -> u64 {
     limit - limit % step
 }
 
-/// Threads that make arenas at once when the pool warms up ([`HostPool::warm`]): on the
-/// H200's host one `cuMemHostAlloc` of 16 MiB took 5.67 ms alone and 7.16 ms each with four
-/// at once (`benches/pinned-alloc.cu`), about three times the rate.
-pub(crate) const WARM_THREADS: usize = 4;
-
 /// One `cuMemHostAlloc` allocation.
 struct Arena {
     ptr: NonNull<u8>,
@@ -93,11 +88,6 @@ struct PoolState {
     waiters: usize,
     /// Transfer leases given back so far.
     transfer_returns: u64,
-    /// Bytes of arenas [`HostPool::warm`] is making: counted in `reserved`, free once made,
-    /// so a transfer that finds the pool full waits for them too.
-    warming: u64,
-    /// Arenas [`HostPool::warm`] has made (or given up on) so far.
-    warmed: u64,
 }
 
 impl PoolState {
@@ -257,7 +247,6 @@ impl HostPool {
 
     /// Lends a region of `len` bytes (at least 1) for a transfer, or `None` when the cap is
     /// reached by arenas in use. Fails when `len` alone is over the cap, or the driver fails.
-    #[cfg(test)]
     pub(crate) fn try_acquire(self: &Arc<Self>, len: usize) -> Result<Option<HostLease>> {
         self.try_acquire_as(len, false)
     }
@@ -399,10 +388,9 @@ impl HostPool {
     }
 
     /// For a transfer that found the pool full with no copy in flight to wait for: where
-    /// running transfers hold staging or arenas are being made ([`HostPool::warm`]), waits
-    /// (up to `most`) for some to come back or be made, and returns how many transfer leases
-    /// have come back and arenas been made so far (a measure of progress); with none out,
-    /// returns `None` at once.
+    /// running transfers hold staging, waits (up to `most`) for some to come back, and
+    /// returns how many transfer leases have come back so far (a measure of progress);
+    /// with none out, returns `None` at once.
     ///
     /// Transfer staging comes back without its holder waiting for anyone: as its copies
     /// complete (a thread that retired them may still be handing them back), or as a
@@ -411,13 +399,13 @@ impl HostPool {
     /// circle; the caller still gives up where nothing moves for a while.
     pub(crate) fn wait_for_transfers(&self, most: Duration) -> Option<u64> {
         let mut state = lock(&self.state);
-        if state.transfer_bytes == 0 && state.warming == 0 {
+        if state.transfer_bytes == 0 {
             return None;
         }
         state.waiters += 1;
         let (mut state, _) = self.returned.wait_timeout(state, most).unwrap_or_else(|e| e.into_inner());
         state.waiters -= 1;
-        Some(state.transfer_returns + state.warmed)
+        Some(state.transfer_returns)
     }
 
     fn free_arenas(&self, arenas: Vec<Arena>) -> Result<()> {
@@ -461,77 +449,17 @@ impl HostPool {
         state.unreleased.extend(arenas);
     }
 
-    /// Adds free arenas of the size a lease of `arena_len` bytes gets until the pool holds
-    /// `total` bytes (what it holds already counts) or another would pass the cap, so that the
-    /// copies that follow find staging ready: up to [`WARM_THREADS`] made at once, this thread
-    /// one of them. Returns the bytes added. On a driver error, the first error; the arenas
-    /// made stay in the pool.
-    pub(crate) fn warm(self: &Arc<Self>, arena_len: usize, total: u64) -> Result<u64> {
-        let bytes = arena_bytes(arena_len.max(1) as u64, self.cap);
-        let missing = total.min(self.cap).saturating_sub(lock(&self.state).reserved);
-        let threads = usize::try_from(missing.div_ceil(bytes)).unwrap_or(usize::MAX).min(WARM_THREADS);
-        let make = || {
-            let mut added = 0;
-            while self.add_arena(bytes, total)? {
-                added += bytes;
-            }
-            Ok(added)
-        };
-        std::thread::scope(|s| {
-            // A thread the system refuses is one fewer making arenas.
-            let helpers: Vec<_> = (1..threads).filter_map(|_| crate::sync::try_spawn_in(s, make)).collect();
-            let mine = make();
-            helpers.into_iter().fold(mine, |sum, h| {
-                let theirs = h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                Ok(sum? + theirs?)
-            })
-        })
-    }
-
-    /// One free arena of `bytes` for [`HostPool::warm`]: `Ok(false)` (nothing done) once
-    /// the pool holds `total` bytes or the arena would pass the cap.
-    fn add_arena(&self, bytes: u64, total: u64) -> Result<bool> {
-        if !self.begin_arena(bytes, total) {
-            return Ok(false);
-        }
-        match self.ctx.bind().and_then(|raw| raw.mem_host_alloc(bytes)) {
-            Ok(ptr) => {
-                let ptr = NonNull::new(ptr).expect("cuMemHostAlloc returned success and null");
-                self.end_arena(bytes, Some(Arena { ptr, bytes }));
-                Ok(true)
-            }
-            Err(e) => {
-                self.end_arena(bytes, None);
-                Err(e)
+    /// Allocates free arenas of `arena_len` bytes until `total` bytes are held (or the cap
+    /// is reached), so that the first copies find staging ready.
+    pub(crate) fn prewarm(self: &Arc<Self>, arena_len: usize, total: u64) -> Result<()> {
+        let mut leases = Vec::new();
+        while lock(&self.state).reserved < total {
+            match self.try_acquire(arena_len)? {
+                Some(lease) => leases.push(lease),
+                None => break,
             }
         }
-    }
-
-    /// Counts an arena of `bytes` as being made, where the pool holds less than `total`
-    /// and the arena fits the cap.
-    fn begin_arena(&self, bytes: u64, total: u64) -> bool {
-        let mut state = lock(&self.state);
-        if state.reserved >= total || state.reserved.checked_add(bytes).is_none_or(|r| r > self.cap) {
-            return false;
-        }
-        state.reserved += bytes;
-        state.warming += bytes;
-        true
-    }
-
-    /// Ends an arena of `bytes` counted by [`HostPool::begin_arena`]: free if `made`, else
-    /// no longer counted; either way a transfer waiting for room looks again.
-    fn end_arena(&self, bytes: u64, made: Option<Arena>) {
-        let mut state = lock(&self.state);
-        take(&mut state.warming, bytes, "pinned warming bytes");
-        state.warmed += 1;
-        match made {
-            Some(arena) => state.free.entry(bytes).or_default().push(arena),
-            None => take(&mut state.reserved, bytes, "pinned reserved bytes"),
-        }
-        if state.waiters > 0 {
-            self.returned.notify_all();
-        }
+        Ok(())
     }
 
     /// Returns every free arena to the driver. Returns the bytes released.

@@ -23,9 +23,6 @@ use crate::owned::OwnedBuffer;
 const ARENA_ALIGN: u64 = 256;
 /// The smallest batch a load or save is cut into.
 pub(super) const MIN_BATCH: u64 = 1 << 20;
-/// The most staging a load warms the pinned pool to, in chunks: a 4 GiB load on the H200
-/// kept about 12 arenas of a chunk in turn.
-const WARM_CHUNKS: u64 = 16;
 
 /// A read-only map of the whole file at `path`.
 pub(super) fn map(path: &Path) -> Result<Mmap, WeightsError> {
@@ -82,9 +79,37 @@ pub(super) fn load(device: &Device, path: &Path, mut options: LoadOptions<'_>) -
     check_budget(device, path, &header.entries, options.arena.then(|| arena_len(&places, &header.entries)))?;
     let entries = &header.entries;
     let source = (&files[..], &file_of[..]);
-    let (owners, arena) = with_staging_warmed(device, total, || {
-        load_into(device, path, (entries, &places), source, &mut options)
-    })?;
+    let (owners, arena) = if options.arena {
+        let arena = allocate_arena(device, path, entries, &places)?;
+        upload(device, source, entries, &places, |_| Ok(*arena), &mut options)?;
+        (Vec::new(), Some(arena))
+    } else {
+        let mut owners = Vec::with_capacity(entries.len());
+        std::thread::scope(|s| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            crate::sync::spawn_in(s, move || {
+                allocate_each(device, path, entries, |owner| tx.send(owner).is_ok())
+            });
+            let uploaded = upload(
+                device,
+                source,
+                entries,
+                &places,
+                |_| {
+                    let owner = rx.recv().expect("the allocating thread sends a buffer or its error")?;
+                    let buffer = *owner;
+                    owners.push(owner);
+                    Ok(buffer)
+                },
+                &mut options,
+            );
+            // The allocating thread stops at its next buffer (freed unsent) once nothing
+            // takes them.
+            drop(rx);
+            uploaded
+        })?;
+        (owners, None)
+    };
     let buffers: Vec<ResidentBuffer> = match &arena {
         Some(arena) => vec![**arena; entries.len()],
         None => owners.iter().map(|o| **o).collect(),
@@ -104,66 +129,6 @@ pub(super) fn load(device: &Device, path: &Path, mut options: LoadOptions<'_>) -
         .collect();
     unmap_later(opened);
     Ok(Checkpoint { tensors, index, arena, metadata: header.metadata, bytes: total })
-}
-
-/// The load's buffers, allocated and filled: one arena, or one buffer per tensor.
-fn load_into(
-    device: &Device,
-    path: &Path,
-    (entries, places): (&[Entry], &[u64]),
-    source: (&[&[u8]], &[usize]),
-    options: &mut LoadOptions<'_>,
-) -> Result<(Vec<OwnedBuffer>, Option<OwnedBuffer>)> {
-    Ok(if options.arena {
-        let arena = allocate_arena(device, path, entries, places)?;
-        upload(device, source, entries, places, |_| Ok(*arena), options)?;
-        (Vec::new(), Some(arena))
-    } else {
-        let mut owners = Vec::with_capacity(entries.len());
-        std::thread::scope(|s| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            crate::sync::spawn_in(s, move || {
-                allocate_each(device, path, entries, |owner| tx.send(owner).is_ok())
-            });
-            let uploaded = upload(
-                device,
-                source,
-                entries,
-                places,
-                |_| {
-                    let owner = rx.recv().expect("the allocating thread sends a buffer or its error")?;
-                    let buffer = *owner;
-                    owners.push(owner);
-                    Ok(buffer)
-                },
-                options,
-            );
-            // The allocating thread stops at its next buffer (freed unsent) once nothing
-            // takes them.
-            drop(rx);
-            uploaded
-        })?;
-        (owners, None)
-    })
-}
-
-/// Runs `load` while threads of its own fill the pinned pool up to what a load of `total`
-/// bytes keeps in turn (at most [`WARM_CHUNKS`] chunks), several arenas at once
-/// ([`WARM_THREADS`](crate::host_pool::WARM_THREADS)), and returns once both are done. A
-/// device's first load otherwise makes its staging one arena at a time on its own path
-/// (about 5.7 ms per 16 MiB arena on the H200's host): a first 4 GiB load ran at 24-30 GB/s
-/// on an H100, and at 47 on the H200 with 192 MiB made beforehand
-/// (docs/runs/2026-12-07-load-reuse.md). A device that holds that much already makes none.
-/// An arena the driver refuses here is left to the load's own request, which reports it.
-fn with_staging_warmed<T>(device: &Device, total: u64, load: impl FnOnce() -> T) -> T {
-    let chunk = device.config().chunk_bytes;
-    let pinned = &device.core().pinned;
-    std::thread::scope(|s| {
-        let _warm = crate::sync::try_spawn_in(s, || {
-            pinned.warm(chunk as usize, total.min(WARM_CHUNKS.saturating_mul(chunk)))
-        });
-        load()
-    })
 }
 
 /// Unmaps the checkpoint's files on a thread of its own, once every byte has landed (no

@@ -161,36 +161,6 @@ fn save_writes_what_the_buffers_hold_and_load_reads_it_back() {
     assert_eq!(owned.len(), specs.len());
 }
 
-/// A load on a fresh device makes its staging alongside its start, up to what it keeps in
-/// turn; every byte lands, nothing stays lent, and a second load makes none.
-#[test]
-fn a_first_load_warms_the_pinned_pool_and_a_second_makes_no_staging() {
-    let config = Config { pinned_cap_bytes: 16 << 20, chunk_bytes: 256 << 10, ..small_chunks() };
-    let d = device(config.clone());
-    assert_eq!(d.telemetry().pinned.reserved_bytes, 0);
-    let file = TempPath::new("warm.safetensors");
-    let shapes: Vec<(String, Vec<usize>)> = (0..6).map(|i| (format!("t{i}"), vec![1024, 700 + i])).collect();
-    let data = write_with_crate(&file.0, &shapes, 5);
-    let ckpt = d.load_safetensors(&file.0).unwrap();
-    check_loaded(&d, &ckpt, &data);
-    let pinned = d.telemetry().pinned;
-    // 16 chunks (4 MiB), less than the checkpoint's 8.6 MB.
-    assert!(pinned.reserved_bytes >= 16 * config.chunk_bytes, "{pinned:?}");
-    assert!(pinned.reserved_bytes <= config.pinned_cap_bytes, "{pinned:?}");
-    assert_eq!(pinned.lent_bytes, 0, "{pinned:?}");
-    drop(ckpt);
-    let again = d.load_safetensors(&file.0).unwrap();
-    check_loaded(&d, &again, &data);
-    let after = d.telemetry().pinned;
-    assert_eq!((after.reserved_bytes, after.misses), (pinned.reserved_bytes, pinned.misses), "{after:?}");
-    // A checkpoint smaller than that warms no more than it holds.
-    let fresh = device(config);
-    let small = TempPath::new("warm-small.safetensors");
-    let data = write_with_crate(&small.0, &[("only".to_owned(), vec![300, 100])], 6);
-    check_loaded(&fresh, &fresh.load_safetensors(&small.0).unwrap(), &data);
-    assert!(fresh.telemetry().pinned.reserved_bytes <= 2 * (256 << 10), "{:?}", fresh.telemetry().pinned);
-}
-
 /// A checkpoint many times the pinned cap moves whole, its pinned memory within the cap.
 #[test]
 fn a_checkpoint_larger_than_the_pinned_pool_loads_within_it() {
