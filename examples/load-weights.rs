@@ -50,6 +50,10 @@ struct Args {
     /// (on an H100 it then ran at 30 GB/s instead of 46).
     #[arg(long, default_value = "256MiB", value_parser = size_or_zero)]
     pinned_prewarm: u64,
+    /// Make pinned staging by `cuMemHostAlloc` rather than of huge pages
+    /// (`Config::pinned_huge_pages = false`).
+    #[arg(long)]
+    no_huge_pages: bool,
 }
 
 /// `4096`, `256MiB`, `4GiB`: a size of at least one byte.
@@ -88,16 +92,19 @@ fn run(args: &Args) -> Result<(), String> {
         }
         write(&model, &path, 36)?;
     }
-    let config = Config::default().with_pinned_prewarm_bytes(args.pinned_prewarm);
+    let config = Config::default()
+        .with_pinned_prewarm_bytes(args.pinned_prewarm)
+        .with_pinned_huge_pages(!args.no_huge_pages);
     let opening = Instant::now();
     let device = Device::open_configured(args.device, config).map_err(|e| e.to_string())?;
     println!(
-        "{}: opened in {:.1} ms; loading with the calling thread and {} packing threads, pinned memory capped at {} MiB, {} MiB allocated at open",
+        "{}: opened in {:.1} ms; loading with the calling thread and {} packing threads, pinned memory capped at {} MiB, {} MiB allocated at open, {}",
         device.info().name,
         opening.elapsed().as_secs_f64() * 1e3,
         device.config().resolved_pack_threads(),
         device.config().pinned_cap_bytes >> 20,
         device.config().pinned_prewarm_bytes >> 20,
+        if device.pinned_in_huge_pages() { "in huge pages" } else { "by cuMemHostAlloc" },
     );
     // From the page cache, as a runtime that restarts finds it.
     let _ = warm(&map(&path)?);

@@ -186,11 +186,15 @@ impl Raw {
         unsafe { cu!(self, cuMemFreeHost(ptr.cast())) }
     }
 
+    /// Registers `[ptr, ptr + len)`, portable, with `flags` besides
+    /// (`CU_MEMHOSTREGISTER_DEVICEMAP`, say).
+    ///
     /// # Safety
     /// `[ptr, ptr + len)` is host memory that stays mapped until unregistered.
-    pub(crate) unsafe fn mem_host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
+    pub(crate) unsafe fn mem_host_register(&self, ptr: *mut u8, len: usize, flags: u32) -> Result<()> {
+        let flags = CU_MEMHOSTREGISTER_PORTABLE | flags;
         // SAFETY: as the caller promises.
-        unsafe { cu!(self, cuMemHostRegister_v2(ptr.cast(), len, CU_MEMHOSTREGISTER_PORTABLE)) }
+        unsafe { cu!(self, cuMemHostRegister_v2(ptr.cast(), len, flags)) }
     }
 
     /// # Safety

@@ -29,6 +29,7 @@ fn every_public_item_is_named() {
     let _: fn(&Device) -> &DeviceInfo = Device::info;
     let _: fn(&Device) -> &Config = Device::config;
     let _: fn(&Device) -> bool = Device::moves_small_copies_over_bus;
+    let _: fn(&Device) -> bool = Device::pinned_in_huge_pages;
     let _: fn(&Device) -> &Arc<cuda_sys::Driver> = Device::driver;
     let _: fn(&Device) -> cuda_sys::CUcontext = Device::cu_context;
     let _: fn(&Device) -> Result<()> = Device::make_current;
@@ -231,6 +232,7 @@ fn config_is_built_from_its_defaults_with_setters() {
     let _: fn(Config, usize) -> Config = Config::with_pack_threads;
     let _: fn(Config, u64) -> Config = Config::with_pack_linger_us;
     let _: fn(Config, bool) -> Config = Config::with_small_copies_over_bus;
+    let _: fn(Config, bool) -> Config = Config::with_pinned_huge_pages;
     let _: fn(&Config) -> Result<()> = Config::validate;
     let _: fn(&Config) -> usize = Config::resolved_pack_threads;
     let config = Config::default()
@@ -242,7 +244,8 @@ fn config_is_built_from_its_defaults_with_setters() {
         .with_direct_threshold(64 << 10)
         .with_pack_threads(2)
         .with_pack_linger_us(0)
-        .with_small_copies_over_bus(false);
+        .with_small_copies_over_bus(false)
+        .with_pinned_huge_pages(false);
     let mut same = Config::default();
     same.budget_fraction = 0.5;
     same.slab_bytes = 32 << 20;
@@ -253,6 +256,7 @@ fn config_is_built_from_its_defaults_with_setters() {
     same.pack_threads = 2;
     same.pack_linger_us = 0;
     same.small_copies_over_bus = false;
+    same.pinned_huge_pages = false;
     assert_eq!(config, same);
     config.validate().unwrap();
     assert_eq!(config.resolved_pack_threads(), 2);

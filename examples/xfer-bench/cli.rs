@@ -171,6 +171,10 @@ pub(crate) struct Args {
     /// gather) instead of by the kernel over the bus (Config::small_copies_over_bus = false).
     #[arg(long)]
     pub(crate) staged_small_copies: bool,
+    /// Make pinned staging by `cuMemHostAlloc` rather than of huge pages
+    /// (Config::pinned_huge_pages = false).
+    #[arg(long)]
+    pub(crate) no_huge_pages: bool,
     /// Also print, on stderr, where the time of a batch goes (adding requests, submit,
     /// waiting), for the many-small and the scattered cases, each way, and for the paging
     /// suite's swaps (each direction's times from the start, for "both" too).
@@ -310,6 +314,7 @@ pub(crate) fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
         config.pack_threads = threads;
     }
     config.small_copies_over_bus = !args.staged_small_copies;
+    config.pinned_huge_pages = !args.no_huge_pages;
     if args.runs_paging() {
         let cap = paging_pinned_cap(args, config.chunk_bytes);
         if cap > config.pinned_cap_bytes {

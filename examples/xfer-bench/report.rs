@@ -163,6 +163,7 @@ pub(crate) fn config_json(d: &Device) -> serde_json::Value {
         "pack_threads": c.pack_threads, "resolved_pack_threads": c.resolved_pack_threads(),
         "pack_linger_us": c.pack_linger_us, "small_copies_over_bus": c.small_copies_over_bus,
         "moves_small_copies_over_bus": d.moves_small_copies_over_bus(),
+        "pinned_huge_pages": c.pinned_huge_pages, "pinned_in_huge_pages": d.pinned_in_huge_pages(),
     })
 }
 

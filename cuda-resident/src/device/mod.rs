@@ -119,6 +119,14 @@ impl Device {
         self.core.moves_small_copies_over_bus()
     }
 
+    /// Whether this device's pinned pool makes its arenas of transparent huge pages (those
+    /// of a whole number of 2 MiB pages): the configuration asks for it
+    /// ([`Config::pinned_huge_pages`]), the kernel offers them, the GPU reaches registered
+    /// memory at its host address, and the driver has refused no registration yet.
+    pub fn pinned_in_huge_pages(&self) -> bool {
+        self.core.pinned.makes_huge_pages()
+    }
+
     /// The loaded driver, for raw calls of the caller's own.
     pub fn driver(&self) -> &Arc<Driver> {
         &self.core.ctx.raw.driver

@@ -84,8 +84,9 @@ impl Core {
         let info = query_info(raw, cu_device, ordinal)?;
         let telemetry = Telemetry::default();
         let lanes = Arc::new(Lanes::new(Arc::clone(&ctx), Arc::clone(&telemetry.host_waits))?);
+        let huge = config.pinned_huge_pages && huge_pages_usable(raw, cu_device)?;
         let pinned =
-            Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes, config.pinned_reserve()));
+            Arc::new(HostPool::new(Arc::clone(&ctx), config.pinned_cap_bytes, config.pinned_reserve(), huge));
         pinned.prewarm(config.chunk_bytes as usize, config.pinned_prewarm_bytes)?;
         let alloc = Allocator::new(
             Arc::clone(&ctx),
@@ -392,6 +393,16 @@ impl Drop for Core {
         let _ = self.alloc.release_all();
     }
 }
+/// Whether pinned arenas may be made of huge pages registered with the driver for
+/// `device`: the kernel offers transparent huge pages and the GPU can register host memory
+/// and reach it at its host address (the copy kernels read and write staging there).
+fn huge_pages_usable(raw: &Raw, device: cuda_sys::CUdevice) -> Result<bool> {
+    use cuda_sys::*;
+    Ok(crate::host_pool::kernel_offers_huge_pages()
+        && raw.device_attribute(device, CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED)? != 0
+        && raw.device_attribute(device, CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)? != 0)
+}
+
 fn query_info(raw: &Raw, device: cuda_sys::CUdevice, ordinal: usize) -> Result<DeviceInfo> {
     use cuda_sys::*;
     let attr = |a| raw.device_attribute(device, a);

@@ -48,7 +48,7 @@ use crate::testing::model;
 /// A pool of `cap` bytes on the model driver, and the driver (for faults).
 fn pool(cap: u64) -> (Arc<cuda_sys::Driver>, Arc<HostPool>) {
     let driver = model::driver();
-    let pool = Arc::new(HostPool::new(model::context(&driver), cap, 0));
+    let pool = Arc::new(HostPool::new(model::context(&driver), cap, 0, false));
     driver.faults().record();
     (driver, pool)
 }
@@ -104,4 +104,83 @@ fn an_arena_refused_during_eviction_is_retried_when_room_is_needed_again() {
     assert_eq!(pool.stats().reserved_bytes, 0);
     let counts = driver.faults().counts();
     assert_eq!(counts["cuMemHostAlloc"].succeeded, counts["cuMemFreeHost"].succeeded, "nothing leaked");
+}
+
+/// A pool of `cap` bytes on the model driver that makes arenas of huge pages.
+fn huge_pool(cap: u64) -> (Arc<cuda_sys::Driver>, Arc<HostPool>) {
+    let driver = model::driver();
+    let pool = Arc::new(HostPool::new(model::context(&driver), cap, 0, true));
+    driver.faults().record();
+    (driver, pool)
+}
+
+fn succeeded(driver: &cuda_sys::Driver, entry: &str) -> u64 {
+    driver.faults().counts().get(entry).map_or(0, |c| c.succeeded)
+}
+
+#[test]
+fn arenas_of_whole_huge_pages_are_registered_aligned_usable_and_given_back() {
+    let (driver, pool) = huge_pool(64 * MIB);
+    let mut rng = fastrand::Rng::with_seed(7);
+    for len in [16 * MIB, 2 * MIB, 4 * MIB - 5] {
+        let lease = pool.try_acquire(len as usize).unwrap().expect("within the cap");
+        let at = lease.as_ptr() as u64;
+        assert_eq!(at % HUGE_PAGE, 0, "{len}: an arena starts on a huge page");
+        // Every byte is writable and reads back.
+        let bytes: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
+        // SAFETY: the lease is ours, `len` bytes long, and no copy uses it.
+        let slice = unsafe { std::slice::from_raw_parts_mut(lease.as_ptr(), len as usize) };
+        slice.copy_from_slice(&bytes);
+        assert!(slice == &bytes[..], "{len}: the arena keeps what was written");
+        drop(lease);
+    }
+    assert!(pool.makes_huge_pages());
+    assert_eq!(succeeded(&driver, "cuMemHostRegister_v2"), 3, "three sizes, three arenas");
+    assert_eq!(succeeded(&driver, "cuMemHostAlloc"), 0);
+    assert_eq!(pool.trim().unwrap(), 22 * MIB);
+    assert_eq!(succeeded(&driver, "cuMemHostUnregister"), 3, "every registration undone");
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+#[test]
+fn arenas_of_part_of_a_huge_page_come_from_host_alloc() {
+    let (driver, pool) = huge_pool(64 * MIB);
+    // 1 MiB, 3 MiB + 192 KiB, 64 KiB: no whole number of 2 MiB pages.
+    let leases: Vec<_> =
+        [MIB, 3 * MIB + 1, 1].map(|len| pool.try_acquire(len as usize).unwrap().expect("fits")).into();
+    assert_eq!(succeeded(&driver, "cuMemHostAlloc"), 3);
+    assert_eq!(succeeded(&driver, "cuMemHostRegister_v2"), 0);
+    drop(leases);
+    pool.trim().unwrap();
+    assert_eq!(succeeded(&driver, "cuMemFreeHost"), 3);
+}
+
+#[test]
+fn a_refused_registration_serves_the_request_from_host_alloc_and_turns_huge_pages_off() {
+    let (driver, pool) = huge_pool(64 * MIB);
+    driver
+        .faults()
+        .inject(Fault::new("cuMemHostRegister_v2", 1, cuda_sys::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED))
+        .unwrap();
+    let first = pool.try_acquire(16 * MIB as usize).unwrap().expect("served all the same");
+    assert!(!pool.makes_huge_pages(), "off after a refusal");
+    let second = pool.try_acquire(16 * MIB as usize).unwrap().expect("served");
+    assert_eq!(succeeded(&driver, "cuMemHostAlloc"), 2, "both arenas from host alloc");
+    assert_eq!(driver.faults().counts()["cuMemHostRegister_v2"].calls, 1, "tried once, never again");
+    assert_eq!(pool.stats().reserved_bytes, 32 * MIB, "the refused arena is not counted");
+    drop((first, second));
+    pool.trim().unwrap();
+    assert_eq!(succeeded(&driver, "cuMemFreeHost"), 2);
+}
+
+#[test]
+fn a_refused_unregistration_keeps_the_arena_counted_and_the_next_trim_retries_it() {
+    let (driver, pool) = huge_pool(64 * MIB);
+    drop(pool.try_acquire(4 * MIB as usize).unwrap().unwrap());
+    driver.faults().inject(Fault::new("cuMemHostUnregister", 1, CUDA_ERROR_INVALID_CONTEXT)).unwrap();
+    let err = pool.trim().unwrap_err();
+    assert!(err.to_string().contains("cuMemHostUnregister"), "{err}");
+    assert_eq!(pool.stats().reserved_bytes, 4 * MIB, "still registered, still counted");
+    assert_eq!(pool.trim().unwrap(), 4 * MIB);
+    assert_eq!(succeeded(&driver, "cuMemHostUnregister"), 1, "undone exactly once");
 }

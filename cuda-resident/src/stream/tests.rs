@@ -68,7 +68,7 @@ fn a_wait_for_a_number_that_never_got_an_event_waits_for_the_newest_work() {
 #[test]
 fn staging_of_a_submission_whose_record_and_synchronize_fail_is_never_lent_again() {
     let (driver, lane) = lane();
-    let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
+    let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0, false));
     let lease = Arc::new(pool.try_acquire(4096).unwrap().expect("room in the pool"));
     driver.faults().inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
     driver.faults().inject(Fault::new("cuStreamSynchronize", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
@@ -83,7 +83,7 @@ fn staging_of_a_submission_whose_record_and_synchronize_fail_is_never_lent_again
 #[test]
 fn a_wait_retires_everything_up_to_its_submission_without_querying_each() {
     let (driver, lane) = lane();
-    let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
+    let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0, false));
     let leases: Vec<_> = (0..3).map(|_| Arc::new(pool.try_acquire(4096).unwrap().unwrap())).collect();
     let seqs: Vec<u64> =
         leases.iter().map(|l| lane.batch().submit(vec![Arc::clone(l)], |_, _, _| Ok(())).unwrap()).collect();
@@ -265,7 +265,7 @@ fn a_fence_outlives_its_device_and_its_wait_counts_as_a_host_wait() {
 #[test]
 fn a_failed_submission_with_a_working_stream_returns_its_staging_after_waiting() {
     let (driver, lane) = lane();
-    let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0));
+    let pool = Arc::new(HostPool::new(model::context(&driver), 1 << 20, 0, false));
     let lease = Arc::new(pool.try_acquire(4096).unwrap().expect("room in the pool"));
     driver.faults().inject(Fault::new("cuEventRecord", 1, CUDA_ERROR_LAUNCH_FAILED)).unwrap();
     lane.batch().submit(vec![Arc::clone(&lease)], |_, _, _| Ok(())).unwrap_err();

@@ -89,6 +89,11 @@ pub(crate) struct FakeGpu {
     /// Whether the GPUs lack unified addressing: then kernels cannot read pinned host
     /// memory (a descriptor table there is an illegal access).
     pub(crate) no_unified_addressing: bool,
+    /// Whether the GPU registers host memory and reaches it at its host address
+    /// (`CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` and `..._CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`
+    /// answer 1): then a device opened on the model may make its pinned arenas of huge
+    /// pages. Off unless a test turns it on, so that arenas come from `cuMemHostAlloc`.
+    pub(crate) registers_host_memory: bool,
 }
 
 thread_local! {

@@ -269,3 +269,46 @@ fn batches_among_allocations_and_frees_touch_only_live_buffers() {
         assert_eq!(&d.download(b).unwrap(), bytes, "{b:?} at the end");
     }
 }
+
+/// A device whose GPU registers host memory makes its staging of huge pages where the
+/// kernel offers them: uploads and downloads through chunks of 2 MiB arenas, and batches
+/// of small copies read over the bus from them, land every byte; every registration is
+/// undone when the device goes. Asked not to, it registers nothing.
+#[test]
+fn staging_of_huge_pages_carries_every_kind_of_transfer_and_is_given_back() {
+    const MIB: usize = 1 << 20;
+    for wished in [true, false] {
+        let driver = crate::testing::model::driver();
+        crate::testing::model::with(|g| g.registers_host_memory = true);
+        driver.faults().record();
+        let config = Config { chunk_bytes: 2 << 20, pinned_cap_bytes: 16 << 20, ..Config::default() }
+            .with_pinned_huge_pages(wished);
+        let d = crate::Device::open_on_driver(std::sync::Arc::clone(&driver), 0, config).unwrap();
+        let huge = wished && crate::host_pool::kernel_offers_huge_pages();
+        assert_eq!(d.pinned_in_huge_pages(), huge, "wished {wished}");
+        let mut rng = fastrand::Rng::with_seed(11);
+        let big = d.allocate(21 * MIB as u64 + 333).unwrap();
+        let data = random_vec(&mut rng, 21 * MIB + 333);
+        d.upload(big, &data).unwrap();
+        assert!(d.download(big).unwrap() == data, "wished {wished}: 21 MiB through 2 MiB chunks");
+        let mut m = Model::new(&d, &mut rng, &[1 << 16; 8]);
+        let src = random_vec(&mut rng, 4000 * 90);
+        let mut batch = d.uploads();
+        for i in 0..4000 {
+            let (b, at, len) = (i % 8, (i / 8) * 100, 1 + i % 90);
+            let bytes = &src[i * 90..i * 90 + len];
+            m.expect[b][at..at + len].copy_from_slice(bytes);
+            batch.write(m.buffers[b], at as u64, bytes).unwrap();
+        }
+        batch.submit().unwrap().wait().unwrap();
+        m.check(&d, "small copies from huge-page staging");
+        let registered = driver.faults().counts().get("cuMemHostRegister_v2").map_or(0, |c| c.succeeded);
+        assert_eq!(registered > 0, huge, "wished {wished}: {registered} registrations");
+        drop(m);
+        drop(d);
+        let counts = driver.faults().counts();
+        let unregistered = counts.get("cuMemHostUnregister").map_or(0, |c| c.succeeded);
+        assert_eq!(registered, unregistered, "wished {wished}: every registration undone");
+        crate::testing::model::with(|g| g.registers_host_memory = false);
+    }
+}

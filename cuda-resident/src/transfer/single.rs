@@ -124,7 +124,7 @@ pub(crate) unsafe fn pin_host(core: &Arc<Core>, ptr: *mut u8, len: usize) -> Res
     }
     let raw = core.ctx.bind()?;
     // SAFETY: as the caller promises.
-    unsafe { raw.mem_host_register(ptr, len) }
+    unsafe { raw.mem_host_register(ptr, len, 0) }
 }
 
 /// The work of [`Device::unpin_host`](crate::Device::unpin_host).

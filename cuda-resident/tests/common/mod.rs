@@ -7,9 +7,10 @@ use cuda_sys::CallCount;
 
 /// Acquire / release pairs whose successful calls must balance once every `Device`, fence,
 /// download and pinned buffer is gone.
-pub const PAIRS: [(&str, &str); 6] = [
+pub const PAIRS: [(&str, &str); 7] = [
     ("cuMemAlloc_v2", "cuMemFree_v2"),
     ("cuMemHostAlloc", "cuMemFreeHost"),
+    ("cuMemHostRegister_v2", "cuMemHostUnregister"),
     ("cuStreamCreate", "cuStreamDestroy_v2"),
     ("cuEventCreate", "cuEventDestroy_v2"),
     ("cuModuleLoadData", "cuModuleUnload"),

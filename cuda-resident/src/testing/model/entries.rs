@@ -258,6 +258,10 @@ unsafe extern "C" fn device_get_attribute(
         CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT => 2,
         CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED => 1,
         CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => i32::from(!with(|g| g.no_unified_addressing)),
+        CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED
+        | CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM => {
+            i32::from(with(|g| g.registers_host_memory))
+        }
         _ => 0,
     };
     // SAFETY: as above.
