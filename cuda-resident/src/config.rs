@@ -56,16 +56,19 @@ pub struct Config {
     /// [`Device::pinned`]: crate::Device::pinned
     pub pinned_cap_bytes: u64,
     /// Pinned memory allocated when the device opens, so that the first copies do not pay
-    /// for `cuMemHostAlloc` (5.7 ms per 16 MiB arena on the H200's host; a large transfer
-    /// keeps about 12 in turn). Default 0. A runtime that loads a checkpoint right after
-    /// opening the device wants about 256 MiB: a first 4 GiB load on the H200 ran at 47 GB/s
-    /// with 192 MiB prewarmed (docs/weights.md).
+    /// for making it (a 16 MiB arena took 5.7 ms by `cuMemHostAlloc` on the H200's host,
+    /// 2.8 ms in huge pages on the H100's, see [`Config::pinned_huge_pages`]; a large
+    /// transfer keeps about 12 in turn). Default 0. A runtime that loads a checkpoint right
+    /// after opening the device wants about 256 MiB: a first 4 GiB load on the H200 ran at
+    /// 47 GB/s with 192 MiB prewarmed (docs/weights.md).
     pub pinned_prewarm_bytes: u64,
     /// Whether pinned arenas whose size is a whole number of 2 MiB pages (the staging
     /// chunks, by default) are made of transparent huge pages registered with the driver,
-    /// rather than by `cuMemHostAlloc`: on the H200's host a 16 MiB arena took 2.9 ms to make
-    /// that way against 5.7, and 0.33 ms to give back against 1.5, with the same speed over
-    /// the link. A wish, granted where the kernel offers transparent huge pages (`always` or
+    /// rather than by `cuMemHostAlloc`: on the H100's host a 16 MiB arena took 2.8 ms to make
+    /// that way against 6.3, and 0.35 ms to give back against 1.7, with the same speed over
+    /// the link, and a process's first 4 GiB load ran at 34.6 GB/s against 28.6. Arenas made
+    /// long before their first use (by `pinned_prewarm_bytes`) were slower on that first
+    /// use than `cuMemHostAlloc`'s (docs/weights.md): such a process may set this `false`. A wish, granted where the kernel offers transparent huge pages (`always` or
     /// `madvise` in `/sys/kernel/mm/transparent_hugepage/enabled`) and the GPU can use
     /// registered memory at its host address ([`Device::pinned_in_huge_pages`] says whether
     /// it was; a registration the driver refuses turns it off). Default `true`.

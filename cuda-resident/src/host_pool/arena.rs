@@ -5,8 +5,9 @@
 //! 4 GiB load spends some 68 ms making them). An arena whose size is a whole number of
 //! 2 MiB pages can instead be mapped anonymously, backed by transparent huge pages
 //! (`MADV_HUGEPAGE`), touched once per page and registered with `cuMemHostRegister`
-//! (portable, mapped for the device): 2.9 ms per 16 MiB arena there, given back in 0.33 ms
-//! instead of 1.5, the same 55 GB/s over the link (docs/runs/2026-12-07-load-reuse.md).
+//! (portable, mapped for the device): 2.8 ms per 16 MiB arena on the H100's host against
+//! 6.3, given back in 0.35 ms instead of 1.7, the same 54.5 GB/s over the link; a process's
+//! first 4 GiB load ran at 34.6 GB/s against 28.6 (docs/runs/2026-12-07-h100-huge-pages.md).
 //! That way is taken where the configuration asks for it (`Config::pinned_huge_pages`),
 //! the kernel offers transparent huge pages (`always` or `madvise`), and the GPU can reach
 //! registered memory at its host address (the copy kernels read and write staging there).
