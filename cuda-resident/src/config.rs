@@ -71,7 +71,7 @@ pub struct Config {
     /// use than `cuMemHostAlloc`'s (docs/weights.md): such a process may set this `false`. A wish, granted where the kernel offers transparent huge pages (`always` or
     /// `madvise` in `/sys/kernel/mm/transparent_hugepage/enabled`) and the GPU can use
     /// registered memory at its host address ([`Device::pinned_in_huge_pages`] says whether
-    /// it was; a registration the driver refuses turns it off). Default `true`.
+    /// it was; an arena that cannot be made so turns it off). Default `true`.
     ///
     /// [`Device::pinned_in_huge_pages`]: crate::Device::pinned_in_huge_pages
     pub pinned_huge_pages: bool,

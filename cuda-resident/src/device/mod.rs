@@ -122,7 +122,7 @@ impl Device {
     /// Whether this device's pinned pool makes its arenas of transparent huge pages (those
     /// of a whole number of 2 MiB pages): the configuration asks for it
     /// ([`Config::pinned_huge_pages`]), the kernel offers them, the GPU reaches registered
-    /// memory at its host address, and the driver has refused no registration yet.
+    /// memory at its host address, and no arena has failed to be made so yet.
     pub fn pinned_in_huge_pages(&self) -> bool {
         self.core.pinned.makes_huge_pages()
     }

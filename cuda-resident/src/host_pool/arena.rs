@@ -11,7 +11,8 @@
 //! That way is taken where the configuration asks for it (`Config::pinned_huge_pages`),
 //! the kernel offers transparent huge pages (`always` or `madvise`), and the GPU can reach
 //! registered memory at its host address (the copy kernels read and write staging there).
-//! Once a registration is refused, the pool makes every later arena by `cuMemHostAlloc`.
+//! Once a registration is refused, or the system gives no such mapping, the pool makes every
+//! later arena by `cuMemHostAlloc`.
 
 use std::ptr::NonNull;
 
@@ -46,9 +47,9 @@ pub(super) fn make_host_alloc(raw: &Raw, bytes: u64) -> Result<Arena> {
     Ok(Arena { ptr, bytes, huge: false })
 }
 
-/// An arena of `bytes` (a multiple of [`HUGE_PAGE`]) in huge pages, registered: `Ok(None)`
-/// where the system gives no such mapping (the caller makes it another way), `Err` where
-/// the driver refuses to register it (nothing left mapped).
+/// An arena of `bytes` (a multiple of [`HUGE_PAGE`]) in huge pages, registered, kept from
+/// children of `fork`: `Ok(None)` where the system gives no such mapping (the caller makes
+/// it another way), `Err` where the driver refuses to register it (nothing left mapped).
 #[cfg(target_os = "linux")]
 pub(super) fn make_huge(raw: &Raw, bytes: u64) -> Result<Option<Arena>> {
     debug_assert!(bytes > 0 && bytes.is_multiple_of(HUGE_PAGE));
@@ -85,8 +86,16 @@ pub(super) fn make_huge(raw: &Raw, bytes: u64) -> Result<Option<Arena>> {
         }
     }
     let ptr = (start + head) as *mut u8;
+    // Huge pages; and not inherited by a child of `fork`: otherwise the parent's next write
+    // to a page shared copy-on-write would move it to a new page while the GPU's copies
+    // still use the old one (memory from `cuMemHostAlloc` is kept from children the same
+    // way).
     // SAFETY: `[ptr, ptr + len)` is the mapping kept above, unused by anyone else.
-    if unsafe { libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE) } != 0 {
+    let advised = unsafe {
+        libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE) == 0
+            && libc::madvise(ptr.cast(), len, libc::MADV_DONTFORK) == 0
+    };
+    if !advised {
         // SAFETY: as above; nothing refers to it.
         unsafe { libc::munmap(ptr.cast(), len) };
         return Ok(None);

@@ -138,8 +138,8 @@ pub(crate) struct HostPool {
     hits: AtomicU64,
     misses: AtomicU64,
     released: AtomicU64,
-    /// Whether arenas of whole huge pages are made of them ([`arena::make_huge`]): until a
-    /// registration is refused.
+    /// Whether arenas of whole huge pages are made of them ([`arena::make_huge`]): until one
+    /// cannot be.
     huge: AtomicBool,
 }
 
@@ -241,14 +241,15 @@ impl HostPool {
     }
 
     /// A new arena of `bytes`: of huge pages where the pool makes them and the size is a
-    /// whole number of them, else (and once a registration was refused) by `cuMemHostAlloc`.
+    /// whole number of them, else (and once such an arena could not be made) by
+    /// `cuMemHostAlloc`.
     fn make_arena(&self, bytes: u64) -> Result<Arena> {
         let raw = self.ctx.bind()?;
         if bytes.is_multiple_of(HUGE_PAGE) && self.makes_huge_pages() {
             match arena::make_huge(raw, bytes) {
                 Ok(Some(arena)) => return Ok(arena),
-                Ok(None) => {}
-                Err(_) => self.huge.store(false, Ordering::Relaxed),
+                // No mapping of huge pages, or no registration: the next would fare the same.
+                Ok(None) | Err(_) => self.huge.store(false, Ordering::Relaxed),
             }
         }
         arena::make_host_alloc(raw, bytes)

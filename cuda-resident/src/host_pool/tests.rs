@@ -114,6 +114,24 @@ fn huge_pool(cap: u64) -> (Arc<cuda_sys::Driver>, Arc<HostPool>) {
     (driver, pool)
 }
 
+/// The kernel's flags of the mapping that holds address `at` (`VmFlags` in
+/// `/proc/self/smaps`: `hg` advised huge pages, `dc` not copied on fork).
+fn vm_flags(at: u64) -> Vec<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("Linux");
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line.split(' ').next().and_then(|r| r.split_once('-'));
+        if let Some((lo, hi)) = range
+            .and_then(|(lo, hi)| Some((u64::from_str_radix(lo, 16).ok()?, u64::from_str_radix(hi, 16).ok()?)))
+        {
+            inside = lo <= at && at < hi;
+        } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
+            return flags.split_whitespace().map(str::to_string).collect();
+        }
+    }
+    panic!("no mapping holds {at:#x}")
+}
+
 fn succeeded(driver: &cuda_sys::Driver, entry: &str) -> u64 {
     driver.faults().counts().get(entry).map_or(0, |c| c.succeeded)
 }
@@ -126,6 +144,9 @@ fn arenas_of_whole_huge_pages_are_registered_aligned_usable_and_given_back() {
         let lease = pool.try_acquire(len as usize).unwrap().expect("within the cap");
         let at = lease.as_ptr() as u64;
         assert_eq!(at % HUGE_PAGE, 0, "{len}: an arena starts on a huge page");
+        let flags = vm_flags(at);
+        assert!(flags.contains(&"hg".to_string()), "{len}: advised huge pages: {flags:?}");
+        assert!(flags.contains(&"dc".to_string()), "{len}: not copied on fork: {flags:?}");
         // Every byte is writable and reads back.
         let bytes: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
         // SAFETY: the lease is ours, `len` bytes long, and no copy uses it.
