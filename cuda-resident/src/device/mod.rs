@@ -1,5 +1,6 @@
 //! `Device`: one GPU's primary context, its lanes, its resident store and its pinned pool.
 
+mod peer;
 mod set;
 
 pub use set::DeviceSet;
@@ -18,7 +19,6 @@ use crate::error::Result;
 use crate::fence::Fence;
 use crate::host_pool::PinnedBuffer;
 use crate::owned::OwnedBuffer;
-use crate::peer::PeerBatch;
 use crate::raw::{Raw, release_retrying};
 use crate::sync::lock;
 use crate::telemetry::TelemetrySnapshot;
@@ -626,40 +626,6 @@ impl Device {
     /// allocator's errors for the table.
     pub fn prepare_downloads(&self, ranges: &[(ResidentBuffer, u64, u64)]) -> Result<PreparedDownloads> {
         crate::transfer::prepared::prepare_downloads(&self.core, ranges)
-    }
-
-    /// Whether this device can be given access to `peer`'s memory (and the other way
-    /// round): both directions must have a peer path. A device can always access its own.
-    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
-        crate::peer::can_access_peer(&self.core, &peer.core)
-    }
-
-    /// Lets this device and `peer` access each other's memory (`cuCtxEnablePeerAccess` in
-    /// both directions), so that [`Device::peer_copies`] between them move over the peer
-    /// link. Calling it again is harmless. Fails with [`Error::PeerUnsupported`] where the
-    /// pair has no peer path; copies between them still work, staged through host memory.
-    ///
-    /// Access lasts while both devices are open: each keeps the other's context alive. The
-    /// calling thread's current context changes.
-    pub fn enable_peer(&self, peer: &Device) -> Result<()> {
-        crate::peer::enable_peer(&self.core, &peer.core)
-    }
-
-    /// Whether this device may access `peer`'s memory: the same GPU, or peer access enabled
-    /// through this device or `peer` ([`Device::enable_peer`]).
-    pub fn is_peer_enabled(&self, peer: &Device) -> bool {
-        crate::peer::is_peer_enabled(&self.core, &peer.core)
-    }
-
-    /// Starts a batch of copies from buffers of `src` into buffers of this device. `src` may
-    /// be this device itself (copies inside one GPU).
-    ///
-    /// The copies read `src`'s memory directly when this device may access it
-    /// ([`Device::enable_peer`]); otherwise they are staged through host memory, which
-    /// works between any two GPUs but blocks `submit` until the source bytes are on the
-    /// host.
-    pub fn peer_copies<'a>(&'a self, src: &'a Device) -> PeerBatch<'a> {
-        crate::peer::copy::peer_copies(&self.core, &src.core)
     }
 }
 
