@@ -393,6 +393,7 @@ impl Drop for Core {
         let _ = self.alloc.release_all();
     }
 }
+
 /// Whether pinned arenas may be made of huge pages registered with the driver for
 /// `device`: the kernel offers transparent huge pages and the GPU can register host memory
 /// and reach it at its host address (the copy kernels read and write staging there).

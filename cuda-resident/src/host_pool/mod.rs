@@ -4,8 +4,9 @@
 //! Making an arena costs milliseconds (5.7 ms for 16 MiB by `cuMemHostAlloc` on the H200's
 //! host), so staging is never allocated per copy. Arenas come in sixteen sizes per power of
 //! two from 64 KiB up (so rounding wastes at most 6.25 % of an arena), are lent out whole as
-//! a [`HostLease`] and come back when the lease drops. A lease used by a copy is kept alive by the lane until the copy's event completes, so an
-//! arena is reused only after the GPU is done with it. The pool never holds more than
+//! a [`HostLease`] and come back when the lease drops. A lease used by a copy is kept alive
+//! by the lane until the copy's event completes, so an arena is reused only after the GPU
+//! is done with it. The pool never holds more than
 //! `Config::pinned_cap_bytes`; when it is full, free arenas of other sizes are released
 //! first, and a request that still does not fit waits for copies in flight (the caller's
 //! job) or fails.

@@ -310,10 +310,7 @@ impl<'a> UploadBatch<'a> {
         len: usize,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<&mut Self> {
-        let (lease, at) = match self.stage_hit(buffer, offset, len) {
-            Some(room) => room,
-            None => self.stage(buffer, offset, len, false)?,
-        };
+        let (lease, at) = self.stage(buffer, offset, len, false)?;
         // SAFETY: the arena is this batch's own; no copy uses it before submit.
         let region = unsafe { self.arena[lease as usize].as_mut_slice() };
         let dst = &mut region[at..at + len];
@@ -390,10 +387,7 @@ impl<'a> UploadBatch<'a> {
     where
         F: FnOnce(&mut [u8]) + Send + Copy + 'a,
     {
-        let (lease, at) = match self.stage_hit(buffer, offset, len) {
-            Some(room) => room,
-            None => self.stage(buffer, offset, len, true)?,
-        };
+        let (lease, at) = self.stage(buffer, offset, len, true)?;
         self.par.push(self.writes.len() - 1, fill);
         self.sources.push(Source::Arena { lease, offset: at });
         let before = self.par_work;
@@ -406,9 +400,21 @@ impl<'a> UploadBatch<'a> {
         Ok(self)
     }
 
-    /// [`UploadBatch::stage`]'s hot path, inlined into the caller's loop: a batch not
-    /// poisoned, a write that fits the open arena lease, to a buffer the batch named before,
-    /// a range inside it. `None` (nothing noted) otherwise, for `stage` to decide.
+    /// Checks a write of `len` bytes made in place and gives it room in the batch's arena:
+    /// the lease and the offset in it. On a refusal of pinned memory, poisons the batch.
+    /// Inlined into the caller's loop: [`UploadBatch::stage_hit`] serves most writes, the
+    /// rest go to [`UploadBatch::stage_cold`].
+    #[inline(always)]
+    fn stage(&mut self, buffer: ResidentBuffer, offset: u64, len: usize, par: bool) -> Result<(u32, usize)> {
+        match self.stage_hit(buffer, offset, len) {
+            Some(room) => Ok(room),
+            None => self.stage_cold(buffer, offset, len, par),
+        }
+    }
+
+    /// [`UploadBatch::stage`]'s hot path: a batch not poisoned, a write that fits the open
+    /// arena lease, to a buffer the batch named before, a range inside it. `None` (nothing
+    /// noted) otherwise, for `stage_cold` to decide.
     #[inline(always)]
     fn stage_hit(&mut self, buffer: ResidentBuffer, offset: u64, len: usize) -> Option<(u32, usize)> {
         if matches!(self.error, Some(Error::BatchPoisoned { .. })) {
@@ -456,11 +462,17 @@ impl<'a> UploadBatch<'a> {
         self.arena_descriptors[lease] += (len as u64).div_ceil(SEGMENT);
     }
 
-    /// Checks a write of `len` bytes made in place and gives it room in the batch's arena:
-    /// the lease and the offset in it. On a refusal of pinned memory, poisons the batch.
+    /// [`UploadBatch::stage`] for every write its hot path does not serve: checks the write
+    /// in full, and opens a lease where the open one has no room.
     #[cold]
     #[inline(never)]
-    fn stage(&mut self, buffer: ResidentBuffer, offset: u64, len: usize, par: bool) -> Result<(u32, usize)> {
+    fn stage_cold(
+        &mut self,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: usize,
+        par: bool,
+    ) -> Result<(u32, usize)> {
         self.add(buffer, offset, len as u64)?;
         if let Some((lease, at)) = self.arena_room(offset, len) {
             self.arena_take(lease, at, len);
