@@ -12,6 +12,9 @@
 //! reuses its vectors as in a steady stream of batches. Criterion reports the time per batch
 //! and requests per second: the cost per request is the time divided by 8192.
 //!
+//! The scattered shape follows: 8192 buffers of 256 B, one request each, named in a shuffled
+//! order.
+//!
 //! Run with `cargo bench -p cuda-resident-benches --bench calls -- --warm-up-time 1
 //! --measurement-time 2`.
 
@@ -20,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cuda_resident::internals::model_device;
-use cuda_resident::{Config, Device, ResidentBuffer, UploadBatch};
+use cuda_resident::{Config, Device, DownloadBatch, ResidentBuffer, UploadBatch};
 
 const COUNT: usize = 8192;
 const SIZE: usize = 256;
@@ -38,6 +41,20 @@ fn upload<'a>(device: &'a Device, iters: u64, build: impl Fn(&mut UploadBatch<'a
         build(&mut batch);
         spent += start.elapsed();
         batch.submit().unwrap().wait().unwrap();
+    }
+    spent
+}
+
+/// As [`upload`], for download batches built by `build`: a batch hands its vectors back
+/// once submitted (untimed, as uploads).
+fn download(device: &Device, iters: u64, build: impl Fn(&mut DownloadBatch<'_>)) -> Duration {
+    let mut spent = Duration::ZERO;
+    for _ in 0..iters {
+        let start = Instant::now();
+        let mut batch = device.downloads();
+        build(&mut batch);
+        spent += start.elapsed();
+        drop(batch.submit().unwrap().wait().unwrap());
     }
     spent
 }
@@ -97,20 +114,48 @@ fn calls(c: &mut Criterion) {
             })
         })
     });
-    // A download batch hands its vectors back once submitted (untimed, as uploads).
     group.bench_function("read", |b| {
         b.iter_custom(|iters| {
-            let mut spent = Duration::ZERO;
-            for _ in 0..iters {
-                let start = Instant::now();
-                let mut batch = device.downloads();
+            download(&device, iters, |batch| {
                 for &(buffer, offset) in &places {
                     black_box(batch.read(black_box(buffer), black_box(offset), SIZE as u64).unwrap());
                 }
-                spent += start.elapsed();
-                drop(batch.submit().unwrap().wait().unwrap());
-            }
-            spent
+            })
+        })
+    });
+    group.finish();
+    for b in buffers {
+        device.free(b).unwrap();
+    }
+    scattered(c, &device, &data);
+}
+
+/// The scattered shape of `xfer-bench`: 8192 buffers of 256 B, one request each, named in a
+/// shuffled order (the same every run), written by one batch and read by one.
+fn scattered(c: &mut Criterion, device: &Device, data: &[&[u8]]) {
+    let buffers: Vec<ResidentBuffer> = (0..COUNT).map(|_| device.allocate(SIZE as u64).unwrap()).collect();
+    let mut order: Vec<usize> = (0..COUNT).collect();
+    fastrand::Rng::with_seed(7).shuffle(&mut order);
+    let shuffled: Vec<ResidentBuffer> = order.iter().map(|&i| buffers[i]).collect();
+
+    let mut group = c.benchmark_group("calls 8192 x 256 B, a buffer each, shuffled");
+    group.throughput(Throughput::Elements(COUNT as u64));
+    group.bench_function("write", |b| {
+        b.iter_custom(|iters| {
+            upload(device, iters, |batch| {
+                for (&buffer, &d) in shuffled.iter().zip(data) {
+                    batch.write(black_box(buffer), 0, d).unwrap();
+                }
+            })
+        })
+    });
+    group.bench_function("read", |b| {
+        b.iter_custom(|iters| {
+            download(device, iters, |batch| {
+                for &buffer in &shuffled {
+                    black_box(batch.read(black_box(buffer), 0, SIZE as u64).unwrap());
+                }
+            })
         })
     });
     group.finish();

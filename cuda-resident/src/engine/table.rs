@@ -283,6 +283,33 @@ impl BufferTable {
         None
     }
 
+    /// [`BufferTable::hit`] for a handle an earlier batch resolved, whose entry still holds
+    /// (no free in its shard since, [`BufferTable::revive`]): the key and length, the entry
+    /// taken into this batch and the request noted. `None` (nothing changed) for anything
+    /// else, for [`BufferTable::check_cold`] to decide. The way of a batch whose every
+    /// request names a buffer of its own, in the buffers of the batch before: one lookup, no
+    /// error value.
+    #[inline(never)]
+    pub(crate) fn hit_kept(
+        &mut self,
+        alloc: &Allocator<Arc<Context>>,
+        buffer: ResidentBuffer,
+        offset: u64,
+        len: u64,
+    ) -> Option<(u32, u64)> {
+        let key = self.head(buffer).wrapping_sub(1);
+        let entry = self.entries.get(key as usize)?;
+        if entry.buffer != buffer || entry.batch == self.batch || !in_range(offset, len, entry.len) {
+            return None;
+        }
+        if !self.revive(alloc, key) {
+            return None;
+        }
+        let entry = &mut self.entries[key as usize];
+        note(&mut self.apart, entry, offset, len);
+        Some((key, entry.len))
+    }
+
     /// [`BufferTable::check`] where [`BufferTable::hit`] found nothing: a buffer first named
     /// in this batch (or named after another handle of its shard and slot), or a bad range.
     #[cold]
@@ -426,6 +453,37 @@ mod tests {
         round(&d, &[reused, x]);
         assert_eq!(d.download(x).unwrap()[..16], [1; 16]);
         assert_eq!(d.download(reused).unwrap()[..16], [0; 16]);
+    }
+
+    /// A kept buffer, named first in a new batch with a range past its end, is refused
+    /// there (its kept entry serves in-range requests only) by reads and writes alike; the
+    /// batch's other requests still land, and the failed one fails its submit.
+    #[test]
+    fn a_kept_buffer_named_out_of_range_is_refused_by_writes_and_reads() {
+        let d = device(Config::default());
+        use_shard(6);
+        let (x, y) = (d.allocate(4096).unwrap(), d.allocate(4096).unwrap());
+        round(&d, &[x, y]);
+        for (offset, len) in [(4096, 1), (0, 4097), (u64::MAX, 1)] {
+            let mut writes = d.uploads();
+            let data = vec![7u8; len as usize];
+            let err = writes.write(x, offset, &data).unwrap_err();
+            assert!(matches!(err, Error::OutOfRange { .. }), "write at {offset}+{len}: {err}");
+            writes.write(y, 0, &[9; 16]).unwrap();
+            assert!(matches!(writes.submit(), Err(Error::OutOfRange { .. })));
+        }
+        for (offset, len) in [(4096, 1), (0, 4097), (u64::MAX, 1), (1, u64::MAX)] {
+            let mut reads = d.downloads();
+            let err = reads.read(x, offset, len).unwrap_err();
+            assert!(matches!(err, Error::OutOfRange { .. }), "read at {offset}+{len}: {err}");
+            reads.read(y, 0, 16).unwrap();
+            assert!(matches!(reads.submit(), Err(Error::OutOfRange { .. })));
+        }
+        assert_eq!(d.download(y).unwrap()[..16], [1; 16], "no refused batch moved anything");
+        assert_eq!(round(&d, &[y, x]), 2, "both still kept");
+        let mut reads = d.downloads();
+        let slot = reads.read(x, 0, 16).unwrap();
+        assert_eq!(reads.submit().unwrap().wait().unwrap().get(slot), &[1; 16][..]);
     }
 
     #[test]

@@ -251,6 +251,12 @@ impl DownloadBatch<'_> {
     #[cold]
     #[inline(never)]
     fn read_cold(&mut self, buffer: ResidentBuffer, offset: u64, len: u64) -> Result<Slot> {
+        let index = self.reads.len();
+        if index < MAX_READS
+            && let Some((key, buffer_len)) = self.table.hit_kept(&self.core.alloc, buffer, offset, len)
+        {
+            return Ok(self.push(index, ReadRequest { buffer: u64::from(key), buffer_len, offset, len }));
+        }
         self.add(buffer, offset, len).inspect_err(|e| {
             self.error.get_or_insert_with(|| e.clone());
         })

@@ -220,7 +220,15 @@ impl<'a> UploadBatch<'a> {
     #[cold]
     #[inline(never)]
     fn write_cold(&mut self, buffer: ResidentBuffer, offset: u64, data: &'a [u8]) -> Result<&mut Self> {
-        self.add(buffer, offset, data.len() as u64)?;
+        let len = data.len() as u64;
+        if !matches!(self.error, Some(Error::BatchPoisoned { .. }))
+            && let Some((key, buffer_len)) = self.table.hit_kept(&self.core.alloc, buffer, offset, len)
+        {
+            self.push_write(key, buffer_len, offset, len);
+            self.push_slice(data);
+            return Ok(self);
+        }
+        self.add(buffer, offset, len)?;
         self.push_slice(data);
         Ok(self)
     }
