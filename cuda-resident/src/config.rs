@@ -116,6 +116,14 @@ pub struct Config {
     ///
     /// [`Device::moves_small_copies_over_bus`]: crate::Device::moves_small_copies_over_bus
     pub small_copies_over_bus: bool,
+    /// Items of a [`Scope`](crate::Scope) batch that move by one DMA each (those of at least
+    /// `direct_threshold` bytes in pinned memory, such as a paged KV cache's large blocks):
+    /// whether a submission hands them to the driver as one `cuMemcpyBatchAsync` instead of
+    /// one `cuMemcpy*Async` call each. Default `true`; a wish, granted only where the driver
+    /// has the call (CUDA 12.8 and newer, [`DeviceInfo::batch_memcpy`]). Each submission's
+    /// items have no two destinations in common (the driver runs a batch's copies in no set
+    /// order), as a scope's in-place route already requires.
+    pub dma_batches: bool,
 }
 
 impl Default for Config {
@@ -131,6 +139,7 @@ impl Default for Config {
             pack_threads: 0,
             pack_linger_us: 300,
             small_copies_over_bus: true,
+            dma_batches: true,
         }
     }
 }
@@ -322,6 +331,13 @@ impl Config {
     #[must_use]
     pub fn with_small_copies_over_bus(mut self, small_copies_over_bus: bool) -> Config {
         self.small_copies_over_bus = small_copies_over_bus;
+        self
+    }
+
+    /// Sets [`Config::dma_batches`].
+    #[must_use]
+    pub fn with_dma_batches(mut self, dma_batches: bool) -> Config {
+        self.dma_batches = dma_batches;
         self
     }
 }

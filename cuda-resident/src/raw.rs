@@ -306,6 +306,50 @@ impl Raw {
         unsafe { cu!(self, cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream)) }
     }
 
+    /// One `cuMemcpyBatchAsync`: `sizes[i]` bytes from `srcs[i]` to `dsts[i]` for every `i`,
+    /// host to device memory of device `ordinal` (`to_device`) or back, each source read in
+    /// stream order. The copies run in no set order among themselves.
+    ///
+    /// # Safety
+    /// The three slices are as long; each copy is as [`Raw::memcpy_htod_async`] or
+    /// [`Raw::memcpy_dtoh_async`] asks; no two destinations overlap.
+    pub(crate) unsafe fn memcpy_batch_async(
+        &self,
+        (dsts, srcs, sizes): (&mut [u64], &mut [u64], &mut [usize]),
+        to_device: bool,
+        ordinal: i32,
+        stream: CUstream,
+    ) -> Result<()> {
+        debug_assert!(dsts.len() == sizes.len() && srcs.len() == sizes.len());
+        let host = CUmemLocation { type_: CU_MEM_LOCATION_TYPE_HOST, id: 0 };
+        let device = CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal };
+        let (src_hint, dst_hint) = if to_device { (host, device) } else { (device, host) };
+        let mut attrs = CUmemcpyAttributes {
+            srcAccessOrder: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: src_hint,
+            dstLocHint: dst_hint,
+            flags: 0,
+        };
+        let mut first = 0usize;
+        // SAFETY: three arrays of `sizes.len()` entries naming copies as the caller promises;
+        // one attribute for them all, from the first.
+        unsafe {
+            cu!(
+                self,
+                cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    sizes.len(),
+                    &mut attrs,
+                    &mut first,
+                    1,
+                    stream
+                )
+            )
+        }
+    }
+
     /// # Safety
     /// `src` (memory of `src_ctx`) and `dst` (memory of `dst_ctx`) hold at least `len` bytes
     /// each, valid until the stream reaches this copy.

@@ -233,6 +233,7 @@ fn config_is_built_from_its_defaults_with_setters() {
     let _: fn(Config, u64) -> Config = Config::with_pack_linger_us;
     let _: fn(Config, bool) -> Config = Config::with_small_copies_over_bus;
     let _: fn(Config, bool) -> Config = Config::with_pinned_huge_pages;
+    let _: fn(Config, bool) -> Config = Config::with_dma_batches;
     let _: fn(&Config) -> Result<()> = Config::validate;
     let _: fn(&Config) -> usize = Config::resolved_pack_threads;
     let config = Config::default()
@@ -245,7 +246,8 @@ fn config_is_built_from_its_defaults_with_setters() {
         .with_pack_threads(2)
         .with_pack_linger_us(0)
         .with_small_copies_over_bus(false)
-        .with_pinned_huge_pages(false);
+        .with_pinned_huge_pages(false)
+        .with_dma_batches(false);
     let mut same = Config::default();
     same.budget_fraction = 0.5;
     same.slab_bytes = 32 << 20;
@@ -257,6 +259,7 @@ fn config_is_built_from_its_defaults_with_setters() {
     same.pack_linger_us = 0;
     same.small_copies_over_bus = false;
     same.pinned_huge_pages = false;
+    same.dma_batches = false;
     assert_eq!(config, same);
     config.validate().unwrap();
     assert_eq!(config.resolved_pack_threads(), 2);

@@ -73,6 +73,8 @@ struct Runs {
     scale: u8,
     chunk: u32,
     threshold: u32,
+    /// Items at least this many KiB long move by a DMA of their own (0: none does).
+    own_dma_kib: u16,
     unified: bool,
     bus: bool,
     upload: bool,
@@ -111,7 +113,8 @@ impl Runs {
         check_parts(&items, chunk, usize::from(self.moved % 3));
         if items.iter().map(|r| r.len + r.gap).sum::<u64>() <= MAX_RUN_BYTES {
             let threshold = u64::from(self.threshold % (2 << 20));
-            execute_runs(&items, chunk, threshold, self.unified, self.bus, self.upload);
+            let own_dma = if self.own_dma_kib == 0 { u64::MAX } else { u64::from(self.own_dma_kib) << 10 };
+            execute_runs(&items, (chunk, threshold, own_dma), self.unified, self.bus, self.upload);
         }
     }
 }

@@ -314,6 +314,13 @@ impl Core {
         self.config.small_copies_over_bus && self.info.unified_addressing
     }
 
+    /// The device's ordinal where a submission's DMAs go to the driver as one
+    /// `cuMemcpyBatchAsync` ([`Config::dma_batches`](crate::Config::dma_batches) and the
+    /// driver has it); `None` for one call each.
+    pub(crate) fn dma_batches(&self) -> Option<i32> {
+        (self.config.dma_batches && self.info.batch_memcpy).then_some(self.info.ordinal as i32)
+    }
+
     /// Allocates a buffer of the library's own (device staging, prepared sets' tables):
     /// under the same budget, counted apart from the caller's bytes.
     pub(crate) fn allocate_for_library(&self, bytes: u64) -> Result<ResidentBuffer> {

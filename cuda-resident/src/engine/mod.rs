@@ -49,6 +49,7 @@ use crate::error::Result;
 use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::Kernels;
+use crate::plan::runs::Direct;
 use crate::raw::Raw;
 use crate::stream::{KeepAlive, LaneBatch, LaneKind};
 use crate::telemetry::{Moves, Telemetry};
@@ -395,6 +396,53 @@ impl Enqueue<'_> {
         unsafe { self.raw.memcpy_dtoh_async(dst, src, len, self.stream) }?;
         self.count_dma(len);
         Ok(())
+    }
+
+    /// One DMA per item, host to device (`to_device`) or back, in one
+    /// `cuMemcpyBatchAsync` where `batched` names the device (`Core::dma_batches`), else by
+    /// [`Enqueue::htod`] or [`Enqueue::dtoh`] each, in order.
+    ///
+    /// # Safety
+    /// As [`Enqueue::htod`] or [`Enqueue::dtoh`] for each item; no two items' destinations
+    /// overlap (a batch's copies run in no set order).
+    pub(crate) unsafe fn dmas(
+        &mut self,
+        items: &[Direct],
+        to_device: bool,
+        batched: Option<i32>,
+    ) -> Result<()> {
+        match batched {
+            Some(ordinal) if items.len() > 1 => {
+                let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+                for d in items {
+                    let (dst, src) = if to_device { (d.dev, d.host as u64) } else { (d.host as u64, d.dev) };
+                    dsts.push(dst);
+                    srcs.push(src);
+                    sizes.push(d.len as usize);
+                }
+                // SAFETY: as the caller promises.
+                unsafe {
+                    self.raw.memcpy_batch_async(
+                        (&mut dsts, &mut srcs, &mut sizes),
+                        to_device,
+                        ordinal,
+                        self.stream,
+                    )
+                }?;
+                items.iter().for_each(|d| self.count_dma(d.len as usize));
+                Ok(())
+            }
+            _ => items.iter().try_for_each(|d| {
+                // SAFETY: as the caller promises.
+                unsafe {
+                    if to_device {
+                        self.htod(d.dev, d.host as *const u8, d.len as usize)
+                    } else {
+                        self.dtoh(d.host as *mut u8, d.dev, d.len as usize)
+                    }
+                }
+            }),
+        }
     }
 
     /// One DMA of `len` bytes between two devices' memory, each given with its context.

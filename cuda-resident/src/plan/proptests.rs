@@ -300,11 +300,13 @@ proptest! {
         scale in 0u8..3,
         chunk in 0usize..RUN_CHUNKS.len(),
         threshold in prop_oneof![1u64..1024, 1u64..(2 << 20)],
+        own_dma in prop_oneof![Just(u64::MAX), 1u64..(4 << 20)],
         unified in prop::bool::weighted(0.8),
         bus in any::<bool>(),
         upload in any::<bool>(),
     ) {
-        execute_runs(&run_items(&raw, scale), RUN_CHUNKS[chunk], threshold, unified, bus, upload);
+        let sizes = (RUN_CHUNKS[chunk], threshold, own_dma);
+        execute_runs(&run_items(&raw, scale), sizes, unified, bus, upload);
     }
 
     /// The parts of a scoped batch (`runs::parts`, `runs::first_part`) against their rule

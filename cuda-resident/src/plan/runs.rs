@@ -61,6 +61,14 @@ impl Direct {
 /// or one over-the-bus copy an item.
 pub(crate) const RUN_MIN: u64 = 1 << 20;
 
+/// Items at least this long move by a DMA of their own, even inside a run, where a
+/// submission's DMAs go to the driver in one `cuMemcpyBatchAsync` (`Config::dma_batches`):
+/// each goes straight to its place, with no device staging and no scatter or gather launch.
+/// On an H100, 2 MiB blocks of a paging step moved at 54.3 / 54.7 GB/s out / in (99.9 both
+/// ways at once) by one such call a direction, against 53.9 / 53.5 (96.7) through device
+/// staging; 256 KiB blocks moved faster through staging (53.8 / 53.3 against 49.4 / 47.4).
+pub(crate) const OWN_DMA_MIN: u64 = 2 << 20;
+
 /// One chunk of a run: its host bytes, moved by one DMA into or out of a device staging
 /// slot; the items it covers (from `first`, whose first `skip` bytes an earlier chunk
 /// moves); and its descriptors, numbered in the batch's order (chunks first, then the
@@ -103,14 +111,27 @@ impl Layout {
     /// the GPU has unified addressing (`unified`: a download's gather reads its table in
     /// pinned memory); other items of at least `threshold` bytes by DMA, the rest over the
     /// bus where `bus` (the configuration lets small copies move over the bus:
-    /// `Core::moves_small_copies_over_bus`), else by DMA too.
-    pub(crate) fn new(items: &[Direct], chunk: u64, threshold: u64, unified: bool, bus: bool) -> Layout {
+    /// `Core::moves_small_copies_over_bus`), else by DMA too. An item of at least `own_dma`
+    /// bytes moves by a DMA of its own even inside a run ([`OWN_DMA_MIN`] where a
+    /// submission's DMAs go to the driver in one call, `u64::MAX` otherwise).
+    pub(crate) fn new(
+        items: &[Direct],
+        chunk: u64,
+        threshold: u64,
+        (unified, bus): (bool, bool),
+        own_dma: u64,
+    ) -> Layout {
         let mut layout = Layout { most: chunk_descriptors_most(chunk) as usize, ..Layout::default() };
         let mut i = 0;
         while i < items.len() {
+            if items[i].len >= own_dma {
+                layout.dmas.push(items[i]);
+                i += 1;
+                continue;
+            }
             let mut end = i + 1;
             let mut bytes = items[i].len;
-            while end < items.len() && continues(items, end - 1) {
+            while end < items.len() && continues(items, end - 1) && items[end].len < own_dma {
                 bytes += items[end].len;
                 end += 1;
             }

@@ -196,7 +196,7 @@ fn a_layout_moves_every_byte_once_inside_its_chunks_and_no_kernel_touches_regist
         for kind in [LaneKind::Upload, LaneKind::Download] {
             let bus = rng.bool();
             let unified = bus || rng.bool();
-            let layout = Layout::new(&items, chunk, threshold, unified, bus);
+            let layout = Layout::new(&items, chunk, threshold, (unified, bus), u64::MAX);
             // Device bytes -> host bytes, as moved.
             let mut moved: Vec<(u64, u64, u64)> = Vec::new(); // (dev, host, len)
             let (mut part, mut counted) = (Vec::new(), 0);
@@ -271,7 +271,7 @@ fn no_launch_of_tiny_items_takes_a_table_past_half_a_chunk() {
         (host, dev) = (host + 8, dev + 8);
     }
     for kind in [LaneKind::Upload, LaneKind::Download] {
-        let layout = Layout::new(&items, chunk, 4096, true, true);
+        let layout = Layout::new(&items, chunk, 4096, (true, true), u64::MAX);
         assert_eq!(layout.most, most);
         assert!(layout.chunks.len() >= (3 << 16) / most, "{} chunks", layout.chunks.len());
         let mut part = Vec::new();

@@ -74,6 +74,8 @@ pub(crate) struct FakeGpu {
     pub(crate) ctx_syncs: u64,
     /// `cuMemcpyHtoDAsync` calls from pageable host memory (staged by the driver).
     pub(crate) pageable_uploads: u64,
+    /// Copies enqueued by `cuMemcpyBatchAsync`, in all.
+    pub(crate) batched_copies: usize,
     /// What the model found wrong (illegal accesses), in order.
     pub(crate) errors: Vec<String>,
     /// The model has two GPUs in one address space (as with unified addressing): the

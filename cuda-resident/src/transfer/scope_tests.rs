@@ -105,6 +105,64 @@ fn without_unified_addressing_pinned_ranges_move_by_dmas() {
     assert_eq!(moves, (0, 32, 0), "one DMA a block");
 }
 
+/// Large blocks in a pinned cache move by one DMA each, all of a submission in one
+/// `cuMemcpyBatchAsync` where the driver has it (the model runs a batch's copies last to
+/// first), or one call each with `Config::dma_batches` off; the same bytes either way, both
+/// directions at once. Blocks of 256 KiB apart (every fourth slot: no run); blocks of 2 MiB
+/// side by side, a run that moves through device staging (a launch a chunk) unless the DMAs
+/// go in one call ([`OWN_DMA_MIN`](crate::plan::runs::OWN_DMA_MIN)).
+#[test]
+fn large_blocks_move_by_one_batched_driver_call_a_way() {
+    for (block, stride) in [(256 << 10, 4), (2 << 20, 1)] {
+        for batched in [true, false] {
+            let d = device(Config::default().with_dma_batches(batched));
+            let mut rng = fastrand::Rng::with_seed(0xBA7C);
+            let (buffer, mut expect) = pool(&d, &mut rng, 16 * block);
+            let mut cache = d.pinned(16 * stride * block).unwrap();
+            rng.fill(&mut cache);
+            let (out_area, in_area) = cache.split_at_mut(8 * stride * block);
+            let incoming: Vec<Vec<u8>> =
+                in_area.chunks(stride * block).map(|c| c[..block].to_vec()).collect();
+            let (before, copies) = (d.telemetry(), model::with(|g| g.batched_copies));
+            d.scope(|s| {
+                let mut reads = s.downloads();
+                let mut writes = s.uploads();
+                // Pool blocks 0..8 out into the first half's slots, 8..16 in from the second's.
+                for (i, out) in out_area.chunks_mut(stride * block).enumerate() {
+                    reads.read_to_slice(buffer, (i * block) as u64, &mut out[..block])?;
+                }
+                for (i, src) in in_area.chunks(stride * block).enumerate() {
+                    writes.write(buffer, ((8 + i) * block) as u64, &src[..block])?;
+                }
+                let _ = reads.submit()?;
+                let _ = writes.submit()?;
+                Ok(())
+            })
+            .unwrap();
+            let after = d.telemetry();
+            let batched_now = model::with(|g| g.batched_copies) - copies;
+            let what = format!("{block} B blocks, batched {batched}");
+            if batched || stride > 1 {
+                assert_eq!(after.dma_copies - before.dma_copies, 16, "{what}: one DMA a block");
+                assert_eq!(after.kernel_launches, before.kernel_launches, "{what}: no launch");
+            } else {
+                assert!(after.kernel_launches > before.kernel_launches, "{what}: through device staging");
+            }
+            assert_eq!(batched_now, if batched { 16 } else { 0 }, "{what}");
+            for i in 0..8 {
+                let slot = i * stride * block;
+                assert!(
+                    cache[slot..slot + block] == expect[i * block..(i + 1) * block],
+                    "{what}: block {i} out"
+                );
+                expect[(8 + i) * block..(9 + i) * block].copy_from_slice(&incoming[i]);
+            }
+            assert!(d.download(buffer).unwrap() == expect, "{what}: the pool differs");
+            assert!(model::with(|g| g.errors.is_empty()));
+        }
+    }
+}
+
 #[test]
 fn pinned_and_pageable_ranges_mix_in_one_batch_and_overlapping_writes_apply_in_order() {
     let d = device(Config::default().with_direct_threshold(8 << 10));

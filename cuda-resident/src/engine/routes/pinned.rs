@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::fence::Fence;
 use crate::host_pool::HostLease;
 use crate::kernels::{CopyDescriptor, table_bytes};
-use crate::plan::runs::{Direct, Layout};
+use crate::plan::runs::{Direct, Layout, OWN_DMA_MIN};
 use crate::stream::{LaneKind, SIDE_SLOTS};
 use crate::sync::lock;
 
@@ -33,12 +33,13 @@ pub(crate) fn move_pinned(
     last: &AtomicU64,
 ) -> Result<Fence> {
     let config = &core.config;
+    let batched = core.dma_batches();
     let layout = Layout::new(
         items,
         config.chunk_bytes,
         config.direct_threshold,
-        core.info.unified_addressing,
-        core.moves_small_copies_over_bus(),
+        (core.info.unified_addressing, core.moves_small_copies_over_bus()),
+        if batched.is_some() { OWN_DMA_MIN } else { u64::MAX },
     );
     let mut exec = Exec::begin(core, kind);
     let mut scratch = lock(&core.staging[kind.index()]);
@@ -136,18 +137,11 @@ pub(crate) fn move_pinned(
         })?;
     }
     if !layout.dmas.is_empty() {
-        exec.submit(Vec::new(), |q| {
-            for d in &layout.dmas {
-                // SAFETY: as above, by one DMA each, in submission order.
-                unsafe {
-                    match kind {
-                        LaneKind::Upload => q.htod(d.dev, d.host as *const u8, d.len as usize),
-                        LaneKind::Download => q.dtoh(d.host as *mut u8, d.dev, d.len as usize),
-                    }
-                }?;
-            }
-            Ok(())
-        })?;
+        let to_device = kind == LaneKind::Upload;
+        // SAFETY: as above, by one DMA each (in one driver call where batched: the items'
+        // destinations are disjoint, device ranges checked so by the caller, host ones
+        // borrowed mutably apart).
+        exec.submit(Vec::new(), |q| unsafe { q.dmas(&layout.dmas, to_device, batched) })?;
     }
     Ok(exec.finish())
 }

@@ -74,18 +74,31 @@ impl Memory {
 }
 
 /// Lays `items` out ([`Layout::new`]) with chunks of `chunk` bytes (at least 1), DMAs from
-/// `threshold`, on a GPU with unified addressing where `unified`, small copies over the bus
-/// where `bus`, and carries the layout out on the model as the executor does, uploading
+/// `threshold` (and of their own, even in a run, from `own_dma`), on a GPU with unified
+/// addressing where `unified`, small copies over the bus where `bus`, and carries the layout out on the model as the executor does, uploading
 /// (`upload`) or downloading: each chunk's host bytes by one DMA into (out of) a staging slot
 /// and its descriptors, each bus launch, each DMA. Checks that every byte of every item is
 /// moved exactly once and lands where it belongs, that nothing else is written, that every
 /// chunk stays within `chunk` bytes, its run and its table, that descriptors are numbered
 /// chunks first and then the bus launches, and that the layout counts its submissions.
-pub fn execute_runs(items: &[RunItem], chunk: u64, threshold: u64, unified: bool, bus: bool, upload: bool) {
+pub fn execute_runs(
+    items: &[RunItem],
+    (chunk, threshold, own_dma): (u64, u64, u64),
+    unified: bool,
+    bus: bool,
+    upload: bool,
+) {
     let chunk = chunk.max(1);
     let (mut direct, dev_end) = place(items);
     direct.retain(|d| d.len > 0);
-    let layout = Layout::new(&direct, chunk, threshold, unified, bus);
+    let layout = Layout::new(&direct, chunk, threshold, (unified, bus), own_dma);
+    let long = |d: &&Direct| d.len >= own_dma;
+    let own = layout.dmas.iter().filter(long).count();
+    assert_eq!(own, direct.iter().filter(long).count(), "every item from own_dma by a DMA of its own");
+    for c in &layout.chunks {
+        let inside = |d: &&Direct| d.host < c.host + c.len as usize && c.host < d.host + d.len as usize;
+        assert!(direct.iter().filter(inside).all(|d| d.len < own_dma), "an item of its own DMA in a chunk");
+    }
     let staging = dev_end.next_multiple_of(256);
     let size = (staging + chunk) as usize;
     let mut memory = Memory { bytes: (0..size).map(initial).collect(), writes: vec![0; size] };

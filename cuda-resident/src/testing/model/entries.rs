@@ -396,6 +396,64 @@ unsafe extern "C" fn memcpy_dtoh(
     })
 }
 
+/// `cuMemcpyBatchAsync`: every copy checked as the one-copy entry points check theirs, with
+/// one attribute reading sources in stream order; a batch with a bad copy enqueues none.
+/// The copies run in no set order, so the model runs them last to first, and a batch
+/// whose destinations overlap is an illegal access.
+unsafe extern "C" fn memcpy_batch(
+    dsts: *mut CUdeviceptr,
+    srcs: *mut CUdeviceptr,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut CUmemcpyAttributes,
+    attrs_idxs: *mut usize,
+    num_attrs: usize,
+    stream: CUstream,
+) -> CUresult {
+    if count == 0 || num_attrs != 1 {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    // SAFETY: the caller passes arrays of `count` entries and one attribute, as the driver
+    // requires.
+    let (dsts, srcs, sizes, attr, first) = unsafe {
+        (
+            std::slice::from_raw_parts(dsts, count),
+            std::slice::from_raw_parts(srcs, count),
+            std::slice::from_raw_parts(sizes, count),
+            &*attrs,
+            *attrs_idxs,
+        )
+    };
+    if first != 0 || attr.srcAccessOrder != CU_MEMCPY_SRC_ACCESS_ORDER_STREAM {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    with(|g| {
+        let mut ends: Vec<(usize, usize)> = Vec::with_capacity(count);
+        for i in 0..count {
+            let (dst, src, len) = (dsts[i] as usize, srcs[i] as usize, sizes[i]);
+            let up = g.is_device(dst, len) && g.is_pinned(src, len);
+            let down = g.is_device(src, len) && g.is_pinned(dst, len);
+            if !(up || down) {
+                g.illegal(format!(
+                    "batched copy {i}: {src:#x} -> {dst:#x} ({len} bytes) between pinned and device memory"
+                ));
+                return CUDA_ERROR_INVALID_VALUE;
+            }
+            ends.push((dst, dst + len));
+        }
+        ends.sort_unstable();
+        if ends.windows(2).any(|w| w[1].0 < w[0].1) {
+            g.illegal("a batch of copies whose destinations overlap (they run in no set order)".to_string());
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        for i in (0..count).rev() {
+            g.enqueue(stream, Op::Copy { dst: dsts[i] as usize, src: srcs[i] as usize, len: sizes[i] });
+        }
+        g.batched_copies += count;
+        CUDA_SUCCESS
+    })
+}
+
 unsafe extern "C" fn host_register(p: *mut c_void, bytes: usize, _flags: c_uint) -> CUresult {
     with(|g| g.registered.insert(p as usize, bytes));
     CUDA_SUCCESS
@@ -475,6 +533,7 @@ pub(crate) fn driver() -> Arc<Driver> {
     api.cuLaunchKernel = Ok(launch_kernel);
     api.cuMemcpyHtoDAsync_v2 = Ok(memcpy_htod);
     api.cuMemcpyDtoHAsync_v2 = Ok(memcpy_dtoh);
+    api.cuMemcpyBatchAsync_v2 = Ok(memcpy_batch);
     api.cuMemHostRegister_v2 = Ok(host_register);
     api.cuMemHostUnregister = Ok(host_unregister);
     api.cuPointerGetAttributes = Ok(pointer_get_attributes);
