@@ -119,10 +119,13 @@ pub struct Config {
     /// Items of a [`Scope`](crate::Scope) batch that move by one DMA each (those of at least
     /// `direct_threshold` bytes in pinned memory, such as a paged KV cache's large blocks):
     /// whether a submission hands them to the driver as one `cuMemcpyBatchAsync` instead of
-    /// one `cuMemcpy*Async` call each. Default `true`; a wish, granted only where the driver
-    /// has the call (CUDA 12.8 and newer, [`DeviceInfo::batch_memcpy`]). Each submission's
-    /// items have no two destinations in common (the driver runs a batch's copies in no set
-    /// order), as a scope's in-place route already requires.
+    /// one `cuMemcpy*Async` call each, and ranges of 2 MiB and more move by a DMA of their
+    /// own even where they follow each other in host memory, rather than through device
+    /// staging and a scatter or gather launch. Default `false`: no GPU has measured it yet;
+    /// `xfer-bench --suite paging --dma-batches` compares it. A wish, granted only where the
+    /// driver has the call (CUDA 12.8 and newer, [`DeviceInfo::batch_memcpy`]). Each
+    /// submission's items have no two destinations in common (the driver runs a batch's
+    /// copies in no set order), as a scope's in-place route already requires.
     pub dma_batches: bool,
 }
 
@@ -139,7 +142,7 @@ impl Default for Config {
             pack_threads: 0,
             pack_linger_us: 300,
             small_copies_over_bus: true,
-            dma_batches: true,
+            dma_batches: false,
         }
     }
 }

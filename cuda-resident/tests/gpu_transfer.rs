@@ -743,6 +743,57 @@ fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cach
     }
 }
 
+/// With `Config::dma_batches`, a scoped paging step of 2 MiB blocks (slots side by side, a
+/// run) and of 256 KiB blocks (every other slot) moves each block by a DMA of its own, a
+/// direction's in one `cuMemcpyBatchAsync` where the driver has it; every byte checked, the
+/// out slots poisoned first.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_scoped_paging_step_with_dma_batches_moves_every_block_by_its_own_dma() {
+    let d = Device::open_configured(0, Config::default().with_dma_batches(true)).unwrap();
+    let mut rng = fastrand::Rng::with_seed(35);
+    for (block, stride) in [(2usize << 20, 1usize), (256 << 10, 2)] {
+        let blocks = 64;
+        let pool = d.allocate((block * blocks) as u64).unwrap();
+        let mut expect = random_vec(&mut rng, block * blocks);
+        d.upload(pool, &expect).unwrap();
+        let mut order: Vec<usize> = (0..blocks).collect();
+        rng.shuffle(&mut order);
+        let (out, into) = (&order[..16], &order[16..32]);
+        let mut cache = d.pinned(32 * stride * block).unwrap();
+        rng.fill(&mut cache);
+        let (out_area, in_area) = cache.split_at_mut(16 * stride * block);
+        out_area.fill(0xA5);
+        let incoming: Vec<Vec<u8>> = in_area.chunks(stride * block).map(|c| c[..block].to_vec()).collect();
+        let before = d.telemetry();
+        d.scope(|s| {
+            let mut reads = s.downloads();
+            for (&b, slot) in out.iter().zip(out_area.chunks_mut(stride * block)) {
+                reads.read_to_slice(pool, (b * block) as u64, &mut slot[..block])?;
+            }
+            let mut writes = s.uploads();
+            for (&b, slot) in into.iter().zip(in_area.chunks(stride * block)) {
+                writes.write(pool, (b * block) as u64, &slot[..block])?;
+            }
+            let _ = writes.submit()?;
+            reads.submit().map(drop)
+        })
+        .unwrap();
+        let after = d.telemetry();
+        assert_eq!(after.dma_copies - before.dma_copies, 32, "{block} B: one DMA a block");
+        assert_eq!(after.kernel_launches, before.kernel_launches, "{block} B: no launch");
+        for (i, &b) in out.iter().enumerate() {
+            let slot = &cache[i * stride * block..][..block];
+            assert!(slot == &expect[b * block..(b + 1) * block], "{block} B: block {b} out");
+        }
+        for (i, &b) in into.iter().enumerate() {
+            expect[b * block..(b + 1) * block].copy_from_slice(&incoming[i]);
+        }
+        assert!(d.download(pool).unwrap() == expect, "{block} B: the pool differs");
+        d.free(pool).unwrap();
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_scope_is_shared_by_threads_each_building_a_direction() {

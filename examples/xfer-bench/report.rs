@@ -180,7 +180,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "paging_batches": a.paging_batches, "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
         "direct_kib": a.direct_kib, "pack_threads": a.pack_threads,
         "pack_linger_us": a.pack_linger_us, "single_order": lower(&a.single_order), "staged_small_copies": a.staged_small_copies,
-        "no_huge_pages": a.no_huge_pages, "no_dma_batches": a.no_dma_batches,
+        "no_huge_pages": a.no_huge_pages, "dma_batches": a.dma_batches,
         "breakdown": a.breakdown, "format": lower(&a.format), "out": a.out.display().to_string(),
     })
 }

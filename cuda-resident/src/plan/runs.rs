@@ -64,9 +64,10 @@ pub(crate) const RUN_MIN: u64 = 1 << 20;
 /// Items at least this long move by a DMA of their own, even inside a run, where a
 /// submission's DMAs go to the driver in one `cuMemcpyBatchAsync` (`Config::dma_batches`):
 /// each goes straight to its place, with no device staging and no scatter or gather launch.
-/// On an H100, 2 MiB blocks of a paging step moved at 54.3 / 54.7 GB/s out / in (99.9 both
-/// ways at once) by one such call a direction, against 53.9 / 53.5 (96.7) through device
-/// staging; 256 KiB blocks moved faster through staging (53.8 / 53.3 against 49.4 / 47.4).
+/// Chosen from xfer-bench's paging suite on an H100: 2 MiB blocks moved at 54.3 / 54.7 GB/s
+/// out / in (99.9 both ways at once) by `cuMemcpyBatchAsync` itself, one call a direction,
+/// against 53.9 / 53.5 (96.7) by this crate through device staging; 256 KiB blocks moved
+/// faster through staging (53.8 / 53.3 against 49.4 / 47.4).
 pub(crate) const OWN_DMA_MIN: u64 = 2 << 20;
 
 /// One chunk of a run: its host bytes, moved by one DMA into or out of a device staging

@@ -24,8 +24,11 @@ fn pool(d: &Device, rng: &mut fastrand::Rng, len: usize) -> (ResidentBuffer, Vec
     (buffer, bytes)
 }
 
+/// Small chunks and pool; DMAs in one driver call (`Config::dma_batches`), so that the
+/// fault matrix fails that call too.
 fn small() -> Config {
     Config {
+        dma_batches: true,
         chunk_bytes: 64 << 10,
         direct_threshold: 8 << 10,
         pinned_cap_bytes: 64 << 20,
