@@ -66,12 +66,12 @@ pub struct Config {
     /// chunks, by default) are made of transparent huge pages registered with the driver,
     /// rather than by `cuMemHostAlloc`: on the H100's host a 16 MiB arena took 2.8 ms to make
     /// that way against 6.3, and 0.35 ms to give back against 1.7, with the same speed over
-    /// the link, and a process's first 4 GiB load ran at 34.6 GB/s against 28.6. Arenas made
-    /// long before their first use (by `pinned_prewarm_bytes`) were slower on that first
-    /// use than `cuMemHostAlloc`'s (docs/weights.md): such a process may set this `false`. A wish, granted where the kernel offers transparent huge pages (`always` or
-    /// `madvise` in `/sys/kernel/mm/transparent_hugepage/enabled`) and the GPU can use
-    /// registered memory at its host address ([`Device::pinned_in_huge_pages`] says whether
-    /// it was; an arena that cannot be made so turns it off). Default `true`.
+    /// the link, and a process's first 4 GiB load ran at 34.6 GB/s against 28.6 (33.1 against
+    /// 20.3 in a later call; docs/weights.md). A wish, granted where the kernel offers
+    /// transparent huge pages (`always` or `madvise` in
+    /// `/sys/kernel/mm/transparent_hugepage/enabled`) and the GPU can use registered memory
+    /// at its host address ([`Device::pinned_in_huge_pages`] says whether it was; an arena
+    /// that cannot be made so turns it off). Default `true`.
     ///
     /// [`Device::pinned_in_huge_pages`]: crate::Device::pinned_in_huge_pages
     pub pinned_huge_pages: bool,
