@@ -13,7 +13,8 @@
 //! and requests per second: the cost per request is the time divided by 8192.
 //!
 //! The scattered shape follows: 8192 buffers of 256 B, one request each, named in a shuffled
-//! order.
+//! order; for it, the `submit` of such a batch is timed too (its build and wait untimed):
+//! checking and marking each of the 8192 buffers, laying out and packing the requests.
 //!
 //! Run with `cargo bench -p cuda-resident-benches --bench calls -- --warm-up-time 1
 //! --measurement-time 2`.
@@ -158,10 +159,47 @@ fn scattered(c: &mut Criterion, device: &Device, data: &[&[u8]]) {
             })
         })
     });
+    // Submitting the batch, its build untimed: checking and marking each buffer, laying out
+    // and packing the requests (the wait, the model's copies, untimed).
+    group.bench_function("write, submit", |b| {
+        b.iter_custom(|iters| {
+            submits(iters, || {
+                let mut batch = device.uploads();
+                for (&buffer, &d) in shuffled.iter().zip(data) {
+                    batch.write(buffer, 0, d).unwrap();
+                }
+                let start = Instant::now();
+                let fence = batch.submit().unwrap();
+                let spent = start.elapsed();
+                fence.wait().unwrap();
+                spent
+            })
+        })
+    });
+    group.bench_function("read, submit", |b| {
+        b.iter_custom(|iters| {
+            submits(iters, || {
+                let mut batch = device.downloads();
+                for &buffer in &shuffled {
+                    black_box(batch.read(buffer, 0, SIZE as u64).unwrap());
+                }
+                let start = Instant::now();
+                let pending = batch.submit().unwrap();
+                let spent = start.elapsed();
+                drop(pending.wait().unwrap());
+                spent
+            })
+        })
+    });
     group.finish();
     for b in buffers {
         device.free(b).unwrap();
     }
+}
+
+/// The sum of `iters` runs of `one`, each returning the time it timed.
+fn submits(iters: u64, mut one: impl FnMut() -> Duration) -> Duration {
+    (0..iters).map(|_| one()).sum()
 }
 
 criterion_group!(benches, calls);
