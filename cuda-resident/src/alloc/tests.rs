@@ -501,6 +501,39 @@ fn marking_many_buffers_across_shards_checks_and_marks_each() {
 }
 
 #[test]
+fn marking_more_buffers_than_are_fetched_ahead_visits_each_once_in_order() {
+    let a = Arc::new(allocator(GIB, 0.9).1);
+    assert_eq!(a.mark_used_many(std::iter::empty(), 0, 3, |_, _| panic!("no buffer")).unwrap(), 0);
+    // Five times the lookahead, of two shards, in a shuffled order, some named twice.
+    let mine: Vec<_> = (0..2 * AHEAD + 7).map(|i| a.allocate(4096 + i as u64, IDLE).unwrap()).collect();
+    let theirs: Vec<_> = {
+        let a = Arc::clone(&a);
+        std::thread::spawn(move || (0..2 * AHEAD + 3).map(|_| a.allocate(512, IDLE).unwrap()).collect())
+            .join()
+            .unwrap()
+    };
+    let mut all: Vec<_> = mine.iter().chain(&theirs).chain(&mine[..AHEAD / 2]).copied().collect();
+    fastrand::Rng::with_seed(11).shuffle(&mut all);
+    assert!(all.len() > 4 * AHEAD);
+    let late = all[all.len() - 3];
+    a.mark_used(late, 1, 8).unwrap();
+    let mut seen = Vec::new();
+    assert_eq!(a.mark_used_many(all.iter().copied(), 0, 6, |ptr, len| seen.push((ptr, len))).unwrap(), 8);
+    let expected: Vec<_> = all.iter().map(|&b| a.resolve(b).unwrap()).collect();
+    assert_eq!(seen, expected, "each buffer once, in the list's order");
+    for &b in &all {
+        assert_eq!(a.mark_used_many(std::iter::once(b), 1, 1, |_, _| ()).unwrap(), 6, "{b:?} marked");
+    }
+    // A handle freed far past the first window fails the call, naming it.
+    let freed = all[3 * AHEAD + 1];
+    a.free(freed, &|_| true).unwrap();
+    match a.mark_used_many(all.iter().copied(), 0, 9, |_, _| ()) {
+        Err(Error::FreedBuffer { buffer }) => assert_eq!(buffer, freed),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn the_librarys_own_buffers_are_counted_apart_from_the_callers() {
     let (_model, a) = allocator(GIB, 0.5);
     let mine = a.allocate(3 * MIB, IDLE).unwrap();
