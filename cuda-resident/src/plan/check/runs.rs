@@ -75,9 +75,10 @@ impl Memory {
 
 /// Lays `items` out ([`Layout::new`]) with chunks of `chunk` bytes (at least 1), DMAs from
 /// `threshold` (and of their own, even in a run, from `own_dma`), on a GPU with unified
-/// addressing where `unified`, small copies over the bus where `bus`, and carries the layout out on the model as the executor does, uploading
-/// (`upload`) or downloading: each chunk's host bytes by one DMA into (out of) a staging slot
-/// and its descriptors, each bus launch, each DMA. Checks that every byte of every item is
+/// addressing where `unified`, small copies over the bus where `bus`, and carries the
+/// layout out on the model as the executor does, uploading (`upload`) or downloading: each
+/// chunk's host bytes by one DMA into (out of) a staging slot and its descriptors, each bus
+/// launch, each DMA. Checks that every byte of every item is
 /// moved exactly once and lands where it belongs, that nothing else is written, that every
 /// chunk stays within `chunk` bytes, its run and its table, that descriptors are numbered
 /// chunks first and then the bus launches, and that the layout counts its submissions.
