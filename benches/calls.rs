@@ -6,6 +6,10 @@
 //! and only building a batch is timed (taking it from the device, then the calls: checking
 //! the handle and the range, recording the request and its layout), not its submit.
 //!
+//! `read, slots collected` keeps the slots as `xfer-bench`'s batches do, collected into a
+//! `Vec` by `collect::<Result<Vec<_>, _>>` (whose length the iterator does not tell, so the
+//! vector grows as it fills): the difference from `read` is the caller's own cost.
+//!
 //! Each case is the `xfer-bench` shape: 8192 requests of 256 B over 64 buffers, request `i`
 //! to buffer `i % 64` at offset `(i / 64) * (256 + 64)` (in order and apart). One iteration
 //! builds one whole batch, then (untimed) submits it and waits for it, so that the next batch
@@ -121,6 +125,17 @@ fn calls(c: &mut Criterion) {
                 for &(buffer, offset) in &places {
                     black_box(batch.read(black_box(buffer), black_box(offset), SIZE as u64).unwrap());
                 }
+            })
+        })
+    });
+    // The slots kept as a caller keeps them: collected into a `Vec` whose length the
+    // iterator does not tell (`collect::<Result<Vec<_>, _>>`, as xfer-bench's batches).
+    group.bench_function("read, slots collected", |b| {
+        b.iter_custom(|iters| {
+            download(&device, iters, |batch| {
+                let slots: Result<Vec<_>, _> =
+                    places.iter().map(|&(buffer, offset)| batch.read(buffer, offset, SIZE as u64)).collect();
+                black_box(slots.unwrap());
             })
         })
     });
