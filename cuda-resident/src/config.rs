@@ -123,7 +123,8 @@ pub struct Config {
     /// own even where they follow each other in host memory, rather than through device
     /// staging and a scatter or gather launch. Default `false`: no GPU has measured it yet;
     /// `xfer-bench --suite paging --dma-batches` compares it. A wish, granted only where the
-    /// driver has the call (CUDA 12.8 and newer, [`DeviceInfo::batch_memcpy`]). Each
+    /// driver has the call (CUDA 13.0 drivers and newer, [`DeviceInfo::batch_memcpy`]) and the
+    /// device shares a unified address space with the host. Each
     /// submission's items have no two destinations in common (the driver runs a batch's
     /// copies in no set order), as a scope's in-place route already requires.
     pub dma_batches: bool,
@@ -379,7 +380,9 @@ pub struct DeviceInfo {
     pub copy_engines: u32,
     /// Whether stream-ordered memory pools (`cuMemAllocAsync`) are supported.
     pub memory_pools: bool,
-    /// Whether the driver has `cuMemcpyBatchAsync` (CUDA 12.8 and newer).
+    /// Whether the driver has `cuMemcpyBatchAsync` as CUDA 13.0 declares it (the
+    /// `cuMemcpyBatchAsync_v2` entry point, drivers R580 and newer; a 12.8 or 12.9 driver's
+    /// call, which also takes a failure index, is not used).
     pub batch_memcpy: bool,
     /// Whether the device shares a unified address space with the host.
     pub unified_addressing: bool,

@@ -315,10 +315,12 @@ impl Core {
     }
 
     /// The device's ordinal where a submission's DMAs go to the driver as one
-    /// `cuMemcpyBatchAsync` ([`Config::dma_batches`](crate::Config::dma_batches) and the
-    /// driver has it); `None` for one call each.
+    /// `cuMemcpyBatchAsync` ([`Config::dma_batches`](crate::Config::dma_batches), the driver
+    /// has it, and host addresses are device addresses: the call takes both kinds as one
+    /// type, and tells them apart only in a unified address space); `None` for one call each.
     pub(crate) fn dma_batches(&self) -> Option<i32> {
-        (self.config.dma_batches && self.info.batch_memcpy).then_some(self.info.ordinal as i32)
+        (self.config.dma_batches && self.info.batch_memcpy && self.info.unified_addressing)
+            .then_some(self.info.ordinal as i32)
     }
 
     /// Allocates a buffer of the library's own (device staging, prepared sets' tables):

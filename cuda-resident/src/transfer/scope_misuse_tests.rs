@@ -296,8 +296,11 @@ fn fault_matrix(config: Config, registered: bool, code: cuda_sys::CUresult, time
     every_shape(&d, b, cache).unwrap();
     let recorded = faults.counts();
     faults.clear();
-    // In this crate's pinned memory, the large items' DMAs go in one driver call a way.
-    assert!(registered || recorded.contains_key("cuMemcpyBatchAsync_v2"), "{recorded:?}");
+    // In this crate's pinned memory, the large items' DMAs go in one driver call a way, where
+    // host addresses are device addresses; without a unified address space, never.
+    let batched = recorded.contains_key("cuMemcpyBatchAsync_v2");
+    let unified = d.info().unified_addressing;
+    assert!(registered || batched == unified, "unified addressing {unified}: {recorded:?}");
     let lost = code != CUDA_ERROR_OUT_OF_MEMORY;
     let mut failures = Vec::new();
     for (&entry, count) in &recorded {

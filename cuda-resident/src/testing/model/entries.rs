@@ -428,6 +428,12 @@ unsafe extern "C" fn memcpy_batch(
         return CUDA_ERROR_INVALID_VALUE;
     }
     with(|g| {
+        // The call takes host and device addresses as one type: without a unified address
+        // space it cannot tell them apart.
+        if g.no_unified_addressing {
+            g.illegal("cuMemcpyBatchAsync without a unified address space".to_string());
+            return CUDA_ERROR_INVALID_VALUE;
+        }
         let mut ends: Vec<(usize, usize)> = Vec::with_capacity(count);
         for i in 0..count {
             let (dst, src, len) = (dsts[i] as usize, srcs[i] as usize, sizes[i]);
