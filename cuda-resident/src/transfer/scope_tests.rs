@@ -163,6 +163,50 @@ fn large_blocks_move_by_one_batched_driver_call_a_way() {
     }
 }
 
+/// Memory the caller registered (`pin_host`) goes through the batched call as the pool's
+/// does: 2 MiB blocks side by side, out of and into one registered vector, one
+/// `cuMemcpyBatchAsync` a way with `dma_batches`, a run through device staging without;
+/// every byte of the vector and of the device buffer checked.
+#[test]
+fn registered_blocks_move_by_one_batched_driver_call_a_way() {
+    let block = 2 << 20;
+    for batched in [true, false] {
+        let d = device(Config::default().with_dma_batches(batched));
+        let mut rng = fastrand::Rng::with_seed(0xBA7D);
+        let (buffer, mut expect) = pool(&d, &mut rng, 16 * block);
+        let mut cache = random_vec(&mut rng, 16 * block);
+        // SAFETY: the vector stays mapped and unmoved until unpinned below.
+        unsafe { d.pin_host(cache.as_mut_ptr(), cache.len()) }.unwrap();
+        let mut want = cache.clone();
+        let copies = model::with(|g| g.batched_copies);
+        let (out_area, in_area) = cache.split_at_mut(8 * block);
+        d.scope(|s| {
+            let mut reads = s.downloads();
+            let mut writes = s.uploads();
+            // Pool blocks 0..8 out into the first half, 8..16 in from the second.
+            reads.read_to_slice_many(
+                out_area.chunks_mut(block).enumerate().map(|(i, out)| (buffer, (i * block) as u64, out)),
+            )?;
+            for (i, src) in in_area.chunks(block).enumerate() {
+                writes.write(buffer, ((8 + i) * block) as u64, src)?;
+            }
+            let _ = reads.submit()?;
+            let _ = writes.submit()?;
+            Ok(())
+        })
+        .unwrap();
+        let what = format!("batched {batched}");
+        assert_eq!(model::with(|g| g.batched_copies) - copies, if batched { 16 } else { 0 }, "{what}");
+        want[..8 * block].copy_from_slice(&expect[..8 * block]);
+        expect[8 * block..].copy_from_slice(&want[8 * block..]);
+        assert!(cache == want, "{what}: the host vector differs");
+        assert!(d.download(buffer).unwrap() == expect, "{what}: the pool differs");
+        // SAFETY: registered above; nothing of it is in flight.
+        unsafe { d.unpin_host(cache.as_mut_ptr()) }.unwrap();
+        assert!(model::with(|g| g.errors.is_empty()), "{what}");
+    }
+}
+
 #[test]
 fn pinned_and_pageable_ranges_mix_in_one_batch_and_overlapping_writes_apply_in_order() {
     let d = device(Config::default().with_direct_threshold(8 << 10));
