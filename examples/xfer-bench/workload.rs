@@ -92,18 +92,35 @@ impl Scatter {
         Ok(batch)
     }
 
-    /// A download batch of every copy's range, not yet submitted, and its slots.
+    /// A download batch of every copy's range, not yet submitted, its slots dropped: what
+    /// `DownloadBatch::submit_into` takes, which lands the reads in order.
+    pub(crate) fn read_batch<'d>(
+        &self,
+        d: &'d Device,
+        size: usize,
+    ) -> cuda_resident::Result<DownloadBatch<'d>> {
+        let mut reads = d.downloads();
+        for &(b, o) in &self.places {
+            reads.read(self.buffers[b], o, size as u64)?;
+        }
+        Ok(reads)
+    }
+
+    /// A download batch of every copy's range, not yet submitted, and its slots, kept as a
+    /// caller who knows the count keeps them: in a vector made with room for all. (Collected
+    /// by `collect::<Result<Vec<_>, _>>`, which cannot tell the count, the vector grows as it
+    /// fills, and on the GPU machines' hosts that took longer than the reads themselves:
+    /// `benches/calls.rs`.)
     pub(crate) fn reads<'d>(
         &self,
         d: &'d Device,
         size: usize,
     ) -> cuda_resident::Result<(DownloadBatch<'d>, Vec<Slot>)> {
         let mut reads = d.downloads();
-        let slots = self
-            .places
-            .iter()
-            .map(|&(b, o)| reads.read(self.buffers[b], o, size as u64))
-            .collect::<Result<_, _>>()?;
+        let mut slots = Vec::with_capacity(self.places.len());
+        for &(b, o) in &self.places {
+            slots.push(reads.read(self.buffers[b], o, size as u64)?);
+        }
         Ok((reads, slots))
     }
 

@@ -225,8 +225,7 @@ impl Case<'_, '_> {
             o.fill(0xA5);
         }
         let ours_d2h = median_secs(self.args.reps, || {
-            let (reads, _) = s.reads(d, size).map_err(e)?;
-            reads.submit_into(&mut outs).map_err(e)
+            s.read_batch(d, size).map_err(e)?.submit_into(&mut outs).map_err(e)
         })?;
         if outs != sources {
             return Err(crate::mismatch(format!("D2H {count} x {size} into Vecs: bytes differ")));

@@ -198,11 +198,10 @@ fn breakdown(
     let [read, submit, wait] = phase_medians(reps, || {
         let t = Instant::now();
         let mut reads = d.downloads();
-        let slots = order
-            .iter()
-            .map(|&i| reads.read(buffers[i], 0, sources[i].len() as u64))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(error)?;
+        let mut slots = Vec::with_capacity(order.len());
+        for &i in order {
+            slots.push(reads.read(buffers[i], 0, sources[i].len() as u64).map_err(error)?);
+        }
         let t1 = Instant::now();
         let pending = reads.submit().map_err(error)?;
         let t2 = Instant::now();
