@@ -121,12 +121,16 @@ pub struct Config {
     /// whether a submission hands them to the driver as one `cuMemcpyBatchAsync` instead of
     /// one `cuMemcpy*Async` call each, and ranges of 2 MiB and more move by a DMA of their
     /// own even where they follow each other in host memory, rather than through device
-    /// staging and a scatter or gather launch. Default `false`: no GPU has measured it yet;
-    /// `xfer-bench --suite paging --dma-batches` compares it. A wish, granted only where the
-    /// driver has the call (CUDA 13.0 drivers and newer, [`DeviceInfo::batch_memcpy`]) and the
-    /// device shares a unified address space with the host. Each
-    /// submission's items have no two destinations in common (the driver runs a batch's
-    /// copies in no set order), as a scope's in-place route already requires.
+    /// staging and a scatter or gather launch. Default `true`: on an H100 (xfer-bench's
+    /// paging suite, three runs each way, taking turns), 2 MiB blocks moved at or above
+    /// `cuMemcpyBatchAsync` itself in each run that has its figures (out 54.3 / 55.1 GB/s
+    /// against 53.3 / 54.5, in 43.6 / 44.2 against 42.1 / 43.2, both ways at once 71.7 /
+    /// 74.3 against 71.5 / 72.2), and without it below in four of nine
+    /// (docs/runs/2026-12-07-h100-dma-batches.md); `xfer-bench --no-dma-batches` turns it
+    /// off. A wish, granted only where the driver has the call (CUDA 13.0 drivers and newer,
+    /// [`DeviceInfo::batch_memcpy`]) and the device shares a unified address space with the
+    /// host. Each submission's items have no two destinations in common (the driver runs a
+    /// batch's copies in no set order), as a scope's in-place route already requires.
     pub dma_batches: bool,
 }
 
@@ -143,7 +147,7 @@ impl Default for Config {
             pack_threads: 0,
             pack_linger_us: 300,
             small_copies_over_bus: true,
-            dma_batches: false,
+            dma_batches: true,
         }
     }
 }

@@ -175,10 +175,11 @@ pub(crate) struct Args {
     /// (Config::pinned_huge_pages = false).
     #[arg(long)]
     pub(crate) no_huge_pages: bool,
-    /// Hand a scoped batch's DMAs to the driver in one `cuMemcpyBatchAsync`, and move
-    /// ranges of 2 MiB and more by a DMA of their own (Config::dma_batches = true).
+    /// Hand a scoped batch's DMAs to the driver one call each, and move ranges of 2 MiB and
+    /// more through device staging where they follow each other, rather than in one
+    /// `cuMemcpyBatchAsync` (Config::dma_batches = false).
     #[arg(long)]
-    pub(crate) dma_batches: bool,
+    pub(crate) no_dma_batches: bool,
     /// Also print, on stderr, where the time of a batch goes (adding requests, submit,
     /// waiting), for the many-small and the scattered cases, each way, and for the paging
     /// suite's swaps (each direction's times from the start, for "both" too).
@@ -319,7 +320,7 @@ pub(crate) fn config(args: &Args) -> BenchResult<cuda_resident::Config> {
     }
     config.small_copies_over_bus = !args.staged_small_copies;
     config.pinned_huge_pages = !args.no_huge_pages;
-    config.dma_batches = args.dma_batches;
+    config.dma_batches = !args.no_dma_batches;
     if args.runs_paging() {
         let cap = paging_pinned_cap(args, config.chunk_bytes);
         if cap > config.pinned_cap_bytes {

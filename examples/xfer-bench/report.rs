@@ -164,7 +164,7 @@ pub(crate) fn config_json(d: &Device) -> serde_json::Value {
         "pack_linger_us": c.pack_linger_us, "small_copies_over_bus": c.small_copies_over_bus,
         "moves_small_copies_over_bus": d.moves_small_copies_over_bus(),
         "pinned_huge_pages": c.pinned_huge_pages, "pinned_in_huge_pages": d.pinned_in_huge_pages(),
-        "dma_batches": c.dma_batches, "dmas_in_batches": c.dma_batches && d.info().batch_memcpy,
+        "dma_batches": c.dma_batches, "dmas_in_batches": c.dma_batches && d.info().batch_memcpy && d.info().unified_addressing,
     })
 }
 
@@ -180,7 +180,7 @@ fn settings_json(a: &Args) -> serde_json::Value {
         "paging_batches": a.paging_batches, "chunk": a.chunk, "chunk_kib": a.chunk_kib, "direct": a.direct,
         "direct_kib": a.direct_kib, "pack_threads": a.pack_threads,
         "pack_linger_us": a.pack_linger_us, "single_order": lower(&a.single_order), "staged_small_copies": a.staged_small_copies,
-        "no_huge_pages": a.no_huge_pages, "dma_batches": a.dma_batches,
+        "no_huge_pages": a.no_huge_pages, "no_dma_batches": a.no_dma_batches,
         "breakdown": a.breakdown, "format": lower(&a.format), "out": a.out.display().to_string(),
     })
 }
