@@ -413,7 +413,9 @@ impl Enqueue<'_> {
     ) -> Result<()> {
         match batched {
             Some(ordinal) if items.len() > 1 => {
-                let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+                let n = items.len();
+                let (mut dsts, mut srcs, mut sizes) =
+                    (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
                 for d in items {
                     let (dst, src) = if to_device { (d.dev, d.host as u64) } else { (d.host as u64, d.dev) };
                     dsts.push(dst);
