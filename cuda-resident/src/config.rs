@@ -125,7 +125,7 @@ pub struct Config {
     /// paging suite, three runs each way, taking turns), 2 MiB blocks moved at or above
     /// `cuMemcpyBatchAsync` itself in each run that has its figures (out 54.3 / 55.1 GB/s
     /// against 53.3 / 54.5, in 43.6 / 44.2 against 42.1 / 43.2, both ways at once 71.7 /
-    /// 74.3 against 71.5 / 72.2), and without it below in four of nine
+    /// 74.3 against 71.5 / 72.2), and without it below in five of nine
     /// (docs/runs/2026-12-07-h100-dma-batches.md); `xfer-bench --no-dma-batches` turns it
     /// off. A wish, granted only where the driver has the call (CUDA 13.0 drivers and newer,
     /// [`DeviceInfo::batch_memcpy`]) and the device shares a unified address space with the

@@ -109,7 +109,7 @@ impl Scatter {
     /// A download batch of every copy's range, not yet submitted, and its slots, kept as a
     /// caller who knows the count keeps them: in a vector made with room for all. (Collected
     /// by `collect::<Result<Vec<_>, _>>`, which cannot tell the count, the vector grows as it
-    /// fills, and on the GPU machines' hosts that took longer than the reads themselves:
+    /// fills, and on the H100 machine's host that took longer than the reads themselves:
     /// `benches/calls.rs`.)
     pub(crate) fn reads<'d>(
         &self,

@@ -178,7 +178,7 @@ fn registered_blocks_move_by_one_batched_driver_call_a_way() {
         // SAFETY: the vector stays mapped and unmoved until unpinned below.
         unsafe { d.pin_host(cache.as_mut_ptr(), cache.len()) }.unwrap();
         let mut want = cache.clone();
-        let copies = model::with(|g| g.batched_copies);
+        let (before, copies) = (d.telemetry(), model::with(|g| g.batched_copies));
         let (out_area, in_area) = cache.split_at_mut(8 * block);
         d.scope(|s| {
             let mut reads = s.downloads();
@@ -197,6 +197,8 @@ fn registered_blocks_move_by_one_batched_driver_call_a_way() {
         .unwrap();
         let what = format!("batched {batched}");
         assert_eq!(model::with(|g| g.batched_copies) - copies, if batched { 16 } else { 0 }, "{what}");
+        let launched = d.telemetry().kernel_launches > before.kernel_launches;
+        assert_eq!(launched, !batched, "{what}: through device staging only without the setting");
         want[..8 * block].copy_from_slice(&expect[..8 * block]);
         expect[8 * block..].copy_from_slice(&want[8 * block..]);
         assert!(cache == want, "{what}: the host vector differs");

@@ -13,8 +13,9 @@
 //! ([`Device::pinned`](crate::Device::pinned): a [`PinnedBuffer`](crate::PinnedBuffer), a
 //! download's views), which is mapped for the device, move by one DMA each when at least
 //! `Config::direct_threshold` long, else by the copy kernel reading or writing them over the
-//! bus, many to a launch. Where the driver has `cuMemcpyBatchAsync` and the configuration
-//! asks for it, a submission's DMAs go to it in one call, and ranges of 2 MiB and more move
+//! bus, many to a launch. Where the driver has `cuMemcpyBatchAsync`, the address space is
+//! unified and the configuration asks for it (as by default), a submission's DMAs go to it
+//! in one call, and ranges of 2 MiB and more move
 //! by a DMA of their own even inside a run
 //! ([`Config::dma_batches`](crate::Config::dma_batches)). Memory pinned by
 //! `Device::pin_host` moves in place in runs only (by one DMA a range for the piece of a
