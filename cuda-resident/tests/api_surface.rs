@@ -29,6 +29,7 @@ fn every_public_item_is_named() {
     let _: fn(&Device) -> &DeviceInfo = Device::info;
     let _: fn(&Device) -> &Config = Device::config;
     let _: fn(&Device) -> bool = Device::moves_small_copies_over_bus;
+    let _: fn(&Device) -> bool = Device::moves_dmas_in_batches;
     let _: fn(&Device) -> bool = Device::pinned_in_huge_pages;
     let _: fn(&Device) -> &Arc<cuda_sys::Driver> = Device::driver;
     let _: fn(&Device) -> cuda_sys::CUcontext = Device::cu_context;

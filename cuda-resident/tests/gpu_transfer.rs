@@ -752,7 +752,6 @@ fn a_scoped_paging_step_moves_blocks_in_place_between_the_pool_and_a_pinned_cach
 #[ignore = "needs an NVIDIA GPU"]
 fn a_scoped_paging_step_with_dma_batches_moves_every_block_by_its_own_dma() {
     let d = Device::open_configured(0, Config::default().with_dma_batches(true)).unwrap();
-    let granted = d.info().batch_memcpy && d.info().unified_addressing;
     let mut rng = fastrand::Rng::with_seed(35);
     for (block, stride) in [(2usize << 20, 1usize), (256 << 10, 2)] {
         let blocks = 64;
@@ -782,7 +781,7 @@ fn a_scoped_paging_step_with_dma_batches_moves_every_block_by_its_own_dma() {
         })
         .unwrap();
         let after = d.telemetry();
-        if granted {
+        if d.moves_dmas_in_batches() {
             assert_eq!(after.dma_copies - before.dma_copies, 32, "{block} B: one DMA a block");
             assert_eq!(after.kernel_launches, before.kernel_launches, "{block} B: no launch");
         }

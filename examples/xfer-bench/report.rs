@@ -164,7 +164,7 @@ pub(crate) fn config_json(d: &Device) -> serde_json::Value {
         "pack_linger_us": c.pack_linger_us, "small_copies_over_bus": c.small_copies_over_bus,
         "moves_small_copies_over_bus": d.moves_small_copies_over_bus(),
         "pinned_huge_pages": c.pinned_huge_pages, "pinned_in_huge_pages": d.pinned_in_huge_pages(),
-        "dma_batches": c.dma_batches, "dmas_in_batches": c.dma_batches && d.info().batch_memcpy && d.info().unified_addressing,
+        "dma_batches": c.dma_batches, "dmas_in_batches": d.moves_dmas_in_batches(),
     })
 }
 

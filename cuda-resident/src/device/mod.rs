@@ -119,6 +119,15 @@ impl Device {
         self.core.moves_small_copies_over_bus()
     }
 
+    /// Whether a scoped submission's DMAs go to the driver in one `cuMemcpyBatchAsync` on
+    /// this device: the configuration asks for it ([`Config::dma_batches`]), the driver has
+    /// the call ([`DeviceInfo::batch_memcpy`]) and the GPU
+    /// has unified addressing, without which the call cannot tell host addresses from device
+    /// ones.
+    pub fn moves_dmas_in_batches(&self) -> bool {
+        self.core.dma_batches().is_some()
+    }
+
     /// Whether this device's pinned pool makes its arenas of transparent huge pages (those
     /// of a whole number of 2 MiB pages): the configuration asks for it
     /// ([`Config::pinned_huge_pages`]), the kernel offers them, the GPU reaches registered

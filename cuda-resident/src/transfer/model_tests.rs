@@ -552,6 +552,7 @@ fn without_unified_addressing_small_copies_go_through_device_staging() {
     model::with(|g| g.no_unified_addressing = true);
     let d = device(Config::default());
     assert!(!d.info().unified_addressing && !d.moves_small_copies_over_bus());
+    assert!(d.config().dma_batches && !d.moves_dmas_in_batches());
     let counts = few_thousand_in_order(&d);
     model::with(|g| g.no_unified_addressing = false);
     assert_eq!(counts.map(|(dmas, launches, _)| (dmas, launches)), [(1, 1), (2, 1)]);

@@ -172,6 +172,7 @@ fn registered_blocks_move_by_one_batched_driver_call_a_way() {
     let block = 2 << 20;
     for batched in [true, false] {
         let d = device(Config::default().with_dma_batches(batched));
+        assert_eq!(d.moves_dmas_in_batches(), batched);
         let mut rng = fastrand::Rng::with_seed(0xBA7D);
         let (buffer, mut expect) = pool(&d, &mut rng, 16 * block);
         let mut cache = random_vec(&mut rng, 16 * block);

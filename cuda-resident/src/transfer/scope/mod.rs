@@ -15,9 +15,9 @@
 //! `Config::direct_threshold` long, else by the copy kernel reading or writing them over the
 //! bus, many to a launch. Where the driver has `cuMemcpyBatchAsync`, the address space is
 //! unified and the configuration asks for it (as by default), a submission's DMAs go to it
-//! in one call, and ranges of 2 MiB and more move
-//! by a DMA of their own even inside a run
-//! ([`Config::dma_batches`](crate::Config::dma_batches)). Memory pinned by
+//! in one call, and ranges of 2 MiB and more move by a DMA of their own even inside a run
+//! ([`Config::dma_batches`](crate::Config::dma_batches),
+//! [`Device::moves_dmas_in_batches`](crate::Device::moves_dmas_in_batches)). Memory pinned by
 //! `Device::pin_host` moves in place in runs only (by one DMA a range for the piece of a
 //! run, shorter than a run, that crosses into a registration).
 //! Everything else (pageable memory, short pieces of registered memory) takes the staged
