@@ -142,10 +142,21 @@ impl WeightsError {
         let fix = match cause.kind() {
             std::io::ErrorKind::NotFound => "check the path (it is taken relative to the working directory)",
             std::io::ErrorKind::PermissionDenied => "check the file's and its folder's permissions",
+            _ if is_full(cause) => {
+                "free room on the file system (or raise the quota), or save somewhere with room"
+            }
             _ => "check that the path names a regular file on a healthy file system with room to spare",
         };
         WeightsError::Io { operation, path: path.to_owned(), cause: cause.to_string(), fix }
     }
+}
+
+/// Whether `cause` says the file system (or a quota, or a file size limit) is full.
+fn is_full(cause: &std::io::Error) -> bool {
+    #[cfg(target_os = "linux")]
+    return matches!(cause.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG));
+    #[cfg(not(target_os = "linux"))]
+    return false;
 }
 
 #[cfg(test)]
@@ -183,6 +194,12 @@ mod tests {
             let text = crate::Error::from(e).to_string();
             assert!(text.contains("/m/model.safetensors"), "{text}");
             assert!(text.contains("Fix: ") && text.ends_with('.'), "{text}");
+        }
+        #[cfg(target_os = "linux")]
+        for errno in [libc::ENOSPC, libc::EDQUOT, libc::EFBIG] {
+            let full =
+                WeightsError::io("reserving room for", &path, &std::io::Error::from_raw_os_error(errno));
+            assert!(full.to_string().contains("Fix: free room on the file system"), "{full}");
         }
         let e = WeightsError::BadTensor { tensor: "a".into(), detail: "d".into(), fix: "f" };
         assert!(e.to_string().ends_with("Fix: f."));

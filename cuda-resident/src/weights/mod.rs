@@ -13,16 +13,19 @@
 //!
 //! [`Device::save_safetensors`] is the other way: the header is written by the safetensors
 //! crate, and the tensors are downloaded through the engine in pieces into pinned memory
-//! (small ones gathered on the device) and written at their offsets with `pwrite`, then the
-//! file is renamed into place.
+//! (small ones gathered on the device) and written at their offsets, then the file is
+//! renamed into place. The file is preallocated (`fallocate`) and mapped, and every saving
+//! thread copies its pieces into the mapping at once: buffered `pwrite`s into one file are
+//! serialized by the kernel (3 to 6 GB/s on a 16-core host whatever the thread count), copies
+//! into a mapping are not. Where the file system cannot preallocate or map the file, or
+//! [`SaveOptions::write_mode`] asks for [`WriteMode::Pwrite`], the file is written with
+//! `pwrite` by one thread.
 //!
 //! # Sharded checkpoints
 //!
 //! [`SaveOptions::shard_bytes`] (or [`SaveOptions::shards`]) saves in Hugging Face's
 //! layout: a save to `dir/model.safetensors` writes `dir/model-00001-of-0000k.safetensors`
-//! ... and `dir/model.safetensors.index.json`, the shards in parallel, a thread and a file
-//! each (writes into one file are bounded by the kernel's page cache, at 2.5 to 6 GB/s on a
-//! 16-core host whatever the thread count; files of their own are not). Given the index's
+//! ... and `dir/model.safetensors.index.json`, the shards in parallel. Given the index's
 //! path, [`Device::load_safetensors`] loads every shard it names into one [`Checkpoint`],
 //! each shard checked against the index.
 //!
@@ -61,9 +64,10 @@
 //!
 //! A load runs on the calling thread and the device's packing threads
 //! ([`Config::pack_threads`](crate::Config::pack_threads): one per core but one, up to 16,
-//! by default), which copy between the file's pages and pinned staging. A save starts a
-//! thread per file it writes, up to the packing threads or the cores (one for one file),
-//! which download and write; the calling thread reports progress.
+//! by default), which copy between the file's pages and pinned staging. A save starts up to
+//! one thread per core (or packing thread, where there are more), which download pieces and
+//! write them, no more than one a file for files written with `pwrite`; the calling thread
+//! reports progress.
 
 mod error;
 // The header's checks are public (hidden) with `internals`, for the fuzz target.
@@ -78,6 +82,7 @@ mod save;
 #[cfg(test)]
 mod shard_tests;
 mod shards;
+mod sink;
 #[cfg(test)]
 mod tests;
 mod write;
@@ -89,6 +94,7 @@ use std::path::Path;
 pub use error::WeightsError;
 /// The element types of safetensors, as the `safetensors` crate names them.
 pub use safetensors::Dtype;
+pub use sink::WriteMode;
 
 use crate::alloc::ResidentBuffer;
 use crate::device::Device;
@@ -308,6 +314,7 @@ pub struct SaveOptions<'p> {
     metadata: Option<HashMap<String, String>>,
     sharding: Option<shards::Sharding>,
     pacing: Pacing<'p>,
+    write_mode: WriteMode,
 }
 
 impl<'p> SaveOptions<'p> {
@@ -338,9 +345,9 @@ impl<'p> SaveOptions<'p> {
     /// even for one shard. Each shard's header has the `__metadata__`. Replaces
     /// [`shards`](Self::shards).
     ///
-    /// Why: writes into one file are bounded by the kernel's page cache (2.5 to 6 GB/s on a
-    /// 16-core host, whatever the number of threads), threads writing files of their own
-    /// are not (42 GB/s).
+    /// One file is written by every saving thread at once where it is mapped (the
+    /// default, [`WriteMode::Mapped`]); with [`WriteMode::Pwrite`], shards are what lets
+    /// threads write in parallel (one writer a file).
     pub fn shard_bytes(mut self, bytes: u64) -> Self {
         self.sharding = Some(shards::Sharding::Bytes(bytes));
         self
@@ -357,6 +364,18 @@ impl<'p> SaveOptions<'p> {
     /// Bytes per batch (at least 1 MiB is used): how often progress is reported.
     pub fn batch_bytes(mut self, bytes: u64) -> Self {
         self.pacing.batch_bytes = bytes;
+        self
+    }
+
+    /// How the files are written: preallocated and mapped, every saving thread copying into
+    /// them at once ([`WriteMode::Mapped`], the default), or with `pwrite`, one thread a file
+    /// ([`WriteMode::Pwrite`]: for a file system whose mappings you would rather not write
+    /// through). A file that cannot be preallocated or mapped is written with `pwrite`
+    /// whatever the mode. A mapped file is this save's own, under a temporary name; another
+    /// process that truncates it while the save runs makes the save's copies fault
+    /// (`SIGBUS`), as with any mapping.
+    pub fn write_mode(mut self, mode: WriteMode) -> Self {
+        self.write_mode = mode;
         self
     }
 }
@@ -394,8 +413,9 @@ impl Device {
     /// Saves `tensors` (`(name, dtype, shape, buffer)` each; the tensor's bytes are the
     /// first `shape x dtype` bytes of `buffer`) as a safetensors checkpoint at `path`: the
     /// header written by the safetensors crate (tensors ordered by dtype, then name, as it
-    /// orders them), the bytes downloaded through the engine into pinned memory and written
-    /// with `pwrite`. Sharded with [`SaveOptions::shard_bytes`]. The file is written beside `path` under a temporary name and renamed into
+    /// orders them), the bytes downloaded through the engine into pinned memory and copied
+    /// into the file, preallocated and mapped, by up to a thread per core (or written with
+    /// `pwrite`: [`SaveOptions::write_mode`]). Sharded with [`SaveOptions::shard_bytes`]. The file is written beside `path` under a temporary name and renamed into
     /// place once every byte is in it, so an existing file at `path` (a checkpoint mapped by
     /// another reader, say) is never seen half written.
     ///

@@ -6,13 +6,13 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fs::OpenOptions;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, View};
 
 use super::error::WeightsError;
 use super::header::byte_len;
+use super::sink::Target;
 use super::write::{self, Job};
 use super::{SaveOptions, index, shards};
 use crate::alloc::ResidentBuffer;
@@ -143,9 +143,9 @@ pub(super) fn save(
         partials.paths.push(partial);
         let partial = partials.paths.last().expect("just pushed");
         let data: u64 = members.iter().map(|&i| lens64[i]).sum();
-        file.set_len(head.len() as u64 + data).map_err(|e| WeightsError::io("sizing", partial, &e))?;
-        file.write_all_at(&head, 0).map_err(|e| WeightsError::io("writing", partial, &e))?;
-        jobs.push(Job { file, path: final_path, places });
+        let target = Target::new(file, partial, head.len() as u64 + data, options.write_mode)?;
+        target.write(&head, 0, partial)?;
+        jobs.push(Job { target, path: final_path, places });
     }
     let total: u64 = lens64.iter().sum();
     write::write_all(device, &jobs, (items, &lens), &mut options.pacing, total)?;

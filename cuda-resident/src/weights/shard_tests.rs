@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::write::tests_hook;
-use super::{Dtype, LoadOptions, SaveOptions, WeightsError};
+use super::{Dtype, LoadOptions, SaveOptions, WeightsError, WriteMode};
 use crate::testing::{device, random_vec, small_chunks};
 use crate::{Config, Device, Error, ResidentBuffer};
 
@@ -109,15 +109,23 @@ fn a_sharded_save_loads_back_every_byte_at_every_boundary() {
         (vec![300; 1000], 30_000, 10),                      // 1000 small tensors
         (vec![k / 2, k / 2, k / 2, k / 2, 1], k as u64, 3), // two to a shard
     ];
-    for (config, arena) in [(small_chunks(), false), (Config::default(), true)] {
+    let runs = [
+        (small_chunks(), false, WriteMode::Mapped),
+        (small_chunks(), false, WriteMode::Pwrite),
+        (Config::default(), true, WriteMode::Mapped),
+    ];
+    for (config, arena, mode) in runs {
         let cap = config.pinned_cap_bytes;
         let d = device(config);
         for (c, (lens, bytes, expected)) in cases.iter().enumerate() {
-            let dir = TempDir::new(&format!("bounds-{c}-{arena}"));
+            let dir = TempDir::new(&format!("bounds-{c}-{arena}-{mode:?}"));
             let on = OnDevice::new(&d, lens, c as u64);
             let path = dir.0.join("model.safetensors");
             let mut last = (0, 1);
-            let options = SaveOptions::new().shard_bytes(*bytes).progress(|done, total| last = (done, total));
+            let options = SaveOptions::new()
+                .shard_bytes(*bytes)
+                .write_mode(mode)
+                .progress(|done, total| last = (done, total));
             on.save(&d, &path, options).unwrap();
             assert_eq!(last.0, last.1, "case {c}");
             assert!(d.telemetry().pinned.reserved_bytes <= cap, "case {c}: pinned memory within the cap");
@@ -175,11 +183,14 @@ fn a_failing_or_panicking_shard_leaves_no_file() {
     let d = device(small_chunks());
     let lens = vec![200 << 10; 8];
     let on = OnDevice::new(&d, &lens, 11);
-    for marker in [tests_hook::FAIL, tests_hook::PANIC] {
-        let dir = TempDir::new(marker);
+    let runs = [tests_hook::FAIL, tests_hook::PANIC]
+        .into_iter()
+        .flat_map(|m| [(m, WriteMode::Mapped), (m, WriteMode::Pwrite)]);
+    for (marker, mode) in runs {
+        let dir = TempDir::new(&format!("{marker}-{mode:?}"));
         let path = dir.0.join(format!("{marker}.safetensors"));
         let saved = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            on.save(&d, &path, SaveOptions::new().shard_bytes(200 << 10))
+            on.save(&d, &path, SaveOptions::new().shard_bytes(200 << 10).write_mode(mode))
         }));
         match (marker, saved) {
             (tests_hook::FAIL, Ok(Err(e))) => {

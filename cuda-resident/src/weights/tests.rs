@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use safetensors::tensor::TensorView;
 
-use super::{Dtype, LoadOptions, SaveOptions, WeightsError};
+use super::{Dtype, LoadOptions, SaveOptions, WeightsError, WriteMode};
 use crate::testing::{device, random_vec, small_chunks};
 use crate::{Config, Device, Error, ResidentBuffer};
 
@@ -138,17 +138,26 @@ fn save_writes_what_the_buffers_hold_and_load_reads_it_back() {
         tensors.push((name.as_str(), *dtype, shape.as_slice(), b));
     }
     let file = TempPath::new("many.safetensors");
-    let mut last = (0, 1);
-    let meta = HashMap::from([("source".to_owned(), "test".to_owned())]);
-    let options =
-        SaveOptions::new().metadata(meta).batch_bytes(1 << 20).progress(|done, total| last = (done, total));
-    d.save_safetensors_configured(&file.0, &tensors, options).unwrap();
-    assert_eq!(last.0, last.1);
-    let bytes = std::fs::read(&file.0).unwrap();
-    let back = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    for (name, view) in back.tensors() {
-        assert_eq!(view.data(), &want[&name][..], "{name}");
+    let mut saved = Vec::new();
+    for mode in [WriteMode::Pwrite, WriteMode::Mapped] {
+        let mut last = (0, 1);
+        let meta = HashMap::from([("source".to_owned(), "test".to_owned())]);
+        let options = SaveOptions::new()
+            .metadata(meta)
+            .batch_bytes(1 << 20)
+            .write_mode(mode)
+            .progress(|done, total| last = (done, total));
+        d.save_safetensors_configured(&file.0, &tensors, options).unwrap();
+        assert_eq!(last.0, last.1, "{mode:?}");
+        let bytes = std::fs::read(&file.0).unwrap();
+        let back = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(back.len(), specs.len());
+        for (name, view) in back.tensors() {
+            assert_eq!(view.data(), &want[&name][..], "{mode:?} {name}");
+        }
+        saved.push(bytes);
     }
+    assert!(saved[0] == saved[1], "both modes write the same file");
     let ckpt = d.load_safetensors(&file.0).unwrap();
     assert_eq!(ckpt.len(), specs.len());
     assert_eq!(ckpt.metadata().unwrap()["source"], "test");

@@ -1,23 +1,20 @@
-//! The bytes of a save: every file (one, or each shard) written by a thread of its own, up
-//! to one per core, in parallel. Each thread downloads its file's tensors through the engine
-//! in pieces of up to a few tens of MiB (a download batch each: small tensors gathered on
-//! the device, large ones by one DMA, into pinned memory) and writes the pinned views at
-//! their offsets with `pwrite`, the next piece on the wire while this one is written.
+//! The bytes of a save, written by up to one thread per core. Each thread downloads pieces
+//! of up to a few tens of MiB through the engine (a download batch each: small tensors
+//! gathered on the device, large ones by one DMA, into pinned memory) and writes the pinned
+//! views at their file offsets, the next piece on the wire while this one is written.
 //!
-//! Why files of their own: buffered writes into one file are bounded by the kernel (2.5-6
-//! GB/s on the H200 machine, whatever the thread count), threads writing files of their own
-//! are not (42 GB/s at 16 threads).
+//! Who writes what ([`sink`](super::sink) says why): a mapped file's pieces go to any thread,
+//! so that every thread copies into one file at once; a file written with `pwrite` is
+//! written by one thread, piece after piece, as the kernel would serialize more writers.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 
 use super::Pacing;
-use super::error::WeightsError;
 use super::load::MIN_BATCH;
 use super::save::Item;
+use super::sink::Target;
 use crate::device::Device;
 use crate::error::Result;
 use crate::transfer::{PendingDownload, Slot};
@@ -31,7 +28,7 @@ const COALESCE: usize = 64 << 10;
 
 /// One file to fill: its tensors' places (`(offset in the file, item)`, in file order).
 pub(super) struct Job<'a> {
-    pub(super) file: File,
+    pub(super) target: Target,
     pub(super) path: &'a Path,
     pub(super) places: Vec<(u64, usize)>,
 }
@@ -45,10 +42,18 @@ struct Seg {
     file_at: u64,
 }
 
-/// Threads for `jobs` files: one per file, up to the packing threads or the cores.
-fn threads_for(device: &Device, jobs: usize) -> usize {
+/// A piece of one job's file: the job and its segments.
+type Piece = (usize, Vec<Seg>);
+
+/// Threads for `jobs`: up to the packing threads or the cores; no more than the files where
+/// none is mapped (each file has one writer then).
+fn threads_for(device: &Device, jobs: &[Job<'_>]) -> usize {
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-    jobs.min(device.config().resolved_pack_threads().max(cores)).max(1)
+    let most = device.config().resolved_pack_threads().max(cores);
+    match jobs.iter().any(|j| j.target.mapped()) {
+        true => most,
+        false => jobs.len().min(most).max(1),
+    }
 }
 
 /// Bytes of a piece for `threads` threads: each holds up to two pieces of pinned memory (one
@@ -56,6 +61,25 @@ fn threads_for(device: &Device, jobs: usize) -> usize {
 fn piece_for(device: &Device, threads: usize, batch_bytes: u64) -> u64 {
     let cap = device.config().pinned_cap_bytes;
     (cap / 2 / (2 * threads as u64)).clamp(MIN_PIECE, MAX_PIECE).min(batch_bytes.max(MIN_BATCH))
+}
+
+/// The work of a save in units a thread takes whole, in the order they are taken: a file
+/// written with `pwrite` is one unit of all its pieces (the largest such file first: the save
+/// lasts at least as long as it takes one thread), a mapped file's pieces a unit each.
+fn units(jobs: &[Job<'_>], lens: &[usize], piece: u64) -> Vec<Vec<Piece>> {
+    let bytes = |j: usize| jobs[j].places.iter().map(|&(_, i)| lens[i] as u64).sum::<u64>();
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&j| (jobs[j].target.mapped(), std::cmp::Reverse(bytes(j))));
+    let mut out = Vec::new();
+    for j in order {
+        let pieces = pieces(&jobs[j].places, lens, piece).into_iter().map(|segs| (j, segs));
+        match jobs[j].target.mapped() {
+            true => out.extend(pieces.map(|p| vec![p])),
+            false => out.push(pieces.collect()),
+        }
+    }
+    out.retain(|u| !u.is_empty());
+    out
 }
 
 /// Sets `failed` if the thread unwinds, so that the others stop.
@@ -79,14 +103,11 @@ pub(super) fn write_all(
     pacing: &mut Pacing<'_>,
     total: u64,
 ) -> Result<()> {
-    let threads = threads_for(device, jobs.len());
-    let piece = piece_for(device, threads, pacing.batch_bytes);
+    let piece = piece_for(device, threads_for(device, jobs), pacing.batch_bytes);
+    let units = units(jobs, lens, piece);
+    let threads = threads_for(device, jobs).min(units.len()).max(1);
     let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
-    // The largest files first: the save lasts at least as long as its largest file takes
-    // one thread (writes into one file do not scale with threads), so it must not start last.
-    let mut order: Vec<usize> = (0..jobs.len()).collect();
-    order.sort_by_key(|&j| std::cmp::Reverse(jobs[j].places.iter().map(|&(_, i)| lens[i]).sum::<usize>()));
-    let order = &order;
+    let units = &units;
     let outcomes = std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel::<u64>();
         let handles: Vec<_> = (0..threads)
@@ -94,17 +115,11 @@ pub(super) fn write_all(
                 let (tx, next, failed) = (tx.clone(), &next, &failed);
                 crate::sync::spawn_in(s, move || {
                     let _stop = StopOthers(failed);
-                    loop {
-                        let j = next.fetch_add(1, Ordering::Relaxed);
-                        if j >= jobs.len() || failed.load(Ordering::Relaxed) {
-                            return Ok(());
-                        }
-                        let written = write_job(device, &jobs[order[j]], (items, lens), piece, failed, &tx);
-                        if written.is_err() {
-                            failed.store(true, Ordering::Relaxed);
-                            return written;
-                        }
+                    let written = write_units(device, jobs, items, (units, next), failed, &tx);
+                    if written.is_err() {
+                        failed.store(true, Ordering::Relaxed);
                     }
+                    written
                 })
             })
             .collect();
@@ -152,59 +167,71 @@ fn pieces(places: &[(u64, usize)], lens: &[usize], piece: u64) -> Vec<Vec<Seg>> 
     out
 }
 
-/// A piece on its way: its download and segments.
-type InFlight = (PendingDownload, Vec<Slot>, Vec<Seg>);
+/// A piece on its way: its download and slots, its job and segments.
+type InFlight<'u> = (PendingDownload, Vec<Slot>, usize, &'u [Seg]);
 
-/// Downloads and writes one job's pieces, the next on the wire while one is written.
-fn write_job(
+/// Takes units until none is left (or another thread failed), downloading each piece and
+/// writing it, the next piece on the wire while one is written.
+fn write_units(
     device: &Device,
-    job: &Job<'_>,
-    (items, lens): (&[Item<'_>], &[usize]),
-    piece: u64,
+    jobs: &[Job<'_>],
+    items: &[Item<'_>],
+    (units, next): (&[Vec<Piece>], &AtomicUsize),
     failed: &AtomicBool,
     progress: &mpsc::Sender<u64>,
 ) -> Result<()> {
-    #[cfg(test)]
-    tests_hook::maybe_fail(job.path)?;
     let mut in_flight: Option<InFlight> = None;
-    for segs in pieces(&job.places, lens, piece) {
-        if failed.load(Ordering::Relaxed) {
-            return Ok(());
+    loop {
+        let u = next.fetch_add(1, Ordering::Relaxed);
+        if u >= units.len() || failed.load(Ordering::Relaxed) {
+            break;
         }
-        let mut batch = device.downloads();
-        let slots = segs
-            .iter()
-            .map(|s| batch.read(items[s.item].buffer, items[s.item].offset + s.at, s.len))
-            .collect::<Result<Vec<Slot>>>()?;
-        let next = (batch.submit()?, slots, segs);
-        if let Some(landing) = in_flight.replace(next) {
-            write_piece(job, landing, progress)?;
+        for (job, segs) in &units[u] {
+            #[cfg(test)]
+            tests_hook::maybe_fail(jobs[*job].path)?;
+            if failed.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let mut batch = device.downloads();
+            let mut slots = Vec::with_capacity(segs.len());
+            for s in segs {
+                slots.push(batch.read(items[s.item].buffer, items[s.item].offset + s.at, s.len)?);
+            }
+            let next = (batch.submit()?, slots, *job, segs.as_slice());
+            if let Some(landing) = in_flight.replace(next) {
+                write_piece(jobs, landing, progress)?;
+            }
         }
     }
-    if let Some(landing) = in_flight {
-        write_piece(job, landing, progress)?;
+    match in_flight {
+        Some(landing) if !failed.load(Ordering::Relaxed) => write_piece(jobs, landing, progress),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
-/// Waits for a piece and writes its views at their offsets: large views straight from the
-/// pinned memory, runs of small ones copied together first.
-fn write_piece(job: &Job<'_>, (pending, slots, segs): InFlight, progress: &mpsc::Sender<u64>) -> Result<()> {
+/// Waits for a piece and writes its views at their offsets: into a mapped file each view
+/// straight from the pinned memory; with `pwrite`, large views so, runs of small ones copied
+/// together first.
+fn write_piece(
+    jobs: &[Job<'_>],
+    (pending, slots, job, segs): InFlight<'_>,
+    progress: &mpsc::Sender<u64>,
+) -> Result<()> {
     let landed = pending.wait()?;
-    let write = |bytes: &[u8], at: u64| {
-        job.file.write_all_at(bytes, at).map_err(|e| WeightsError::io("writing", job.path, &e))
-    };
+    let job = &jobs[job];
+    let write = |bytes: &[u8], at: u64| job.target.write(bytes, at, job.path);
+    let coalesce = if job.target.mapped() { 0 } else { COALESCE };
     let (mut run, mut run_at) = (Vec::new(), 0u64);
     let mut bytes = 0u64;
     for (seg, slot) in segs.iter().zip(slots) {
         let view = landed.get(slot);
         bytes += seg.len;
         let joins = run_at + run.len() as u64 == seg.file_at;
-        if !run.is_empty() && (view.len() >= COALESCE || !joins) {
+        if !run.is_empty() && (view.len() >= coalesce || !joins) {
             write(&run, run_at)?;
             run.clear();
         }
-        if view.len() >= COALESCE {
+        if view.len() >= coalesce {
             write(view, seg.file_at)?;
         } else {
             if run.is_empty() {
@@ -226,7 +253,7 @@ fn write_piece(job: &Job<'_>, (pending, slots, segs): InFlight, progress: &mpsc:
 pub(super) mod tests_hook {
     use std::path::Path;
 
-    use super::WeightsError;
+    use crate::weights::error::WeightsError;
 
     /// A second shard's file name holding this makes its thread return an error.
     pub(crate) const FAIL: &str = "fail-this-shard";

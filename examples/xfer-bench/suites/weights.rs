@@ -15,7 +15,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use cuda_resident::cuda_sys::call;
-use cuda_resident::weights::{Checkpoint, Dtype, LoadOptions};
+use cuda_resident::weights::{Checkpoint, Dtype, LoadOptions, SaveOptions, WriteMode};
 use cuda_resident::{Device, OwnedBuffer, ResidentBuffer};
 use cuda_resident_suite::weights::{compare, llama, map, tensor_ranges, warm, write};
 use indicatif::ProgressBar;
@@ -82,8 +82,7 @@ pub(crate) fn run(
         progress.inc(STEPS as u64 - 1);
         progress.set_message("weights: sharded save");
         let ckpt = d.load_safetensors(&path).map_err(error)?;
-        let sharded = super::weights_shards::Sharded { d, path: &path, ranges: &ranges, batch_bytes };
-        sharded.run(args, &save_list(&ckpt), &what, rows)?;
+        save_rows(&loads, args, &save_list(&ckpt), &what, rows)?;
         progress.inc(1);
         return Ok(());
     }
@@ -131,27 +130,55 @@ pub(crate) fn run(
     progress.inc(1);
 
     progress.set_message("weights: save");
-    let out = path.with_extension("out.safetensors");
     let ckpt = d.load_safetensors(&path).map_err(error)?;
-    let tensors = save_list(&ckpt);
-    let raw = loads.time_save(args.reps, &out, Method::Raw, &|| Ok(()))?;
-    let batch = match baseline.batch {
-        true => Some(loads.time_save(args.reps, &out, Method::Batch, &|| Ok(()))?),
-        false => None,
-    };
-    let ours = loads.time_save(args.reps, &out, Method::Ours, &|| {
-        let options = cuda_resident::weights::SaveOptions::new().batch_bytes(batch_bytes);
-        d.save_safetensors_configured(&out, &tensors, options).map_err(error)
-    })?;
-    rows.push(
-        Row::gbps(format!("save {what}, into the page cache"), bytes, Some(raw), batch, ours).noted(&threads),
-    );
-    let _ = std::fs::remove_file(&out);
-    let sharded = super::weights_shards::Sharded { d, path: &path, ranges: &ranges, batch_bytes };
-    sharded.run(args, &tensors, &what, rows)?;
+    save_rows(&loads, args, &save_list(&ckpt), &what, rows)?;
     progress.inc(1);
     println!("weights: the checkpoint stays at {} (benches/weights_torch.py reads it)", path.display());
     Ok(())
+}
+
+/// The save rows: one file by the raw driver, the batch API and cuda-resident (its file
+/// mapped, the default, and written with `pwrite`, in turn), then the sharded save and its
+/// load.
+fn save_rows(
+    loads: &Loads<'_>,
+    args: &Args,
+    tensors: &[(&str, Dtype, &[usize], ResidentBuffer)],
+    what: &str,
+    rows: &mut Vec<Row>,
+) -> BenchResult<()> {
+    let (d, path, bytes) = (loads.d, loads.path, loads.ranges.iter().map(|r| r.2).sum::<usize>());
+    let out = path.with_extension("out.safetensors");
+    let raw = loads.time_save(args.reps, &out, Method::Raw, &|| Ok(()))?;
+    let batch = match loads.baseline.batch {
+        true => Some(loads.time_save(args.reps, &out, Method::Batch, &|| Ok(()))?),
+        false => None,
+    };
+    let threads =
+        d.config().resolved_pack_threads().max(std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let modes = [
+        (
+            WriteMode::Mapped,
+            "",
+            format!("file preallocated and mapped; up to {threads} threads copy pinned views into it"),
+        ),
+        (WriteMode::Pwrite, ", pwrite", "one thread: pwrite from pinned views".to_owned()),
+    ];
+    for (mode, named, note) in modes {
+        let ours = loads.time_save(args.reps, &out, Method::Ours, &|| {
+            let options = SaveOptions::new().batch_bytes(loads.batch_bytes).write_mode(mode);
+            d.save_safetensors_configured(&out, tensors, options).map_err(error)
+        })?;
+        let (raw, batch) = if mode == WriteMode::Mapped { (Some(raw), batch) } else { (None, None) };
+        rows.push(
+            Row::gbps(format!("save {what}, into the page cache{named}"), bytes, raw, batch, ours)
+                .noted(&note),
+        );
+    }
+    let _ = std::fs::remove_file(&out);
+    let sharded =
+        super::weights_shards::Sharded { d, path, ranges: loads.ranges, batch_bytes: loads.batch_bytes };
+    sharded.run(args, tensors, what, rows)
 }
 
 /// What a save of `ckpt`'s tensors takes: name, dtype, shape and buffer of each.

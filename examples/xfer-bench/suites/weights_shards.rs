@@ -1,7 +1,6 @@
 //! The weights suite's sharded rows: the checkpoint saved as `--weights-shards` shards in
-//! Hugging Face's layout (`SaveOptions::shards`: a thread and a file each, written in
-//! parallel; one file is bounded by the kernel's page cache), timed as the one-file save
-//! is, then loaded back from the index. Every shard is checked against the reference file,
+//! Hugging Face's layout (`SaveOptions::shards`, written in parallel), timed as the one-file
+//! save is, then loaded back from the index. Every shard is checked against the reference file,
 //! every loaded tensor on the device against it.
 
 use std::path::{Path, PathBuf};
@@ -45,7 +44,8 @@ impl Sharded<'_> {
             .config()
             .resolved_pack_threads()
             .max(std::thread::available_parallelism().map_or(1, |n| n.get()));
-        let note = format!("a thread per shard, up to {threads} at once; pwrite from pinned views");
+        let note =
+            format!("shards preallocated and mapped; up to {threads} threads copy pinned views into them");
         let save = median_of(args.reps, || {
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
