@@ -5,7 +5,6 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
-use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, View};
@@ -133,17 +132,10 @@ pub(super) fn save(
     let mut jobs = Vec::with_capacity(count);
     for (members, final_path) in members.iter().zip(&finals) {
         let (head, places) = header_of(items, &lens, members, metadata.clone())?;
-        let partial = partial_path(final_path);
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&partial)
-            .map_err(|e| WeightsError::io("creating", &partial, &e))?;
-        partials.paths.push(partial);
+        partials.paths.push(partial_path(final_path));
         let partial = partials.paths.last().expect("just pushed");
         let data: u64 = members.iter().map(|&i| lens64[i]).sum();
-        let target = Target::new(file, partial, head.len() as u64 + data, options.write_mode)?;
+        let target = Target::create(partial, head.len() as u64 + data, options.write_mode)?;
         target.write(&head, 0, partial)?;
         jobs.push(Job { target, path: final_path, places });
     }

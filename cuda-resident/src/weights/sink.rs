@@ -7,7 +7,7 @@
 //! where `fallocate` reserved every block first: a write fault into a hole of a full
 //! filesystem would kill the process with `SIGBUS`, where `pwrite` returns `ENOSPC`.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -30,6 +30,12 @@ pub enum WriteMode {
     Pwrite,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Files this thread's saves mapped.
+    pub(super) static MAPPED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// One file being written: its handle and, where it is mapped, the mapping.
 pub(super) struct Target {
     file: File,
@@ -38,9 +44,17 @@ pub(super) struct Target {
 }
 
 impl Target {
-    /// Makes the open, empty `file` at `path` `len` bytes long, preallocated and mapped
+    /// Creates (or truncates) the file at `path`, `len` bytes long, preallocated and mapped
     /// where `mode` asks for it and the filesystem allows (else written with `pwrite`).
-    pub(super) fn new(file: File, path: &Path, len: u64, mode: WriteMode) -> Result<Target> {
+    pub(super) fn create(path: &Path, len: u64, mode: WriteMode) -> Result<Target> {
+        // Readable too: a shared mapping for writing needs a descriptor open both ways.
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(|e| WeightsError::io("creating", path, &e))?;
         file.set_len(len).map_err(|e| WeightsError::io("sizing", path, &e))?;
         let map = match mode {
             WriteMode::Mapped if preallocate(&file, path, len)? => {
@@ -49,6 +63,8 @@ impl Target {
             }
             _ => None,
         };
+        #[cfg(test)]
+        MAPPED.with(|n| n.set(n.get() + usize::from(map.is_some())));
         Ok(Target { file, map, len })
     }
 
@@ -111,26 +127,18 @@ fn preallocate(_: &File, _: &Path, _: u64) -> Result<bool> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> (std::path::PathBuf, File) {
-        let path = std::env::temp_dir().join(format!("cuda-resident-sink-{name}-{}", std::process::id()));
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        (path, file)
+    fn scratch(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("cuda-resident-sink-{name}-{}", std::process::id()))
     }
 
     #[test]
     fn both_modes_write_the_same_bytes_and_refuse_past_the_end() {
         for mode in [WriteMode::Mapped, WriteMode::Pwrite] {
-            let (path, file) = scratch(&format!("{mode:?}"));
-            let target = Target::new(file, &path, 10_000, mode).unwrap();
+            let path = scratch(&format!("{mode:?}"));
+            let target = Target::create(&path, 10_000, mode).unwrap();
             assert!(mode == WriteMode::Mapped || !target.mapped());
             let bytes: Vec<u8> = (0..4000u32).map(|i| (i * 7 + 3) as u8).collect();
             target.write(&bytes, 6000, &path).unwrap();
@@ -150,22 +158,32 @@ mod tests {
         }
     }
 
+    /// Whether the file system of the temporary directory preallocates, asked directly.
+    pub(in crate::weights) fn temp_dir_preallocates() -> bool {
+        let path = scratch("probe");
+        let file = OpenOptions::new().write(true).create(true).truncate(true).open(&path).unwrap();
+        let preallocates = preallocate(&file, &path, 1 << 20).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        preallocates
+    }
+
     #[test]
     fn a_file_is_mapped_exactly_where_its_filesystem_preallocates() {
-        let (path, file) = scratch("prealloc");
-        let target = Target::new(file, &path, 1 << 20, WriteMode::Mapped).unwrap();
+        let path = scratch("prealloc");
+        let target = Target::create(&path, 1 << 20, WriteMode::Mapped).unwrap();
         let mapped = target.mapped();
         drop(target);
-        // The same question asked of the file system directly, on a file of its own.
-        let (other, probe) = scratch("probe");
-        let preallocates = preallocate(&probe, &other, 1 << 20).unwrap();
-        for p in [&path, &other] {
-            std::fs::remove_file(p).unwrap();
-        }
-        assert_eq!(mapped, preallocates);
-        let (path, file) = scratch("pwrite");
-        let target = Target::new(file, &path, 1 << 20, WriteMode::Pwrite).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(mapped, temp_dir_preallocates());
+        let target = Target::create(&path, 1 << 20, WriteMode::Pwrite).unwrap();
         assert!(!target.mapped());
         std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_created_says_so_with_a_fix() {
+        let path = Path::new("/no/such/dir/x.safetensors");
+        let err = Target::create(path, 10, WriteMode::Mapped).err().unwrap().to_string();
+        assert!(err.contains("creating /no/such/dir/x.safetensors") && err.contains("Fix: "), "{err}");
     }
 }

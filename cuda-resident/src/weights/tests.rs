@@ -147,7 +147,12 @@ fn save_writes_what_the_buffers_hold_and_load_reads_it_back() {
             .batch_bytes(1 << 20)
             .write_mode(mode)
             .progress(|done, total| last = (done, total));
+        let mapped_before = super::sink::MAPPED.with(|n| n.get());
         d.save_safetensors_configured(&file.0, &tensors, options).unwrap();
+        // The file is mapped where the mode asks for it and its file system preallocates.
+        let mapped = super::sink::MAPPED.with(|n| n.get()) - mapped_before;
+        let preallocates = super::sink::tests::temp_dir_preallocates();
+        assert_eq!(mapped, usize::from(mode == WriteMode::Mapped && preallocates), "{mode:?}");
         assert_eq!(last.0, last.1, "{mode:?}");
         let bytes = std::fs::read(&file.0).unwrap();
         let back = safetensors::SafeTensors::deserialize(&bytes).unwrap();

@@ -82,6 +82,8 @@ pub(crate) fn run(
         progress.inc(STEPS as u64 - 1);
         progress.set_message("weights: sharded save");
         let ckpt = d.load_safetensors(&path).map_err(error)?;
+        // The baselines save from the suite's own buffers, which no load filled yet.
+        loads.baseline_load(Method::Raw)?;
         save_rows(&loads, args, &save_list(&ckpt), &what, rows)?;
         progress.inc(1);
         return Ok(());
