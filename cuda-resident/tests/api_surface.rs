@@ -495,7 +495,7 @@ fn the_weights_items_are_named() {
     use std::path::Path;
 
     use cuda_resident::weights::{
-        Checkpoint, DEFAULT_BATCH_BYTES, Dtype, LoadOptions, SaveOptions, Tensor, WeightsError,
+        Checkpoint, DEFAULT_BATCH_BYTES, Dtype, LoadOptions, SaveOptions, Tensor, WeightsError, WriteMode,
     };
 
     type Named<'a> = &'a [(&'a str, Dtype, &'a [usize], ResidentBuffer)];
@@ -527,6 +527,10 @@ fn the_weights_items_are_named() {
     let _ = (options, LoadOptions::default());
     let save = SaveOptions::new().metadata(HashMap::new()).batch_bytes(1).progress(|_, _| ());
     let _ = (save, SaveOptions::default());
+    let _ = SaveOptions::new().write_mode(WriteMode::Pwrite).write_mode(WriteMode::Mapped);
+    assert_eq!(WriteMode::default(), WriteMode::Mapped);
+    fn mode<T: Copy + Send + Sync + Eq + std::fmt::Debug>() {}
+    mode::<WriteMode>();
     fn error<T: std::error::Error + Send + Sync + Clone + 'static>() {}
     error::<WeightsError>();
     let e = Error::from(WeightsError::BadTensor { tensor: "a".into(), detail: "d".into(), fix: "f" });

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cuda_resident::weights::{Dtype, LoadOptions, SaveOptions, WeightsError};
+use cuda_resident::weights::{Dtype, LoadOptions, SaveOptions, WeightsError, WriteMode};
 use cuda_resident::{Config, Device, Error};
 use safetensors::tensor::TensorView;
 
@@ -124,8 +124,13 @@ fn thousands_of_small_tensors_round_trip() {
     let out = Temp::new("small-out.safetensors");
     let tensors: Vec<_> =
         ckpt.tensors().iter().map(|t| (t.name(), t.dtype(), t.shape(), t.buffer())).collect();
-    d.save_safetensors(&out.0, &tensors).unwrap();
-    assert!(std::fs::read(&out.0).unwrap() == std::fs::read(&file.0).unwrap(), "the saved file differs");
+    for mode in [WriteMode::Mapped, WriteMode::Pwrite] {
+        d.save_safetensors_configured(&out.0, &tensors, SaveOptions::new().write_mode(mode)).unwrap();
+        assert!(
+            std::fs::read(&out.0).unwrap() == std::fs::read(&file.0).unwrap(),
+            "{mode:?}: the saved file differs"
+        );
+    }
 }
 
 #[test]
@@ -140,9 +145,14 @@ fn a_checkpoint_eight_times_the_pinned_pool_loads_and_saves_within_it() {
     assert!(ckpt.total_bytes() >= 8 * cap);
     check(&d, &ckpt, &data);
     let out = Temp::new("large-out.safetensors");
-    ckpt.save(&d, &out.0).unwrap();
-    assert!(d.telemetry().pinned.reserved_bytes <= cap);
-    assert!(std::fs::read(&out.0).unwrap() == std::fs::read(&file.0).unwrap(), "the saved file differs");
+    for mode in [WriteMode::Mapped, WriteMode::Pwrite] {
+        ckpt.save_configured(&d, &out.0, SaveOptions::new().write_mode(mode)).unwrap();
+        assert!(d.telemetry().pinned.reserved_bytes <= cap, "{mode:?}");
+        assert!(
+            std::fs::read(&out.0).unwrap() == std::fs::read(&file.0).unwrap(),
+            "{mode:?}: the saved file differs"
+        );
+    }
 }
 
 #[test]
