@@ -6,6 +6,7 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::{Dtype, View};
 
@@ -132,10 +133,13 @@ pub(super) fn save(
     let mut jobs = Vec::with_capacity(count);
     for (members, final_path) in members.iter().zip(&finals) {
         let (head, places) = header_of(items, &lens, members, metadata.clone())?;
-        partials.paths.push(partial_path(final_path));
-        let partial = partials.paths.last().expect("just pushed");
         let data: u64 = members.iter().map(|&i| lens64[i]).sum();
-        let target = Target::create(partial, head.len() as u64 + data, options.write_mode)?;
+        let partial = partial_path(final_path);
+        // Removed on the way out only once this save made it (a name of its own, never an
+        // existing file's).
+        let target = Target::create(&partial, head.len() as u64 + data, options.write_mode)?;
+        partials.paths.push(partial);
+        let partial = partials.paths.last().expect("just pushed");
         target.write(&head, 0, partial)?;
         jobs.push(Job { target, path: final_path, places });
     }
@@ -195,8 +199,12 @@ fn check(device: &Device, items: &[Item<'_>]) -> Result<Vec<usize>> {
         .collect()
 }
 
-/// A name beside `path` for the file being written.
+/// A name beside `path` for the file being written, of this save alone: the process's id
+/// and a number no other save of the process takes, so that two saves to one path at once
+/// (two threads) never write, or map, one partial file.
 fn partial_path(path: &Path) -> PathBuf {
+    static SAVES: AtomicU64 = AtomicU64::new(0);
+    let n = SAVES.fetch_add(1, Ordering::Relaxed);
     let name = path.file_name().map_or_else(|| "checkpoint".into(), |n| n.to_string_lossy().into_owned());
-    path.with_file_name(format!(".{name}.partial-{}", std::process::id()))
+    path.with_file_name(format!(".{name}.partial-{}-{n}", std::process::id()))
 }

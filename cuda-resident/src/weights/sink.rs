@@ -44,15 +44,15 @@ pub(super) struct Target {
 }
 
 impl Target {
-    /// Creates (or truncates) the file at `path`, `len` bytes long, preallocated and mapped
-    /// where `mode` asks for it and the filesystem allows (else written with `pwrite`).
+    /// Creates the file at `path` (none may be there), `len` bytes long, preallocated and
+    /// mapped where `mode` asks for it and the filesystem allows (else written with `pwrite`).
     pub(super) fn create(path: &Path, len: u64, mode: WriteMode) -> Result<Target> {
-        // Readable too: a shared mapping for writing needs a descriptor open both ways.
+        // Readable too: a shared mapping for writing needs a descriptor open both ways. A new
+        // file only: no other handle of this process has it open, let alone truncates it.
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .open(path)
             .map_err(|e| WeightsError::io("creating", path, &e))?;
         file.set_len(len).map_err(|e| WeightsError::io("sizing", path, &e))?;
@@ -177,6 +177,9 @@ pub(super) mod tests {
         assert_eq!(mapped, temp_dir_preallocates());
         let target = Target::create(&path, 1 << 20, WriteMode::Pwrite).unwrap();
         assert!(!target.mapped());
+        // A file already there is not opened again: another save's, or anyone's.
+        let err = Target::create(&path, 1 << 20, WriteMode::Mapped).err().unwrap().to_string();
+        assert!(err.contains("creating") && err.contains("Fix: "), "{err}");
         std::fs::remove_file(&path).unwrap();
     }
 

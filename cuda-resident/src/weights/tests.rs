@@ -329,3 +329,65 @@ fn a_load_unmaps_its_file_once_it_returns() {
     // The bytes were all moved before the mapping went.
     check_loaded(&d, &ckpt, &data);
 }
+
+/// Two threads saving different bytes to one path at once, in each mode: each save writes a
+/// partial file of its own (never one the other maps or truncates), so the file left is one
+/// save's whole, and no partial file stays.
+#[test]
+fn two_saves_to_one_path_at_once_leave_one_whole_file() {
+    let d = device(small_chunks());
+    let mut rng = fastrand::Rng::with_seed(12);
+    let shapes: Vec<(String, Vec<usize>)> =
+        (0..40).map(|i| (format!("t.{i}"), vec![rng.usize(1..40_000)])).collect();
+    // Each save's bytes by tensor name, and its buffers.
+    type Set = (HashMap<String, Vec<u8>>, Vec<ResidentBuffer>);
+    let sets: Vec<Set> = (0..2)
+        .map(|_| {
+            let mut want = HashMap::new();
+            let mut buffers = Vec::new();
+            for (name, shape) in &shapes {
+                let bytes = random_vec(&mut rng, shape[0]);
+                let b = d.allocate(bytes.len() as u64).unwrap();
+                d.upload(b, &bytes).unwrap();
+                want.insert(name.clone(), bytes);
+                buffers.push(b);
+            }
+            (want, buffers)
+        })
+        .collect();
+    let path = TempPath::new("raced.safetensors");
+    let gpu = crate::testing::model::shared();
+    for mode in [WriteMode::Mapped, WriteMode::Pwrite] {
+        for round in 0..5 {
+            std::thread::scope(|s| {
+                for (_, buffers) in &sets {
+                    let (gpu, d, path, shapes) = (gpu.clone(), &d, &path, &shapes);
+                    s.spawn(move || {
+                        crate::testing::model::join(gpu);
+                        let tensors: Vec<_> = shapes
+                            .iter()
+                            .zip(buffers)
+                            .map(|((name, shape), &b)| (name.as_str(), Dtype::U8, shape.as_slice(), b))
+                            .collect();
+                        let options = SaveOptions::new().write_mode(mode);
+                        d.save_safetensors_configured(&path.0, &tensors, options).unwrap();
+                    });
+                }
+            });
+            let bytes = std::fs::read(&path.0).unwrap();
+            let back = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let first = back.tensor("t.0").unwrap().data().to_vec();
+            let which = sets.iter().position(|(want, _)| want["t.0"] == first).expect("one save's bytes");
+            for (name, view) in back.tensors() {
+                assert_eq!(view.data(), &sets[which].0[&name][..], "{mode:?}, round {round}: {name}");
+            }
+            let partials = std::fs::read_dir(path.0.parent().unwrap())
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref().unwrap().file_name().to_string_lossy().contains(".raced.safetensors.partial-")
+                })
+                .count();
+            assert_eq!(partials, 0, "{mode:?}, round {round}");
+        }
+    }
+}
