@@ -17,7 +17,8 @@
 //! renamed into place. The file is preallocated (`fallocate`) and mapped, and every saving
 //! thread copies its pieces into the mapping at once: buffered `pwrite`s into one file are
 //! serialized by the kernel (3 to 6 GB/s on a 16-core host whatever the thread count), copies
-//! into a mapping are not. Where the file system cannot preallocate or map the file, or
+//! into a mapping scale with threads (mapped on ext4, XFS and tmpfs only: see
+//! [`WriteMode::Mapped`]). Where the file system cannot preallocate or map the file, or
 //! [`SaveOptions::write_mode`] asks for [`WriteMode::Pwrite`], the file is written with
 //! `pwrite` by one thread.
 //!
@@ -337,7 +338,7 @@ impl<'p> SaveOptions<'p> {
 
     /// Saves as shards of at most `bytes` bytes of tensor data each, Hugging Face's way:
     /// the tensors, in the order given, packed into shards (a tensor larger than `bytes`
-    /// alone in its own), written in parallel by a thread per shard. A save to
+    /// alone in its own), written in parallel ([`write_mode`](Self::write_mode)). A save to
     /// `dir/model.safetensors` writes `dir/model-00001-of-0000k.safetensors` ...
     /// `dir/model-0000k-of-0000k.safetensors` and `dir/model.safetensors.index.json`
     /// (`{"metadata": {"total_size": N}, "weight_map": {name: shard}}`), which
@@ -370,8 +371,8 @@ impl<'p> SaveOptions<'p> {
     /// How the files are written: preallocated and mapped, every saving thread copying into
     /// them at once ([`WriteMode::Mapped`], the default), or with `pwrite`, one thread a file
     /// ([`WriteMode::Pwrite`]: for a file system whose mappings you would rather not write
-    /// through). A file that cannot be preallocated or mapped is written with `pwrite`
-    /// whatever the mode. A mapped file is this save's own, under a temporary name; another
+    /// through). A file on a file system other than ext4, XFS or tmpfs, or one that cannot
+    /// be preallocated or mapped, is written with `pwrite` whatever the mode. A mapped file is this save's own, under a temporary name; another
     /// process that truncates it while the save runs makes the save's copies fault
     /// (`SIGBUS`), as with any mapping.
     pub fn write_mode(mut self, mode: WriteMode) -> Self {

@@ -5,6 +5,8 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
+use std::fs::OpenOptions;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -104,6 +106,16 @@ fn header_of(
         })
         .collect::<Result<Vec<_>>>()?;
     places.sort_unstable();
+    // The copies into a mapped file rely on this: each tensor's bytes apart from every
+    // other's, and inside the file (`sink::Target::write` checks the end again).
+    let mut end = head.len() as u64;
+    for &(at, i) in &places {
+        if at < end {
+            let detail = format!("the safetensors crate placed tensor {:?} over another", items[i].name);
+            return Err(refused(detail).into());
+        }
+        end = at + lens[i] as u64;
+    }
     Ok((head, places))
 }
 
@@ -158,8 +170,14 @@ pub(super) fn save(
         let text = index::to_json(total, items.iter().zip(&of).map(|(t, &s)| (t.name, names[s].as_str())));
         let index_path = shards::index_path(path);
         let partial = partial_path(&index_path);
+        // A new file, as the tensors' are: never one that was there.
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&partial)
+            .map_err(|e| WeightsError::io("creating", &partial, &e))?;
         partials.paths.push(partial.clone());
-        std::fs::write(&partial, text).map_err(|e| WeightsError::io("writing", &partial, &e))?;
+        file.write_all(text.as_bytes()).map_err(|e| WeightsError::io("writing", &partial, &e))?;
         std::fs::rename(&partial, &index_path)
             .map_err(|e| WeightsError::io("renaming the finished file onto", &index_path, &e))?;
     }

@@ -162,7 +162,9 @@ fn save_rows(
         (
             WriteMode::Mapped,
             "",
-            format!("file preallocated and mapped; up to {threads} threads copy pinned views into it"),
+            format!(
+                "file preallocated and mapped where the file system allows (ext4, XFS, tmpfs), else pwrite; up to {threads} threads"
+            ),
         ),
         (WriteMode::Pwrite, ", pwrite", "one thread: pwrite from pinned views".to_owned()),
     ];
