@@ -330,7 +330,9 @@ impl<'p> SaveOptions<'p> {
         self
     }
 
-    /// Calls `f(done, total)` as bytes land in the file (after each batch).
+    /// Calls `f(done, total)` as bytes land in the file (after each batch; the last call
+    /// has `done == total`). A save of no bytes (empty tensors, or none) calls it once,
+    /// with `(0, 0)`.
     pub fn progress(mut self, f: impl FnMut(u64, u64) + 'p) -> Self {
         self.pacing.progress = Some(Box::new(f));
         self

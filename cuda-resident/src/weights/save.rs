@@ -151,9 +151,8 @@ pub(super) fn save(
         // existing file's).
         let target = Target::create(&partial, head.len() as u64 + data, options.write_mode)?;
         partials.paths.push(partial);
-        let partial = partials.paths.last().expect("just pushed");
-        target.write(&head, 0, partial)?;
-        jobs.push(Job { target, path: final_path, places });
+        target.write(&head, 0)?;
+        jobs.push(Job { target, places });
     }
     let total: u64 = lens64.iter().sum();
     write::write_all(device, &jobs, (items, &lens), &mut options.pacing, total)?;

@@ -10,7 +10,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -39,9 +39,11 @@ thread_local! {
     pub(super) static MAPPED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// One file being written: its handle and, where it is mapped, the mapping.
+/// One file being written: its handle and path (which errors name), and, where it is
+/// mapped, the mapping.
 pub(super) struct Target {
     file: File,
+    path: PathBuf,
     map: Option<MmapRaw>,
     len: u64,
 }
@@ -69,7 +71,7 @@ impl Target {
         };
         #[cfg(test)]
         MAPPED.with(|n| n.set(n.get() + usize::from(map.is_some())));
-        Ok(Target { file, map, len })
+        Ok(Target { file, path: path.to_owned(), map, len })
     }
 
     /// Sizes the new `file` and, where `mode` asks for it and its file system is one whose
@@ -84,13 +86,20 @@ impl Target {
         Ok(MmapOptions::new().len(len as usize).map_raw(file).ok())
     }
 
+    /// The file's path.
+    #[cfg(test)]
+    pub(super) fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Whether copies into the file go through the mapping.
     pub(super) fn mapped(&self) -> bool {
         self.map.is_some()
     }
 
     /// Writes `bytes` at `at` of the file.
-    pub(super) fn write(&self, bytes: &[u8], at: u64, path: &Path) -> Result<()> {
+    pub(super) fn write(&self, bytes: &[u8], at: u64) -> Result<()> {
+        let path = &self.path;
         let end = at.checked_add(bytes.len() as u64).filter(|&end| end <= self.len);
         let Some(_) = end else {
             // The save places every tensor inside the file it sized; reaching past it is a bug.
@@ -187,13 +196,13 @@ pub(super) mod tests {
             let target = Target::create(&path, 10_000, mode).unwrap();
             assert!(mode == WriteMode::Mapped || !target.mapped());
             let bytes: Vec<u8> = (0..4000u32).map(|i| (i * 7 + 3) as u8).collect();
-            target.write(&bytes, 6000, &path).unwrap();
-            target.write(&bytes[..10], 0, &path).unwrap();
+            target.write(&bytes, 6000).unwrap();
+            target.write(&bytes[..10], 0).unwrap();
             for (at, len) in [(6001, 4000), (10_000, 1), (u64::MAX, 1), (u64::MAX - 1, 4000)] {
-                let err = target.write(&bytes[..len], at, &path).unwrap_err().to_string();
+                let err = target.write(&bytes[..len], at).unwrap_err().to_string();
                 assert!(err.contains("reach past its 10000 bytes"), "{err}");
             }
-            target.write(&[], 10_000, &path).unwrap();
+            target.write(&[], 10_000).unwrap();
             drop(target);
             let back = std::fs::read(&path).unwrap();
             std::fs::remove_file(&path).unwrap();

@@ -391,3 +391,22 @@ fn two_saves_to_one_path_at_once_leave_one_whole_file() {
         }
     }
 }
+
+/// A save of empty tensors only (and of none) writes a whole file and reports its end once.
+#[test]
+fn a_save_of_no_bytes_reports_its_end_once() {
+    let d = device(Config::default());
+    let b = d.allocate(16).unwrap();
+    let file = TempPath::new("empty.safetensors");
+    let empties: Named<'_> = &[("a", Dtype::F32, &[0], b), ("b", Dtype::BF16, &[3, 0], b)];
+    for (tensors, mode) in
+        [(empties, WriteMode::Mapped), (empties, WriteMode::Pwrite), (&[][..], WriteMode::Mapped)]
+    {
+        let mut calls = Vec::new();
+        let options = SaveOptions::new().write_mode(mode).progress(|done, total| calls.push((done, total)));
+        d.save_safetensors_configured(&file.0, tensors, options).unwrap();
+        assert_eq!(calls, [(0, 0)], "{mode:?}, {} tensors", tensors.len());
+        let bytes = std::fs::read(&file.0).unwrap();
+        assert_eq!(safetensors::SafeTensors::deserialize(&bytes).unwrap().len(), tensors.len());
+    }
+}

@@ -7,7 +7,6 @@
 //! so that every thread copies into one file at once; a file written with `pwrite` is
 //! written by one thread, piece after piece, as the kernel would serialize more writers.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 
@@ -27,9 +26,8 @@ const MIN_PIECE: u64 = 256 << 10;
 const COALESCE: usize = 64 << 10;
 
 /// One file to fill: its tensors' places (`(offset in the file, item)`, in file order).
-pub(super) struct Job<'a> {
+pub(super) struct Job {
     pub(super) target: Target,
-    pub(super) path: &'a Path,
     pub(super) places: Vec<(u64, usize)>,
 }
 
@@ -47,7 +45,7 @@ type Piece = (usize, Vec<Seg>);
 
 /// Threads for `jobs`: up to the packing threads or the cores; no more than the files where
 /// none is mapped (each file has one writer then).
-fn threads_for(device: &Device, jobs: &[Job<'_>]) -> usize {
+fn threads_for(device: &Device, jobs: &[Job]) -> usize {
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     let most = device.config().resolved_pack_threads().max(cores);
     match jobs.iter().any(|j| j.target.mapped()) {
@@ -66,7 +64,7 @@ fn piece_for(device: &Device, threads: usize, batch_bytes: u64) -> u64 {
 /// The work of a save in units a thread takes whole, in the order they are taken: a file
 /// written with `pwrite` is one unit of all its pieces (the largest such file first: the save
 /// lasts at least as long as it takes one thread), a mapped file's pieces a unit each.
-fn units(jobs: &[Job<'_>], lens: &[usize], piece: u64) -> Vec<Vec<Piece>> {
+fn units(jobs: &[Job], lens: &[usize], piece: u64) -> Vec<Vec<Piece>> {
     let bytes = |j: usize| jobs[j].places.iter().map(|&(_, i)| lens[i] as u64).sum::<u64>();
     let mut order: Vec<usize> = (0..jobs.len()).collect();
     order.sort_by_key(|&j| (jobs[j].target.mapped(), std::cmp::Reverse(bytes(j))));
@@ -98,7 +96,7 @@ impl Drop for StopOthers<'_> {
 /// the first error is returned; a panic in one is resumed here once all have stopped.
 pub(super) fn write_all(
     device: &Device,
-    jobs: &[Job<'_>],
+    jobs: &[Job],
     (items, lens): (&[Item<'_>], &[usize]),
     pacing: &mut Pacing<'_>,
     total: u64,
@@ -141,6 +139,10 @@ pub(super) fn write_all(
             Ok(_) => {}
         }
     }
+    // A save of no bytes reports its end once, as every other save's last piece does.
+    if first.is_ok() && total == 0 {
+        pacing.report(0, 0);
+    }
     first
 }
 
@@ -174,7 +176,7 @@ type InFlight<'u> = (PendingDownload, Vec<Slot>, usize, &'u [Seg]);
 /// writing it, the next piece on the wire while one is written.
 fn write_units(
     device: &Device,
-    jobs: &[Job<'_>],
+    jobs: &[Job],
     items: &[Item<'_>],
     (units, next): (&[Vec<Piece>], &AtomicUsize),
     failed: &AtomicBool,
@@ -188,7 +190,7 @@ fn write_units(
         }
         for (job, segs) in &units[u] {
             #[cfg(test)]
-            tests_hook::maybe_fail(jobs[*job].path)?;
+            tests_hook::maybe_fail(jobs[*job].target.path())?;
             if failed.load(Ordering::Relaxed) {
                 return Ok(());
             }
@@ -213,13 +215,13 @@ fn write_units(
 /// straight from the pinned memory; with `pwrite`, large views so, runs of small ones copied
 /// together first.
 fn write_piece(
-    jobs: &[Job<'_>],
+    jobs: &[Job],
     (pending, slots, job, segs): InFlight<'_>,
     progress: &mpsc::Sender<u64>,
 ) -> Result<()> {
     let landed = pending.wait()?;
     let job = &jobs[job];
-    let write = |bytes: &[u8], at: u64| job.target.write(bytes, at, job.path);
+    let write = |bytes: &[u8], at: u64| job.target.write(bytes, at);
     let coalesce = if job.target.mapped() { 0 } else { COALESCE };
     let (mut run, mut run_at) = (Vec::new(), 0u64);
     let mut bytes = 0u64;
