@@ -101,9 +101,10 @@ pub(super) fn write_all(
     pacing: &mut Pacing<'_>,
     total: u64,
 ) -> Result<()> {
-    let piece = piece_for(device, threads_for(device, jobs), pacing.batch_bytes);
+    let most = threads_for(device, jobs);
+    let piece = piece_for(device, most, pacing.batch_bytes);
     let units = units(jobs, lens, piece);
-    let threads = threads_for(device, jobs).min(units.len()).max(1);
+    let threads = most.min(units.len()).max(1);
     let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
     let units = &units;
     let outcomes = std::thread::scope(|s| {

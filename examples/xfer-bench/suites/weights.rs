@@ -180,8 +180,13 @@ fn save_rows(
         );
     }
     let _ = std::fs::remove_file(&out);
-    let sharded =
-        super::weights_shards::Sharded { d, path, ranges: loads.ranges, batch_bytes: loads.batch_bytes };
+    let sharded = super::weights_shards::Sharded {
+        d,
+        path,
+        ranges: loads.ranges,
+        batch_bytes: loads.batch_bytes,
+        threads,
+    };
     sharded.run(args, tensors, what, rows)
 }
 

@@ -23,6 +23,8 @@ pub(crate) struct Sharded<'a> {
     /// Its tensors: name, start, length.
     pub(crate) ranges: &'a [(String, usize, usize)],
     pub(crate) batch_bytes: u64,
+    /// The threads a save writes with, at most.
+    pub(crate) threads: usize,
 }
 
 impl Sharded<'_> {
@@ -39,13 +41,10 @@ impl Sharded<'_> {
         let stem = dir.join("weights.safetensors");
         let index = dir.join("weights.safetensors.index.json");
         let bytes: usize = self.ranges.iter().map(|r| r.2).sum();
-        let threads = self
-            .d
-            .config()
-            .resolved_pack_threads()
-            .max(std::thread::available_parallelism().map_or(1, |n| n.get()));
-        let note =
-            format!("shards preallocated and mapped; up to {threads} threads copy pinned views into them");
+        let note = format!(
+            "shards preallocated and mapped where the file system allows (ext4, XFS, tmpfs), else pwrite; up to {} threads",
+            self.threads
+        );
         let save = median_of(args.reps, || {
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
